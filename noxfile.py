@@ -1,0 +1,157 @@
+"""Every developer and CI task for the smp monorepo.
+
+Each package is tested in a virtual environment that holds only that package, its declared
+dependencies (the smp ones installed from their local folders) and its ``test`` extra.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+import tomllib
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+PACKAGES = ["smp-partition", "smp-comm", "smp-tp", "smp-pipeline", "smp-torch"]
+# torch is pinned everywhere we install it: a CPU build of this version is available offline,
+# and an unpinned torch would pull several GB of CUDA wheels.
+TORCH_PIN = "torch==2.13.0"
+
+nox.options.sessions = ["tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+def _pyproject(package: str) -> dict:
+    with open(ROOT / "packages" / package / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["project"]
+
+
+def _requirement_name(req: str) -> str:
+    for sep in "<>=!~[; ":
+        req = req.split(sep)[0]
+    return req.strip()
+
+
+def _local_closure(package: str) -> list[str]:
+    """The package and every smp package it depends on, dependencies first."""
+    order: list[str] = []
+
+    def visit(name: str) -> None:
+        if name in order:
+            return
+        for req in _pyproject(name).get("dependencies", []):
+            dep = _requirement_name(req)
+            if dep in PACKAGES:
+                visit(dep)
+        order.append(name)
+
+    visit(package)
+    return order
+
+
+def _needs_torch(packages: list[str]) -> bool:
+    return any(
+        _requirement_name(r) == "torch"
+        for p in packages
+        for r in _pyproject(p).get("dependencies", [])
+    )
+
+
+def _install(session: nox.Session, package: str, extra: str | None = "test") -> None:
+    closure = _local_closure(package)
+    args = [TORCH_PIN] if _needs_torch(closure) else []
+    for name in closure:
+        path = f"./packages/{name}"
+        args.append(f"{path}[{extra}]" if (name == package and extra) else path)
+    session.install(*args)
+
+
+@nox.session
+@nox.parametrize("package", PACKAGES)
+def tests(session: nox.Session, package: str) -> None:
+    """Run one package's tests in an environment holding only that package and its deps."""
+    _install(session, package)
+    session.chdir(ROOT / "packages" / package)
+    # pytest exits 5 when it collected nothing; nox treats any non-zero exit as failure.
+    session.run("python", "-m", "pytest", "-ra", "-p", "no:cacheprovider", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff over the whole tree."""
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".", success_codes=[0, 1])
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy: strict for smp-partition, the default level elsewhere."""
+    session.install("mypy", TORCH_PIN, "numpy", "mpi4py")
+    for name in PACKAGES:
+        session.install("--no-deps", f"./packages/{name}")
+    session.run("mypy", "--strict", "packages/smp-partition/src/smp_partition")
+    for name in PACKAGES[1:]:
+        mod = name.replace("-", "_")
+        session.run("mypy", "--ignore-missing-imports", f"packages/{name}/src/{mod}")
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Build every wheel, then install each with only its deps into a fresh venv and import it."""
+    session.install("build", "virtualenv")
+    dist = ROOT / "dist"
+    for name in PACKAGES:
+        session.run("python", "-m", "build", "--wheel", "--outdir", str(dist), f"packages/{name}")
+    for name in PACKAGES:
+        venv = Path(session.create_tmp()) / f"venv-{name}"
+        session.run("python", "-m", "virtualenv", "-q", str(venv))
+        py = str(venv / "bin" / "python")
+        closure = _local_closure(name)
+        wheels = []
+        for dep in closure:
+            mod = dep.replace("-", "_")
+            wheels += sorted(glob.glob(str(dist / f"{mod}-*.whl")))[-1:]
+        pin = [TORCH_PIN] if _needs_torch(closure) else []
+        session.run(py, "-m", "pip", "install", "-q", *pin, *wheels, external=True)
+        mod = name.replace("-", "_")
+        session.run(py, "-c", f"import {mod}; print({mod}.__name__, {mod}.__version__)", external=True)
+
+
+def _install_everything(session: nox.Session) -> None:
+    session.install(TORCH_PIN, "mpich", "transformers>=4.40", "matplotlib", "tqdm")
+    session.install(*[f"./packages/{name}" for name in PACKAGES])
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: train the GPT example on 4 CPU processes (pp=2 x tp=2)."""
+    demo_script = ROOT / "examples" / "demo.py"
+    if demo_script.exists():
+        _install_everything(session)
+        session.run("python", str(demo_script), *session.posargs)
+    else:
+        _install(session, "smp-partition", extra=None)
+        graph = ROOT / "examples" / "graphs" / "t5-small.json"
+        session.run("smp-partition", str(graph), "--devices", "4", "--alpha", "0.8")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Every benchmark script in benchmarks/, each printing its ratios (not tests)."""
+    _install_everything(session)
+    scripts = sorted(glob.glob(str(ROOT / "benchmarks" / "bench_*.py")))
+    only = session.posargs
+    for script in scripts:
+        if only and not any(o in os.path.basename(script) for o in only):
+            continue
+        session.run("python", script, env={"PYTHONUNBUFFERED": "1"})
+    if not scripts:
+        session.error("no benchmarks found in benchmarks/")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("run me through nox: python3 -m nox -l")

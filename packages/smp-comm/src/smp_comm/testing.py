@@ -1,0 +1,75 @@
+"""Helpers for tests that launch real MPI jobs (used by smp-comm and the packages above it).
+
+``run_mpi`` starts ``mpiexec -n N python ARGS`` with a hard timeout. When the job hangs or
+fails, it kills the whole process group and raises with every rank's output, so a broken
+distributed test fails fast and says why instead of hanging CI.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+
+__all__ = ["MPIRunError", "mpiexec_path", "run_mpi"]
+
+
+class MPIRunError(AssertionError):
+    """An MPI job exited non-zero or ran past its timeout; the message holds its output."""
+
+
+def mpiexec_path() -> str:
+    """The ``mpiexec`` beside the running interpreter (the ``mpich`` wheel), else on PATH."""
+    local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if os.access(local, os.X_OK):
+        return local
+    found = shutil.which("mpiexec")
+    if found is None:
+        raise MPIRunError("mpiexec not found: `pip install mpich` or load a system MPI")
+    return found
+
+
+def run_mpi(
+    args: Sequence[str],
+    nprocs: int,
+    timeout: float = 120.0,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+) -> str:
+    """Run ``mpiexec -n nprocs python *args``; return the combined output of all ranks.
+
+    Raises :class:`MPIRunError` (with the output) on a non-zero exit or after ``timeout``
+    seconds, having killed every process of the job.
+    """
+    cmd = [mpiexec_path(), "-n", str(nprocs), sys.executable, *args]
+    full_env = dict(os.environ)
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    full_env["PYTHONUNBUFFERED"] = "1"
+    if env:
+        full_env.update(env)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=full_env,
+        cwd=cwd,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        out, _ = proc.communicate()
+        raise MPIRunError(
+            f"{' '.join(cmd)} timed out after {timeout:.0f}s; output of all ranks:\n{out}"
+        ) from None
+    if proc.returncode != 0:
+        raise MPIRunError(f"{' '.join(cmd)} exited {proc.returncode}; output:\n{out}")
+    return out
