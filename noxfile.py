@@ -84,7 +84,6 @@ def lint(session: nox.Session) -> None:
     """ruff over the whole tree."""
     session.install("ruff")
     session.run("ruff", "check", ".")
-    session.run("ruff", "format", "--check", ".", success_codes=[0, 1])
 
 
 @nox.session
