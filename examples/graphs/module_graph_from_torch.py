@@ -34,9 +34,7 @@ def graph_dict(model: Any) -> dict[str, Any]:
             cname = names[id(child)]
             if cname not in children:
                 children.append(cname)
-        params = {
-            pkeys[id(p)]: int(p.numel()) for _, p in mod.named_parameters(recurse=False)
-        }
+        params = {pkeys[id(p)]: int(p.numel()) for _, p in mod.named_parameters(recurse=False)}
         modules.append(
             {
                 "name": name,
@@ -64,8 +62,14 @@ def main() -> None:
     out = Path(__file__).with_name("t5-small.json")
     # The public t5-small configuration (transformers' T5Config defaults), tied embeddings.
     graph = t5_graph(
-        d_model=512, d_ff=2048, d_kv=64, num_heads=8, num_layers=6, num_decoder_layers=6,
-        vocab_size=32128, tie_word_embeddings=True,
+        d_model=512,
+        d_ff=2048,
+        d_kv=64,
+        num_heads=8,
+        num_layers=6,
+        num_decoder_layers=6,
+        vocab_size=32128,
+        tie_word_embeddings=True,
     )
     out.write_text(json.dumps(graph, indent=1) + "\n")
     print(f"wrote {out} ({len(graph['modules'])} modules)", file=sys.stderr)

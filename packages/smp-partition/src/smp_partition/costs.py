@@ -89,4 +89,6 @@ def compute_costs(graph: ModuleGraph, tree: NodeTree, alpha: float) -> Costs:
     parent = tree.parent
     for node in range(len(tree) - 1, 0, -1):  # BFS ids: children come after parents
         sub[parent[node]] += sub[node]
-    return Costs(module_cost=cost, module_params=params, node_own=own, node_subtree=sub, timed=timed)
+    return Costs(
+        module_cost=cost, module_params=params, node_own=own, node_subtree=sub, timed=timed
+    )

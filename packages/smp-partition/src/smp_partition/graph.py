@@ -124,7 +124,9 @@ class ModuleGraph:
                 raise GraphError(f"module {_label(m.name)}: params must be a mapping")
             for key, numel in m.params.items():
                 if not isinstance(key, str):
-                    raise GraphError(f"module {_label(m.name)}: parameter key {key!r} is not a string")
+                    raise GraphError(
+                        f"module {_label(m.name)}: parameter key {key!r} is not a string"
+                    )
                 if isinstance(numel, bool) or not isinstance(numel, int):
                     raise GraphError(
                         f"module {_label(m.name)}: parameter {key!r} size must be an integer, "
@@ -175,9 +177,7 @@ class ModuleGraph:
         missing = [m.name for m, c in zip(self._modules, colour) if c == 0]
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-            raise GraphError(
-                f"module {_label(missing[0])} is not reachable from the root{more}"
-            )
+            raise GraphError(f"module {_label(missing[0])} is not reachable from the root{more}")
 
     # ------------------------------------------------------------------ access
     @property

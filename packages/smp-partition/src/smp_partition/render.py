@@ -114,8 +114,10 @@ def boxes(graph: ModuleGraph, result: PartitionResult) -> Box:
         if n == 0:
             return mods[tree.modules[0][0]].type or "(root)"
         parent = first[tree.parent[n]]
-        names = [_short(mods[m].name, parent) for m in tree.modules[n]]
-        return " + ".join(names[:2]) + (f" +{len(names) - 2}" if len(names) > 2 else "")
+        members = tree.modules[n]
+        text = _short(mods[members[0]].name, parent)
+        # Parameter-sharing modules form one node: name the first, count the others.
+        return text + (f" (+{len(members) - 1} tied)" if len(members) > 1 else "")
 
     def build(n: int, depth: int) -> Box:
         box = Box(label(n), sub[n], device[n])
@@ -246,7 +248,7 @@ def svg(graph: ModuleGraph, result: PartitionResult, title: str = "") -> str:
         x, y = xy(me)
         text = box.label if len(box.label) <= 24 else box.label[:23] + "…"
         out.append(
-            f'<g><title>{escape(box.label)}</title>'
+            f"<g><title>{escape(box.label)}</title>"
             f'<rect x="{x:.1f}" y="{y:.1f}" width="{_W}" height="{_H}" rx="5" '
             f'fill="{device_colour(box.device)}" stroke="#333"/>'
             f'<text x="{x + _W / 2:.1f}" y="{y + 16:.1f}" font-size="12" '
