@@ -1,5 +1,136 @@
-"""smp: model parallelism for PyTorch (pipeline, tensor and data parallel), the umbrella package."""
+"""smp: model parallelism for PyTorch — pipeline, tensor and data parallel.
 
+``import smp_torch as smp``; see the package README for the tour.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from smp_torch import nn
 from smp_torch.__about__ import __version__
+from smp_torch.annotations import (
+    delay_param_initialization,
+    partition,
+    set_activation_checkpointing,
+    set_partition,
+)
+from smp_torch.checkpoint import CheckpointError, resume_from_checkpoint, save_checkpoint
+from smp_torch.comm import CommGroup, RankType, allgather, barrier, broadcast, recv_from, send
+from smp_torch.config import SMPConfig
+from smp_torch.errors import ConfigError, NotInitializedError, SMPError
+from smp_torch.model import DistributedModel
+from smp_torch.optimizer import DistributedOptimizer
+from smp_torch.state import (
+    dp_rank,
+    dp_size,
+    get_dp_group,
+    get_dp_process_group,
+    get_mp_group,
+    get_mp_process_group,
+    get_pp_group,
+    get_pp_process_group,
+    get_rdp_group,
+    get_rdp_process_group,
+    get_tp_group,
+    get_tp_process_group,
+    get_world_group,
+    get_world_process_group,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    mp_rank,
+    mp_size,
+    pp_rank,
+    pp_size,
+    rank,
+    rdp_rank,
+    rdp_size,
+    size,
+    tp_rank,
+    tp_size,
+)
+from smp_torch.step import StepOutput, step
 
-__all__ = ["__version__"]
+WORLD = CommGroup.WORLD
+PP_GROUP = CommGroup.PP_GROUP
+TP_GROUP = CommGroup.TP_GROUP
+DP_GROUP = CommGroup.DP_GROUP
+RDP_GROUP = CommGroup.RDP_GROUP
+MP_GROUP = CommGroup.MP_GROUP
+
+# Re-exported from smp_tp on first use, so importing smp_torch never depends on smp_tp's
+# import-time state.
+_FROM_TP = ("tensor_parallelism", "set_tensor_parallelism", "tp_register", "tp_register_with_module")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_TP:
+        import smp_tp
+
+        return getattr(smp_tp, name)
+    raise AttributeError(f"module 'smp_torch' has no attribute {name!r}")
+
+
+__all__ = [
+    "__version__",
+    "init",
+    "is_initialized",
+    "SMPConfig",
+    "ConfigError",
+    "SMPError",
+    "NotInitializedError",
+    "CheckpointError",
+    "DistributedModel",
+    "DistributedOptimizer",
+    "step",
+    "StepOutput",
+    "nn",
+    "partition",
+    "set_partition",
+    "set_activation_checkpointing",
+    "delay_param_initialization",
+    "save_checkpoint",
+    "resume_from_checkpoint",
+    "CommGroup",
+    "RankType",
+    "WORLD",
+    "PP_GROUP",
+    "TP_GROUP",
+    "DP_GROUP",
+    "RDP_GROUP",
+    "MP_GROUP",
+    "barrier",
+    "broadcast",
+    "send",
+    "recv_from",
+    "allgather",
+    "rank",
+    "size",
+    "local_rank",
+    "local_size",
+    "pp_rank",
+    "pp_size",
+    "tp_rank",
+    "tp_size",
+    "dp_rank",
+    "dp_size",
+    "rdp_rank",
+    "rdp_size",
+    "mp_rank",
+    "mp_size",
+    "get_world_group",
+    "get_pp_group",
+    "get_tp_group",
+    "get_dp_group",
+    "get_rdp_group",
+    "get_mp_group",
+    "get_world_process_group",
+    "get_pp_process_group",
+    "get_tp_process_group",
+    "get_dp_process_group",
+    "get_rdp_process_group",
+    "get_mp_process_group",
+    *_FROM_TP,
+]

@@ -1,0 +1,137 @@
+"""Marks a user puts on modules before wrapping them: partition, checkpointing, delayed init.
+
+- ``with smp.partition(i):`` — modules *created* inside go to pipeline stage ``i`` (when
+  ``auto_partition`` is False; with auto partitioning the marks are ignored). An unmarked module
+  follows its parent; the root follows ``default_partition``.
+- ``smp.set_partition(module, i)`` — the same for an existing module.
+- ``smp.set_activation_checkpointing(module, preserve_rng_state=True, pack_args_as_tuple=False,
+  strategy="each")`` — recompute the module's activations in backward.
+- ``with smp.delay_param_initialization():`` — parameters are created on the ``meta`` device
+  (no memory); :class:`smp.DistributedModel` materialises only the modules this rank owns,
+  after partitioning, by calling their ``reset_parameters()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "partition",
+    "set_partition",
+    "get_partition_mark",
+    "set_activation_checkpointing",
+    "get_checkpoint_mark",
+    "delay_param_initialization",
+]
+
+_PARTITION_ATTR = "_smp_partition"
+_CHECKPOINT_ATTR = "_smp_checkpoint"
+_local = threading.local()
+_patch_lock = threading.Lock()
+_patch_depth = 0
+_original_init: Any = None
+
+
+def _current_partition() -> int | None:
+    stack = getattr(_local, "stack", None)
+    return stack[-1] if stack else None
+
+
+def _marking_init(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+    _original_init(self, *args, **kwargs)
+    mark = _current_partition()
+    if mark is not None and _PARTITION_ATTR not in self.__dict__:
+        object.__setattr__(self, _PARTITION_ATTR, mark)
+
+
+@contextlib.contextmanager
+def partition(index: int) -> Iterator[None]:
+    """Assign every module created inside the block to pipeline stage ``index``."""
+    global _patch_depth, _original_init
+    if not isinstance(index, int) or index < 0:
+        raise ValueError(f"smp.partition index must be a non-negative int, got {index!r}")
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    with _patch_lock:
+        if _patch_depth == 0:
+            _original_init = nn.Module.__init__
+            nn.Module.__init__ = _marking_init  # type: ignore[method-assign]
+        _patch_depth += 1
+    stack.append(index)
+    try:
+        yield
+    finally:
+        stack.pop()
+        with _patch_lock:
+            _patch_depth -= 1
+            if _patch_depth == 0:
+                nn.Module.__init__ = _original_init  # type: ignore[method-assign]
+
+
+def set_partition(module: nn.Module, index: int) -> None:
+    """Assign ``module`` (and its unmarked descendants) to pipeline stage ``index``."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"set_partition expects an nn.Module, got {type(module).__name__}")
+    if not isinstance(index, int) or index < 0:
+        raise ValueError(f"partition index must be a non-negative int, got {index!r}")
+    object.__setattr__(module, _PARTITION_ATTR, index)
+
+
+def get_partition_mark(module: nn.Module) -> int | None:
+    """The stage a module was marked with, or ``None``."""
+    return module.__dict__.get(_PARTITION_ATTR)
+
+
+_STRATEGY = re.compile(r"^(each|contiguous|group_([1-9][0-9]*))$")
+
+
+def set_activation_checkpointing(
+    module: nn.Module,
+    preserve_rng_state: bool = True,
+    pack_args_as_tuple: bool = False,
+    strategy: str = "each",
+) -> None:
+    """Checkpoint ``module``: keep only its inputs in forward, recompute it in backward.
+
+    ``strategy`` (``"each"``, ``"contiguous"``, ``"group_N"``) and ``pack_args_as_tuple``
+    apply to ``nn.Sequential`` modules only, as in the paper's Appendix I.2.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"expected an nn.Module, got {type(module).__name__}")
+    if not _STRATEGY.match(strategy):
+        raise ValueError(f"strategy must be 'each', 'contiguous' or 'group_N', got {strategy!r}")
+    is_seq = isinstance(module, nn.Sequential)
+    if not is_seq and (strategy != "each" or pack_args_as_tuple):
+        raise ValueError("strategy and pack_args_as_tuple apply only to nn.Sequential modules")
+    object.__setattr__(
+        module,
+        _CHECKPOINT_ATTR,
+        {
+            "preserve_rng_state": preserve_rng_state,
+            "pack_args_as_tuple": pack_args_as_tuple,
+            "strategy": strategy,
+        },
+    )
+
+
+def get_checkpoint_mark(module: nn.Module) -> dict[str, Any] | None:
+    """The checkpointing options set on a module, or ``None``."""
+    return module.__dict__.get(_CHECKPOINT_ATTR)
+
+
+@contextlib.contextmanager
+def delay_param_initialization(enabled: bool = True) -> Iterator[None]:
+    """Create parameters and buffers on the ``meta`` device inside the block (no memory)."""
+    if not enabled:
+        yield
+        return
+    with torch.device("meta"):
+        yield

@@ -1,0 +1,247 @@
+"""The smp configuration: one dataclass, parsed and validated without any communication.
+
+:func:`parse_config` turns a dict, a JSON file path, or the ``SMP_CONFIG`` environment variable
+(either form) into an :class:`SMPConfig`. Every check here is local to the process, so a bad
+configuration raises :class:`~smp_torch.errors.ConfigError` on every rank before any rank starts
+talking to another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from smp_torch.errors import ConfigError
+
+__all__ = ["SMPConfig", "parse_config", "resolve_placement", "CONFIG_ENV"]
+
+CONFIG_ENV = "SMP_CONFIG"
+
+_PIPELINES = ("simple", "interleaved")
+_OPTIMIZE = ("speed", "memory")
+_TRACE_DEVICES = ("cpu", "cuda")
+# Keys whose name differs from the dataclass field (SageMaker v1 spellings).
+_ALIASES = {"partitions": "pipeline_parallel_degree", "_prescaled_batch": "prescaled_batch"}
+
+
+@dataclass
+class SMPConfig:
+    """Every smp option with its default (SPEC §7). Build it with :func:`parse_config`."""
+
+    pipeline_parallel_degree: int = 1
+    tensor_parallel_degree: int = 1
+    microbatches: int = 1
+    pipeline: str = "interleaved"
+    active_microbatches: int | None = None  # None: pipeline_parallel_degree + 2
+    placement_strategy: str = "cluster"
+    auto_partition: bool = True
+    default_partition: int = 0
+    memory_weight: float = 0.8
+    optimize: str = "speed"
+    ddp: bool = True
+    prescaled_batch: bool = False
+    fp16: bool = False
+    bf16: bool = False
+    shard_optimizer_state: bool = False
+    offload_activations: bool = False
+    activation_loading_horizon: int = 4
+    static_mode: bool = False
+    fast_mode: bool = False
+    tensor_parallel_seed: int = 0
+    delayed_parameter_initialization: bool = False
+    trace_device: str = "cpu"
+    timeout_s: float = 300.0
+    timeline: str | None = None
+    # Derived by validation, not a user key.
+    data_parallel_degree: int = field(default=1, metadata={"derived": True})
+
+    @property
+    def pp(self) -> int:
+        return self.pipeline_parallel_degree
+
+    @property
+    def tp(self) -> int:
+        return self.tensor_parallel_degree
+
+    @property
+    def rdp(self) -> int:
+        """Reduced data-parallel degree: number of identical model replicas."""
+        return self.data_parallel_degree
+
+    @property
+    def placement(self) -> str:
+        """The placement as a permutation of ``"DPT"`` (right-most letter varies fastest)."""
+        return resolve_placement(self.placement_strategy)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The user-visible keys and their values (derived fields left out)."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if not f.metadata.get("derived")
+        }
+
+
+def _user_fields() -> dict[str, dataclasses.Field[Any]]:
+    return {f.name: f for f in dataclasses.fields(SMPConfig) if not f.metadata.get("derived")}
+
+
+def resolve_placement(strategy: str) -> str:
+    """``"cluster"`` → ``"DPT"``, ``"spread"`` → ``"TPD"``, a permutation of DPT → itself."""
+    if strategy == "cluster":
+        return "DPT"
+    if strategy == "spread":
+        return "TPD"
+    if isinstance(strategy, str) and sorted(strategy.upper()) == ["D", "P", "T"]:
+        return strategy.upper()
+    raise ConfigError(
+        "placement_strategy",
+        f"must be 'cluster', 'spread' or a permutation of 'DPT', got {strategy!r}",
+    )
+
+
+def _load_source(config: Mapping[str, Any] | str | os.PathLike[str] | None) -> dict[str, Any]:
+    if config is None:
+        env = os.environ.get(CONFIG_ENV)
+        if env is None or not env.strip():
+            return {}
+        text = env.strip()
+        if text.startswith("{"):
+            try:
+                loaded = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(CONFIG_ENV, f"is not valid JSON: {exc}") from None
+        else:
+            return _load_source(text)
+    elif isinstance(config, Mapping):
+        loaded = dict(config)
+    elif isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        try:
+            with open(path, encoding="utf-8") as f:
+                loaded = json.load(f)
+        except OSError as exc:
+            raise ConfigError("config", f"cannot read config file {path!r}: {exc}") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError("config", f"file {path!r} is not valid JSON: {exc}") from None
+    else:
+        raise ConfigError(
+            "config", f"must be a dict, a JSON file path or None, got {type(config).__name__}"
+        )
+    if not isinstance(loaded, dict):
+        raise ConfigError("config", f"must be a JSON object, got {type(loaded).__name__}")
+    return loaded
+
+
+def _check_type(key: str, value: Any, annotation: str) -> Any:
+    """Check ``value`` against the dataclass annotation (given as a string)."""
+    optional = annotation.endswith("| None")
+    base = annotation.replace("| None", "").strip()
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(key, f"must be {base}, got None")
+    if base == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(key, f"must be a bool, got {value!r} ({type(value).__name__})")
+        return value
+    if base == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(key, f"must be an int, got {value!r} ({type(value).__name__})")
+        return value
+    if base == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(key, f"must be a number, got {value!r} ({type(value).__name__})")
+        return float(value)
+    if base == "str":
+        if not isinstance(value, str):
+            raise ConfigError(key, f"must be a string, got {value!r} ({type(value).__name__})")
+        return value
+    raise AssertionError(f"unhandled annotation {annotation}")  # pragma: no cover
+
+
+def parse_config(
+    config: Mapping[str, Any] | str | os.PathLike[str] | None, world_size: int
+) -> SMPConfig:
+    """Parse and validate a configuration for a job of ``world_size`` processes.
+
+    Raises :class:`ConfigError` naming the offending key. Performs no communication.
+    """
+    raw = _load_source(config)
+    fields = _user_fields()
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        if not isinstance(key, str):
+            raise ConfigError(str(key), "config keys must be strings")
+        name = _ALIASES.get(key, key)
+        if name not in fields:
+            known = ", ".join(sorted([*fields, *_ALIASES]))
+            raise ConfigError(key, f"unknown key (known keys: {known})")
+        if name in values:
+            raise ConfigError(key, f"given twice (also as {name!r} or its alias)")
+        values[name] = _check_type(key, value, str(fields[name].type))
+    cfg = SMPConfig(**values)
+    _validate_values(cfg, world_size)
+    return cfg
+
+
+def _positive(cfg: SMPConfig, key: str) -> None:
+    if getattr(cfg, key) < 1:
+        raise ConfigError(key, f"must be >= 1, got {getattr(cfg, key)}")
+
+
+def _validate_values(cfg: SMPConfig, world_size: int) -> None:
+    for key in ("pipeline_parallel_degree", "tensor_parallel_degree", "microbatches"):
+        _positive(cfg, key)
+    if cfg.active_microbatches is None:
+        cfg.active_microbatches = cfg.pipeline_parallel_degree + 2
+    _positive(cfg, "active_microbatches")
+    if cfg.activation_loading_horizon < 1:
+        raise ConfigError("activation_loading_horizon", "must be >= 1")
+    if cfg.pipeline not in _PIPELINES:
+        raise ConfigError("pipeline", f"must be one of {_PIPELINES}, got {cfg.pipeline!r}")
+    if cfg.optimize not in _OPTIMIZE:
+        raise ConfigError("optimize", f"must be one of {_OPTIMIZE}, got {cfg.optimize!r}")
+    if cfg.trace_device not in _TRACE_DEVICES:
+        raise ConfigError(
+            "trace_device", f"must be one of {_TRACE_DEVICES}, got {cfg.trace_device!r}"
+        )
+    resolve_placement(cfg.placement_strategy)
+    if not 0.0 <= cfg.memory_weight <= 1.0:
+        raise ConfigError("memory_weight", f"must be within [0, 1], got {cfg.memory_weight}")
+    if not 0 <= cfg.default_partition < cfg.pipeline_parallel_degree:
+        raise ConfigError(
+            "default_partition",
+            f"must be within [0, pipeline_parallel_degree={cfg.pipeline_parallel_degree}), "
+            f"got {cfg.default_partition}",
+        )
+    if cfg.timeout_s <= 0:
+        raise ConfigError("timeout_s", f"must be > 0, got {cfg.timeout_s}")
+    if cfg.fp16 and cfg.bf16:
+        raise ConfigError("bf16", "fp16 and bf16 cannot both be enabled")
+    if cfg.tensor_parallel_degree > 1 and not cfg.ddp:
+        raise ConfigError("ddp", "tensor_parallel_degree > 1 requires ddp=True")
+    if cfg.tensor_parallel_seed < 0:
+        raise ConfigError("tensor_parallel_seed", "must be >= 0")
+    mp = cfg.pipeline_parallel_degree * cfg.tensor_parallel_degree
+    if world_size % cfg.pipeline_parallel_degree:
+        raise ConfigError(
+            "pipeline_parallel_degree",
+            f"{cfg.pipeline_parallel_degree} does not divide the world size {world_size}",
+        )
+    if world_size % cfg.tensor_parallel_degree:
+        raise ConfigError(
+            "tensor_parallel_degree",
+            f"{cfg.tensor_parallel_degree} does not divide the world size {world_size}",
+        )
+    if world_size % mp:
+        raise ConfigError(
+            "tensor_parallel_degree",
+            f"pipeline_parallel_degree * tensor_parallel_degree = {mp} does not divide the "
+            f"world size {world_size}",
+        )
+    cfg.data_parallel_degree = world_size // mp

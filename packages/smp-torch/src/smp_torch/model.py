@@ -1,0 +1,430 @@
+"""``smp.DistributedModel``: the wrapped model — partitioned, tensor-parallel, data-parallel.
+
+Wrapping does, in order:
+
+1. materialise ``meta`` parameters (delayed initialisation) or broadcast rank 0's weights to
+   every rank, so all replicas start identical;
+2. with ``pipeline_parallel_degree > 1``: trace and partition the module tree across the
+   pipeline (auto, or the ``smp.partition`` marks) and hand it to smp-pipeline's runtime;
+3. with ``tensor_parallel_degree > 1``: replace the modules marked for tensor parallelism with
+   smp-tp's distributed modules (they hold slices of the original weights);
+4. register the data-parallel gradient reducer on the parameters this rank owns.
+
+``model.parameters()`` yields only the parameters this rank owns (its pipeline stage, its
+tensor-parallel shards): build the optimizer from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from smp_torch import tp_glue
+from smp_torch.annotations import get_checkpoint_mark
+from smp_torch.errors import SMPError
+from smp_torch.grads import GradReducer, GradSpec
+from smp_torch.precision import autocast_context
+from smp_torch.state import state
+
+__all__ = ["DistributedModel", "current_model"]
+
+_CURRENT: DistributedModel | None = None
+
+
+def current_model() -> DistributedModel:
+    """The most recently created :class:`DistributedModel` (the one ``@smp.step`` drives)."""
+    if _CURRENT is None:
+        raise SMPError("create an smp.DistributedModel before calling an @smp.step function")
+    return _CURRENT
+
+
+def _broadcast_tensors(tensors: list[torch.Tensor], src: int, group: Any) -> None:
+    """Broadcast tensors from global rank ``src``, one flat buffer per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for _, ts in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
+        flat = torch.cat([t.detach().reshape(-1) for t in ts])
+        dist.broadcast(flat, src=src, group=group)
+        offset = 0
+        with torch.no_grad():
+            for t in ts:
+                n = t.numel()
+                t.copy_(flat[offset : offset + n].view_as(t))
+                offset += n
+
+
+def _module_tensors(module: nn.Module) -> list[torch.Tensor]:
+    seen: set[int] = set()
+    out: list[torch.Tensor] = []
+    for t in [*module.parameters(), *module.buffers()]:
+        if id(t) not in seen and not t.is_meta:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+def materialize_meta(module: nn.Module, device: torch.device, seed: int) -> None:
+    """Give every ``meta`` parameter real storage and initialise it with ``reset_parameters``.
+
+    Runs with a private RNG seeded by ``seed`` so every rank initialises identically.
+    """
+    metas = [m for m in module.modules() if any(t.is_meta for t in m._parameters.values() if t is not None) or any(t.is_meta for t in m._buffers.values() if t is not None)]
+    if not metas:
+        return
+    for m in metas:
+        has_direct = any(p is not None for p in m._parameters.values())
+        if has_direct and not hasattr(m, "reset_parameters"):
+            raise SMPError(
+                f"module {type(m).__name__} was created under delay_param_initialization but "
+                "has no reset_parameters() to initialise its parameters after materialisation"
+            )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for m in metas:
+            m.to_empty(device=device, recurse=False)
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+
+
+def _checkpoint_groups(children: list[nn.Module], strategy: str) -> list[list[nn.Module]]:
+    if strategy == "each":
+        return [[c] for c in children]
+    if strategy == "contiguous":
+        return [children] if children else []
+    n = int(strategy.split("_", 1)[1])
+    return [children[i : i + n] for i in range(0, len(children), n)]
+
+
+def apply_activation_checkpointing(root: nn.Module) -> int:
+    """Wrap the forward of every module marked by ``set_activation_checkpointing``.
+
+    Returns the number of modules wrapped. (With pipeline parallelism smp-pipeline does this
+    per stage instead; ``contiguous`` then groups the layers that share a stage.)
+    """
+    count = 0
+    for module in root.modules():
+        opts = get_checkpoint_mark(module)
+        if opts is None or "forward" in module.__dict__:
+            continue
+        keep_rng = bool(opts["preserve_rng_state"])
+        if isinstance(module, nn.Sequential):
+            groups = _checkpoint_groups(list(module), opts["strategy"])
+            pack = bool(opts["pack_args_as_tuple"])
+
+            def seq_forward(x: Any, _groups: Any = groups, _pack: bool = pack) -> Any:
+                for g in _groups:
+
+                    def run(*args: Any, _g: Any = g) -> Any:
+                        out: Any = tuple(args) if _pack else args[0]
+                        for layer in _g:
+                            out = layer(out)
+                        return out
+
+                    inputs = tuple(x) if _pack else (x,)
+                    x = checkpoint(run, *inputs, use_reentrant=False, preserve_rng_state=keep_rng)
+                return x
+
+            module.forward = seq_forward  # type: ignore[method-assign]
+        else:
+            original = module.forward
+
+            def forward(*args: Any, _orig: Any = original, **kwargs: Any) -> Any:
+                return checkpoint(
+                    _orig, *args, use_reentrant=False, preserve_rng_state=keep_rng, **kwargs
+                )
+
+            module.forward = forward  # type: ignore[method-assign]
+        count += 1
+    return count
+
+
+class DistributedModel(nn.Module):
+    """Wrap ``module`` for pipeline, tensor and data parallelism (see the module docstring).
+
+    Args:
+        module: the model, built identically on every rank (or under
+            ``smp.delay_param_initialization()``).
+        trace_device: ``"cpu"`` or ``"cuda"``: where the partitioner's trace runs (defaults to
+            the config's ``trace_device``).
+        broadcast_weights: start every replica from rank 0's weights (default True).
+        bucket_bytes: size of the data-parallel gradient buckets.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        trace_device: str | None = None,
+        broadcast_weights: bool = True,
+        bucket_bytes: int = 4 << 20,
+        **unused: Any,
+    ) -> None:
+        super().__init__()
+        global _CURRENT
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"DistributedModel wraps an nn.Module, got {type(module).__name__}")
+        s = state()
+        cfg = s.config
+        self.module = module
+        self._cfg = cfg
+        self._device = s.device
+        self._trace_device = trace_device or cfg.trace_device
+        self._in_step = False
+        self._backward_calls = 0
+        self._microbatch = 0
+        self._loss_scale: Callable[[], float] | None = None
+        self._pipeline: Any = None
+        self._owned_names: set[str] | None = None  # None: every parameter is local
+
+        self._orig_param_names = [n for n, _ in module.named_parameters(remove_duplicate=False)]
+        has_meta = any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+        if has_meta and not cfg.delayed_parameter_initialization:
+            raise SMPError(
+                "the module has meta-device parameters; set "
+                "'delayed_parameter_initialization': True in the smp config"
+            )
+        if cfg.pp > 1:
+            from smp_torch.pipeline import PipelineBinding
+
+            self._pipeline = PipelineBinding(self, module, broadcast_weights)
+            self._owned_names = self._pipeline.owned_parameter_names()
+        else:
+            if has_meta:
+                materialize_meta(module, self._device, self._init_seed())
+            module.to(self._device)
+            if broadcast_weights and s.size > 1:
+                _broadcast_tensors(_module_tensors(module), 0, s.process_groups["world"])
+            if cfg.tp > 1:
+                self.module = tp_glue.parallelize(
+                    module, s.process_groups["tp"], cfg.prescaled_batch, cfg.optimize
+                )
+                self.module.to(self._device)
+            apply_activation_checkpointing(self.module)
+        self._reducer = self._build_reducer(bucket_bytes)
+        _CURRENT = self
+
+    # -- construction helpers ------------------------------------------------------------
+
+    def _init_seed(self) -> int:
+        s = state()
+        seed = torch.initial_seed() % (2**31)
+        return int(s.mpi_comms["world"].bcast(seed, root=0))
+
+    def _build_reducer(self, bucket_bytes: int) -> GradReducer | None:
+        s, cfg = state(), self._cfg
+        if not cfg.ddp or (cfg.rdp == 1 and cfg.tp == 1):
+            return None
+        specs: list[GradSpec] = []
+        for _, p in self.named_parameters():
+            if not p.requires_grad:
+                continue
+            if cfg.tp > 1 and tp_glue.is_distributed(p):
+                divisor = cfg.rdp * (1 if cfg.prescaled_batch else cfg.tp)
+                specs.append(GradSpec(p, s.process_groups["rdp"], cfg.rdp, float(divisor)))
+            else:
+                dp = cfg.rdp * cfg.tp
+                specs.append(GradSpec(p, s.process_groups["dp"], dp, float(dp)))
+        return GradReducer(specs, bucket_bytes=bucket_bytes)
+
+    # -- parameters ----------------------------------------------------------------------
+
+    def named_parameters(  # type: ignore[override]
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters, named as in the wrapped module (no ``module.`` prefix)."""
+        for name, p in self.module.named_parameters(
+            prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate
+        ):
+            if self._owned_names is None or name in self._owned_names:
+                yield name, p
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:  # type: ignore[override]
+        """This rank's parameters (its pipeline stage, its tensor-parallel shards)."""
+        for _, p in self.named_parameters(recurse=recurse):
+            yield p
+
+    def _full_param_names(self) -> list[str]:
+        """Parameter names of the original, unwrapped module (tied aliases included)."""
+        return list(self._orig_param_names)
+
+    def _owns_full_key(self, key: str) -> bool:
+        """Whether this rank's pipeline stage holds the unwrapped model's entry ``key``."""
+        return self._pipeline is None or self._pipeline.owns_full_key(key)
+
+    def local_parameters(self) -> list[nn.Parameter]:
+        return list(self.parameters())
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__["_modules"].get("module")
+            if module is None:
+                raise
+            return getattr(module, name)
+
+    # -- forward / backward --------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            if not self._in_step:
+                raise SMPError("with pipeline parallelism, call the model inside an @smp.step")
+            return self._pipeline.forward(*args, **kwargs)
+        return self.module(*args, **kwargs)
+
+    def backward(self, tensors: Any, grad_tensors: Any = None) -> None:
+        """Backward from ``tensors`` (the loss) for the current microbatch.
+
+        Replaces ``loss.backward()`` inside an ``@smp.step`` function. The gradient is scaled
+        by ``1/microbatches`` (so the step's gradient is that of the mean over the batch) and
+        by the fp16 loss scale.
+        """
+        if not self._in_step:
+            raise SMPError("model.backward must be called inside an @smp.step function")
+        scale = 1.0 / self._cfg.microbatches
+        if self._loss_scale is not None:
+            scale *= self._loss_scale()
+        if isinstance(tensors, torch.Tensor):
+            tensors = (tensors,)
+            if grad_tensors is not None and isinstance(grad_tensors, torch.Tensor):
+                grad_tensors = (grad_tensors,)
+        tensors = tuple(tensors)
+        if grad_tensors is None:
+            grad_tensors = tuple(torch.ones_like(t) for t in tensors)
+        grads = tuple(g * scale for g in grad_tensors)
+        self._backward_calls += 1
+        if self._pipeline is not None:
+            self._pipeline.backward(tensors, grads)
+        else:
+            torch.autograd.backward(tensors, grads)
+
+    def _run_step(
+        self, fn: Callable[..., Any], microbatches: list[tuple[tuple[Any, ...], dict[str, Any]]]
+    ) -> list[Any]:
+        """Run ``fn`` once per microbatch; then reduce gradients over data-parallel ranks."""
+        if self._in_step:
+            raise SMPError("@smp.step functions cannot be nested")
+        self._in_step = True
+        self._backward_calls = 0
+        cfg = self._cfg
+        try:
+            if self._pipeline is not None:
+                results = self._pipeline.run_step(fn, microbatches)
+            else:
+                results = []
+                for i, (args, kwargs) in enumerate(microbatches):
+                    self._microbatch = i
+                    if i == len(microbatches) - 1 and self._reducer is not None:
+                        self._reducer.arm()
+                    with autocast_context(cfg.fp16, cfg.bf16, self._device):
+                        results.append(fn(*args, **kwargs))
+        finally:
+            self._in_step = False
+        if self._reducer is not None:
+            if self._backward_calls:
+                self._reducer.finish()
+            else:
+                self._reducer.disarm()
+        return results
+
+    # -- state -----------------------------------------------------------------------------
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers (its stage, its TP shards), wrapped names."""
+        sd = self.module.state_dict()
+        if self._pipeline is None:
+            return {k: v.detach().clone() for k, v in sd.items()}
+        owned = self._pipeline.owned_state_names()
+        return {k: v.detach().clone() for k, v in sd.items() if k in owned}
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        """The full model's state dict, gathered over pipeline and tensor-parallel ranks.
+
+        Its keys and shapes are those of the original, unwrapped module, so it loads into it
+        with ``strict=True``. Every rank receives the whole dict (on CPU).
+        """
+        if args or kwargs:
+            raise TypeError("DistributedModel.state_dict() takes no arguments")
+        part = self._stage_full_state()
+        if self._pipeline is None:
+            return part
+        from smp_torch.comm import CommGroup, allgather
+
+        merged: dict[str, torch.Tensor] = {}
+        for piece in allgather(part, CommGroup.PP_GROUP):
+            merged.update(piece)
+        return merged
+
+    def _stage_full_state(self) -> dict[str, torch.Tensor]:
+        """This pipeline stage's entries of the full state dict (TP shards gathered)."""
+        full = tp_glue.full_state_dict(self.module, self._cfg.tp)
+        return {
+            k: v.detach().to("cpu").clone() for k, v in full.items() if self._owns_full_key(k)
+        }
+
+    def load_state_dict(  # type: ignore[override]
+        self, state_dict: dict[str, torch.Tensor], strict: bool = True
+    ) -> Any:
+        """Load either a full (unwrapped-model) or a local (this rank's) state dict."""
+        local_keys = set(self.local_state_dict_keys())
+        keys = set(state_dict)
+        if keys == local_keys and self._is_local_form(state_dict):
+            missing = self.module.load_state_dict(state_dict, strict=False)
+            return missing
+        if self._pipeline is not None:
+            return self._pipeline.load_full_state(state_dict, strict)
+        tp_glue.load_full_state_dict(self.module, dict(state_dict), self._cfg.tp, strict)
+        return None
+
+    def local_state_dict_keys(self) -> list[str]:
+        sd = self.module.state_dict()
+        if self._pipeline is None:
+            return list(sd)
+        owned = self._pipeline.owned_state_names()
+        return [k for k in sd if k in owned]
+
+    def _is_local_form(self, sd: dict[str, torch.Tensor]) -> bool:
+        mine = self.module.state_dict()
+        return all(tuple(mine[k].shape) == tuple(v.shape) for k, v in sd.items() if k in mine)
+
+    # -- misc --------------------------------------------------------------------------------
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip gradients by the norm of the *whole* model's gradient (all stages and shards).
+
+        Call after the step, before ``optimizer.step()``. Returns the total norm.
+        """
+        return _clip_grad_norm(self, max_norm, norm_type)
+
+
+def _clip_grad_norm(model: DistributedModel, max_norm: float, norm_type: float) -> torch.Tensor:
+    s, cfg = state(), model._cfg
+    local = torch.zeros((), dtype=torch.float64)
+    distributed = torch.zeros((), dtype=torch.float64)
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        value = p.grad.detach().double().norm(norm_type) ** norm_type
+        if cfg.tp > 1 and tp_glue.is_distributed(p):
+            distributed += value
+        else:
+            local += value
+    # Shards add up over the TP group; replicated params are counted once (TP rank 0's copy).
+    if cfg.tp > 1:
+        dist.all_reduce(distributed, group=s.process_groups["tp"])
+    total = local + distributed
+    if cfg.pp > 1:
+        dist.all_reduce(total, group=s.process_groups["pp"])
+    norm = total ** (1.0 / norm_type)
+    coef = max_norm / (float(norm) + 1e-6)
+    if coef < 1.0:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return norm.float()
+

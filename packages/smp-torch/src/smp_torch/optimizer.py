@@ -1,0 +1,262 @@
+"""``smp.DistributedOptimizer``: the user's optimizer over this rank's parameters, plus
+optimizer-state sharding, fp16 loss scaling and full / local state dicts.
+
+**State sharding** (``shard_optimizer_state``): every parameter gets one owner among the
+ranks that hold an identical copy of it — its data-parallel group for replicated parameters,
+its reduced data-parallel group for tensor-parallel shards — chosen greedily so that owners
+hold about the same number of elements. ``step()`` hides the gradients of parameters this
+rank does not own (so the wrapped optimizer creates no state for them and leaves them alone),
+steps, restores the gradients, and each owner broadcasts its updated parameters to the group.
+Gradients are still all-reduced (not reduced to the owner only), which keeps the update exactly
+the single-process one at the price of some bandwidth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from smp_torch import tp_glue
+from smp_torch.errors import SMPError
+from smp_torch.model import DistributedModel, current_model
+from smp_torch.precision import LossScaler
+from smp_torch.state import state
+
+__all__ = ["DistributedOptimizer", "current_optimizer"]
+
+_CURRENT: DistributedOptimizer | None = None
+FULL_FORMAT = "smp-optimizer-full@1"
+
+
+def current_optimizer() -> DistributedOptimizer | None:
+    """The most recently created :class:`DistributedOptimizer`, if any."""
+    return _CURRENT
+
+
+class DistributedOptimizer:
+    """Wrap an optimizer built over ``model.parameters()`` of a :class:`DistributedModel`."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: DistributedModel | None = None,
+        static_loss_scale: float | None = None,
+        dynamic_loss_scale: bool = True,
+        dynamic_loss_args: dict[str, Any] | None = None,
+    ) -> None:
+        global _CURRENT
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.optimizer = optimizer
+        self.model = model if model is not None else current_model()
+        cfg = state().config
+        self._cfg = cfg
+        self._names = {id(p): n for n, p in self.model.named_parameters()}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in self._names:
+                    raise SMPError(
+                        "the optimizer holds a parameter that is not one of this rank's model "
+                        "parameters: build it from model.parameters() after smp.DistributedModel"
+                    )
+        self.scaler: LossScaler | None = None
+        if cfg.fp16:
+            args = dict(dynamic_loss_args or {})
+            if static_loss_scale is not None:
+                args.update(init_scale=static_loss_scale, dynamic=False)
+            else:
+                args.setdefault("dynamic", dynamic_loss_scale)
+            self.scaler = LossScaler(**args)
+            scaler = self.scaler
+            self.model._loss_scale = lambda: scaler.scale
+        self._owner: dict[int, tuple[str, int]] = {}  # id(param) -> (group kind, owner rank)
+        if cfg.shard_optimizer_state and cfg.rdp * cfg.tp > 1:
+            self._assign_owners()
+        _CURRENT = self
+
+    # -- sharding ----------------------------------------------------------------------------
+
+    def _kind(self, p: torch.Tensor) -> str:
+        return "rdp" if self._cfg.tp > 1 and tp_glue.is_distributed(p) else "dp"
+
+    def _assign_owners(self) -> None:
+        s = state()
+        loads = {kind: [0] * len(s.groups[kind]) for kind in ("dp", "rdp")}
+        for _, p in self.model.named_parameters():
+            kind = self._kind(p)
+            members = s.groups[kind]
+            i = min(range(len(members)), key=lambda j: (loads[kind][j], j))
+            loads[kind][i] += p.numel()
+            self._owner[id(p)] = (kind, members[i])
+
+    def _owns(self, p: torch.Tensor) -> bool:
+        owner = self._owner.get(id(p))
+        return owner is None or owner[1] == state().rank
+
+    def _broadcast_owned(self) -> None:
+        s = state()
+        # Fixed order on every rank: by group kind, then owner, then parameter order.
+        batches: dict[tuple[str, int], list[torch.Tensor]] = {}
+        for _, p in self.model.named_parameters():
+            if id(p) in self._owner:
+                batches.setdefault(self._owner[id(p)], []).append(p)
+        for (kind, owner), params in sorted(batches.items()):
+            if len(s.groups[kind]) == 1:
+                continue
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for p in params:
+                by_dtype.setdefault(p.dtype, []).append(p)
+            for _, ps in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
+                flat = torch.cat([p.detach().reshape(-1) for p in ps])
+                dist.broadcast(flat, src=owner, group=s.process_groups[kind])
+                offset = 0
+                with torch.no_grad():
+                    for p in ps:
+                        p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                        offset += p.numel()
+
+    # -- the optimizer interface -------------------------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Unscale (fp16), step the wrapped optimizer on owned parameters, share updates."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if self.scaler is not None:
+            finite = self.scaler.unscale_and_check(params, state().process_groups["world"])
+            self.scaler.update(finite)
+            if not finite:
+                return None
+        if not self._owner:
+            return self.optimizer.step(closure)
+        hidden: dict[int, torch.Tensor] = {}
+        for p in params:
+            if p.grad is not None and not self._owns(p):
+                hidden[id(p)] = p.grad
+                p.grad = None
+        try:
+            result = self.optimizer.step(closure)
+        finally:
+            for p in params:
+                if id(p) in hidden:
+                    p.grad = hidden[id(p)]
+        self._broadcast_owned()
+        return result
+
+    # -- state dicts -------------------------------------------------------------------------
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state (as the wrapped optimizer stores it) and its names."""
+        order = [self._names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
+        sd: dict[str, Any] = {"optimizer": self.optimizer.state_dict(), "param_names": order}
+        if self.scaler is not None:
+            sd["loss_scaler"] = self.scaler.state_dict()
+        return sd
+
+    def _named_state(self) -> dict[str, dict[str, Any]]:
+        """Optimizer state by parameter name, sharded state gathered from its owners."""
+        named = {
+            self._names[id(p)]: {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in st.items()}
+            for p, st in self.optimizer.state.items()
+        }
+        if not self._owner:
+            return named
+        s = state()
+        from smp_torch.comm import CommGroup, allgather
+
+        tp_rank = s.groups["tp"].index(s.rank)
+        pieces = allgather((tp_rank, named), CommGroup.DP_GROUP)
+        merged: dict[str, dict[str, Any]] = {}
+        for _, p in self.model.named_parameters():
+            name = self._names[id(p)]
+            same_shard = self._kind(p) == "rdp"
+            for peer_tp, peer_state in pieces:
+                if same_shard and peer_tp != tp_rank:
+                    continue
+                if name in peer_state:
+                    merged[name] = peer_state[name]
+                    break
+        return merged
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer state in the unwrapped model's naming; see :meth:`_full_state`."""
+        return self._full_state(merge_stages=True)
+
+    def state_dict_stage(self) -> dict[str, Any]:
+        """Like :meth:`state_dict` but only this pipeline stage's parameters."""
+        return self._full_state(merge_stages=False)
+
+    def _full_state(self, merge_stages: bool) -> dict[str, Any]:
+        """The optimizer state in the unwrapped model's naming (layout independent).
+
+        Tensor-parallel shards of per-parameter state are gathered like the parameters, and
+        pipeline stages are merged; every rank receives the whole dict (on CPU).
+        """
+        from smp_torch import reshard
+
+        named = self._named_state()
+        groups = []
+        for g in self.optimizer.param_groups:
+            hyper = {k: v for k, v in g.items() if k != "params"}
+            hyper["params"] = [self._names[id(p)] for p in g["params"]]
+            groups.append(hyper)
+        full_state, full_groups = reshard.optimizer_state_to_full(
+            self.model, named, groups, merge_stages
+        )
+        sd: dict[str, Any] = {"format": FULL_FORMAT, "state": full_state, "param_groups": full_groups}
+        if self.scaler is not None:
+            sd["loss_scaler"] = self.scaler.state_dict()
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Load a full (:meth:`state_dict`) or local (:meth:`local_state_dict`) state."""
+        from smp_torch import reshard
+
+        if sd.get("format") == FULL_FORMAT:
+            named, hyper = reshard.optimizer_state_from_full(self.model, sd["state"], sd["param_groups"])
+            self._load_named(named, hyper)
+        elif "optimizer" in sd and "param_names" in sd:
+            order = [self._names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
+            if order != list(sd["param_names"]):
+                raise SMPError(
+                    "local optimizer state was saved for different parameters; load a full "
+                    "optimizer state_dict() to change layout"
+                )
+            self.optimizer.load_state_dict(sd["optimizer"])
+        else:
+            raise SMPError("not an smp optimizer state dict (full or local)")
+        if self.scaler is not None and "loss_scaler" in sd:
+            self.scaler.load_state_dict(sd["loss_scaler"])
+
+    def _load_named(self, named: dict[str, dict[str, Any]], hyper: dict[str, dict[str, Any]]) -> None:
+        by_name = {n: p for n, p in self.model.named_parameters()}
+        self.optimizer.state.clear()
+        for g in self.optimizer.param_groups:
+            for p in g["params"]:
+                name = self._names[id(p)]
+                if name in hyper:
+                    for k, v in hyper[name].items():
+                        g[k] = v
+                if name not in named or not self._owns(p):
+                    continue
+                st = {}
+                for k, v in named[name].items():
+                    if torch.is_tensor(v) and v.dim() > 0:
+                        st[k] = v.to(device=p.device, dtype=p.dtype if v.is_floating_point() else v.dtype).clone()
+                    elif torch.is_tensor(v):
+                        st[k] = v.clone()
+                    else:
+                        st[k] = v
+                self.optimizer.state[by_name[name]] = st

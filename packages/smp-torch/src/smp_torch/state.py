@@ -1,0 +1,280 @@
+"""The process-wide smp runtime: configuration, topology, process groups and rank helpers."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from smp_torch.bootstrap import init_torch_distributed
+from smp_torch.config import SMPConfig, parse_config
+from smp_torch.errors import NotInitializedError
+from smp_torch.topology import Coord, Topology
+
+__all__ = [
+    "init",
+    "is_initialized",
+    "state",
+    "rank",
+    "size",
+    "local_rank",
+    "local_size",
+    "pp_rank",
+    "pp_size",
+    "tp_rank",
+    "tp_size",
+    "dp_rank",
+    "dp_size",
+    "rdp_rank",
+    "rdp_size",
+    "mp_rank",
+    "mp_size",
+    "get_pp_group",
+    "get_tp_group",
+    "get_dp_group",
+    "get_rdp_group",
+    "get_mp_group",
+    "get_world_group",
+    "get_pp_process_group",
+    "get_tp_process_group",
+    "get_dp_process_group",
+    "get_rdp_process_group",
+    "get_mp_process_group",
+    "get_world_process_group",
+]
+
+GROUP_KINDS = ("pp", "tp", "dp", "rdp", "mp")
+
+
+def _mpi() -> Any:
+    from mpi4py import MPI
+
+    return MPI
+
+
+@dataclass
+class _State:
+    config: SMPConfig
+    topology: Topology
+    rank: int
+    size: int
+    coord: Coord
+    local_rank: int
+    local_size: int
+    device: torch.device
+    groups: dict[str, list[int]]
+    process_groups: dict[str, Any]
+    mpi_comms: dict[str, Any]
+    # Objects to close on re-init (pipeline runtimes, communicators).
+    closers: list[Any] = field(default_factory=list)
+
+
+_STATE: _State | None = None
+
+
+def is_initialized() -> bool:
+    """Whether :func:`init` has run in this process."""
+    return _STATE is not None
+
+
+def state() -> _State:
+    """The runtime state; raises :class:`NotInitializedError` before :func:`init`."""
+    if _STATE is None:
+        raise NotInitializedError("call smp.init(config) first")
+    return _STATE
+
+
+def _close_previous() -> None:
+    global _STATE
+    if _STATE is None:
+        return
+    for closer in reversed(_STATE.closers):
+        try:
+            closer()
+        except Exception:  # noqa: BLE001 - closing must not mask the new init
+            pass
+    for name, comm in _STATE.mpi_comms.items():
+        if name != "world_raw":
+            comm.Free()
+    _STATE = None
+
+
+def init(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> SMPConfig:
+    """Initialise smp: validate ``config``, start ``torch.distributed``, build the groups.
+
+    ``config`` is a dict, a path to a JSON file, or ``None`` to read the ``SMP_CONFIG``
+    environment variable (JSON text or a path). An invalid configuration raises
+    :class:`smp.ConfigError` on every rank before any communication. Calling ``init`` again
+    replaces the configuration (every rank must do so, in the same order).
+    """
+    global _STATE
+    mpi = _mpi()
+    world = mpi.COMM_WORLD
+    size = world.Get_size()
+    # Pure local validation first: nothing below runs if the configuration is wrong.
+    cfg = parse_config(config, size)
+    _close_previous()
+    rank = world.Get_rank()
+    init_torch_distributed(world, cfg.timeout_s)
+
+    node = world.Split_type(mpi.COMM_TYPE_SHARED, key=rank)
+    local_rank, local_size = node.Get_rank(), node.Get_size()
+    node.Free()
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+
+    topo = Topology(cfg.pp, cfg.tp, cfg.rdp, cfg.placement)
+    groups: dict[str, list[int]] = {"world": list(range(size))}
+    pgs: dict[str, Any] = {"world": dist.group.WORLD}
+    comms: dict[str, Any] = {"world_raw": world, "world": world.Dup()}
+    for kind in GROUP_KINDS:
+        mine = getattr(topo, f"{kind}_group")(rank)
+        groups[kind] = mine
+        # new_group must be called by every rank for every group, in the same order.
+        for members in topo.all_groups(kind):
+            pg = dist.new_group(ranks=members)
+            if members == mine:
+                pgs[kind] = pg
+        color = topo.all_groups(kind).index(mine)
+        comms[kind] = world.Split(color, key=rank)
+    _STATE = _State(
+        config=cfg,
+        topology=topo,
+        rank=rank,
+        size=size,
+        coord=topo.coord(rank),
+        local_rank=local_rank,
+        local_size=local_size,
+        device=device,
+        groups=groups,
+        process_groups=pgs,
+        mpi_comms=comms,
+    )
+    return cfg
+
+
+def rank() -> int:
+    """Global rank of this process."""
+    return state().rank
+
+
+def size() -> int:
+    """Number of processes in the job."""
+    return state().size
+
+
+def local_rank() -> int:
+    """Rank of this process among the processes on its node."""
+    return state().local_rank
+
+
+def local_size() -> int:
+    """Number of processes on this node."""
+    return state().local_size
+
+
+def _index(kind: str) -> int:
+    s = state()
+    return s.groups[kind].index(s.rank)
+
+
+def pp_rank() -> int:
+    """Index of this rank in its pipeline (its pipeline stage)."""
+    return _index("pp")
+
+
+def pp_size() -> int:
+    return state().config.pp
+
+
+def tp_rank() -> int:
+    """Index of this rank in its tensor-parallel group."""
+    return _index("tp")
+
+
+def tp_size() -> int:
+    return state().config.tp
+
+
+def dp_rank() -> int:
+    """Index of this rank in its data-parallel group (TP peers included)."""
+    return _index("dp")
+
+
+def dp_size() -> int:
+    return state().config.tp * state().config.rdp
+
+
+def rdp_rank() -> int:
+    """Index of this rank among the replicas holding identical parameters."""
+    return _index("rdp")
+
+
+def rdp_size() -> int:
+    return state().config.rdp
+
+
+def mp_rank() -> int:
+    """Index of this rank in its model-parallel group (one whole model replica)."""
+    return _index("mp")
+
+
+def mp_size() -> int:
+    return state().config.pp * state().config.tp
+
+
+def get_world_group() -> list[int]:
+    return list(state().groups["world"])
+
+
+def get_pp_group() -> list[int]:
+    """Global ranks of this rank's pipeline group."""
+    return list(state().groups["pp"])
+
+
+def get_tp_group() -> list[int]:
+    return list(state().groups["tp"])
+
+
+def get_dp_group() -> list[int]:
+    return list(state().groups["dp"])
+
+
+def get_rdp_group() -> list[int]:
+    return list(state().groups["rdp"])
+
+
+def get_mp_group() -> list[int]:
+    return list(state().groups["mp"])
+
+
+def get_world_process_group() -> Any:
+    return state().process_groups["world"]
+
+
+def get_pp_process_group() -> Any:
+    """The ``torch.distributed`` group of this rank's pipeline."""
+    return state().process_groups["pp"]
+
+
+def get_tp_process_group() -> Any:
+    return state().process_groups["tp"]
+
+
+def get_dp_process_group() -> Any:
+    return state().process_groups["dp"]
+
+
+def get_rdp_process_group() -> Any:
+    return state().process_groups["rdp"]
+
+
+def get_mp_process_group() -> Any:
+    return state().process_groups["mp"]

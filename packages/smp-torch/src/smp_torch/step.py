@@ -1,0 +1,216 @@
+"""``@smp.step``: run a training step once per microbatch and collect the outputs.
+
+The decorated function holds the forward pass, the loss and ``model.backward(loss)`` — but not
+the optimizer step. Each call splits its tensor arguments into ``microbatches`` slices (along
+axis 0, or the axis named in ``input_split_axes``; arguments named in ``non_split_inputs`` are
+passed whole to every microbatch), runs the function once per microbatch through the active
+:class:`~smp_torch.model.DistributedModel` (pipelined when ``pipeline_parallel_degree > 1``),
+and returns the function's result with every leaf replaced by a :class:`StepOutput` holding the
+per-microbatch values.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import fields, is_dataclass, replace
+from typing import Any, TypeVar, overload
+
+import torch
+
+from smp_torch.errors import SMPError
+
+__all__ = ["StepOutput", "step", "split_inputs", "tree_map"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def tree_map(fn: Callable[[Any], Any], obj: Any) -> Any:
+    """Apply ``fn`` to every leaf of nested tuples, lists, dicts and dataclasses."""
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(tree_map(fn, x) for x in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(tree_map(fn, x) for x in obj)
+    if isinstance(obj, Mapping) and not isinstance(obj, torch.Tensor):
+        try:
+            return type(obj)({k: tree_map(fn, v) for k, v in obj.items()})
+        except TypeError:
+            return {k: tree_map(fn, v) for k, v in obj.items()}
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return replace(obj, **{f.name: tree_map(fn, getattr(obj, f.name)) for f in fields(obj)})
+    return fn(obj)
+
+
+def _split_leaf(x: Any, n: int, axis: int, where: str) -> list[Any]:
+    if not isinstance(x, torch.Tensor):
+        return [x] * n
+    if x.dim() == 0:
+        return [x] * n
+    if not -x.dim() <= axis < x.dim():
+        raise SMPError(f"input {where}: split axis {axis} out of range for shape {tuple(x.shape)}")
+    length = x.shape[axis]
+    if length % n:
+        raise SMPError(
+            f"input {where}: size {length} along axis {axis} is not divisible by "
+            f"microbatches={n}; pass it in non_split_inputs or change the batch size"
+        )
+    return list(torch.chunk(x, n, dim=axis))
+
+
+def _split_tree(obj: Any, n: int, axis: int, where: str) -> list[Any]:
+    """Split every tensor leaf of ``obj`` into ``n`` pieces; returns ``n`` trees."""
+    leaves: list[Any] = []
+
+    def collect(x: Any) -> Any:
+        leaves.append(_split_leaf(x, n, axis, where))
+        return len(leaves) - 1
+
+    skeleton = tree_map(collect, obj)
+    return [tree_map(lambda i, m=m: leaves[i][m], skeleton) for m in range(n)]
+
+
+def split_inputs(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    microbatches: int,
+    non_split_inputs: Iterable[str] = (),
+    input_split_axes: Mapping[str, int] | None = None,
+) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """Split the arguments of a call to ``fn`` into per-microbatch ``(args, kwargs)``."""
+    axes = dict(input_split_axes or {})
+    whole = set(non_split_inputs)
+    try:
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+        names: list[str] | None = list(bound.arguments)
+        values = list(bound.arguments.values())
+    except (TypeError, ValueError):
+        bound, names, values = None, None, [*args, *kwargs.values()]
+    if names is not None:
+        unknown = (whole | set(axes)) - set(names)
+        if unknown:
+            raise SMPError(f"non_split_inputs/input_split_axes name unknown arguments {unknown}")
+    per_arg: list[list[Any]] = []
+    for i, value in enumerate(values):
+        name = names[i] if names is not None else str(i)
+        if name in whole or microbatches == 1:
+            per_arg.append([value] * microbatches)
+        else:
+            per_arg.append(_split_tree(value, microbatches, axes.get(name, 0), repr(name)))
+    out: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+    for m in range(microbatches):
+        if bound is not None:
+            b = bound.signature.bind_partial()
+            for i, name in enumerate(names or []):
+                b.arguments[name] = per_arg[i][m]
+            out.append((tuple(b.args), dict(b.kwargs)))
+        else:
+            n_pos = len(args)
+            vals = [p[m] for p in per_arg]
+            out.append((tuple(vals[:n_pos]), dict(zip(kwargs, vals[n_pos:]))))
+    return out
+
+
+class StepOutput:
+    """One value of a step, for every microbatch (``outputs[i]`` is microbatch ``i``'s)."""
+
+    def __init__(self, outputs: list[Any]) -> None:
+        self.outputs = list(outputs)
+
+    def __len__(self) -> int:
+        return len(self.outputs)
+
+    def __repr__(self) -> str:
+        return f"StepOutput({self.outputs!r})"
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [o if isinstance(o, torch.Tensor) else torch.as_tensor(o) for o in self.outputs]
+
+    def reduce_mean(self) -> torch.Tensor:
+        """Mean over microbatches (of this rank; not across data-parallel ranks)."""
+        return torch.stack(self._tensors()).mean(dim=0)
+
+    def reduce_sum(self) -> torch.Tensor:
+        """Sum over microbatches."""
+        return torch.stack(self._tensors()).sum(dim=0)
+
+    def concat(self, dim: int = 0) -> torch.Tensor:
+        """The microbatch values concatenated along ``dim`` (undoes the input split)."""
+        return torch.cat(self._tensors(), dim=dim)
+
+    def stack(self, dim: int = 0) -> torch.Tensor:
+        """The microbatch values stacked along a new ``dim``."""
+        return torch.stack(self._tensors(), dim=dim)
+
+
+def _detach(x: Any) -> Any:
+    return x.detach() if isinstance(x, torch.Tensor) else x
+
+
+def collect_outputs(per_microbatch: list[Any]) -> Any:
+    """Turn ``[out_mb0, out_mb1, ...]`` into ``out`` with each leaf a :class:`StepOutput`."""
+    if not per_microbatch:
+        return None
+    flat: list[list[Any]] = []
+
+    def gather(x: Any) -> Any:
+        flat.append([])
+        return len(flat) - 1
+
+    skeleton = tree_map(gather, per_microbatch[0])
+    for out in per_microbatch:
+        leaves: list[Any] = []
+        tree_map(lambda x: leaves.append(_detach(x)), out)
+        if len(leaves) != len(flat):
+            raise SMPError("the step function returned differently structured outputs")
+        for i, leaf in enumerate(leaves):
+            flat[i].append(leaf)
+    return tree_map(lambda i: StepOutput(flat[i]), skeleton)
+
+
+@overload
+def step(fn: F) -> F: ...
+
+
+@overload
+def step(
+    fn: None = None,
+    *,
+    non_split_inputs: Iterable[str] | None = None,
+    input_split_axes: Mapping[str, int] | None = None,
+) -> Callable[[F], F]: ...
+
+
+def step(
+    fn: Callable[..., Any] | None = None,
+    *,
+    non_split_inputs: Iterable[str] | None = None,
+    input_split_axes: Mapping[str, int] | None = None,
+) -> Any:
+    """Decorate a training (or evaluation) step; see the module docstring.
+
+    Usable bare (``@smp.step``) or with arguments
+    (``@smp.step(non_split_inputs=["mask"], input_split_axes={"x": 1})``).
+    """
+
+    def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
+        whole = tuple(non_split_inputs or ())
+        axes = dict(input_split_axes or {})
+
+        @functools.wraps(f)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            from smp_torch.model import current_model
+            from smp_torch.state import state
+
+            model = current_model()
+            m = state().config.microbatches
+            mbs = split_inputs(f, args, kwargs, m, whole, axes)
+            return collect_outputs(model._run_step(f, mbs))
+
+        wrapper.__smp_step__ = True  # type: ignore[attr-defined]
+        return wrapper
+
+    if fn is not None:
+        return decorate(fn)
+    return decorate

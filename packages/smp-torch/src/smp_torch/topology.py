@@ -1,0 +1,105 @@
+"""Rank layout: which global rank plays which (data, pipeline, tensor) coordinate.
+
+The placement is a permutation of ``"DPT"``; reading it right to left, each letter's
+parallelism is performed over ranks that are closer together. ``"cluster"`` is ``"DPT"``:
+tensor-parallel peers are neighbours, then pipeline stages, and replicas are furthest apart.
+``"spread"`` is ``"TPD"``: replicas are neighbours and tensor-parallel peers furthest apart.
+
+With degrees ``pp, tp, rdp`` and the placement string ``XYZ``, a rank's coordinates are the
+mixed-radix digits of the rank with ``Z`` varying fastest::
+
+    rank = x * (deg(Y) * deg(Z)) + y * deg(Z) + z
+
+Groups (each a sorted list of global ranks):
+
+- ``PP_GROUP``: same (d, t), all p — one pipeline.
+- ``TP_GROUP``: same (d, p), all t.
+- ``RDP_GROUP``: same (p, t), all d — the ranks that hold identical parameters.
+- ``DP_GROUP``: same p, all (d, t) — ``TP_GROUP`` is a subset of it (TP across DP).
+- ``MP_GROUP``: same d, all (p, t) — one full model replica.
+
+Ranks inside a group are ordered by global rank, so ``tp_rank`` is the index of this rank in
+its ``TP_GROUP`` and so on. In particular ``dp_rank`` orders the data shards of a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+
+__all__ = ["Coord", "Topology"]
+
+
+@dataclass(frozen=True)
+class Coord:
+    """A rank's coordinates: reduced-data-parallel, pipeline and tensor index."""
+
+    d: int
+    p: int
+    t: int
+
+
+class Topology:
+    """Pure rank arithmetic for ``pp * tp * rdp`` ranks under a placement (no communication)."""
+
+    def __init__(self, pp: int, tp: int, rdp: int, placement: str = "DPT") -> None:
+        if sorted(placement) != ["D", "P", "T"]:
+            raise ValueError(f"placement must be a permutation of 'DPT', got {placement!r}")
+        self.pp, self.tp, self.rdp = pp, tp, rdp
+        self.placement = placement
+        self.size = pp * tp * rdp
+        self._deg = {"D": rdp, "P": pp, "T": tp}
+        self._coords = [self._coord_of(r) for r in range(self.size)]
+        self._rank_of = {c: r for r, c in enumerate(self._coords)}
+
+    def _coord_of(self, rank: int) -> Coord:
+        digits: dict[str, int] = {}
+        rest = rank
+        for letter in reversed(self.placement):
+            digits[letter] = rest % self._deg[letter]
+            rest //= self._deg[letter]
+        return Coord(d=digits["D"], p=digits["P"], t=digits["T"])
+
+    def coord(self, rank: int) -> Coord:
+        """Coordinates of a global rank."""
+        return self._coords[rank]
+
+    def rank(self, d: int, p: int, t: int) -> int:
+        """Global rank at the given coordinates."""
+        return self._rank_of[Coord(d, p, t)]
+
+    def _group(self, rank: int, vary: str) -> list[int]:
+        c = self.coord(rank)
+        fixed = {"d": c.d, "p": c.p, "t": c.t}
+        ranges = {k: [v] for k, v in fixed.items()}
+        for letter in vary:
+            key = letter.lower()
+            ranges[key] = list(range(self._deg[letter]))
+        ranks = [self.rank(d, p, t) for d, p, t in product(ranges["d"], ranges["p"], ranges["t"])]
+        return sorted(ranks)
+
+    def pp_group(self, rank: int) -> list[int]:
+        return self._group(rank, "P")
+
+    def tp_group(self, rank: int) -> list[int]:
+        return self._group(rank, "T")
+
+    def rdp_group(self, rank: int) -> list[int]:
+        return self._group(rank, "D")
+
+    def dp_group(self, rank: int) -> list[int]:
+        return self._group(rank, "DT")
+
+    def mp_group(self, rank: int) -> list[int]:
+        return self._group(rank, "PT")
+
+    def all_groups(self, kind: str) -> list[list[int]]:
+        """Every distinct group of a kind (``"pp"``, ``"tp"``, ``"rdp"``, ``"dp"``, ``"mp"``),
+        in a fixed order that is the same on every rank."""
+        fn = getattr(self, f"{kind}_group")
+        seen: list[list[int]] = []
+        for r in range(self.size):
+            g = fn(r)
+            if g not in seen:
+                seen.append(g)
+        return seen

@@ -1,0 +1,53 @@
+"""The umbrella's use of smp-tp: parallelize a model, classify parameters, gather weights."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["parallelize", "is_distributed", "full_state_dict", "load_full_state_dict"]
+
+
+def _smp_tp() -> Any:
+    import smp_tp
+
+    return smp_tp
+
+
+def parallelize(module: nn.Module, tp_group: Any, prescaled_batch: bool, optimize: str) -> nn.Module:
+    """Replace the marked submodules of ``module`` by smp-tp's distributed modules."""
+    return _smp_tp().parallelize(
+        module, tp_group=tp_group, prescaled_batch=prescaled_batch, optimize=optimize
+    )
+
+
+def is_distributed(param: torch.Tensor) -> bool:
+    """Whether a parameter is a tensor-parallel shard (differs across TP ranks)."""
+    tp = _smp_tp()
+    fn = getattr(tp, "is_distributed_parameter", None)
+    if fn is not None:
+        return bool(fn(param))
+    return bool(getattr(param, "_smp_tp_distributed", False) or getattr(param, "distributed", False))
+
+
+def full_state_dict(module: nn.Module, tp_size: int) -> dict[str, torch.Tensor]:
+    """The unwrapped model's state dict (TP shards gathered when ``tp_size > 1``)."""
+    if tp_size > 1:
+        return dict(_smp_tp().full_state_dict(module))
+    return dict(module.state_dict())
+
+
+def load_full_state_dict(
+    module: nn.Module, sd: dict[str, torch.Tensor], tp_size: int, strict: bool = True
+) -> None:
+    """Load an unwrapped model's state dict, slicing TP shards when ``tp_size > 1``."""
+    if tp_size > 1:
+        tp = _smp_tp()
+        try:
+            tp.load_full_state_dict(module, sd, strict=strict)
+        except TypeError:
+            tp.load_full_state_dict(module, sd)
+    else:
+        module.load_state_dict(sd, strict=strict)

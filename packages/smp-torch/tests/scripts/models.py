@@ -1,0 +1,59 @@
+"""Small models used by the multi-process tests (built identically on every rank)."""
+
+from __future__ import annotations
+
+import smp_torch as smp
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, HIDDEN, SEQ = 16, 8, 4
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(hidden, 4 * hidden)
+        self.fc2 = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.fc2(F.gelu(self.fc1(h)))
+
+
+class TinyLM(nn.Module):
+    """Embedding, two residual MLP blocks, layer norm, head tied to the embedding."""
+
+    def __init__(self, tp: bool = False, tied: bool = True, layers: int = 2) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, HIDDEN)
+        with smp.tensor_parallelism(enabled=tp) if tp else _null():
+            self.blocks = nn.ModuleList([MLPBlock(HIDDEN) for _ in range(layers)])
+        self.ln = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.ln(h))
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def global_batch(step: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randint(0, VOCAB, (batch, SEQ), generator=g)
+    y = torch.randint(0, VOCAB, (batch, SEQ), generator=g)
+    return x, y
