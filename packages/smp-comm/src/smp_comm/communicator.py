@@ -1,0 +1,705 @@
+"""The :class:`Communicator`: on-demand tensor messages over MPI and direct paths.
+
+Threads (paper, Appendix G), each consuming one queue of messages:
+
+``router``     (CommInitiator) serializes an outgoing object, picks its path and, for a
+               direct path, reserves room in the destination's persistent buffer;
+``direct``     (D2D send) copies the payload into the reserved region (shm memcpy, RMA
+               ``Put``, CUDA IPC copy), then posts the header;
+``requester``  (CommPreprocessing + CommRequester) stages GPU tensors to host and posts the
+               header and payload ``Isend``\\ s of the MPI path;
+``tracker``    (CommTracker) tests every outstanding MPI request, probes for incoming
+               control messages (``Improbe`` + ``Mrecv``: never a blind receive), matches
+               headers to posted receives and posts the payload ``Irecv``\\ s;
+``postproc``   (CommPostprocessing, D2D recv) copies payloads out of the receive buffer,
+               frees the region (a ``FREE`` message back to the sender), rebuilds the object.
+
+Matching semantics are MPI's: a header is matched, in arrival order, against the posted
+receives in the order they were posted (the first posted receive whose source and tag
+accept it wins); a header nobody waits for joins the unexpected queue, which a later
+``irecv`` searches oldest first. Messages from one sender are matched in the order sent.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from smp_comm.errors import CommClosedError, CommError, PeerClosedError
+from smp_comm.handles import RecvHandle, SendHandle
+from smp_comm.paths import DirectPaths
+from smp_comm.serialize import Packed, TensorStub, finish_tensor, new_buffers, pack, torch, unpack
+from smp_comm.settings import PATHS, CommSettings
+
+__all__ = ["ANY_SOURCE", "ANY_TAG", "Communicator"]
+
+ANY_SOURCE: int = MPI.ANY_SOURCE
+ANY_TAG: int = MPI.ANY_TAG
+
+# Control-message tags on the private control communicator.
+_T_HEADER, _T_FREE, _T_BYE, _T_DRAINED = 1, 2, 3, 4
+_STOP = object()  # queue sentinel
+
+
+@dataclass
+class _Send:
+    """An outgoing message as it moves between threads."""
+
+    handle: SendHandle
+    dest: int
+    tag: int
+    obj: Any
+    msg_id: int
+    cuda_event: Any = None
+    packed: Packed | None = None
+    path: str = "mpi"
+    region: int = -1
+
+
+@dataclass
+class _Incoming:
+    """An incoming message, from its header until its object is rebuilt."""
+
+    source: int
+    tag: int
+    msg_id: int
+    path: str
+    region: int
+    skeleton: bytes
+    stubs: list[TensorStub]
+    inline: list[bytes] | None
+    finals: list[Any] = field(default_factory=list)
+    views: list[np.ndarray] = field(default_factory=list)
+    handle: RecvHandle | None = None
+    done: bool = False
+    result: Any = None
+    error: BaseException | None = None
+
+
+@dataclass
+class _Tracked:
+    """MPI requests the tracker tests; ``on_done`` runs in the tracker once all completed."""
+
+    requests: list[MPI.Request]
+    on_done: Callable[[], None]
+
+
+class Communicator:
+    """Tensor message backend over an MPI communicator (any intra-communicator).
+
+    Construction and :meth:`close` are collective over ``mpi_comm``; ``isend``/``irecv`` are
+    not, and may be called from any number of threads. See the module docstring for the
+    threads and the matching rules, and :mod:`smp_comm.settings` for the keyword arguments.
+    """
+
+    def __init__(
+        self,
+        mpi_comm: MPI.Comm | None = None,
+        *,
+        buffer_bytes: int | str | None = None,
+        gpu_buffer_bytes: int | str | None = None,
+        inline_bytes: int | str | None = None,
+        disable: str | set[str] | frozenset[str] | list[str] | tuple[str, ...] | None = None,
+        node_id: str | int | None = None,
+        close_timeout: float | None = None,
+        poll_spin: float | None = None,
+    ) -> None:
+        base = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise CommError(
+                "smp-comm needs MPI initialized with MPI_THREAD_MULTIPLE "
+                f"(got level {MPI.Query_thread()}); do not lower mpi4py.rc.thread_level"
+            )
+        if base.Is_inter():
+            raise CommError("smp-comm needs an intra-communicator, got an inter-communicator")
+        self.rank: int = base.Get_rank()
+        self.size: int = base.Get_size()
+        self.settings = CommSettings.resolve(
+            self.rank,
+            buffer_bytes=buffer_bytes,
+            gpu_buffer_bytes=gpu_buffer_bytes,
+            inline_bytes=inline_bytes,
+            disable=disable,
+            node_id=node_id,
+            close_timeout=close_timeout,
+            poll_spin=poll_spin,
+        )
+        # Collective set-up, in the same order on every rank: private communicators for
+        # control messages and for MPI-path payloads, then the persistent direct buffers.
+        self._cc: MPI.Intracomm = base.Dup()
+        self._dc: MPI.Intracomm = base.Dup()
+        self._tag_ub: int = int(self._cc.Get_attr(MPI.TAG_UB))
+        self._paths = DirectPaths(self._cc, self.settings)
+
+        self._closing = False
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._fatal: BaseException | None = None
+        self._msg_ids = itertools.count()
+        self._stats_lock = threading.Lock()
+        self._stats = {
+            p: {"messages_sent": 0, "bytes_sent": 0, "messages_received": 0, "bytes_received": 0}
+            for p in PATHS
+        }
+        self._fallbacks = 0
+
+        # Matching state (guarded by _match_lock).
+        self._match_lock = threading.Lock()
+        self._posted: list[RecvHandle] = []
+        self._unexpected: list[_Incoming] = []
+        self._live_incs: dict[int, _Incoming] = {}  # id -> message not yet rebuilt
+        self._bye_from: set[int] = set()
+        self._drained_from: set[int] = set()
+        self._open_sends: set[SendHandle] = set()
+
+        self._router_q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._direct_q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._requester_q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._track_q: queue.SimpleQueue[_Tracked] = queue.SimpleQueue()
+        self._post_q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._wake = threading.Event()  # nudges the tracker out of its idle sleep
+        self._tracker_stop = threading.Event()
+        self._inflight_recv = 0  # incoming messages not yet rebuilt (tracker/postproc)
+
+        self._threads = [
+            threading.Thread(target=self._guard(self._router_loop), name="smp-comm-router"),
+            threading.Thread(target=self._guard(self._direct_loop), name="smp-comm-direct"),
+            threading.Thread(target=self._guard(self._requester_loop), name="smp-comm-requester"),
+            threading.Thread(target=self._guard(self._tracker_loop), name="smp-comm-tracker"),
+            threading.Thread(target=self._guard(self._postproc_loop), name="smp-comm-postproc"),
+        ]
+        for t in self._threads:
+            t.daemon = True
+            t.start()
+        _LIVE.add(self)
+
+    # ------------------------------------------------------------------ public API
+
+    def isend(self, obj: Any, dest: int, tag: int = 0) -> SendHandle:
+        """Start sending ``obj`` (any picklable structure of tensors/arrays) to ``dest``.
+
+        Returns at once. The tensors in ``obj`` must not be modified until the handle's
+        ``wait()`` returns (as with ``MPI_Isend``).
+        """
+        self._check_open()
+        self._check_rank(dest, "dest")
+        if not isinstance(tag, int) or tag < 0:
+            raise ValueError(f"smp-comm isend: tag must be an int >= 0, got {tag!r}")
+        handle = SendHandle(dest, tag, self.rank)
+        if dest in self._bye_from:
+            handle._complete(error=self._peer_closed(dest, f"send (tag {tag})"))
+            return handle
+        op = _Send(handle, dest, tag, obj, next(self._msg_ids))
+        if torch is not None and torch.cuda.is_available():
+            # The payload may still be being computed on the caller's stream: record an
+            # event there so the copying threads wait for it (not for later work).
+            op.cuda_event = torch.cuda.Event()
+            op.cuda_event.record()
+        with self._match_lock:
+            self._open_sends.add(handle)
+        self._router_q.put(op)
+        return handle
+
+    def irecv(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> RecvHandle:
+        """Post a receive; ``wait()`` returns ``(obj, source, tag)``.
+
+        ``source``/``tag`` may be :data:`ANY_SOURCE`/:data:`ANY_TAG`. When several posted
+        receives accept a message, the one posted first gets it (MPI's rule).
+        """
+        self._check_open()
+        if source != ANY_SOURCE:
+            self._check_rank(source, "source")
+        if not isinstance(tag, int) or (tag < 0 and tag != ANY_TAG):
+            raise ValueError(f"smp-comm irecv: tag must be an int >= 0 or ANY_TAG, got {tag!r}")
+        handle = RecvHandle(source, tag, self.rank, self._cancel)
+        with self._match_lock:
+            for i, inc in enumerate(self._unexpected):
+                if _accepts(handle, inc):
+                    del self._unexpected[i]
+                    self._bind(handle, inc)
+                    return handle
+            err = self._unreachable(source)
+            if err is not None:
+                handle._complete(error=err)
+                return handle
+            self._posted.append(handle)
+        return handle
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Messages and payload bytes per path: ``{"mpi": {...}, "shm": ..., "cuda_ipc": ...,
+        "rma": ...}``; each holds ``messages``/``bytes`` (sent + received) and the
+        ``*_sent``/``*_received`` parts; ``mpi`` also counts ``fallbacks`` (messages that a
+        direct path could have carried but whose destination buffer lacked room)."""
+        with self._stats_lock:
+            out = {}
+            for p, s in self._stats.items():
+                d = dict(s)
+                d["messages"] = s["messages_sent"] + s["messages_received"]
+                d["bytes"] = s["bytes_sent"] + s["bytes_received"]
+                out[p] = d
+            out["mpi"]["fallbacks"] = self._fallbacks
+            return out
+
+    def path_to(self, dest: int, device: str = "cpu") -> str:
+        """The path a large payload on ``device`` would take to ``dest`` with room to spare."""
+        self._check_rank(dest, "dest")
+        on_gpu = device.startswith("cuda")
+        for p in self._paths.candidates(dest, all_gpu=on_gpu, any_gpu=on_gpu):
+            return p
+        return "mpi"
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self, timeout: float | None = None) -> None:
+        """Collective: finish this rank's sends, tell every peer, serve their last messages,
+        join every thread and free windows and communicators. Idempotent.
+
+        A receive still posted fails with :class:`CommClosedError`. Raises
+        :class:`CommError` (naming the ranks) if peers do not close within ``timeout``
+        (default ``settings.close_timeout``); then windows are left to process exit.
+        """
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closing = True
+            limit = self.settings.close_timeout if timeout is None else timeout
+            deadline = time.monotonic() + limit
+            try:
+                self._close_protocol(deadline)
+            finally:
+                self._closed = True
+                _LIVE.discard(self)
+
+    def __enter__(self) -> Communicator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _check_open(self) -> None:
+        if self._closing:
+            raise CommClosedError(f"smp-comm rank {self.rank}: the Communicator is closed")
+        if self._fatal is not None:
+            raise CommError(f"smp-comm rank {self.rank}: backend failed: {self._fatal!r}")
+
+    def _check_rank(self, r: int, what: str) -> None:
+        if not isinstance(r, int) or not 0 <= r < self.size:
+            raise ValueError(
+                f"smp-comm rank {self.rank}: {what}={r!r} is not a rank of a communicator of size {self.size}"
+            )
+
+    def _peer_closed(self, peer: int, what: str) -> PeerClosedError:
+        return PeerClosedError(
+            f"smp-comm rank {self.rank}: {what}: rank {peer} has closed its Communicator", peer
+        )
+
+    def _unreachable(self, source: int) -> BaseException | None:
+        """Error for a receive that can never be matched any more (caller holds _match_lock)."""
+        if self._fatal is not None:
+            return CommError(f"smp-comm rank {self.rank}: backend failed: {self._fatal!r}")
+        if source == ANY_SOURCE:
+            others = set(range(self.size)) - {self.rank}
+            if others and others <= self._bye_from:
+                return CommError(
+                    f"smp-comm rank {self.rank}: receive from any rank: every other rank "
+                    f"({sorted(others)}) has closed its Communicator"
+                )
+            return None
+        if source in self._bye_from:
+            return self._peer_closed(source, "receive")
+        return None
+
+    def _cancel(self, handle: RecvHandle) -> bool:
+        with self._match_lock:
+            if handle in self._posted:
+                self._posted.remove(handle)
+                handle._complete(error=CommError(f"smp-comm rank {self.rank}: receive cancelled"))
+                return True
+        return False
+
+    def _bind(self, handle: RecvHandle, inc: _Incoming) -> None:
+        """Attach a receive to a message (caller holds _match_lock)."""
+        inc.handle = handle
+        if inc.done:
+            self._deliver(inc)
+
+    def _deliver(self, inc: _Incoming) -> None:
+        assert inc.handle is not None
+        if inc.error is not None:
+            inc.handle._complete(error=inc.error)
+        else:
+            inc.handle._complete(result=(inc.result, inc.source, inc.tag))
+
+    def _count(self, path: str, direction: str, nbytes: int) -> None:
+        with self._stats_lock:
+            s = self._stats[path]
+            s[f"messages_{direction}"] += 1
+            s[f"bytes_{direction}"] += nbytes
+
+    def _guard(self, loop: Callable[[], None]) -> Callable[[], None]:
+        """Run a thread loop; if it dies, fail every waiter instead of leaving it hanging."""
+
+        def run() -> None:
+            try:
+                loop()
+            except BaseException as exc:  # noqa: BLE001 - reported to every waiter
+                self._fatal = exc
+                err = CommError(f"smp-comm rank {self.rank}: backend thread failed: {exc!r}")
+                with self._match_lock:
+                    for h in self._posted:
+                        h._complete(error=err)
+                    self._posted.clear()
+                    for h in list(self._open_sends):
+                        h._complete(error=err)
+                    for inc in self._live_incs.values():
+                        if inc.handle is not None:
+                            inc.handle._complete(error=err)
+                raise
+
+        return run
+
+    def _send_done(self, op: _Send, nbytes: int, error: BaseException | None = None) -> None:
+        if error is None:
+            self._count(op.path, "sent", nbytes)
+        op.handle._complete(error=error)
+        with self._match_lock:
+            self._open_sends.discard(op.handle)
+
+    def _track(self, requests: list[MPI.Request], on_done: Callable[[], None]) -> None:
+        self._track_q.put(_Tracked(requests, on_done))
+        self._wake.set()
+
+    def _post_header(self, op: _Send, header: tuple[Any, ...], extra: list[MPI.Request]) -> None:
+        """Send the header (and any payload requests already posted) and track them all."""
+        assert op.packed is not None
+        req = self._cc.isend(header, dest=op.dest, tag=_T_HEADER)
+        nbytes = op.packed.nbytes
+        self._track([req, *extra], lambda: self._send_done(op, nbytes))
+
+    # ------------------------------------------------------------------ send side threads
+
+    def _router_loop(self) -> None:
+        while (op := self._router_q.get()) is not _STOP:
+            try:
+                self._route(op)
+            except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable object
+                self._send_done(
+                    op,
+                    0,
+                    CommError(
+                        f"smp-comm rank {self.rank}: cannot send to rank {op.dest} (tag {op.tag}): {exc!r}"
+                    ),
+                )
+
+    def _route(self, op: _Send) -> None:
+        if op.dest in self._bye_from:
+            self._send_done(op, 0, self._peer_closed(op.dest, f"send (tag {op.tag})"))
+            return
+        op.packed = packed = pack(op.obj)
+        op.obj = None
+        if packed.nbytes <= self.settings.inline_bytes and not any(packed.on_gpu()):
+            # Small payload: it rides inside the header (one MPI message in all).
+            inline = [bytes(s) for s in packed.sources]
+            header = (op.msg_id, op.tag, "mpi", -1, packed.skeleton, packed.stubs, inline)
+            op.path = "mpi"
+            self._post_header(op, header, [])
+            return
+        gpu = packed.on_gpu()
+        candidates = self._paths.candidates(op.dest, all_gpu=all(gpu), any_gpu=any(gpu))
+        for path in candidates:
+            region = self._paths.reserve(path, op.dest, packed.region_bytes)
+            if region is not None:
+                op.path, op.region = path, region
+                self._direct_q.put(op)
+                return
+        if candidates:
+            with self._stats_lock:
+                self._fallbacks += 1
+        op.path = "mpi"
+        self._requester_q.put(op)
+
+    def _direct_loop(self) -> None:
+        while (op := self._direct_q.get()) is not _STOP:
+            assert op.packed is not None
+            if op.cuda_event is not None:
+                op.cuda_event.synchronize()
+            try:
+                self._paths.write(op.path, op.dest, op.region, op.packed)
+            except Exception as exc:  # noqa: BLE001
+                self._paths.release(op.path, op.dest, op.region)
+                self._send_done(
+                    op,
+                    0,
+                    CommError(
+                        f"smp-comm rank {self.rank}: {op.path} write to rank {op.dest} failed: {exc!r}"
+                    ),
+                )
+                continue
+            p = op.packed
+            header = (op.msg_id, op.tag, op.path, op.region, p.skeleton, p.stubs, None)
+            self._post_header(op, header, [])
+
+    def _requester_loop(self) -> None:
+        while (op := self._requester_q.get()) is not _STOP:
+            p = op.packed
+            assert p is not None
+            if any(p.on_gpu()):
+                if op.cuda_event is not None:
+                    op.cuda_event.synchronize()
+                # Host staging (CommPreprocessing): MPI reads host memory only.
+                p.sources = [
+                    s.cpu().numpy() if not isinstance(s, np.ndarray) else s for s in p.sources
+                ]
+            header = (op.msg_id, op.tag, "mpi", -1, p.skeleton, p.stubs, None)
+            data_tag = op.msg_id % (self._tag_ub + 1)
+            # Header first, then payloads: the receiver posts matching Irecvs on the header.
+            reqs = [
+                self._dc.Isend([src, MPI.BYTE], dest=op.dest, tag=data_tag)
+                for src in p.sources
+                if src.size
+            ]
+            self._post_header(op, header, reqs)
+
+    # ------------------------------------------------------------------ tracker
+
+    def _tracker_loop(self) -> None:
+        active: list[_Tracked] = []
+        status = MPI.Status()
+        last_event = time.monotonic()
+        sleep = 0.0
+        while not (self._tracker_stop.is_set() and not active):
+            busy = False
+            while True:
+                try:
+                    active.append(self._track_q.get_nowait())
+                    busy = True
+                except queue.Empty:
+                    break
+            still = []
+            for t in active:
+                if MPI.Request.Testall(t.requests):
+                    t.on_done()
+                    busy = True
+                else:
+                    still.append(t)
+            active = still
+            for _ in range(64):
+                msg = self._cc.improbe(ANY_SOURCE, ANY_TAG, status)
+                if msg is None:
+                    break
+                self._on_control(status.Get_source(), status.Get_tag(), msg.recv())
+                busy = True
+            now = time.monotonic()
+            if busy:
+                last_event, sleep = now, 0.0
+            elif now - last_event < self.settings.poll_spin:
+                time.sleep(0)  # yield the GIL, keep polling
+            else:
+                # Idle: back off up to 1 ms; new local work wakes us at once.
+                sleep = min(1e-3, max(2e-5, sleep * 2))
+                if self._wake.wait(sleep):
+                    self._wake.clear()
+                    last_event = time.monotonic()
+
+    def _on_control(self, source: int, tag: int, body: Any) -> None:
+        if tag == _T_HEADER:
+            msg_id, utag, path, region, skeleton, stubs, inline = body
+            inc = _Incoming(source, utag, msg_id, path, region, skeleton, stubs, inline)
+            self._on_header(inc)
+        elif tag == _T_FREE:
+            path, region = body
+            self._paths.release(path, source, region)
+        elif tag == _T_BYE:
+            self._on_bye(source)
+        elif tag == _T_DRAINED:
+            with self._match_lock:
+                self._drained_from.add(source)
+        else:  # pragma: no cover - only our own tags travel on this communicator
+            raise CommError(
+                f"smp-comm rank {self.rank}: unknown control tag {tag} from rank {source}"
+            )
+
+    def _on_header(self, inc: _Incoming) -> None:
+        with self._match_lock:
+            self._inflight_recv += 1
+            self._live_incs[id(inc)] = inc
+            for i, h in enumerate(self._posted):
+                if _accepts(h, inc):
+                    del self._posted[i]
+                    inc.handle = h
+                    break
+            else:
+                self._unexpected.append(inc)
+        if inc.path == "mpi" and inc.inline is None:
+            try:
+                inc.finals, inc.views = new_buffers(inc.stubs, self.rank)
+            except Exception as exc:  # noqa: BLE001 - e.g. torch missing here
+                inc.finals, inc.views = [], []
+                inc.error = CommError(str(exc))
+            data_tag = inc.msg_id % (self._tag_ub + 1)
+            if inc.error is None:
+                reqs = [
+                    self._dc.Irecv([v, MPI.BYTE], source=inc.source, tag=data_tag)
+                    for v in inc.views
+                    if v.size
+                ]
+            else:  # still drain the payload so the sender completes
+                reqs = [
+                    self._dc.Irecv(
+                        [np.empty(s.nbytes, np.uint8), MPI.BYTE], source=inc.source, tag=data_tag
+                    )
+                    for s in inc.stubs
+                    if s.nbytes
+                ]
+            self._track(reqs, lambda: self._post_q.put(inc))
+        else:
+            self._post_q.put(inc)
+
+    def _on_bye(self, source: int) -> None:
+        """``source`` closed: it will send nothing more, so fail receives that need it."""
+        with self._match_lock:
+            self._bye_from.add(source)
+            keep = []
+            for h in self._posted:
+                err = self._unreachable(h.peer)
+                if err is not None:
+                    h._complete(error=err)
+                else:
+                    keep.append(h)
+            self._posted = keep
+
+    # ------------------------------------------------------------------ receive side
+
+    def _postproc_loop(self) -> None:
+        while (inc := self._post_q.get()) is not _STOP:
+            self._finish(inc)
+
+    def _finish(self, inc: _Incoming) -> None:
+        try:
+            if inc.error is None:
+                values = self._payload(inc)
+                values = [finish_tensor(s, v) for s, v in zip(inc.stubs, values)]
+                inc.result = unpack(inc.skeleton, values)
+                self._count(inc.path, "received", sum(s.nbytes for s in inc.stubs))
+        except Exception as exc:  # noqa: BLE001 - delivered to the waiter
+            inc.error = CommError(
+                f"smp-comm rank {self.rank}: cannot rebuild message from rank {inc.source} "
+                f"(tag {inc.tag}): {exc!r}"
+            )
+        finally:
+            if inc.path != "mpi":
+                # Give the region back to the sender that reserved it.
+                req = self._cc.isend((inc.path, inc.region), dest=inc.source, tag=_T_FREE)
+                self._track([req], _nothing)
+        with self._match_lock:
+            inc.done = True
+            self._inflight_recv -= 1
+            self._live_incs.pop(id(inc), None)
+            if inc.handle is not None:
+                self._deliver(inc)
+
+    def _payload(self, inc: _Incoming) -> list[Any]:
+        if inc.path == "mpi":
+            if inc.inline is None:
+                return inc.finals
+            finals, views = new_buffers(inc.stubs, self.rank)
+            for v, b in zip(views, inc.inline):
+                v[:] = np.frombuffer(b, dtype=np.uint8)
+            return finals
+        return self._paths.read(inc.path, inc.region, inc.stubs, inc.source)
+
+    # ------------------------------------------------------------------ close
+
+    def _close_protocol(self, deadline: float) -> None:
+        def wait_for(done: Callable[[], bool], describe: Callable[[], str]) -> None:
+            while not done():
+                if self._fatal is not None:
+                    raise CommError(f"smp-comm rank {self.rank}: backend failed: {self._fatal!r}")
+                if time.monotonic() > deadline:
+                    raise CommError(
+                        f"smp-comm rank {self.rank}: close() timed out waiting for {describe()}"
+                    )
+                time.sleep(1e-3)
+
+        everyone = set(range(self.size))
+        try:
+            # 1. Our sends finish (the peers' trackers keep serving us meanwhile).
+            wait_for(
+                lambda: not self._open_sends,
+                lambda: f"sends to ranks {sorted({h.peer for h in self._open_sends})} to complete",
+            )
+            # 2. BYE: nothing more will come from us. MPI keeps per-sender order, so once a
+            #    peer's BYE is here all its headers are here too.
+            self._track([self._cc.isend(None, dest=r, tag=_T_BYE) for r in everyone], _nothing)
+            wait_for(
+                lambda: self._bye_from == everyone,
+                lambda: f"ranks {sorted(everyone - self._bye_from)} to call close()",
+            )
+            # 3. DRAINED: every payload for us has arrived and every FREE has been sent.
+            wait_for(lambda: self._inflight_recv == 0, lambda: "incoming payloads")
+            self._track([self._cc.isend(None, dest=r, tag=_T_DRAINED) for r in everyone], _nothing)
+            wait_for(
+                lambda: self._drained_from == everyone,
+                lambda: f"ranks {sorted(everyone - self._drained_from)} to drain",
+            )
+        except BaseException:
+            self._stop_threads()
+            raise
+        self._stop_threads()
+        with self._match_lock:
+            for h in self._posted:
+                h._complete(
+                    error=CommClosedError(f"smp-comm rank {self.rank}: closed while receiving")
+                )
+            self._posted.clear()
+            self._unexpected.clear()
+        # Collective frees, same order on every rank.
+        self._paths.close()
+        self._dc.Free()
+        self._cc.Free()
+
+    def _stop_threads(self) -> None:
+        for q in (self._router_q, self._direct_q, self._requester_q, self._post_q):
+            q.put(_STOP)
+        for t in self._threads:
+            if t.name != "smp-comm-tracker":
+                t.join()
+        self._tracker_stop.set()
+        self._wake.set()
+        for t in self._threads:
+            t.join()
+
+
+def _accepts(h: RecvHandle, inc: _Incoming) -> bool:
+    return (h.peer == ANY_SOURCE or h.peer == inc.source) and (h.tag == ANY_TAG or h.tag == inc.tag)
+
+
+def _nothing() -> None:
+    return None
+
+
+_LIVE: weakref.WeakSet[Communicator] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """A Communicator left open is closed before mpi4py finalizes MPI (atexit runs LIFO)."""
+    for comm in list(_LIVE):
+        try:
+            comm.close(timeout=10.0)
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass

@@ -1,0 +1,89 @@
+"""Request handles returned by ``Communicator.isend`` / ``Communicator.irecv``."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from smp_comm.errors import CommTimeoutError
+
+__all__ = ["Handle", "RecvHandle", "SendHandle"]
+
+
+class Handle:
+    """Completion of one send or receive. Thread-safe; ``wait`` may be called repeatedly."""
+
+    _what = "message"
+
+    def __init__(self, peer: int, tag: int, rank: int) -> None:
+        self.peer = peer
+        self.tag = tag
+        self._rank = rank
+        self._event = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def _complete(self, result: Any = None, error: BaseException | None = None) -> bool:
+        """Set the outcome once; later calls are ignored. Returns whether this call set it."""
+        with self._lock:
+            if self._event.is_set():
+                return False
+            self._result, self._error = result, error
+            self._event.set()
+            return True
+
+    def test(self) -> bool:
+        """True when the operation has finished (successfully or not); never blocks."""
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until done; raise its error, or :class:`CommTimeoutError` after ``timeout`` s."""
+        if not self._event.wait(timeout):
+            raise CommTimeoutError(self._timeout_text(timeout), self.peer, self.tag)
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _timeout_text(self, timeout: float | None) -> str:
+        raise NotImplementedError
+
+
+def _peer(p: int) -> str:
+    return "any rank" if p < 0 else f"rank {p}"
+
+
+def _tag(t: int) -> str:
+    return "any tag" if t < 0 else f"tag {t}"
+
+
+class SendHandle(Handle):
+    """Returned by ``isend``; ``wait()`` returns ``None`` once the payload has left this rank's
+    buffers (the sent tensors may be modified again)."""
+
+    def _timeout_text(self, timeout: float | None) -> str:
+        return (
+            f"smp-comm rank {self._rank}: send to rank {self.peer} ({_tag(self.tag)}) "
+            f"not complete after {timeout}s"
+        )
+
+
+class RecvHandle(Handle):
+    """Returned by ``irecv``; ``wait()`` returns ``(obj, source, tag)``."""
+
+    def __init__(
+        self, peer: int, tag: int, rank: int, canceller: Callable[[RecvHandle], bool]
+    ) -> None:
+        super().__init__(peer, tag, rank)
+        self._canceller = canceller
+
+    def cancel(self) -> bool:
+        """Withdraw a receive that no message has matched yet. True if it was withdrawn."""
+        return self._canceller(self)
+
+    def _timeout_text(self, timeout: float | None) -> str:
+        return (
+            f"smp-comm rank {self._rank}: no message from {_peer(self.peer)} "
+            f"({_tag(self.tag)}) after {timeout}s (the receive stays posted; cancel() withdraws it)"
+        )

@@ -1,0 +1,247 @@
+"""Persistent receive buffers of the direct paths and the copies in and out of them.
+
+Every rank owns, per direct path, one receive buffer created once (collectively) when the
+Communicator starts:
+
+``shm``       a slice of an ``MPI.Win.Allocate_shared`` window on the node communicator;
+              the sender ``memcpy``\\ s straight into it, the receiver copies out;
+``rma``       an ``MPI.Win.Allocate`` window over the whole communicator; the sender
+              ``Put``\\ s into it inside a passive-target ``Lock``/``Unlock`` epoch;
+``cuda_ipc``  a CUDA tensor whose IPC handle every node peer opened once at start.
+
+A receive buffer is split evenly among the peers that may write into it, and each sender
+owns the allocator of its slice: reserving room needs no round trip. The receiver gives a
+region back with a ``FREE`` control message once it has copied the payload out; the header
+(path + region offset) and that ``FREE`` are the handshake both sides agree through.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from smp_comm.alloc import RangeAllocator
+from smp_comm.serialize import Packed, TensorStub, new_buffers, torch
+from smp_comm.settings import CommSettings
+
+__all__ = ["DirectPaths"]
+
+_PAGE = 4096
+
+
+def _cuda_ok(settings: CommSettings) -> bool:
+    if "cuda_ipc" in settings.disable or torch is None:
+        return False
+    try:
+        return bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001 - a broken driver means no CUDA path
+        return False
+
+
+def _slice_of(sender: int, receiver: int, writers: list[int], size: int) -> tuple[int, int]:
+    """(base, length) of ``sender``'s slice in ``receiver``'s buffer of ``size`` bytes."""
+    if not writers or size <= 0:
+        return 0, 0
+    length = size // len(writers) // _PAGE * _PAGE
+    return writers.index(sender) * length, length
+
+
+class DirectPaths:
+    """The shm / rma / cuda_ipc buffers of one Communicator. Construction and :meth:`close`
+    are collective over ``cc`` and run in the same order on every rank."""
+
+    def __init__(self, cc: MPI.Intracomm, settings: CommSettings) -> None:
+        self.rank = rank = cc.Get_rank()
+        size = cc.Get_size()
+        enabled = {p for p in ("shm", "rma") if p not in settings.disable}
+        cuda_ok = _cuda_ok(settings)
+
+        # Node identity: the real shared-memory domain unless overridden.
+        real = cc.Split_type(MPI.COMM_TYPE_SHARED)
+        real_key = f"host-of-rank-{real.allreduce(rank, op=MPI.MIN)}"
+        real.Free()
+        info = cc.allgather(
+            (
+                settings.node_id or real_key,
+                enabled,
+                settings.buffer_bytes,
+                settings.gpu_buffer_bytes,
+                cuda_ok,
+            )
+        )
+        keys = [i[0] for i in info]
+        colors = sorted(set(keys))
+        self.node_of = keys
+        self.node = cc.Split(colors.index(keys[rank]), rank)
+        local = [r for r in range(size) if keys[r] == keys[rank]]
+        self._node_rank = {r: i for i, r in enumerate(local)}
+
+        def peers(r: int, same_node: bool) -> list[int]:
+            return [q for q in range(size) if q != r and (keys[q] == keys[r]) == same_node]
+
+        def host_size(r: int, path: str) -> int:
+            same = path == "shm"
+            return info[r][2] if path in info[r][1] and peers(r, same) else 0
+
+        def gpu_size(r: int) -> int:
+            ok = info[r][4] and any(info[q][4] for q in peers(r, True))
+            return info[r][3] if ok else 0
+
+        self._usable: dict[str, set[int]] = {"shm": set(), "rma": set(), "cuda_ipc": set()}
+        self._alloc: dict[tuple[str, int], RangeAllocator] = {}
+        for dest in range(size):
+            if dest == rank:
+                continue
+            same = keys[dest] == keys[rank]
+            for path in ("shm", "rma"):
+                if (path == "shm") != same or path not in enabled or path not in info[dest][1]:
+                    continue
+                self._usable[path].add(dest)
+                base, n = _slice_of(rank, dest, peers(dest, same), host_size(dest, path))
+                self._alloc[(path, dest)] = RangeAllocator(base, n)
+            if same and cuda_ok and info[dest][4]:
+                self._usable["cuda_ipc"].add(dest)
+                base, n = _slice_of(
+                    rank, dest, [q for q in peers(dest, True) if info[q][4]], gpu_size(dest)
+                )
+                self._alloc[("cuda_ipc", dest)] = RangeAllocator(base, n)
+
+        # shm: one window on each node communicator (collective there).
+        self._shm_win: MPI.Win | None = None
+        self._shm_views: dict[int, np.ndarray] = {}
+        if any(host_size(r, "shm") for r in range(size)):
+            win = MPI.Win.Allocate_shared(host_size(rank, "shm"), 1, comm=self.node)
+            win.Lock_all(MPI.MODE_NOCHECK)  # lets Sync() order our loads/stores with peers'
+            for r in local:
+                if host_size(r, "shm"):
+                    mem, _ = win.Shared_query(self._node_rank[r])
+                    self._shm_views[r] = np.frombuffer(mem, dtype=np.uint8)
+            self._shm_win = win
+
+        # rma: one window over the whole communicator.
+        self._rma_win: MPI.Win | None = None
+        self._rma_own: np.ndarray | None = None
+        if any(host_size(r, "rma") for r in range(size)):
+            self._rma_win = MPI.Win.Allocate(host_size(rank, "rma"), 1, comm=cc)
+            self._rma_own = np.frombuffer(self._rma_win.tomemory(), dtype=np.uint8)
+
+        # cuda_ipc: a GPU buffer per rank, IPC handles exchanged once on the node.
+        self._gpu_own: Any = None
+        self._gpu_peers: dict[int, Any] = {}
+        self._stream: Any = None
+        if any(gpu_size(r) for r in range(size)):
+            handle = None
+            if gpu_size(rank):
+                from torch.multiprocessing.reductions import reduce_tensor
+
+                dev = torch.device("cuda", torch.cuda.current_device())
+                self._gpu_own = torch.empty(gpu_size(rank), dtype=torch.uint8, device=dev)
+                self._stream = torch.cuda.Stream(device=dev)
+                handle = reduce_tensor(self._gpu_own)
+            handles = self.node.allgather(handle)
+            for r in local:
+                h = handles[self._node_rank[r]]
+                if r != rank and h is not None and r in self._usable["cuda_ipc"]:
+                    rebuild, args = h
+                    self._gpu_peers[r] = rebuild(*args)
+
+    # ---------------------------------------------------------------- routing
+
+    def candidates(self, dest: int, all_gpu: bool, any_gpu: bool) -> list[str]:
+        """Direct paths that could carry a payload to ``dest``, best first."""
+        out = []
+        if all_gpu and any_gpu and dest in self._usable["cuda_ipc"]:
+            out.append("cuda_ipc")
+        for path in ("shm", "rma"):
+            if dest in self._usable[path]:
+                out.append(path)  # GPU tensors are staged through host memory
+        return out
+
+    def reserve(self, path: str, dest: int, nbytes: int) -> int | None:
+        """Offset of a region of ``dest``'s ``path`` buffer now owned by this rank, or None."""
+        return self._alloc[(path, dest)].reserve(nbytes)
+
+    def release(self, path: str, dest: int, region: int) -> None:
+        """``dest`` copied a payload out of ``region``: it may be reused."""
+        self._alloc[(path, dest)].release(region)
+
+    # ---------------------------------------------------------------- copies
+
+    def write(self, path: str, dest: int, region: int, packed: Packed) -> None:
+        """Copy the payload into ``dest``'s buffer at ``region`` (sender side)."""
+        if path == "cuda_ipc":
+            peer = self._gpu_peers[dest]
+            with torch.cuda.stream(self._stream):
+                for s, src in zip(packed.stubs, packed.sources):
+                    if s.nbytes:
+                        peer[region + s.offset : region + s.offset + s.nbytes].copy_(
+                            src, non_blocking=True
+                        )
+            self._stream.synchronize()
+            return
+        host = [src if isinstance(src, np.ndarray) else src.cpu().numpy() for src in packed.sources]
+        if path == "shm":
+            dst = self._shm_views[dest]
+            for s, src in zip(packed.stubs, host):
+                dst[region + s.offset : region + s.offset + s.nbytes] = src
+            assert self._shm_win is not None
+            self._shm_win.Sync()
+        else:
+            win = self._rma_win
+            assert win is not None
+            win.Lock(dest, MPI.LOCK_SHARED)
+            for s, src in zip(packed.stubs, host):
+                if s.nbytes:
+                    win.Put([src, MPI.BYTE], dest, target=(region + s.offset, s.nbytes, MPI.BYTE))
+            win.Unlock(dest)  # the Puts are complete at the target when this returns
+
+    def read(self, path: str, region: int, stubs: list[TensorStub], source: int) -> list[Any]:
+        """Copy a payload out of this rank's own buffer into fresh tensors (receiver side)."""
+        if path == "cuda_ipc":
+            finals = []
+            with torch.cuda.stream(self._stream):
+                for s in stubs:
+                    raw = torch.empty(s.nbytes, dtype=torch.uint8, device=self._gpu_own.device)
+                    raw.copy_(
+                        self._gpu_own[region + s.offset : region + s.offset + s.nbytes],
+                        non_blocking=True,
+                    )
+                    finals.append(raw.view(getattr(torch, s.dtype)).view(s.shape))
+            self._stream.synchronize()
+            return finals
+        finals, views = new_buffers(stubs, self.rank)
+        if path == "shm":
+            assert self._shm_win is not None
+            self._shm_win.Sync()
+            own = self._shm_views[self.rank]
+            for s, v in zip(stubs, views):
+                v[:] = own[region + s.offset : region + s.offset + s.nbytes]
+        else:
+            win, own = self._rma_win, self._rma_own
+            assert win is not None and own is not None
+            win.Lock(self.rank, MPI.LOCK_SHARED)
+            for s, v in zip(stubs, views):
+                v[:] = own[region + s.offset : region + s.offset + s.nbytes]
+            win.Unlock(self.rank)
+        return finals
+
+    # ---------------------------------------------------------------- teardown
+
+    def close(self) -> None:
+        """Collective: free the windows and the node communicator, in construction order."""
+        self._shm_views.clear()
+        if self._shm_win is not None:
+            self._shm_win.Unlock_all()
+            self._shm_win.Free()
+            self._shm_win = None
+        self._rma_own = None
+        if self._rma_win is not None:
+            self._rma_win.Free()
+            self._rma_win = None
+        if self._gpu_own is not None or self._gpu_peers:
+            torch.cuda.synchronize()
+            self._gpu_peers.clear()
+            self._gpu_own = None
+        self.node.Free()

@@ -1,0 +1,206 @@
+"""Split a Python object into a pickled skeleton plus raw tensor bytes, and back.
+
+Each torch tensor / numpy array found anywhere in the object (lists, tuples, dicts,
+dataclasses, namedtuples, any picklable class) is replaced by a :class:`TensorStub` through
+pickle's persistent-id hook, so the skeleton stays small and the tensor bytes can travel by
+whichever path the router picks. The same tensor object referenced twice is sent once and
+arrives as one tensor referenced twice.
+
+torch is optional: without it only numpy arrays are split out.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+try:  # torch is an optional dependency
+    import torch
+except ImportError:  # pragma: no cover - exercised by the no-torch test in a subprocess
+    torch = None  # type: ignore[assignment]
+
+__all__ = ["ALIGN", "Packed", "TensorStub", "pack", "unpack", "new_buffers", "torch"]
+
+ALIGN = 64  # byte alignment of each tensor inside a direct-path region
+
+
+@dataclass(frozen=True)
+class TensorStub:
+    """Stands in for one tensor/array in the pickled skeleton.
+
+    ``offset`` is the byte offset of the tensor's bytes inside the message payload (the
+    reserved region for direct paths); ``device`` is where the sender had it.
+    """
+
+    id: int
+    kind: str  # "torch" or "numpy"
+    dtype: Any  # torch dtype name ("bfloat16") or a numpy dtype
+    shape: tuple[int, ...]
+    nbytes: int
+    requires_grad: bool = False
+    device: str = "cpu"
+    offset: int = 0
+
+
+@dataclass
+class Packed:
+    """A serialized object: skeleton bytes, one stub and one byte source per tensor."""
+
+    skeleton: bytes
+    stubs: list[TensorStub]
+    # Per stub: a flat uint8 numpy array (CPU) or a flat uint8 torch tensor (GPU).
+    sources: list[Any]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.stubs)
+
+    @property
+    def region_bytes(self) -> int:
+        """Bytes needed to lay every tensor out at ``ALIGN``-aligned offsets."""
+        return _layout([s.nbytes for s in self.stubs])[1]
+
+    def on_gpu(self) -> list[bool]:
+        return [s.device.startswith("cuda") for s in self.stubs]
+
+
+def _layout(sizes: list[int]) -> tuple[list[int], int]:
+    offsets, pos = [], 0
+    for n in sizes:
+        offsets.append(pos)
+        pos += (n + ALIGN - 1) // ALIGN * ALIGN
+    return offsets, pos
+
+
+def _torch_bytes(t: Any) -> tuple[TensorStub, Any]:
+    src = t.detach()
+    if src.is_conj():
+        src = src.resolve_conj()
+    if src.is_neg():
+        src = src.resolve_neg()
+    if not src.is_contiguous():
+        src = src.contiguous()  # non-contiguous -> one contiguous copy
+    flat = src.reshape(-1).view(torch.uint8)
+    stub = TensorStub(
+        id=-1,
+        kind="torch",
+        dtype=str(t.dtype).removeprefix("torch."),
+        shape=tuple(t.shape),
+        nbytes=flat.numel(),
+        requires_grad=bool(t.requires_grad),
+        device=str(t.device),
+    )
+    return stub, flat if flat.is_cuda else flat.numpy()
+
+
+def _numpy_bytes(a: np.ndarray) -> tuple[TensorStub, Any]:
+    src = np.ascontiguousarray(a)
+    flat = src.reshape(-1).view(np.uint8)
+    stub = TensorStub(id=-1, kind="numpy", dtype=a.dtype, shape=tuple(a.shape), nbytes=flat.size)
+    return stub, flat
+
+
+def _splittable_tensor(obj: Any) -> bool:
+    return (
+        torch is not None
+        and isinstance(obj, torch.Tensor)
+        and obj.layout == torch.strided
+        and obj.device.type in ("cpu", "cuda")
+        and not obj.is_quantized
+    )
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.stubs: list[TensorStub] = []
+        self.sources: list[Any] = []
+        self._seen: dict[int, int] = {}
+        self._keep: list[Any] = []  # keeps id()s unique while pickling
+
+    def persistent_id(self, obj: Any) -> int | None:
+        if isinstance(obj, np.ndarray):
+            if obj.dtype.hasobject or obj.dtype.itemsize == 0:
+                return None  # object arrays have no raw bytes to move: pickle them whole
+            make = _numpy_bytes
+        elif _splittable_tensor(obj):
+            make = _torch_bytes
+        else:
+            return None
+        key = id(obj)
+        if key in self._seen:
+            return self._seen[key]
+        stub, src = make(obj)
+        idx = len(self.stubs)
+        self.stubs.append(stub)
+        self.sources.append(src)
+        self._seen[key] = idx
+        self._keep.append(obj)
+        return idx
+
+
+def pack(obj: Any) -> Packed:
+    """Serialize ``obj``: tensors/arrays become stubs with their payload offsets assigned."""
+    buf = io.BytesIO()
+    p = _Pickler(buf)
+    p.dump(obj)
+    offsets, _ = _layout([s.nbytes for s in p.stubs])
+    stubs = [
+        TensorStub(i, s.kind, s.dtype, s.shape, s.nbytes, s.requires_grad, s.device, off)
+        for i, (s, off) in enumerate(zip(p.stubs, offsets))
+    ]
+    return Packed(buf.getvalue(), stubs, p.sources)
+
+
+def new_buffers(stubs: list[TensorStub], rank: int) -> tuple[list[Any], list[np.ndarray]]:
+    """Allocate host memory for incoming tensors.
+
+    Returns ``(finals, byte_views)``: the tensor/array objects to hand to the user (shaped,
+    typed) and flat uint8 numpy views of the same memory to receive the bytes into.
+    """
+    finals: list[Any] = []
+    views: list[np.ndarray] = []
+    for s in stubs:
+        if s.kind == "torch":
+            if torch is None:
+                raise ImportError(
+                    f"smp-comm rank {rank}: a message holds torch tensors but torch is not importable"
+                )
+            raw = torch.empty(s.nbytes, dtype=torch.uint8)
+            t = raw.view(getattr(torch, s.dtype)).view(s.shape)
+            views.append(raw.numpy())
+            finals.append(t)
+        else:
+            raw_np = np.empty(s.nbytes, dtype=np.uint8)
+            views.append(raw_np)
+            finals.append(raw_np.view(s.dtype).reshape(s.shape))
+    return finals, views
+
+
+def finish_tensor(stub: TensorStub, value: Any) -> Any:
+    """Restore device placement and the requires_grad flag of a received tensor."""
+    if stub.kind != "torch":
+        return value
+    if stub.device.startswith("cuda") and value.device.type != "cuda" and torch.cuda.is_available():
+        value = value.to(torch.device("cuda", torch.cuda.current_device()))
+    if stub.requires_grad and (value.is_floating_point() or value.is_complex()):
+        value.requires_grad_(True)
+    return value
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, values: list[Any]) -> None:
+        super().__init__(file)
+        self._values = values
+
+    def persistent_load(self, pid: Any) -> Any:
+        return self._values[pid]
+
+
+def unpack(skeleton: bytes, values: list[Any]) -> Any:
+    """Rebuild the object, putting ``values[i]`` where stub ``i`` stood."""
+    return _Unpickler(io.BytesIO(skeleton), values).load()

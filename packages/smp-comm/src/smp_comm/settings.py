@@ -1,0 +1,116 @@
+"""Communicator settings: constructor keyword arguments, else environment variables.
+
+=============================  ==============================  ===========================
+setting (kwarg)                environment variable            default
+=============================  ==============================  ===========================
+``buffer_bytes``               ``SMP_COMM_BUFFER_BYTES``       128 MiB (host receive buffer
+                                                               per path, split among the
+                                                               peers that may write to it)
+``gpu_buffer_bytes``           ``SMP_COMM_GPU_BUFFER_BYTES``   256 MiB (CUDA receive buffer)
+``inline_bytes``               ``SMP_COMM_INLINE_BYTES``       16 KiB (smaller payloads ride
+                                                               inside the MPI header)
+``disable``                    ``SMP_COMM_DISABLE``            none; e.g. ``"shm,rma"``
+``node_id``                    ``SMP_COMM_NODE_ID``            real node (shared-memory
+                                                               domain); ``"{rank}"`` is
+                                                               replaced by the rank
+``close_timeout``              ``SMP_COMM_CLOSE_TIMEOUT``      60 s
+``poll_spin``                  ``SMP_COMM_POLL_SPIN``          0.002 s of busy polling after
+                                                               the last event, then sleeps
+=============================  ==============================  ===========================
+
+Sizes accept a plain integer or a suffix ``K``, ``M``, ``G`` (powers of 1024).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+__all__ = ["DIRECT_PATHS", "PATHS", "CommSettings", "parse_bytes"]
+
+PATHS = ("mpi", "shm", "cuda_ipc", "rma")
+DIRECT_PATHS = ("shm", "cuda_ipc", "rma")
+
+_SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_bytes(value: str | int, name: str) -> int:
+    """``"64M"`` -> 67108864; raises ``ValueError`` naming the setting on bad input."""
+    if isinstance(value, int):
+        n = value
+    else:
+        text = value.strip().upper().removesuffix("B").removesuffix("I")
+        scale = 1
+        if text and text[-1] in _SUFFIX:
+            scale = _SUFFIX[text[-1]]
+            text = text[:-1]
+        try:
+            n = int(float(text) * scale)
+        except ValueError:
+            raise ValueError(f"smp-comm setting {name}={value!r} is not a byte size") from None
+    if n < 0:
+        raise ValueError(f"smp-comm setting {name}={value!r} must be >= 0")
+    return n
+
+
+@dataclass(frozen=True)
+class CommSettings:
+    """Resolved settings of one :class:`~smp_comm.Communicator` (see the module docstring)."""
+
+    buffer_bytes: int = 128 << 20
+    gpu_buffer_bytes: int = 256 << 20
+    inline_bytes: int = 16 << 10
+    disable: frozenset[str] = field(default_factory=frozenset)
+    node_id: str | None = None
+    close_timeout: float = 60.0
+    poll_spin: float = 0.002
+
+    @classmethod
+    def resolve(
+        cls,
+        rank: int,
+        buffer_bytes: int | str | None = None,
+        gpu_buffer_bytes: int | str | None = None,
+        inline_bytes: int | str | None = None,
+        disable: str | set[str] | frozenset[str] | list[str] | tuple[str, ...] | None = None,
+        node_id: str | int | None = None,
+        close_timeout: float | None = None,
+        poll_spin: float | None = None,
+    ) -> CommSettings:
+        """Keyword arguments win over ``SMP_COMM_*`` environment variables, which win over defaults."""
+        env = os.environ
+
+        def size(arg: int | str | None, var: str, default: int) -> int:
+            raw = arg if arg is not None else env.get(var)
+            return default if raw is None or raw == "" else parse_bytes(raw, var)
+
+        raw_disable: object = disable if disable is not None else env.get("SMP_COMM_DISABLE", "")
+        if isinstance(raw_disable, str):
+            names = {p.strip() for p in raw_disable.split(",") if p.strip()}
+        else:
+            names = {str(p) for p in raw_disable}  # type: ignore[attr-defined]
+        unknown = names - set(DIRECT_PATHS)
+        if unknown:
+            raise ValueError(
+                f"smp-comm setting disable={sorted(unknown)}: only direct paths "
+                f"{list(DIRECT_PATHS)} can be disabled (mpi is the fallback)"
+            )
+        raw_node = node_id if node_id is not None else env.get("SMP_COMM_NODE_ID") or None
+        node = None if raw_node is None else str(raw_node).replace("{rank}", str(rank))
+        ct = (
+            close_timeout
+            if close_timeout is not None
+            else float(env.get("SMP_COMM_CLOSE_TIMEOUT", 60))
+        )
+        ps = poll_spin if poll_spin is not None else float(env.get("SMP_COMM_POLL_SPIN", 0.002))
+        return cls(
+            buffer_bytes=size(buffer_bytes, "SMP_COMM_BUFFER_BYTES", cls.buffer_bytes),
+            gpu_buffer_bytes=size(
+                gpu_buffer_bytes, "SMP_COMM_GPU_BUFFER_BYTES", cls.gpu_buffer_bytes
+            ),
+            inline_bytes=size(inline_bytes, "SMP_COMM_INLINE_BYTES", cls.inline_bytes),
+            disable=frozenset(names),
+            node_id=node,
+            close_timeout=ct,
+            poll_spin=ps,
+        )

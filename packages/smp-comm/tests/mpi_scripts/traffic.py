@@ -1,0 +1,144 @@
+"""Random-order traffic from several threads in both directions, one path forced by argv.
+
+usage: traffic.py MODE   with MODE in shm | rma | mpi-disabled | mpi-tiny | mixed
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import threading
+
+from mpi4py import MPI
+from payloads import check, main_guard, make
+from smp_comm import ANY_SOURCE, ANY_TAG, Communicator
+
+MODE = sys.argv[1]
+THREADS = 3
+PER_THREAD = 4  # messages per sender thread per peer
+
+
+def main() -> None:
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+    except ImportError:
+        pass
+    world = MPI.COMM_WORLD
+    kwargs: dict = {}
+    if MODE == "rma":
+        kwargs["node_id"] = f"node{world.rank}"
+    elif MODE == "mpi-disabled":
+        kwargs["disable"] = "shm,rma"
+    elif MODE == "mpi-tiny":
+        kwargs["buffer_bytes"] = 4096
+    elif MODE == "mixed":
+        kwargs["node_id"] = f"node{world.rank // 2}"  # 0,1 share a node; 2,3 the other
+    comm = Communicator(world, **kwargs)
+    rank, size = comm.rank, comm.size
+    peers = [p for p in range(size) if p != rank]
+    errors: list[BaseException] = []
+
+    def guarded(fn):
+        def run(*a):
+            try:
+                fn(*a)
+            except BaseException as exc:  # reported by the main thread
+                errors.append(exc)
+
+        return run
+
+    # Tags: thread k sends tags k*100 + i. Tags < 200 are received by exact (source, tag)
+    # receives, tags >= 200 by ANY_SOURCE receives on that tag.
+    @guarded
+    def sender(k: int) -> None:
+        work = [(p, k * 100 + i) for p in peers for i in range(PER_THREAD)]
+        random.Random(rank * 31 + k).shuffle(work)
+        handles = [comm.isend(make(rank, p, t), dest=p, tag=t) for p, t in work]
+        for h in handles:
+            assert h.wait(timeout=60) is None
+
+    @guarded
+    def exact_receiver(seed: int, items: list) -> None:
+        random.Random(seed).shuffle(items)
+        handles = [(s, t, comm.irecv(source=s, tag=t)) for s, t in items]
+        random.Random(seed + 1).shuffle(handles)
+        for s, t, h in handles:
+            obj, src, tag = h.wait(timeout=60)
+            assert (src, tag) == (s, t), f"wanted ({s},{t}) got ({src},{tag})"
+            check(obj, s, rank, t)
+
+    @guarded
+    def any_source_receiver(tag: int) -> None:
+        seen = []
+        for _ in peers:
+            obj, src, t = comm.irecv(source=ANY_SOURCE, tag=tag).wait(timeout=60)
+            assert t == tag
+            check(obj, src, rank, t)
+            seen.append(src)
+        assert sorted(seen) == peers, seen
+
+    exact = [(p, k * 100 + i) for p in peers for k in range(2) for i in range(PER_THREAD)]
+    threads = [threading.Thread(target=sender, args=(k,)) for k in range(THREADS)]
+    threads += [
+        threading.Thread(target=exact_receiver, args=(rank, exact[0::2])),
+        threading.Thread(target=exact_receiver, args=(rank + 50, exact[1::2])),
+    ]
+    threads += [
+        threading.Thread(target=any_source_receiver, args=(200 + i,)) for i in range(PER_THREAD)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+    # Matching semantics: the first posted receive that accepts a message gets it.
+    world.Barrier()
+    if rank == 1:
+        first = comm.irecv(ANY_SOURCE, ANY_TAG)
+        second = comm.irecv(0, 7)
+        world.Barrier()  # rank 0 sends tag 7 (a), then tag 8 (b), then tag 7 (c)
+        a = first.wait(timeout=30)
+        assert a[0] == "a" and a[1:] == (0, 7), a
+        c = second.wait(timeout=30)
+        assert c[0] == "c" and c[1:] == (0, 7), c
+        b = comm.irecv(0, ANY_TAG).wait(timeout=30)
+        assert b == ("b", 0, 8), b
+    elif rank == 0:
+        world.Barrier()
+        for obj, tag in (("a", 7), ("b", 8), ("c", 7)):
+            comm.isend(obj, dest=1, tag=tag).wait(timeout=30)
+    else:
+        world.Barrier()
+
+    stats = comm.stats()
+    sent = THREADS * PER_THREAD * len(peers)
+    total = sum(stats[p]["messages_sent"] for p in stats)
+    assert total >= sent, stats
+    if MODE == "shm":
+        assert (
+            stats["shm"]["messages_sent"] == sent and stats["shm"]["messages_received"] == sent
+        ), stats
+    elif MODE == "rma":
+        assert stats["rma"]["messages_sent"] == sent and stats["shm"]["messages"] == 0, stats
+    elif MODE == "mpi-disabled":
+        assert stats["mpi"]["messages_received"] >= sent and stats["mpi"]["fallbacks"] == 0, stats
+        assert stats["shm"]["messages"] == stats["rma"]["messages"] == 0, stats
+    elif MODE == "mpi-tiny":
+        assert stats["mpi"]["fallbacks"] == sent and stats["shm"]["messages"] == 0, stats
+    elif MODE == "mixed":
+        other_node = [p for p in peers if p // 2 != rank // 2]
+        same_node = [p for p in peers if p // 2 == rank // 2]
+        per_peer = THREADS * PER_THREAD
+        assert stats["rma"]["messages_sent"] == per_peer * len(other_node), stats
+        assert stats["shm"]["messages_sent"] == per_peer * len(same_node), stats
+    assert stats["cuda_ipc"]["messages"] == 0
+    comm.close()
+    comm.close()  # idempotent
+    print(f"rank {rank} OK {MODE} {stats}")
+
+
+main_guard(main)
