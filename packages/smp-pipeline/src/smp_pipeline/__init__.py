@@ -1,5 +1,30 @@
 """Module-server pipeline runtime for arbitrary PyTorch module hierarchies."""
 
 from smp_pipeline.__about__ import __version__
+from smp_pipeline.errors import (
+    PipelineConfigError,
+    PipelineError,
+    PipelineRemoteError,
+    PipelineTimeoutError,
+)
+from smp_pipeline.microbatch import split_microbatches
+from smp_pipeline.runtime import PipelineRuntime
+from smp_pipeline.schedule import Scheduler
+from smp_pipeline.trace import trace, trace_dict
+from smp_pipeline.tracing import plot_timeline, to_chrome_trace, write_chrome_trace
 
-__all__ = ["__version__"]
+__all__ = [
+    "PipelineConfigError",
+    "PipelineError",
+    "PipelineRemoteError",
+    "PipelineRuntime",
+    "PipelineTimeoutError",
+    "Scheduler",
+    "__version__",
+    "plot_timeline",
+    "split_microbatches",
+    "to_chrome_trace",
+    "trace",
+    "trace_dict",
+    "write_chrome_trace",
+]

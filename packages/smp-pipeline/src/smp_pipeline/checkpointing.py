@@ -1,0 +1,158 @@
+"""Activation checkpointing per module, recomputed on the owner during its backward segment.
+
+Strategies (set per module path):
+
+- ``None`` / ``"module"``: checkpoint the module itself (its whole subtree must live on its
+  owner, because recomputation runs inside a backward segment, which must never wait for
+  another rank);
+- for ``nn.Sequential`` containers: ``"each"`` checkpoints every child separately,
+  ``"group_N"`` checkpoints consecutive groups of N children, ``"contiguous"`` checkpoints
+  each maximal run of consecutive children that live on the same rank. A group that lives on
+  the container's owner is recomputed as one unit; children of a group that live elsewhere are
+  checkpointed one by one on their owner (the request carries the checkpointing flag).
+
+Recomputation uses ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, which restores
+the RNG state and works with the retained graphs of several backward segments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from smp_pipeline.errors import PipelineConfigError
+from smp_pipeline.trace import canonical_modules
+
+STRATEGIES = ("module", "each", "contiguous")
+
+
+@dataclass
+class CheckpointPlan:
+    """Which modules are checkpointed whole, and how Sequential containers are grouped."""
+
+    modules: set[str] = field(default_factory=set)
+    # Sequential path -> groups of child indices checkpointed together on the owner.
+    groups: dict[str, list[list[int]]] = field(default_factory=dict)
+
+
+def subtree_ranks(root: nn.Module, assignment: Mapping[str, int]) -> dict[str, set[int]]:
+    """``path -> set of ranks`` owning some module in that module's subtree."""
+    canon = canonical_modules(root)
+    memo: dict[str, set[int]] = {}
+
+    def visit(m: nn.Module) -> set[int]:
+        p = canon[id(m)]
+        if p in memo:
+            return memo[p]
+        memo[p] = {assignment[p]}  # guards against cycles through aliases
+        ranks = {assignment[p]}
+        for c in m.children():
+            ranks |= visit(c)
+        memo[p] = ranks
+        return ranks
+
+    visit(root)
+    return memo
+
+
+def plan_checkpointing(
+    root: nn.Module, config: Mapping[str, str | None], assignment: Mapping[str, int]
+) -> CheckpointPlan:
+    """Turn ``{path: strategy}`` into a :class:`CheckpointPlan`, validating it."""
+    canon = canonical_modules(root)
+    by_alias = dict(root.named_modules(remove_duplicate=False))
+    ranks = subtree_ranks(root, assignment)
+    plan = CheckpointPlan()
+    for path, strategy in config.items():
+        if path not in by_alias:
+            raise PipelineConfigError(f"activation checkpointing names module '{path}', which the model lacks")
+        mod = by_alias[path]
+        cpath = canon[id(mod)]
+        strategy = strategy or "module"
+        if strategy == "module":
+            if len(ranks[cpath]) > 1:
+                raise PipelineConfigError(
+                    f"cannot checkpoint module '{cpath}': its submodules live on ranks "
+                    f"{sorted(ranks[cpath])}; checkpoint its children instead"
+                )
+            plan.modules.add(cpath)
+            continue
+        if not isinstance(mod, nn.Sequential):
+            raise PipelineConfigError(
+                f"strategy '{strategy}' for '{path}' needs an nn.Sequential, got {type(mod).__name__}"
+            )
+        children = [canon[id(c)] for c in mod]
+        if strategy == "each":
+            groups = [[i] for i in range(len(children))]
+        elif strategy == "contiguous":
+            groups = []
+            for i, c in enumerate(children):
+                r = ranks[c]
+                if groups and len(r) == 1 and r == ranks[children[groups[-1][-1]]]:
+                    groups[-1].append(i)
+                else:
+                    groups.append([i])
+        elif strategy.startswith("group_") and strategy[6:].isdigit() and int(strategy[6:]) > 0:
+            n = int(strategy[6:])
+            groups = [list(range(i, min(i + n, len(children)))) for i in range(0, len(children), n)]
+        else:
+            raise PipelineConfigError(
+                f"unknown checkpointing strategy {strategy!r} for '{path}' "
+                "(use 'each', 'contiguous', 'group_N' or None)"
+            )
+        owner = assignment[cpath]
+        local_groups = []
+        for g in groups:
+            if all(ranks[children[i]] == {owner} for i in g):
+                local_groups.append(g)
+            else:  # checkpoint members one by one where each lives
+                for i in g:
+                    if len(ranks[children[i]]) == 1:
+                        plan.modules.add(children[i])
+        plan.groups[cpath] = local_groups
+    return plan
+
+
+def grouped_sequential_forward(
+    seq: nn.Sequential, groups: list[list[int]]
+) -> Callable[[Any], Any]:
+    """A forward for ``seq`` that checkpoints each group of ``groups`` as one unit."""
+    grouped = {g[0]: g for g in groups}
+    children = list(seq)
+
+    def run_group(g: list[int]) -> Callable[[Any], Any]:
+        def fn(x: Any) -> Any:
+            for i in g:
+                x = children[i](x)
+            return x
+
+        return fn
+
+    def forward(x: Any) -> Any:
+        i = 0
+        while i < len(children):
+            g = grouped.get(i)
+            if g is not None:
+                if torch.is_grad_enabled():
+                    x = checkpoint(run_group(g), x, use_reentrant=False)
+                else:
+                    x = run_group(g)(x)
+                i = g[-1] + 1
+            else:
+                x = children[i](x)
+                i += 1
+        return x
+
+    return forward
+
+
+def run_checkpointed(call: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run ``call(*args, **kwargs)`` under non-reentrant checkpointing (when grad is on)."""
+    if not torch.is_grad_enabled():
+        return call(*args, **kwargs)
+    return checkpoint(call, *args, use_reentrant=False, **kwargs)

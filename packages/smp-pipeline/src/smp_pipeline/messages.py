@@ -1,0 +1,133 @@
+"""Message kinds and the flattening of nested Python structures holding tensors.
+
+A request or response carries arbitrary Python structure (tuples, lists, dicts, dataclasses
+such as Hugging Face ``ModelOutput``, named tuples, plain values) with tensors inside. We
+flatten it into a *skeleton* (the structure with each tensor replaced by a placeholder) and a
+flat list of tensors. The skeleton is plain picklable data; the tensors travel as a list so the
+communication layer moves their bytes on its fast path. The ``requires_grad`` flags travel
+beside the tensors explicitly, so we do not depend on how the transport treats them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+# Message kinds (the ``"kind"`` key of every pipeline message; see the README for fields).
+FWD_REQ = "fwd_req"  # run a module's forward: path, microbatch, inputs, grad/autocast state
+FWD_RESP = "fwd_resp"  # the outputs of a forward request
+BWD_REQ = "bwd_req"  # gradients of a remote call's outputs, sent from the caller to the owner
+BWD_RESP = "bwd_resp"  # gradients of that call's inputs, sent back to the caller
+MB_DONE = "mb_done"  # a microbatch finished: every rank may drop its saved call records
+STEP_END = "step_end"  # the step finished on the driver: serve loops return (outputs inside)
+ABORT = "abort"  # a failure or a timeout somewhere: every rank raises
+ORDER = "order"  # tensor-parallel order channel: the leader started this task
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRef:
+    """Placeholder for the ``index``-th tensor of a flattened structure."""
+
+    index: int
+
+
+def _map_structure(obj: Any, fn: Callable[[Any], Any], leaf: Callable[[Any], bool]) -> Any:
+    """Rebuild ``obj`` with every leaf ``x`` (``leaf(x)`` true) replaced by ``fn(x)``."""
+    if leaf(obj):
+        return fn(obj)
+    if isinstance(obj, tuple):
+        items = [_map_structure(v, fn, leaf) for v in obj]
+        if hasattr(obj, "_fields"):  # named tuple
+            return type(obj)(*items)
+        return tuple(items)
+    if isinstance(obj, list):
+        return [_map_structure(v, fn, leaf) for v in obj]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return _map_dataclass(obj, fn, leaf)
+    if isinstance(obj, dict):
+        mapped = {k: _map_structure(v, fn, leaf) for k, v in obj.items()}
+        if type(obj) is dict:
+            return mapped
+        try:
+            return type(obj)(mapped)
+        except Exception:  # an exotic dict subclass: fall back to a plain dict
+            return mapped
+    return obj
+
+
+def _map_dataclass(obj: Any, fn: Callable[[Any], Any], leaf: Callable[[Any], bool]) -> Any:
+    fields = [f for f in dataclasses.fields(obj) if f.init]
+    values = {f.name: _map_structure(getattr(obj, f.name), fn, leaf) for f in fields}
+    try:
+        return type(obj)(**values)
+    except Exception:
+        # A dataclass whose __init__ does more than store fields: copy and set attributes.
+        import copy
+
+        new = copy.copy(obj)
+        for k, v in values.items():
+            object.__setattr__(new, k, v)
+        return new
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def flatten(obj: Any) -> tuple[Any, list[torch.Tensor]]:
+    """Split ``obj`` into a skeleton (tensors replaced by :class:`TensorRef`) and its tensors.
+
+    Tensors are returned as they are (not detached), in depth-first order.
+    """
+    tensors: list[torch.Tensor] = []
+
+    def take(t: torch.Tensor) -> TensorRef:
+        tensors.append(t)
+        return TensorRef(len(tensors) - 1)
+
+    return _map_structure(obj, take, _is_tensor), tensors
+
+
+def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
+    """Inverse of :func:`flatten`."""
+    return _map_structure(skeleton, lambda r: tensors[r.index], lambda x: isinstance(x, TensorRef))
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``obj`` with every tensor ``t`` replaced by ``fn(t)``."""
+    return _map_structure(obj, fn, _is_tensor)
+
+
+def detach_all(obj: Any) -> Any:
+    """``obj`` with every tensor detached (used for step outputs kept after the step)."""
+    return map_tensors(obj, lambda t: t.detach())
+
+
+def pack(obj: Any, grad_enabled: bool) -> dict[str, Any]:
+    """Flatten ``obj`` for sending: skeleton, detached tensors and their requires_grad flags."""
+    skeleton, tensors = flatten(obj)
+    flags = [bool(grad_enabled and t.requires_grad) for t in tensors]
+    return {
+        "skeleton": skeleton,
+        "tensors": [t.detach() for t in tensors],
+        "flags": flags,
+    }
+
+
+def unpack_leaves(packed: dict[str, Any]) -> tuple[Any, list[torch.Tensor]]:
+    """Rebuild a packed structure whose tensors become fresh leaves with the sent flags.
+
+    Returns the structure and the list of leaves that require grad (in flat order).
+    """
+    leaves: list[torch.Tensor] = []
+    tensors = []
+    for t, flag in zip(packed["tensors"], packed["flags"]):
+        t = t.detach()
+        if flag:
+            t.requires_grad_(True)
+            leaves.append(t)
+        tensors.append(t)
+    return unflatten(packed["skeleton"], tensors), leaves

@@ -1,0 +1,398 @@
+"""``PipelineRuntime``: the lower-level API the umbrella (smp-torch) builds on.
+
+Every pipeline rank builds the same full model, creates a runtime over a communicator that
+reaches the other pipeline ranks, and calls :meth:`PipelineRuntime.run_step` with the same
+step function. pp rank 0 is the *driver*: it splits the batch into microbatches and runs the
+step function for each, as the schedule says; every other rank serves requests until the
+driver announces the end of the step.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from smp_pipeline.assignment import auto_assignment, resolve_assignment
+from smp_pipeline.checkpointing import (
+    CheckpointPlan,
+    grouped_sequential_forward,
+    plan_checkpointing,
+    run_checkpointed,
+)
+from smp_pipeline.errors import PipelineConfigError, PipelineError
+from smp_pipeline.microbatch import split_microbatches
+from smp_pipeline.schedule import Scheduler, ScheduleSpec
+from smp_pipeline.server import ExecutionServer
+from smp_pipeline.state import capture
+from smp_pipeline.trace import canonical_modules, trace_dict
+from smp_pipeline.tracing import plot_timeline, write_chrome_trace
+
+DEFAULT_TAG = 7301  # the runtime uses this tag and the next one on the communicator
+
+
+class PipelineRuntime:
+    """Module-server pipeline execution of ``module`` over ``pp_size`` ranks.
+
+    Args:
+        module: the full model (every rank builds it identically; after partitioning each
+            rank keeps only the parameters of the modules it owns).
+        comm: an ``smp_comm.Communicator`` (anything with its ``isend``/``irecv`` API).
+        pp_rank, pp_size: this rank's pipeline index and the pipeline degree.
+        comm_ranks: the communicator rank of each pipeline rank (default ``range(pp_size)``).
+        assignment: ``{module path: pp rank}`` (unassigned modules inherit their parent's), or
+            None to trace the first step on pp rank 0 and partition with ``smp_partition``.
+        alpha: the partitioner's memory weight (auto partition only).
+        schedule: ``"interleaved"``, ``"simple"`` or a sequence of ``(mb, phase)`` pairs.
+        active_microbatches: at most this many microbatches in flight (default pp_size + 2).
+        timeout_s: a request outstanding longer than this raises on every rank.
+        checkpointing: ``{module path: strategy}`` (see :mod:`smp_pipeline.checkpointing`).
+        timeline: record every task span for :meth:`write_timeline`.
+        tag: the message tag (the runtime also uses ``tag + 1`` for setup collectives).
+        trace_device: device for the automatic-partition trace (``"meta"``: no times).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        comm: Any,
+        pp_rank: int,
+        pp_size: int,
+        *,
+        comm_ranks: Sequence[int] | None = None,
+        assignment: Mapping[str, int] | None = None,
+        alpha: float = 0.8,
+        schedule: ScheduleSpec = "interleaved",
+        active_microbatches: int | None = None,
+        timeout_s: float = 300.0,
+        checkpointing: Mapping[str, str | None] | None = None,
+        timeline: bool = False,
+        tag: int = DEFAULT_TAG,
+        trace_device: str | None = None,
+    ) -> None:
+        if not 0 <= pp_rank < pp_size:
+            raise PipelineConfigError(f"pp_rank {pp_rank} outside 0..{pp_size - 1}")
+        self.module = module
+        self.comm = comm
+        self.pp_rank = pp_rank
+        self.pp_size = pp_size
+        self.comm_ranks = list(comm_ranks) if comm_ranks is not None else list(range(pp_size))
+        if len(self.comm_ranks) != pp_size:
+            raise PipelineConfigError(f"comm_ranks has {len(self.comm_ranks)} entries, pp_size is {pp_size}")
+        self.alpha = alpha
+        self.schedule = schedule
+        self.active_microbatches = active_microbatches or pp_size + 2
+        self.timeout_s = timeout_s
+        self.tag = tag
+        self.trace_device = trace_device
+        self._ckpt_config: dict[str, str | None] = dict(checkpointing or {})
+        self.assignment: dict[str, int] | None = None
+        self.plan = CheckpointPlan()
+        self._modules = {name: m for name, m in module.named_modules()}
+        self._tracing = False
+        self._num_microbatches = 1
+        self.server = ExecutionServer(
+            comm,
+            pp_rank,
+            pp_size,
+            self.comm_ranks,
+            tag,
+            timeout_s,
+            self._execute_owned,
+            record_timeline=timeline,
+        )
+        if assignment is not None:
+            self.set_assignment(assignment)
+
+    # ------------------------------------------------------------------ partitioning
+    @property
+    def is_driver(self) -> bool:
+        """pp rank 0 runs the step function; the others serve requests."""
+        return self.pp_rank == 0
+
+    def set_activation_checkpointing(self, path: str, strategy: str | None = None) -> None:
+        """Checkpoint module ``path`` (call on every rank, before partitioning)."""
+        if self.assignment is not None:
+            raise PipelineConfigError("set_activation_checkpointing must precede partitioning")
+        self._ckpt_config[path] = strategy
+
+    def set_assignment(self, assignment: Mapping[str, int]) -> None:
+        """Apply a module placement (the same on every rank; no communication)."""
+        if self.assignment is not None:
+            raise PipelineConfigError("the model is already partitioned")
+        full = resolve_assignment(self.module, assignment, self.pp_size)
+        self.plan = plan_checkpointing(self.module, self._ckpt_config, full)
+        self.assignment = full
+        self._free_remote_parameters()
+        self._install_dispatch()
+
+    def partition(
+        self,
+        step_fn: Callable[..., Any] | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> dict[str, int]:
+        """Collective: trace on pp rank 0, partition with smp_partition, apply everywhere.
+
+        Without ``step_fn`` the model itself is traced as ``module(*args, **kwargs)``.
+        """
+        assignment: dict[str, int] | None = None
+        if self.is_driver:
+            try:
+                run = None
+                if step_fn is not None:
+                    fn = step_fn
+
+                    def run() -> Any:
+                        return fn(*args, **dict(kwargs or {}))
+
+                self._tracing = True
+                try:
+                    graph = trace_dict(
+                        self.module, args, dict(kwargs or {}), run=run,
+                        device=self.trace_device if step_fn is None else None,
+                    )
+                finally:
+                    self._tracing = False
+                assignment = auto_assignment(graph, self.pp_size, self.alpha)
+            except Exception as exc:
+                self._bcast({"error": f"pp rank 0 failed to partition: {exc!r}"})
+                raise
+            self._bcast({"assignment": assignment})
+        else:
+            got = self._bcast(None)
+            if "error" in got:
+                raise PipelineError(got["error"])
+            assignment = got["assignment"]
+        assert assignment is not None
+        self.set_assignment(assignment)
+        return dict(self.assignment or {})
+
+    def _free_remote_parameters(self) -> None:
+        """Replace the parameters of modules owned elsewhere by empty tensors."""
+        assert self.assignment is not None
+        for path, m in self._modules.items():
+            if self.assignment[path] == self.pp_rank:
+                continue
+            for name, p in list(m._parameters.items()):
+                if p is None:
+                    continue
+                empty = torch.empty(0, dtype=p.dtype, device=p.device)
+                m._parameters[name] = nn.Parameter(empty, requires_grad=p.requires_grad)
+
+    def _install_dispatch(self) -> None:
+        assert self.assignment is not None
+        for path, m in self._modules.items():
+            owner = self.assignment[path]
+            if owner != self.pp_rank:
+                m._call_impl = functools.partial(self._call_remote, path, owner)
+            elif path in self.plan.modules:
+                m._call_impl = functools.partial(self._call_checkpointed, path)
+            groups = self.plan.groups.get(path)
+            if groups and owner == self.pp_rank:
+                assert isinstance(m, nn.Sequential)
+                m.forward = grouped_sequential_forward(m, groups)
+
+    def _call_remote(self, path: str, owner: int, *args: Any, **kwargs: Any) -> Any:
+        return self.server.call_remote(path, owner, args, kwargs, path in self.plan.modules)
+
+    def _call_checkpointed(self, path: str, *args: Any, **kwargs: Any) -> Any:
+        m = self._modules[path]
+        return run_checkpointed(functools.partial(type(m)._call_impl, m), args, kwargs)
+
+    def _execute_owned(
+        self, path: str, args: tuple[Any, ...], kwargs: dict[str, Any], checkpoint: bool
+    ) -> Any:
+        m = self._modules.get(path)
+        if m is None or self.assignment is None or self.assignment[path] != self.pp_rank:
+            raise PipelineError(f"pp rank {self.pp_rank} was asked to run module '{path}', which it does not own")
+        call = functools.partial(type(m)._call_impl, m)
+        if checkpoint:
+            return run_checkpointed(call, args, kwargs)
+        return call(*args, **kwargs)
+
+    # ------------------------------------------------------------------ steps
+    def run_step(
+        self,
+        step_fn: Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        *,
+        num_microbatches: int = 1,
+        non_split_inputs: Iterable[str | int] = (),
+        input_split_axes: Mapping[str | int, int] | None = None,
+        schedule: ScheduleSpec | None = None,
+        active_microbatches: int | None = None,
+    ) -> list[Any]:
+        """Collective over the pipeline ranks: run one training (or evaluation) step.
+
+        On pp rank 0, ``step_fn(*mb_args, **mb_kwargs)`` runs once per microbatch (arguments
+        split on their batch axis); inside it call the model as usual and
+        :meth:`backward` on the loss. Returns the list of per-microbatch outputs (tensors
+        detached) on every rank (pp rank 0 sends them to the others at the end of the step).
+        Other ranks may pass any arguments (they are ignored except during the first,
+        partitioning, step where only pp rank 0's are used).
+        """
+        self.server.raise_if_aborted()
+        m = num_microbatches
+        mbs = []
+        if self.is_driver:
+            mbs = split_microbatches(step_fn, tuple(args), kwargs, m, non_split_inputs, input_split_axes)
+        if self.assignment is None:
+            if self.is_driver:
+                self.partition(step_fn, *mbs[0])
+            else:
+                self.partition()
+        self._num_microbatches = m
+        if not self.is_driver:
+            return self.server.follow_step()
+        scheduler = Scheduler(
+            schedule if schedule is not None else self.schedule,
+            m,
+            active_microbatches or self.active_microbatches,
+        )
+        return self.server.drive_step(step_fn, mbs, scheduler, capture())
+
+    def backward(
+        self,
+        tensors: torch.Tensor | Sequence[torch.Tensor],
+        grad_tensors: torch.Tensor | Sequence[torch.Tensor | None] | None = None,
+    ) -> None:
+        """Backward of a microbatch's loss, inside the step function.
+
+        Gradients are scaled by ``1 / num_microbatches`` so that, with a mean loss per
+        microbatch (equal microbatch sizes), the accumulated gradient equals one process's
+        gradient of the mean loss over the whole batch. Returns once every rank has finished
+        this microbatch's backward. During the tracing pass it does nothing.
+        """
+        if self._tracing:
+            return
+        ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        if grad_tensors is None:
+            gs: list[torch.Tensor | None] = [None] * len(ts)
+        elif isinstance(grad_tensors, torch.Tensor):
+            gs = [grad_tensors]
+        else:
+            gs = list(grad_tensors)
+        scale = 1.0 / self._num_microbatches
+        grads = [
+            torch.full_like(t, scale) if g is None else g * scale for t, g in zip(ts, gs)
+        ]
+        self.server.backward(ts, grads)
+
+    # ------------------------------------------------------------------ parameters and state
+    def owned_modules(self) -> list[str]:
+        """Canonical paths of the modules this rank owns (all, before partitioning)."""
+        if self.assignment is None:
+            return list(self._modules)
+        return [p for p, r in self.assignment.items() if r == self.pp_rank]
+
+    def owner(self, path: str) -> int:
+        """The pp rank owning module ``path`` (any alias path works)."""
+        if self.assignment is None:
+            raise PipelineError("the model is not partitioned yet")
+        by_alias = dict(self.module.named_modules(remove_duplicate=False))
+        if path not in by_alias:
+            raise PipelineConfigError(f"no module '{path}'")
+        return self.assignment[canonical_modules(self.module)[id(by_alias[path])]]
+
+    def named_local_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """``(name, parameter)`` for the parameters of owned modules (tied ones once)."""
+        owned = set(self.owned_modules())
+        out = []
+        for name, p in self.module.named_parameters():
+            mod = name.rsplit(".", 1)[0] if "." in name else ""
+            if self._canonical(mod) in owned:
+                out.append((name, p))
+        return out
+
+    def local_parameters(self) -> list[nn.Parameter]:
+        """The parameters this rank trains (give these to the optimizer / DP all-reduce)."""
+        return [p for _, p in self.named_local_parameters()]
+
+    def _canonical(self, alias: str) -> str:
+        by_alias = getattr(self, "_alias_cache", None)
+        if by_alias is None:
+            canon = canonical_modules(self.module)
+            by_alias = {n: canon[id(m)] for n, m in self.module.named_modules(remove_duplicate=False)}
+            self._alias_cache = by_alias
+        return by_alias[alias]
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """The entries of ``module.state_dict()`` that belong to owned modules."""
+        owned = set(self.owned_modules())
+        out = {}
+        for key, value in self.module.state_dict().items():
+            mod = key.rsplit(".", 1)[0] if "." in key else ""
+            if self._canonical(mod) in owned:
+                out[key] = value
+        return out
+
+    def full_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
+        """Collective: gather the full ``state_dict`` (loadable into the unwrapped model).
+
+        Returns it on pp rank ``dst`` and None elsewhere.
+        """
+        local = {k: v.detach().cpu() for k, v in self.local_state_dict().items()}
+        parts = self._gather(local, dst)
+        if parts is None:
+            return None
+        merged: dict[str, torch.Tensor] = {}
+        for part in parts:
+            merged.update(part)
+        order = list(self.module.state_dict().keys())
+        return {k: merged[k] for k in order if k in merged}
+
+    # ------------------------------------------------------------------ timeline
+    def timeline_events(self) -> list[tuple[int, int, str, str, float, float]]:
+        """This rank's recorded spans ``(rank, mb, module, phase, start, end)``."""
+        return list(self.server.events)
+
+    def write_timeline(self, json_path: str | None = None, png_path: str | None = None) -> list[Any] | None:
+        """Collective: gather every rank's events to pp rank 0 and write JSON and/or PNG."""
+        parts = self._gather(self.timeline_events(), 0)
+        if parts is None:
+            return None
+        events = [e for part in parts for e in part]
+        if json_path:
+            write_chrome_trace(events, json_path)
+        if png_path:
+            plot_timeline(events, png_path)
+        return events
+
+    # ------------------------------------------------------------------ collectives (setup tag)
+    def _bcast(self, obj: Any) -> Any:
+        tag = self.tag + 1
+        if self.is_driver:
+            hs = [self.comm.isend(obj, dest=self.comm_ranks[r], tag=tag) for r in range(1, self.pp_size)]
+            for h in hs:
+                h.wait(timeout=self.timeout_s)
+            return obj
+        got, _, _ = self.comm.irecv(source=self.comm_ranks[0], tag=tag).wait(timeout=self.timeout_s)
+        return got
+
+    def _gather(self, obj: Any, dst: int) -> list[Any] | None:
+        tag = self.tag + 1
+        if self.pp_rank != dst:
+            self.comm.isend(obj, dest=self.comm_ranks[dst], tag=tag).wait(timeout=self.timeout_s)
+            return None
+        out = []
+        for r in range(self.pp_size):
+            if r == dst:
+                out.append(obj)
+            else:
+                got, _, _ = self.comm.irecv(source=self.comm_ranks[r], tag=tag).wait(timeout=self.timeout_s)
+                out.append(got)
+        return out
+
+    @property
+    def requests_served(self) -> int:
+        """Forward and backward requests this rank has served (for overhead measurements)."""
+        return self.server.requests_served
+
+    def close(self) -> None:
+        """Stop the server's threads (idempotent). Does not close the communicator."""
+        self.server.close()

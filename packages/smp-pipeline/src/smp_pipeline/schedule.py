@@ -1,0 +1,146 @@
+"""Pipeline schedules: when the driver rank starts a microbatch's forward or backward.
+
+A schedule only decides the *start* of the two top-level tasks of each microbatch (the step
+function's forward part, and its backward after ``backward(loss)``); everything else is driven
+by requests. Schedules are data: a built-in policy name or a sequence of
+``(microbatch, "forward" | "backward")`` pairs.
+
+- ``interleaved``: a microbatch ready for backward starts first; otherwise the next forward
+  starts if fewer than ``active_microbatches`` are in flight (1F1B-like, adapts to timing).
+- ``simple``: forwards start while they may; backwards start only when no forward is running
+  and none may start (with enough active microbatches: all forwards, then all backwards; with
+  fewer, GPipe-like waves).
+- a custom sequence: tasks start exactly in the listed order (a backward waits until its
+  microbatch reached ``backward(loss)``); microbatches whose step never calls backward skip
+  their backward entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+from smp_pipeline.errors import PipelineConfigError
+
+Phase = Literal["forward", "backward"]
+ScheduleSpec = str | Sequence[tuple[int, str]]
+
+
+class Scheduler:
+    """Decides the next top-level task on the driver rank (one instance per step)."""
+
+    def __init__(self, spec: ScheduleSpec, num_microbatches: int, active_microbatches: int):
+        if active_microbatches < 1:
+            raise PipelineConfigError(f"active_microbatches must be >= 1, got {active_microbatches}")
+        self.m = num_microbatches
+        self.active = active_microbatches
+        self.custom: list[tuple[int, Phase]] | None = None
+        if isinstance(spec, str):
+            if spec not in ("simple", "interleaved"):
+                raise PipelineConfigError(
+                    f"unknown schedule '{spec}': use 'simple', 'interleaved' or a sequence of "
+                    "(microbatch, 'forward'|'backward') pairs"
+                )
+            self.kind = spec
+        else:
+            self.kind = "custom"
+            self.custom = validate_custom(spec, num_microbatches)
+        self.pos = 0  # next entry of a custom schedule
+        self.next_forward = 0
+        self.ready: list[int] = []  # microbatches waiting in backward(loss), in arrival order
+        self.running_forward: set[int] = set()
+        self.in_flight: set[int] = set()  # started and not completed
+        self.completed: set[int] = set()
+        self.backward_started: set[int] = set()
+
+    # events -------------------------------------------------------------------------------
+    def ready_for_backward(self, mb: int) -> None:
+        self.running_forward.discard(mb)
+        self.ready.append(mb)
+
+    def completed_microbatch(self, mb: int) -> None:
+        self.running_forward.discard(mb)
+        self.in_flight.discard(mb)
+        self.completed.add(mb)
+
+    def done(self) -> bool:
+        return len(self.completed) == self.m
+
+    # decisions ----------------------------------------------------------------------------
+    def next_action(self) -> tuple[int, Phase] | None:
+        """The task to start now, or None (wait for an event)."""
+        if self.kind == "custom":
+            return self._next_custom()
+        can_forward = self.next_forward < self.m and len(self.in_flight) < self.active
+        if self.kind == "interleaved":
+            if self.ready:
+                return self._start_backward(self.ready[0])
+            if can_forward:
+                return self._start_forward()
+            return None
+        # simple
+        if can_forward:
+            return self._start_forward()
+        if self.ready and not self.running_forward:
+            return self._start_backward(min(self.ready))
+        return None
+
+    def _start_forward(self) -> tuple[int, Phase]:
+        mb = self.next_forward
+        self.next_forward += 1
+        self.in_flight.add(mb)
+        self.running_forward.add(mb)
+        return mb, "forward"
+
+    def _start_backward(self, mb: int) -> tuple[int, Phase]:
+        self.ready.remove(mb)
+        self.backward_started.add(mb)
+        return mb, "backward"
+
+    def _next_custom(self) -> tuple[int, Phase] | None:
+        assert self.custom is not None
+        while self.pos < len(self.custom):
+            mb, phase = self.custom[self.pos]
+            if phase == "forward":
+                self.pos += 1
+                self.next_forward = max(self.next_forward, mb + 1)
+                self.in_flight.add(mb)
+                self.running_forward.add(mb)
+                return mb, "forward"
+            if mb in self.completed:  # finished without calling backward: skip its entry
+                self.pos += 1
+                continue
+            if mb in self.ready:
+                self.pos += 1
+                return self._start_backward(mb)
+            return None
+        return None
+
+
+def validate_custom(spec: Sequence[tuple[int, str]], m: int) -> list[tuple[int, Phase]]:
+    """Check a custom schedule: each microbatch once forward, then once backward."""
+    out: list[tuple[int, Phase]] = []
+    seen: dict[tuple[int, str], int] = {}
+    for i, item in enumerate(spec):
+        try:
+            mb, phase = item
+            mb = int(mb)
+        except (TypeError, ValueError):
+            raise PipelineConfigError(
+                f"schedule entry {i} is {item!r}: expected (microbatch, 'forward'|'backward')"
+            ) from None
+        if phase not in ("forward", "backward"):
+            raise PipelineConfigError(f"schedule entry {i}: unknown phase {phase!r}")
+        if not 0 <= mb < m:
+            raise PipelineConfigError(f"schedule entry {i}: microbatch {mb} outside 0..{m - 1}")
+        if (mb, phase) in seen:
+            raise PipelineConfigError(f"schedule entry {i}: ({mb}, {phase!r}) appears twice")
+        if phase == "backward" and (mb, "forward") not in seen:
+            raise PipelineConfigError(f"schedule entry {i}: backward of {mb} before its forward")
+        seen[(mb, phase)] = i
+        out.append((mb, phase))  # type: ignore[arg-type]
+    for mb in range(m):
+        for phase in ("forward", "backward"):
+            if (mb, phase) not in seen:
+                raise PipelineConfigError(f"schedule lacks ({mb}, {phase!r})")
+    return out

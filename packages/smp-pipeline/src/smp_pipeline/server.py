@@ -1,0 +1,570 @@
+"""The execution server of one pipeline rank (paper §4.2, Figures 3–4).
+
+The main thread serves an input queue (filled by a receiver thread from the communicator)
+and a local "ready" queue of wake-ups; worker threads execute tasks, one at a time, by
+holding the execution token (see :mod:`smp_pipeline.worker`). Everything that touches the
+server's state runs while holding the token, so no locks are needed besides the queues.
+
+Failures never hang: an exception in a task, or a request outstanding longer than
+``timeout_s``, broadcasts an ABORT message and raises on every pipeline rank.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from smp_comm import ANY_SOURCE, CommTimeoutError
+
+from smp_pipeline import messages as M
+from smp_pipeline.boundary import (
+    CallKey,
+    Context,
+    IncomingCall,
+    OutgoingCall,
+    RootContext,
+    attach_boundary,
+)
+from smp_pipeline.errors import PipelineError, PipelineRemoteError, PipelineTimeoutError
+from smp_pipeline.messages import flatten, pack, unflatten, unpack_leaves
+from smp_pipeline.schedule import Scheduler
+from smp_pipeline.state import capture, execution_state
+from smp_pipeline.worker import Task, Worker
+
+# (pp rank, microbatch, module, phase, start, end): one EXECUTING span of a task.
+TimelineEvent = tuple[int, int, str, str, float, float]
+
+
+class ExecutionServer:
+    """Serves pipeline requests for the modules one rank owns."""
+
+    def __init__(
+        self,
+        comm: Any,
+        pp_rank: int,
+        pp_size: int,
+        comm_ranks: list[int],
+        tag: int,
+        timeout_s: float,
+        execute: Callable[[str, tuple[Any, ...], dict[str, Any], bool], Any],
+        record_timeline: bool = False,
+    ) -> None:
+        self.comm = comm
+        self.pp_rank = pp_rank
+        self.pp_size = pp_size
+        self.comm_ranks = comm_ranks
+        self.tag = tag
+        self.timeout_s = timeout_s
+        self.execute = execute  # runs an owned module: (path, args, kwargs, checkpoint) -> out
+        self.record_timeline = record_timeline
+        self.events: list[TimelineEvent] = []
+
+        self.inbox: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.ready: collections.deque[tuple[Worker, Any]] = collections.deque()
+        self._main_sem = threading.Semaphore(0)
+        self.workers: list[Worker] = []
+        self.idle: list[Worker] = []
+        self.waiting: dict[Any, Worker] = {}
+        self.current: Task | None = None
+        self.in_segment = False
+
+        self._calls = itertools.count()
+        self._bwd_reqs = itertools.count()
+        self.outgoing: dict[CallKey, OutgoingCall] = {}
+        self.incoming: dict[CallKey, IncomingCall] = {}
+        self.roots: dict[tuple[int, int], RootContext] = {}
+        # Requests this rank sent and still waits for: key -> (time sent, description).
+        self.outstanding: dict[Any, tuple[float, str]] = {}
+
+        self.step = 0
+        self.step_ends: dict[int, dict[str, Any]] = {}
+        self.scheduler: Scheduler | None = None
+        self._sends: list[Any] = []
+        self.abort_msg: dict[str, Any] | None = None
+        self.failure: tuple[Task, BaseException, str] | None = None
+        self.shutting_down = False
+        self._last_progress = time.monotonic()
+        self.requests_served = 0
+
+        self._receiver = threading.Thread(
+            target=self._receive_loop, name="smp-pipeline-receiver", daemon=True
+        )
+        self._receiver.start()
+
+    # ------------------------------------------------------------------ transport
+    def _receive_loop(self) -> None:
+        handle = None
+        while not self.shutting_down:
+            try:
+                if handle is None:
+                    handle = self.comm.irecv(source=ANY_SOURCE, tag=self.tag)
+                obj, _source, _tag = handle.wait(timeout=0.2)
+            except CommTimeoutError:
+                continue
+            except Exception as exc:  # the communicator broke: fail the rank loudly
+                if self.shutting_down:
+                    return
+                self.abort_msg = {
+                    "kind": M.ABORT,
+                    "error": "error",
+                    "text": f"pp rank {self.pp_rank}: receiving failed: {exc!r}",
+                    "src": self.pp_rank,
+                }
+                return
+            handle = None
+            if obj.get("kind") == M.ABORT and self.abort_msg is None:
+                self.abort_msg = obj
+            self.inbox.put(obj)
+        if handle is not None:
+            try:
+                handle.cancel()
+            except Exception:
+                pass
+
+    def send(self, pp_dest: int, msg: dict[str, Any]) -> None:
+        msg["src"] = self.pp_rank
+        self._sends.append(self.comm.isend(msg, dest=self.comm_ranks[pp_dest], tag=self.tag))
+
+    def send_all(self, msg: dict[str, Any]) -> None:
+        for r in range(self.pp_size):
+            if r != self.pp_rank:
+                self.send(r, dict(msg))
+
+    def flush_sends(self) -> None:
+        handles, self._sends = self._sends, []
+        for h in handles:
+            h.wait(timeout=self.timeout_s)
+
+    # ------------------------------------------------------------------ token handling
+    def token_returned(self) -> None:
+        self._main_sem.release()
+
+    def register_wait(self, key: Any, worker: Worker) -> None:
+        self.waiting[key] = worker
+
+    def worker_idle(self, worker: Worker) -> None:
+        self.idle.append(worker)
+
+    def report_failure(self, task: Task, exc: BaseException, tb: str) -> None:
+        self.failure = (task, exc, tb)
+
+    def _wake(self, key: Any, value: Any) -> None:
+        worker = self.waiting.pop(key)
+        self.ready.append((worker, value))
+
+    def _start(self, task: Task) -> None:
+        worker = self.idle.pop() if self.idle else self._new_worker()
+        worker.task = task
+        task.worker = worker
+        self._switch(worker)
+
+    def _new_worker(self) -> Worker:
+        w = Worker(self, len(self.workers))
+        self.workers.append(w)
+        return w
+
+    def _switch(self, worker: Worker) -> None:
+        """Hand the token to ``worker`` and wait until it comes back."""
+        task = worker.task
+        assert task is not None
+        self.current = task
+        start = time.time()
+        worker.give_token()
+        while not self._main_sem.acquire(timeout=0.1):
+            if self.abort_msg is not None:  # a stalled task here: others gave up on us
+                self.raise_if_aborted()
+        self.current = None
+        if self.record_timeline:
+            self.events.append((self.pp_rank, task.mb, task.module, task.phase, start, time.time()))
+        self._last_progress = time.monotonic()
+        if self.failure is not None:
+            self._fail()
+
+    # ------------------------------------------------------------------ failures
+    def raise_if_aborted(self) -> None:
+        msg = self.abort_msg
+        if msg is None:
+            return
+        text = msg["text"]
+        if msg["src"] != self.pp_rank:
+            text = f"{text} [reported by pp rank {msg['src']}, raised on pp rank {self.pp_rank}]"
+        if msg["error"] == "timeout":
+            raise PipelineTimeoutError(text)
+        raise PipelineRemoteError(text)
+
+    def abort(self, error: str, text: str) -> None:
+        """Tell every pipeline rank to raise, then raise here."""
+        if self.abort_msg is None:
+            msg = {"kind": M.ABORT, "error": error, "text": text, "src": self.pp_rank}
+            self.abort_msg = msg
+            for r in range(self.pp_size):
+                if r != self.pp_rank:
+                    try:
+                        self.send(r, dict(msg))
+                    except Exception:  # best effort: the transport itself may be broken
+                        pass
+        self.raise_if_aborted()
+
+    def _fail(self) -> None:
+        assert self.failure is not None
+        task, exc, tb = self.failure
+        if isinstance(exc, PipelineError) and self.abort_msg is not None:
+            self.raise_if_aborted()
+        text = (
+            f"pp rank {self.pp_rank}: {type(exc).__name__}: {exc} during {task.describe()}\n"
+            f"{tb}"
+        )
+        try:
+            self.abort("error", text)
+        except PipelineRemoteError as err:
+            raise err from exc
+
+    def _check_timeouts(self) -> None:
+        now = time.monotonic()
+        for t0, desc in self.outstanding.values():
+            if now - t0 > self.timeout_s:
+                self.abort(
+                    "timeout",
+                    f"pp rank {self.pp_rank} waited more than {self.timeout_s:g}s for {desc}",
+                )
+        if now - self._last_progress > self.timeout_s:
+            waits = ", ".join(desc for _, desc in self.outstanding.values()) or (
+                "a request from another rank"
+            )
+            self.abort(
+                "timeout",
+                f"pp rank {self.pp_rank} made no progress for {self.timeout_s:g}s in step "
+                f"{self.step}; it waits for {waits}",
+            )
+
+    # ------------------------------------------------------------------ serving
+    def serve(self, until: Callable[[], bool], hook: Callable[[], bool] | None = None) -> None:
+        """Run the main loop until ``until()``; ``hook()`` starts scheduled work (driver)."""
+        self._last_progress = time.monotonic()
+        next_check = time.monotonic() + 0.2
+        while not until():
+            self.raise_if_aborted()
+            if time.monotonic() > next_check:
+                self._check_timeouts()
+                next_check = time.monotonic() + 0.2
+            if self.ready:
+                worker, value = self.ready.popleft()
+                worker.value = value
+                self._switch(worker)
+                continue
+            try:
+                msg = self.inbox.get_nowait()
+            except queue.Empty:
+                msg = None
+            if msg is not None:
+                self._handle(msg)
+                continue
+            if hook is not None and hook():
+                continue
+            try:
+                msg = self.inbox.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            self._handle(msg)
+
+    def _handle(self, msg: dict[str, Any]) -> None:
+        self._last_progress = time.monotonic()
+        kind = msg["kind"]
+        if kind == M.FWD_REQ:
+            self.requests_served += 1
+            task = Task(self._run_forward_request, msg["mb"], msg["path"], "forward", None, msg["step"])
+            task.payload = msg  # type: ignore[attr-defined]
+            self._start(task)
+        elif kind == M.FWD_RESP:
+            key = tuple(msg["key"])
+            self.outstanding.pop(("fwd", key), None)
+            self._wake(("fwd", key), msg)
+        elif kind == M.BWD_REQ:
+            self.requests_served += 1
+            key = tuple(msg["key"])
+            rec = self.incoming.get(key)  # type: ignore[arg-type]
+            if rec is None:
+                self.abort(
+                    "error",
+                    f"pp rank {self.pp_rank}: backward request for call {key} of module "
+                    f"'{msg['path']}' (microbatch {msg['mb']}) has no saved forward record",
+                )
+                return
+            rec.open.append(msg["req"])
+            task = Task(self._run_callee_segment, rec.mb, rec.path, "backward", rec, rec.step)
+            task.payload = msg  # type: ignore[attr-defined]
+            self._start(task)
+        elif kind == M.BWD_RESP:
+            key = tuple(msg["key"])
+            self.outstanding.pop(("bwd", key, msg["req"]), None)
+            call = self.outgoing[key]  # type: ignore[index]
+            task = Task(self._run_caller_segment, call.mb, call.path, "backward", call.parent, call.step)
+            task.payload = (call, msg)  # type: ignore[attr-defined]
+            self._start(task)
+        elif kind == M.MB_DONE:
+            self.drop_microbatch(msg["step"], msg["mb"])
+        elif kind == M.STEP_END:
+            self.step_ends[msg["step"]] = msg
+        elif kind == M.ABORT:
+            self.raise_if_aborted()
+        else:
+            raise PipelineError(f"pp rank {self.pp_rank}: unknown message kind {kind!r}")
+
+    def drop_microbatch(self, step: int, mb: int) -> None:
+        """Forget every record of a finished microbatch (frees its retained graphs)."""
+        for d in (self.incoming, self.outgoing):
+            for k in [k for k, r in d.items() if r.step == step and r.mb == mb]:
+                del d[k]
+        self.roots.pop((step, mb), None)
+
+    def drop_step(self, step: int) -> None:
+        for d in (self.incoming, self.outgoing):
+            for k in [k for k, r in d.items() if r.step <= step]:
+                del d[k]
+        for k in [k for k in self.roots if k[0] <= step]:
+            del self.roots[k]
+
+    # ------------------------------------------------------------------ forward
+    def call_remote(
+        self, path: str, dest: int, args: tuple[Any, ...], kwargs: dict[str, Any], checkpoint: bool
+    ) -> Any:
+        """Run module ``path`` on pp rank ``dest`` for the current task (caller side)."""
+        task = self.current
+        if task is None or task.worker is None or task.context is None:
+            raise PipelineError(
+                f"module '{path}' lives on pp rank {dest}: call the model inside the step "
+                "function given to run_step()"
+            )
+        if self.in_segment:
+            raise PipelineError(
+                f"module '{path}' (pp rank {dest}) was called during a backward segment on pp "
+                f"rank {self.pp_rank}: a checkpointed module must not contain remote submodules"
+            )
+        ctx = task.context
+        key: CallKey = (self.pp_rank, next(self._calls))
+        st = capture()
+        skeleton, tensors = flatten((args, kwargs))
+        flags = [bool(st["grad"] and t.requires_grad) for t in tensors]
+        msg = {
+            "kind": M.FWD_REQ,
+            "key": key,
+            "path": path,
+            "step": ctx.step,
+            "mb": ctx.mb,
+            "phase": "forward",
+            "grad": st["grad"],
+            "autocast": st["autocast"],
+            "checkpoint": checkpoint,
+            "inputs": {"skeleton": skeleton, "tensors": [t.detach() for t in tensors], "flags": flags},
+        }
+        self.outstanding[("fwd", key)] = (
+            time.monotonic(),
+            f"the forward of module '{path}' (microbatch {ctx.mb}) on pp rank {dest}",
+        )
+        self.send(dest, msg)
+        assert task.worker is not None
+        resp = task.worker.wait(("fwd", key))
+        out = resp["outputs"]
+        outs = [t.detach() for t in out["tensors"]]
+        oflags = out["flags"]
+        if any(oflags):
+            inputs = [t for t, f in zip(tensors, flags) if f]
+            call = OutgoingCall(self, key, dest, path, ctx, inputs)
+            self.outgoing[key] = call
+            idx = [i for i, f in enumerate(oflags) if f]
+            joined = attach_boundary(call, [outs[i] for i in idx])
+            for i, t in zip(idx, joined):
+                outs[i] = t
+        return unflatten(out["skeleton"], outs)
+
+    def _run_forward_request(self, task: Task) -> None:
+        """Callee side of :meth:`call_remote`."""
+        msg = task.payload  # type: ignore[attr-defined]
+        (args, kwargs), leaves = unpack_leaves(msg["inputs"])
+        key: CallKey = tuple(msg["key"])  # type: ignore[assignment]
+        rec = IncomingCall(msg["step"], msg["mb"], key, msg["path"], leaves)
+        task.context = rec
+        with execution_state(msg["grad"], msg["autocast"]):
+            out = self.execute(msg["path"], tuple(args), dict(kwargs), bool(msg["checkpoint"]))
+        skeleton, tensors = flatten(out)
+        flags = [bool(msg["grad"] and t.requires_grad) for t in tensors]
+        if any(flags):
+            rec.outputs = [t for t, f in zip(tensors, flags) if f]
+            self.incoming[key] = rec
+        resp = {
+            "kind": M.FWD_RESP,
+            "key": key,
+            "outputs": {"skeleton": skeleton, "tensors": [t.detach() for t in tensors], "flags": flags},
+        }
+        self.send(msg["src"], resp)
+
+    # ------------------------------------------------------------------ backward
+    def send_backward_request(self, call: OutgoingCall, grads: list[torch.Tensor | None]) -> None:
+        """Called from :class:`RemoteBoundary.backward`: send, count, never wait."""
+        if all(g is None for g in grads):
+            return
+        call.parent.pending += 1
+        req = next(self._bwd_reqs)
+        self.outstanding[("bwd", call.key, req)] = (
+            time.monotonic(),
+            f"the backward of module '{call.path}' (microbatch {call.mb}) on pp rank {call.dest}",
+        )
+        self.send(
+            call.dest,
+            {
+                "kind": M.BWD_REQ,
+                "key": call.key,
+                "req": req,
+                "path": call.path,
+                "step": call.step,
+                "mb": call.mb,
+                "grads": pack(grads, False),
+            },
+        )
+
+    def segment(self, tensors: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """One backward segment (never blocks: remote boundaries only send)."""
+        if not tensors:
+            return
+        self.in_segment = True
+        try:
+            torch.autograd.backward(tensors, grads, retain_graph=True)
+        finally:
+            self.in_segment = False
+
+    def _run_callee_segment(self, task: Task) -> None:
+        msg = task.payload  # type: ignore[attr-defined]
+        rec = task.context
+        assert isinstance(rec, IncomingCall)
+        grads = unflatten(msg["grads"]["skeleton"], msg["grads"]["tensors"])
+        pairs = [(o, g) for o, g in zip(rec.outputs, grads) if g is not None]
+        self.segment([o for o, _ in pairs], [g for _, g in pairs])
+        self.maybe_complete(rec)
+
+    def _run_caller_segment(self, task: Task) -> None:
+        call, msg = task.payload  # type: ignore[attr-defined]
+        grads = unflatten(msg["grads"]["skeleton"], msg["grads"]["tensors"])
+        pairs = [(t, g) for t, g in zip(call.inputs, grads) if g is not None]
+        self.segment([t for t, _ in pairs], [g for _, g in pairs])
+        call.parent.pending -= 1
+        self.maybe_complete(call.parent)
+
+    def maybe_complete(self, ctx: Context) -> None:
+        """If ``ctx`` has no outstanding nested request, its input gradients are complete."""
+        if ctx.pending:
+            return
+        if isinstance(ctx, IncomingCall):
+            if not ctx.open:
+                return
+            grads: list[torch.Tensor | None] = []
+            for leaf in ctx.inputs:
+                grads.append(leaf.grad)
+                leaf.grad = None  # the next response carries only later contributions
+            for i, req in enumerate(ctx.open):
+                self.send(
+                    ctx.key[0],
+                    {
+                        "kind": M.BWD_RESP,
+                        "key": ctx.key,
+                        "req": req,
+                        "grads": pack(grads if i == 0 else [None] * len(grads), False),
+                    },
+                )
+            ctx.open.clear()
+        elif isinstance(ctx, RootContext):
+            key = ("bwd_done", ctx.step, ctx.mb)
+            if key in self.waiting:
+                self._wake(key, None)
+
+    # ------------------------------------------------------------------ steps
+    def backward(self, tensors: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """``backward(loss)`` inside the step function (driver rank)."""
+        task = self.current
+        if task is None or not isinstance(task.context, RootContext) or task.worker is None:
+            raise PipelineError(
+                "backward() must be called inside the step function passed to run_step(), "
+                "on the driver (pp rank 0)"
+            )
+        root = task.context
+        if not root.admitted:
+            assert self.scheduler is not None
+            self.scheduler.ready_for_backward(root.mb)
+            task.worker.wait(("admit", root.step, root.mb))
+        self.segment(tensors, grads)
+        if root.pending:
+            task.worker.wait(("bwd_done", root.step, root.mb))
+
+    def drive_step(
+        self,
+        step_fn: Callable[..., Any],
+        microbatches: list[tuple[tuple[Any, ...], dict[str, Any]]],
+        scheduler: Scheduler,
+        state: dict[str, Any],
+    ) -> list[Any]:
+        """Run a step on the driver: start tasks as the schedule says, serve until done."""
+        self.step += 1
+        step = self.step
+        self.scheduler = scheduler
+        outputs: list[Any] = [None] * len(microbatches)
+
+        def run_microbatch(task: Task) -> None:
+            args, kwargs = microbatches[task.mb]
+            with execution_state(state["grad"], state["autocast"]):
+                out = step_fn(*args, **kwargs)
+            outputs[task.mb] = M.detach_all(out)
+            scheduler.completed_microbatch(task.mb)
+            self.send_all({"kind": M.MB_DONE, "step": step, "mb": task.mb})
+            self.drop_microbatch(step, task.mb)
+
+        def start_next() -> bool:
+            action = scheduler.next_action()
+            if action is None:
+                return False
+            mb, phase = action
+            if phase == "forward":
+                root = RootContext(step, mb)
+                self.roots[(step, mb)] = root
+                self._start(Task(run_microbatch, mb, "<step>", "forward", root, step))
+            else:
+                root = self.roots[(step, mb)]
+                root.admitted = True
+                worker = self.waiting[("admit", step, mb)]
+                assert worker.task is not None
+                worker.task.phase = "backward"
+                self._wake(("admit", step, mb), None)
+            return True
+
+        try:
+            self.serve(scheduler.done, start_next)
+            self.send_all({"kind": M.STEP_END, "step": step, "outputs": pack(outputs, False)})
+            self.flush_sends()
+        finally:
+            self.scheduler = None
+        return outputs
+
+    def follow_step(self) -> list[Any]:
+        """Serve requests until the driver says the step ended; returns the step's outputs."""
+        self.step += 1
+        step = self.step
+        self.serve(lambda: step in self.step_ends)
+        msg = self.step_ends.pop(step)
+        self.drop_step(step)
+        self.flush_sends()
+        return unflatten(msg["outputs"]["skeleton"], msg["outputs"]["tensors"])
+
+    # ------------------------------------------------------------------ shutdown
+    def close(self) -> None:
+        if self.shutting_down:
+            return
+        self.shutting_down = True
+        self._receiver.join(timeout=5)
+        for w in self.idle:
+            w.give_token()  # an idle worker given the token while shutting down exits
+            self._main_sem.acquire(timeout=1)
+        self.idle.clear()

@@ -1,0 +1,98 @@
+"""Worker threads and the execution token.
+
+Exactly one thread of a rank runs at a time: either the server's main loop or one worker in
+state EXECUTING. Control moves by handing over a token: the main loop releases a worker's
+semaphore and waits on its own; the worker runs until it finishes its task (-> IDLE) or
+needs a remote result (-> PENDING), then releases the main loop's semaphore and, if PENDING,
+waits on its own semaphore until the main loop resumes it with the result. Threads are used
+only to switch between microbatches cheaply, never for parallel computation.
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from smp_pipeline.boundary import Context
+    from smp_pipeline.server import ExecutionServer
+
+IDLE = "IDLE"
+EXECUTING = "EXECUTING"
+PENDING = "PENDING"
+
+
+class Task:
+    """One unit of work run by a worker: a forward request, a backward segment, a step."""
+
+    def __init__(
+        self,
+        fn: Callable[[Task], None],
+        mb: int,
+        module: str,
+        phase: str,
+        context: Context | None,
+        step: int,
+    ) -> None:
+        self.fn = fn
+        self.mb = mb
+        self.module = module
+        self.phase = phase
+        self.context = context
+        self.step = step
+        self.worker: Worker | None = None
+        self.order_id: tuple[int, str, int] | None = None  # set for tensor-parallel ordering
+
+    def describe(self) -> str:
+        return f"{self.phase} of module '{self.module or '<root>'}' (microbatch {self.mb})"
+
+
+class Worker:
+    """A thread that runs tasks when it holds the token."""
+
+    def __init__(self, server: ExecutionServer, index: int) -> None:
+        self.server = server
+        self.index = index
+        self.state = IDLE
+        self.task: Task | None = None
+        self.value: Any = None  # what the main loop hands over when resuming a PENDING worker
+        self._sem = threading.Semaphore(0)
+        self._thread = threading.Thread(
+            target=self._loop, name=f"smp-pipeline-worker-{index}", daemon=True
+        )
+        self._thread.start()
+
+    # called by the main loop ------------------------------------------------------------
+    def give_token(self) -> None:
+        self.state = EXECUTING
+        self._sem.release()
+
+    # called on the worker's own thread -------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            self._sem.acquire()
+            if self.server.shutting_down:
+                self.server.token_returned()
+                return
+            task = self.task
+            assert task is not None
+            try:
+                task.fn(task)
+            except BaseException as exc:  # reported to the main loop, which aborts every rank
+                self.server.report_failure(task, exc, traceback.format_exc())
+            self.task = None
+            self.state = IDLE
+            self.server.worker_idle(self)
+            self.server.token_returned()
+
+    def wait(self, key: Any) -> Any:
+        """Go PENDING until the main loop resumes us with the value for ``key``."""
+        self.state = PENDING
+        self.server.register_wait(key, self)
+        self.server.token_returned()
+        self._sem.acquire()
+        self.server.raise_if_aborted()
+        value, self.value = self.value, None
+        return value
