@@ -1,0 +1,174 @@
+"""DistributedAttentionLayer (paper App. F, Figs. 11 and 13)."""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+
+from smp_tp.group import ProcessGroup
+from smp_tp.layers.region import RegionModule, affine, region_layer_norm
+from smp_tp.mappings import bwd_allreduce_for_tp, fwd_allreduce_for_tp, reduce_scatter_for_tp
+from smp_tp.params import (
+    initialize_with_input_partition,
+    initialize_with_output_partition,
+    parameter_creation_scope,
+)
+from smp_tp.random import tp_dropout
+
+
+def _rank_major(w: torch.Tensor, parts: int, tp: int) -> torch.Tensor:
+    """Reorder the rows of ``[W_q; W_k; W_v]`` (``parts`` blocks) so that a reduce-scatter of
+    the output channels leaves rank j with *its* heads of every block."""
+    rows = w.shape[0] // parts
+    return w.reshape(parts, tp, rows // tp, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
+
+
+class DistributedAttentionLayer(RegionModule):
+    """Multi-head attention block with residual and layer norm, heads split over TP ranks.
+
+    ``post_layernorm`` (BERT): ``LN(x + drop(attn(x)))``; ``pre_layernorm`` (GPT-2):
+    ``x + drop(attn(LN(x)))``. ``causal_mask_size`` not None makes self-attention causal.
+    ``cross_attention=True`` takes keys and values from ``cross_states``.
+
+    Full (unsharded) parameter keys: ``query|key|value.weight (A, h)``, ``.bias (A)``,
+    ``dense.weight (h, A)``, ``dense.bias (h)``, ``pre_layernorm|post_layernorm.weight|bias``
+    with ``A = num_attention_heads * attention_head_size``.
+    """
+
+    def __init__(
+        self,
+        num_attention_heads: int = 32,
+        attention_head_size: int = 32,
+        hidden_size: int = 1024,
+        attention_dropout_prob: float = 0.1,
+        hidden_dropout_prob: float = 0.1,
+        layernorm_epsilon: float = 1e-5,
+        initializer_range: float = 0.02,
+        use_normal_initialization: bool = False,
+        cross_attention: bool = False,
+        causal_mask_size: int | None = None,
+        pre_layernorm: bool = False,
+        post_layernorm: bool = True,
+        *,
+        tp_group: ProcessGroup = None,
+        prescaled_batch: bool | None = None,
+        optimize: str | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__(tp_group=tp_group, prescaled_batch=prescaled_batch, optimize=optimize)
+        self._require_divisible(num_attention_heads=num_attention_heads)
+        if self.optimize == "memory":
+            self._require_divisible(hidden_size=hidden_size)
+        T, h = self.tp_size, hidden_size
+        A = num_attention_heads * attention_head_size
+        self.num_attention_heads, self.attention_head_size, self.hidden_size = (
+            num_attention_heads, attention_head_size, hidden_size)
+        self.local_heads = num_attention_heads // T
+        self.attention_dropout_prob, self.hidden_dropout_prob = attention_dropout_prob, hidden_dropout_prob
+        self.eps = layernorm_epsilon
+        self.cross_attention, self.causal = cross_attention, causal_mask_size is not None and not cross_attention
+        self.causal_mask_size = causal_mask_size
+        self.pre_ln, self.post_ln = pre_layernorm, post_layernorm
+        kw = {"device": device}
+        speed = self.optimize == "speed"
+        with parameter_creation_scope(
+            self, dtype=dtype, use_normal=use_normal_initialization, initializer_range=initializer_range
+        ):
+            if speed:  # column-parallel q/k/v (heads), row-parallel dense (Megatron)
+                with initialize_with_output_partition(self):
+                    for name in ("query", "key", "value"):
+                        setattr(self, name, affine(torch.empty(A // T, h, **kw), torch.zeros(A // T, **kw)))
+                with initialize_with_input_partition(self):
+                    self.dense = affine(torch.empty(h, A // T, **kw), None)
+                self.dense.bias = torch.nn.Parameter(torch.zeros(h, **kw))
+                ln_size = h
+            else:  # every linear split over its input channels, outputs reduce-scattered
+                with initialize_with_input_partition(self):
+                    for name in ("query", "key", "value"):
+                        setattr(self, name, affine(torch.empty(A, h // T, **kw), None))
+                    self.dense = affine(torch.empty(h, A // T, **kw), None)
+                with initialize_with_output_partition(self):
+                    for name in ("query", "key", "value"):
+                        getattr(self, name).bias = torch.nn.Parameter(torch.zeros(A // T, **kw))
+                    self.dense.bias = torch.nn.Parameter(torch.zeros(h // T, **kw))
+                ln_size = h // T
+            # speed: replicated layer norms (scope default); memory: sharded
+            with nullcontext() if speed else initialize_with_output_partition(self):
+                if pre_layernorm:
+                    self.pre_layernorm = affine(torch.ones(ln_size, **kw), torch.zeros(ln_size, **kw))
+                if post_layernorm:
+                    self.post_layernorm = affine(torch.ones(ln_size, **kw), torch.zeros(ln_size, **kw))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        B, sq, _ = q.shape
+        sk = k.shape[1]
+        H, d = self.local_heads, self.attention_head_size
+        q = q.reshape(B, sq, H, d).transpose(1, 2)
+        k = k.reshape(B, sk, H, d).transpose(1, 2)
+        v = v.reshape(B, sk, H, d).transpose(1, 2)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(d))
+        neg = torch.finfo(scores.dtype).min
+        if mask is not None:
+            if mask.shape[1] not in (1, H):  # a per-head mask over all heads: keep ours
+                mask = mask.narrow(1, self.tp_rank * H, H)
+            if mask.dtype == torch.bool:
+                scores = scores.masked_fill(~mask, neg)
+            else:
+                scores = scores + mask.to(scores.dtype)
+        if self.causal:
+            keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+            scores = scores.masked_fill(~keep, neg)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+        # local heads exist on this rank only: per-rank stream
+        probs = tp_dropout(probs, self.attention_dropout_prob, self.training, "tp_rank", self.tp_group)
+        return torch.matmul(probs, v).transpose(1, 2).reshape(B, sq, H * d)
+
+    def _projections(self, a: torch.Tensor, kv_src: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        g, T = self.tp_group, self.tp_size
+        names = ("query", "key", "value")
+        ws = [getattr(self, n).weight for n in names]
+        bs = torch.cat([getattr(self, n).bias for n in names])
+        if self.optimize == "speed":
+            a = bwd_allreduce_for_tp(a, g)
+            if kv_src is None:
+                return F.linear(a, torch.cat(ws), bs).chunk(3, dim=-1)
+            kv_src = bwd_allreduce_for_tp(kv_src, g)
+            q = F.linear(a, ws[0], self.query.bias)
+            kv = F.linear(kv_src, torch.cat(ws[1:]), bs[bs.shape[0] // 3:])
+            return (q, *kv.chunk(2, dim=-1))
+        if kv_src is None:
+            y = reduce_scatter_for_tp(F.linear(a, _rank_major(torch.cat(ws), 3, T)), -1, g)
+            return (y + bs).chunk(3, dim=-1)
+        q = reduce_scatter_for_tp(F.linear(a, ws[0]), -1, g) + self.query.bias
+        kv = reduce_scatter_for_tp(F.linear(kv_src, _rank_major(torch.cat(ws[1:]), 2, T)), -1, g)
+        return (q, *(kv + bs[bs.shape[0] // 3:]).chunk(2, dim=-1))
+
+    def forward_region(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        cross: torch.Tensor | None = None,
+        cross_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if self.cross_attention and cross is None:
+            raise ValueError("DistributedAttentionLayer(cross_attention=True) needs cross_states")
+        a = region_layer_norm(x, self.pre_layernorm, self.eps, self.hidden_size, self) if self.pre_ln else x
+        q, k, v = self._projections(a, cross if self.cross_attention else None)
+        ctx = self._attend(q, k, v, cross_mask if self.cross_attention else mask)
+        g = self.tp_group
+        if self.optimize == "speed":
+            o = fwd_allreduce_for_tp(F.linear(ctx, self.dense.weight), g) + self.dense.bias
+            o = tp_dropout(o, self.hidden_dropout_prob, self.training, "tp_shared", g)
+        else:
+            o = reduce_scatter_for_tp(F.linear(ctx, self.dense.weight), -1, g) + self.dense.bias
+            o = tp_dropout(o, self.hidden_dropout_prob, self.training, "tp_rank", g)
+        out = x + o
+        if self.post_ln:
+            out = region_layer_norm(out, self.post_layernorm, self.eps, self.hidden_size, self)
+        return out
+
+

@@ -1,0 +1,106 @@
+"""DistributedTransformerOutputLayer: the MLP block (paper App. F, Figs. 12 and 14)."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+
+from smp_tp.group import ProcessGroup
+from smp_tp.layers.region import ACTIVATIONS, RegionModule, affine, region_layer_norm
+from smp_tp.mappings import bwd_allreduce_for_tp, fwd_allreduce_for_tp, reduce_scatter_for_tp
+from smp_tp.params import (
+    initialize_with_input_partition,
+    initialize_with_output_partition,
+    parameter_creation_scope,
+)
+from smp_tp.random import tp_dropout
+
+
+class DistributedTransformerOutputLayer(RegionModule):
+    """``dense_h_to_4h → activation → dense_4h_to_h → dropout``, residual, layer norm.
+
+    Full parameter keys: ``dense_h_to_4h.weight (I, h)``, ``.bias (I)``,
+    ``dense_4h_to_h.weight (h, I)``, ``.bias (h)``, ``pre_layernorm|post_layernorm.*``.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int = 1024,
+        intermediate_size: int = 4096,
+        hidden_dropout_prob: float = 0.1,
+        activation: str = "gelu",
+        layernorm_epsilon: float = 1e-5,
+        initializer_range: float = 0.02,
+        use_normal_initialization: bool = False,
+        pre_layernorm: bool = False,
+        post_layernorm: bool = True,
+        *,
+        tp_group: ProcessGroup = None,
+        prescaled_batch: bool | None = None,
+        optimize: str | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__(tp_group=tp_group, prescaled_batch=prescaled_batch, optimize=optimize)
+        if activation not in ACTIVATIONS:
+            raise ValueError(
+                f"DistributedTransformerOutputLayer: activation {activation!r} not in {sorted(ACTIVATIONS)}"
+            )
+        self._require_divisible(intermediate_size=intermediate_size)
+        if self.optimize == "memory":
+            self._require_divisible(hidden_size=hidden_size)
+        T, h, inter = self.tp_size, hidden_size, intermediate_size
+        self.hidden_size, self.intermediate_size, self.activation = h, inter, activation
+        self.hidden_dropout_prob, self.eps = hidden_dropout_prob, layernorm_epsilon
+        self.pre_ln, self.post_ln = pre_layernorm, post_layernorm
+        kw = {"device": device}
+        speed = self.optimize == "speed"
+        with parameter_creation_scope(
+            self, dtype=dtype, use_normal=use_normal_initialization, initializer_range=initializer_range
+        ):
+            if speed:
+                with initialize_with_output_partition(self):
+                    self.dense_h_to_4h = affine(torch.empty(inter // T, h, **kw), torch.zeros(inter // T, **kw))
+                with initialize_with_input_partition(self):
+                    self.dense_4h_to_h = affine(torch.empty(h, inter // T, **kw), None)
+                self.dense_4h_to_h.bias = torch.nn.Parameter(torch.zeros(h, **kw))
+                ln_size = h
+            else:
+                with initialize_with_input_partition(self):
+                    self.dense_h_to_4h = affine(torch.empty(inter, h // T, **kw), None)
+                    self.dense_4h_to_h = affine(torch.empty(h, inter // T, **kw), None)
+                with initialize_with_output_partition(self):
+                    self.dense_h_to_4h.bias = torch.nn.Parameter(torch.zeros(inter // T, **kw))
+                    self.dense_4h_to_h.bias = torch.nn.Parameter(torch.zeros(h // T, **kw))
+                ln_size = h // T
+            with nullcontext() if speed else initialize_with_output_partition(self):
+                if pre_layernorm:
+                    self.pre_layernorm = affine(torch.ones(ln_size, **kw), torch.zeros(ln_size, **kw))
+                if post_layernorm:
+                    self.post_layernorm = affine(torch.ones(ln_size, **kw), torch.zeros(ln_size, **kw))
+
+    def forward_region(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        cross: torch.Tensor | None = None,
+        cross_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        g = self.tp_group
+        a = region_layer_norm(x, self.pre_layernorm, self.eps, self.hidden_size, self) if self.pre_ln else x
+        act = ACTIVATIONS[self.activation]
+        if self.optimize == "speed":
+            hid = act(F.linear(bwd_allreduce_for_tp(a, g), self.dense_h_to_4h.weight, self.dense_h_to_4h.bias))
+            o = fwd_allreduce_for_tp(F.linear(hid, self.dense_4h_to_h.weight), g) + self.dense_4h_to_h.bias
+            o = tp_dropout(o, self.hidden_dropout_prob, self.training, "tp_shared", g)
+        else:
+            hid = reduce_scatter_for_tp(F.linear(a, self.dense_h_to_4h.weight), -1, g)
+            hid = act(hid + self.dense_h_to_4h.bias)
+            o = reduce_scatter_for_tp(F.linear(hid, self.dense_4h_to_h.weight), -1, g) + self.dense_4h_to_h.bias
+            o = tp_dropout(o, self.hidden_dropout_prob, self.training, "tp_rank", g)
+        out = x + o
+        if self.post_ln:
+            out = region_layer_norm(out, self.post_layernorm, self.eps, self.hidden_size, self)
+        return out

@@ -1,0 +1,45 @@
+"""Run a script under ``python -m torch.distributed.run`` with a hard timeout."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def torchrun(script: str, nprocs: int, *args: str, timeout: float = 120.0) -> str:
+    """Launch ``nprocs`` ranks of ``scripts/<script>``; return the combined output.
+
+    On a non-zero exit or a timeout the whole process group is killed and every rank's
+    output is shown in the assertion message.
+    """
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nprocs),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        str(SCRIPTS / script), *args,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCHELASTIC_ERROR_FILE="")
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{script} with {nprocs} ranks timed out after {timeout}s:\n{out}") from None
+    if proc.returncode != 0:
+        raise AssertionError(f"{script} with {nprocs} ranks failed (rc={proc.returncode}):\n{out}")
+    return out

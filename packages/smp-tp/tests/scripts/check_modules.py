@@ -1,0 +1,301 @@
+"""Every distributed module against its single-rank version on the concatenated batch.
+
+Run under torch.distributed.run with 2 or 4 ranks; every rank feeds different samples in
+scaled-batch mode. Also: collective counts per layer (App. F), uneven-split errors, the
+dropout streams, parallelize() of plain torch modules, tp_register, bf16 autocast.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import smp_tp
+import torch
+from common import close, close_dicts, finish, gather_batch, log, randomize, setup
+from torch import nn
+
+rank, T, single = setup()
+failures: list[str] = []
+
+
+def check(label: str, fn, *args) -> None:
+    if os.environ.get("SMP_TP_VERBOSE"):
+        log("check", label)
+    try:
+        fn(*args)
+    except Exception:
+        if os.environ.get("SMP_TP_FAILFAST"):
+            raise  # collect and keep going: the report shows every failure
+        failures.append(f"{label}: {traceback.format_exc()}")
+
+
+def compare(label, build, make_inputs, prescaled, optimize, rtol=1e-5, atol=1e-6, autocast=False):
+    with smp_tp.tp_config(tp_group=single, prescaled_batch=False, optimize=optimize):
+        ref = build()
+    randomize(ref)
+    with smp_tp.tp_config(tp_group=None, prescaled_batch=prescaled, optimize=optimize):
+        par = build()
+    smp_tp.load_full_state_dict(par, smp_tp.full_state_dict(ref))
+    close_dicts(f"{label} state", smp_tp.full_state_dict(par), smp_tp.full_state_dict(ref), 0, 0)
+    local = make_inputs(100 if prescaled else 100 + rank)
+    glob = [(t.clone() if prescaled else gather_batch(t), g) for t, g in local]
+    local = [t.clone().requires_grad_(g) for t, g in local]
+    glob = [t.clone().requires_grad_(g) for t, g in glob]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        y_ref = ref(*glob)
+        y = par(*local)
+    (y_ref.float() ** 2).mean().backward()
+    (y.float() ** 2).mean().backward()
+    smp_tp.sync_gradients(par)
+    got_grads, want_grads = smp_tp.full_grad_dict(par), smp_tp.full_grad_dict(ref)
+    # every collective is done: assertions below cannot desynchronise the ranks
+    want = y_ref if prescaled else y_ref.chunk(T, 0)[rank]
+    close(f"{label} output", y, want, rtol, atol)
+    close_dicts(f"{label} grads", got_grads, want_grads, rtol, atol)
+    for i, (t, g) in enumerate(zip(local, glob)):
+        if t.requires_grad:
+            want_g = g.grad if prescaled else g.grad.chunk(T, 0)[rank] * T
+            close(f"{label} input grad {i}", t.grad, want_g, rtol, atol)
+
+
+B, S, H = 2, 5, 16
+
+
+def hidden(seed, b=B, s=S):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(b, s, H, generator=gen)
+
+
+def pad_mask(seed, b=B, s=S):
+    m = torch.ones(b, s)
+    m[:, -1 - seed % 2:] = 0  # mask differs between ranks
+    return (1.0 - m)[:, None, None, :] * -1e4
+
+
+builders = {
+    "linear": (lambda: smp_tp.DistributedLinear(H, 12),
+               lambda s: [(hidden(s), True)]),
+    "embedding": (lambda: smp_tp.DistributedEmbedding(50, H, padding_idx=0, scale_grad_by_freq=True),
+                  lambda s: [(torch.randint(0, 50, (B, S), generator=torch.Generator().manual_seed(s)), False)]),
+    "layernorm": (lambda: smp_tp.DistributedLayerNorm(H, eps=1e-5),
+                  lambda s: [(hidden(s) * 3 + 1, True)]),
+    "attention_post": (lambda: smp_tp.DistributedAttentionLayer(4, 4, H, 0.0, 0.0),
+                       lambda s: [(hidden(s), True), (pad_mask(s), False)]),
+    "attention_pre_causal": (
+        lambda: smp_tp.DistributedAttentionLayer(4, 4, H, 0.0, 0.0, causal_mask_size=S,
+                                                 pre_layernorm=True, post_layernorm=False),
+        lambda s: [(hidden(s), True)]),
+    "output_relu": (lambda: smp_tp.DistributedTransformerOutputLayer(H, 32, 0.0, "relu"),
+                    lambda s: [(hidden(s), True)]),
+    "layer_cross": (
+        lambda: smp_tp.DistributedTransformerLayer(4, 4, H, 32, 0.0, 0.0, "gelu", add_cross_attention=True),
+        lambda s: [(hidden(s), True), (pad_mask(s), False), (hidden(s + 7, s=3), True)]),
+    "transformer_pre": (
+        lambda: smp_tp.DistributedTransformer(2, 4, 4, H, 32, 0.0, 0.0, "gelu_new", causal_mask_size=S,
+                                              pre_layernorm=True, post_layernorm=False),
+        lambda s: [(hidden(s), True)]),
+    "lmhead_bert": (
+        lambda: smp_tp.DistributedTransformerLMHead(2, 4, 4, H, 32, 97, 8, 0.0, 0.0, num_token_types=2),
+        lambda s: [(torch.randint(0, 97, (B, S), generator=torch.Generator().manual_seed(s)), False),
+                   (torch.tensor([[1] * S, [1] * (S - 1) + [0]]) if s % 2 else torch.ones(B, S, dtype=torch.long), False)]),
+    "lmhead_gpt": (
+        lambda: smp_tp.DistributedTransformerLMHead(2, 4, 4, H, 32, 97, 8, 0.0, 0.0, causal_mask_size=8,
+                                                    pre_layernorm=True, post_layernorm=False),
+        lambda s: [(torch.randint(0, 97, (B, S), generator=torch.Generator().manual_seed(s)), False)]),
+}
+
+
+class CrossWrap(nn.Module):  # the cross layer takes (hidden, mask, cross) positionally
+    pass
+
+
+for prescaled in (False, True):
+    for optimize in ("speed", "memory"):
+        for name, (build, inputs) in builders.items():
+            label = f"{name}/{'prescaled' if prescaled else 'scaled'}/{optimize}"
+            check(label, compare, label, build, inputs, prescaled, optimize)
+
+
+# ---- collectives per transformer layer (Appendix F)
+def count_layers(optimize: str) -> None:
+    counts = {}
+    for layers in (1, 2):
+        with smp_tp.tp_config(optimize=optimize):
+            m = smp_tp.DistributedTransformer(layers, 4, 4, H, 32, 0.0, 0.0)
+        x = hidden(rank).requires_grad_(True)
+        with smp_tp.collective_counts() as c:
+            m(x).pow(2).mean().backward()
+        counts[layers] = c.total()
+    per_layer = {
+        ph: {k: counts[2][ph].get(k, 0) - counts[1][ph].get(k, 0)
+             for k in set(counts[2][ph]) | set(counts[1][ph]) if counts[2][ph].get(k, 0) - counts[1][ph].get(k, 0)}
+        for ph in ("forward", "backward")
+    }
+    if optimize == "speed":
+        want = {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 2}}
+    else:
+        want = {"forward": {"reduce_scatter": 4, "all_reduce": 2},
+                "backward": {"all_gather": 4, "all_reduce": 2}}
+    if per_layer != want:
+        raise AssertionError(f"{optimize}: per-layer collectives {per_layer} != {want}")
+    if rank == 0:
+        log(f"collectives per layer ({optimize}): {per_layer}; whole 1-layer stack {counts[1]}")
+
+
+check("counts speed", count_layers, "speed")
+check("counts memory", count_layers, "memory")
+
+
+# ---- uneven splits raise at construction, naming module and sizes
+def uneven() -> None:
+    cases = [
+        (lambda: smp_tp.DistributedAttentionLayer(T + 1, 4, 4 * (T + 1)), "num_attention_heads"),
+        (lambda: smp_tp.DistributedLinear(T * 3 + 1, 8), "in_features"),
+        (lambda: smp_tp.DistributedEmbedding(10, T * 2 + 1), "embedding_dim"),
+        (lambda: smp_tp.DistributedTransformerOutputLayer(8 * T, 4 * T + 1), "intermediate_size"),
+    ]
+    for make, key in cases:
+        try:
+            make()
+        except ValueError as e:
+            if key not in str(e) or "Distributed" not in str(e):
+                raise AssertionError(f"unclear error: {e}") from None
+        else:
+            raise AssertionError(f"no error for uneven {key}")
+
+
+check("uneven", uneven)
+
+
+# ---- dropout streams
+def streams() -> None:
+    x = torch.ones(1000)
+    shared = smp_tp.tp_dropout(x, 0.5, True, "tp_shared")
+    own = smp_tp.tp_dropout(x, 0.5, True, "tp_rank")
+    sg, og = gather_batch(shared[None]), gather_batch(own[None])
+    assert all(torch.equal(sg[0], sg[i]) for i in range(T)), "tp_shared masks differ across ranks"
+    assert not torch.equal(og[0], og[1]), "tp_rank masks are identical across ranks"
+    assert abs(float(shared.mean()) - 1.0) < 0.15
+
+
+check("dropout streams", streams)
+
+
+# ---- parallelize plain torch modules; state dict loads back into the original
+def parallelize_plain(prescaled: bool) -> None:
+    torch.manual_seed(0)
+    with smp_tp.tensor_parallelism():
+        model = nn.Sequential(nn.Embedding(40, H), nn.Linear(H, 2 * H), nn.ReLU(), nn.LayerNorm(2 * H),
+                              nn.Linear(2 * H, 8))
+    plain = nn.Sequential(nn.Embedding(40, H), nn.Linear(H, 2 * H), nn.ReLU(), nn.LayerNorm(2 * H),
+                          nn.Linear(2 * H, 8))
+    plain.load_state_dict(model.state_dict())
+    model[1].weight.data.mul_(1.0)
+    smp_tp.parallelize(model, prescaled_batch=prescaled)
+    kinds = [type(m).__name__ for m in model]
+    assert kinds == ["DistributedEmbedding", "DistributedLinear", "ReLU", "DistributedLayerNorm",
+                     "DistributedLinear"], kinds
+    seed = 5 if prescaled else 5 + rank
+    ids = torch.randint(0, 40, (3, 4), generator=torch.Generator().manual_seed(seed))
+    all_ids = ids if prescaled else gather_batch(ids)
+    y = model(ids)
+    y_ref = plain(all_ids)
+    y.pow(2).mean().backward()
+    y_ref.pow(2).mean().backward()
+    smp_tp.sync_gradients(model)
+    want = {k: p.grad for k, p in plain.named_parameters()}
+    got = smp_tp.full_grad_dict(model)
+    sd = smp_tp.full_state_dict(model)
+    close("plain output", y, y_ref if prescaled else y_ref.chunk(T)[rank])
+    close_dicts("plain grads", got, want)
+    fresh = nn.Sequential(nn.Embedding(40, H), nn.Linear(H, 2 * H), nn.ReLU(), nn.LayerNorm(2 * H),
+                          nn.Linear(2 * H, 8))
+    fresh.load_state_dict(sd, strict=True)
+    close_dicts("plain state", fresh.state_dict(), plain.state_dict(), 0, 0)
+
+
+check("parallelize plain scaled", parallelize_plain, False)
+check("parallelize plain prescaled", parallelize_plain, True)
+
+
+# ---- parallelize skips shared parameters, unmarked modules and replaced ancestors
+def replacement_rules() -> None:
+    emb = nn.Embedding(30, H)
+    head = nn.Linear(H, 30, bias=False)
+    head.weight = emb.weight  # tied: neither may be replaced
+    model = nn.Sequential(emb, nn.Linear(H, H), head, nn.Linear(H, H))
+    smp_tp.set_tensor_parallelism(model)
+    smp_tp.set_tensor_parallelism(model[3], False)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        smp_tp.parallelize(model)
+    kinds = [type(m).__name__ for m in model]
+    assert kinds == ["Embedding", "DistributedLinear", "Linear", "Linear"], kinds
+
+
+check("replacement rules", replacement_rules)
+
+
+# ---- tp_register with hooks
+class MyMLP(nn.Module):
+    def __init__(self, width: int, hidden_width: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, hidden_width)
+        self.down = nn.Linear(hidden_width, width)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return self.norm(x + self.down(torch.relu(self.up(x))) * scale)
+
+
+def to_full(sd):
+    names = {"up": "dense_h_to_4h", "down": "dense_4h_to_h", "norm": "post_layernorm"}
+    return {f"{names[k.split('.')[0]]}.{k.split('.')[1]}": v for k, v in sd.items()}
+
+
+def from_full(sd):
+    names = {"dense_h_to_4h": "up", "dense_4h_to_h": "down", "post_layernorm": "norm"}
+    return {f"{names[k.split('.')[0]]}.{k.split('.')[1]}": v for k, v in sd.items()}
+
+
+smp_tp.tp_register_with_module(
+    MyMLP, smp_tp.DistributedTransformerOutputLayer,
+    init_hook=lambda width, hidden_width: ((), {"hidden_size": width, "intermediate_size": hidden_width,
+                                                "hidden_dropout_prob": 0.0, "activation": "relu"}),
+    forward_hook=lambda x, scale=1.0: ((x,), {}),
+    return_hook=lambda out: out,
+    weight_hooks=(to_full, from_full),
+)
+
+
+def registered(optimize: str) -> None:
+    torch.manual_seed(3)
+    with smp_tp.tensor_parallelism():
+        model = nn.Sequential(MyMLP(H, 32))
+    plain = MyMLP(H, 32)
+    plain.load_state_dict(model[0].state_dict())
+    smp_tp.parallelize(model, optimize=optimize)
+    assert isinstance(model[0], smp_tp.DistributedTransformerOutputLayer), type(model[0])
+    x = hidden(50 + rank)
+    y = model(x)
+    y_ref = plain(gather_batch(x))
+    sd = smp_tp.full_state_dict(model)
+    close("registered output", y, y_ref.chunk(T)[rank])
+    fresh = nn.Sequential(MyMLP(H, 32))
+    fresh.load_state_dict(sd, strict=True)
+
+
+check("tp_register speed", registered, "speed")
+check("tp_register memory", registered, "memory")
+
+
+# ---- bf16 autocast
+for optimize in ("speed", "memory"):
+    label = f"autocast bf16/{optimize}"
+    check(label, compare, label, builders["transformer_pre"][0], builders["transformer_pre"][1],
+          False, optimize, 5e-2, 5e-2, True)
+
+finish(failures)

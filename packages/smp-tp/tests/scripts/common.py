@@ -1,0 +1,81 @@
+"""Shared helpers for the multi-process check scripts (run under torch.distributed.run)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import smp_tp
+import torch
+import torch.distributed as dist
+from smp_tp.mappings import _all_gather
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def setup() -> tuple[int, int, object]:
+    """Initialise gloo; return (rank, world size, this rank's singleton group)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    single = None
+    for r in range(world):  # every rank must create every group
+        g = dist.new_group([r])
+        if r == rank:
+            single = g
+    return rank, world, single
+
+
+def log(*args: object) -> None:
+    print(f"[rank {dist.get_rank()}]", *args, flush=True)
+
+
+def gather_batch(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate every rank's samples along dim 0 (no gradient)."""
+    return _all_gather(x.contiguous(), 0, None, "forward")
+
+
+def close(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float = RTOL, atol: float = ATOL) -> None:
+    """allclose with ``atol`` taken relative to the tensor's largest magnitude (when > 1).
+
+    The parallel modules sum partial products in a different order than the single-rank
+    module (reduce-scatter / all-reduce of partial sums), so an element that is near zero
+    in a tensor of magnitude ~5 can differ by a few float32 ulps *of that magnitude*.
+    """
+    if got.shape != want.shape:
+        raise AssertionError(f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}")
+    atol = atol * max(1.0, want.float().abs().max().item()) if want.numel() else atol
+    if not torch.allclose(got.float(), want.float(), rtol=rtol, atol=atol):
+        err = (got.float() - want.float()).abs().max().item()
+        scale = want.float().abs().max().item()
+        raise AssertionError(
+            f"{name}: max abs error {err:.3e}, max |value| {scale:.3e} (rtol={rtol}, atol={atol})"
+        )
+
+
+def close_dicts(name: str, got: dict, want: dict, rtol: float = RTOL, atol: float = ATOL) -> None:
+    if set(got) != set(want):
+        raise AssertionError(f"{name}: keys differ: {sorted(set(got) ^ set(want))}")
+    for k in want:
+        close(f"{name}[{k}]", got[k], want[k], rtol, atol)
+
+
+def randomize(module: torch.nn.Module, seed: int = 1234) -> None:
+    """Give every parameter non-trivial values, identically on every rank."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(module.named_parameters(), key=lambda kv: kv[0]):
+            shift = 1.0 if p.dim() == 1 and "norm" in name.lower() and name.endswith("weight") else 0.0
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3 + shift)
+
+
+def finish(failures: list[str]) -> None:
+    dist.barrier()
+    if failures:
+        log("FAILURES:\n  " + "\n  ".join(failures))
+        sys.exit(1)
+    log("ALL OK")
+    dist.destroy_process_group()
+
+
+__all__ = ["smp_tp", "os"]
