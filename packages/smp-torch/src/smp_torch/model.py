@@ -219,12 +219,13 @@ class DistributedModel(nn.Module):
         s, cfg = state(), self._cfg
         if not cfg.ddp or (cfg.rdp == 1 and cfg.tp == 1):
             return None
+        # ddp=False with tp > 1 is rejected by the config, so TP scaling always happens here.
         specs: list[GradSpec] = []
         for _, p in self.named_parameters():
             if not p.requires_grad:
                 continue
             if cfg.tp > 1 and tp_glue.is_distributed(p):
-                divisor = cfg.rdp * (1 if cfg.prescaled_batch else cfg.tp)
+                divisor = cfg.rdp / tp_glue.grad_scale(p)
                 specs.append(GradSpec(p, s.process_groups["rdp"], cfg.rdp, float(divisor)))
             else:
                 dp = cfg.rdp * cfg.tp
@@ -410,7 +411,7 @@ def _clip_grad_norm(model: DistributedModel, max_norm: float, norm_type: float) 
         if p.grad is None:
             continue
         value = p.grad.detach().double().norm(norm_type) ** norm_type
-        if cfg.tp > 1 and tp_glue.is_distributed(p):
+        if cfg.tp > 1 and tp_glue.is_shard(p):
             distributed += value
         else:
             local += value

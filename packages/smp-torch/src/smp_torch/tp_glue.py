@@ -23,13 +23,32 @@ def parallelize(module: nn.Module, tp_group: Any, prescaled_batch: bool, optimiz
     )
 
 
+def _spec(param: torch.Tensor) -> Any:
+    return getattr(param, "_smp_tp_spec", None)
+
+
 def is_distributed(param: torch.Tensor) -> bool:
-    """Whether a parameter is a tensor-parallel shard (differs across TP ranks)."""
-    tp = _smp_tp()
-    fn = getattr(tp, "is_distributed_parameter", None)
-    if fn is not None:
-        return bool(fn(param))
-    return bool(getattr(param, "_smp_tp_distributed", False) or getattr(param, "distributed", False))
+    """Whether a parameter's gradient already covers its whole TP group's batch.
+
+    True for tensor-parallel shards and for parameters replicated *inside* a TP region
+    (smp-tp kinds ``shard`` and ``tp_replicated``): such a gradient is reduced over the reduced
+    data-parallel group, scaled by smp-tp's ``grad_scale``. Everything else is an ordinary
+    data-parallel parameter.
+    """
+    spec = _spec(param)
+    return spec is not None and spec.kind in ("shard", "tp_replicated")
+
+
+def is_shard(param: torch.Tensor) -> bool:
+    """Whether a parameter is a slice of a larger one (differs across TP ranks)."""
+    spec = _spec(param)
+    return spec is not None and spec.kind == "shard"
+
+
+def grad_scale(param: torch.Tensor) -> float:
+    """smp-tp's factor turning this parameter's gradient into its TP-batch-mean gradient."""
+    spec = _spec(param)
+    return float(spec.grad_scale) if spec is not None else 1.0
 
 
 def full_state_dict(module: nn.Module, tp_size: int) -> dict[str, torch.Tensor]:

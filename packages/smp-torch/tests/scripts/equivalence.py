@@ -57,6 +57,11 @@ def run_case(case: dict) -> None:
     ref = copy.deepcopy(model)
     ref_opt = make_opt(case.get("optimizer", "adam"), ref.parameters())
     dmodel = smp.DistributedModel(model)
+    if cfg.tp > 1:
+        from smp_torch import tp_glue
+
+        shards = [n for n, p in dmodel.named_parameters() if tp_glue.is_shard(p)]
+        assert shards, f"[{name}] tensor parallelism replaced no module"
     opt = smp.DistributedOptimizer(make_opt(case.get("optimizer", "adam"), dmodel.parameters()))
 
     @smp.step

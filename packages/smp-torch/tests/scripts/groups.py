@@ -1,0 +1,65 @@
+"""Check ranks, groups and the object-communication API for several layouts (4 ranks)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import smp_torch as smp
+
+LAYOUTS = [
+    {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "placement_strategy": "cluster"},
+    {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "placement_strategy": "spread"},
+    {"partitions": 2, "placement_strategy": "PDT"},
+    {"tensor_parallel_degree": 2, "placement_strategy": "TDP"},
+    {},
+]
+
+
+def check(config: dict) -> None:
+    cfg = smp.init(config)
+    r = smp.rank()
+    assert smp.size() == 4 and smp.pp_size() * smp.tp_size() * smp.rdp_size() == smp.size()
+    assert set(smp.get_tp_group()) <= set(smp.get_dp_group())
+    assert smp.dp_size() == smp.tp_size() * smp.rdp_size() == len(smp.get_dp_group())
+    for kind in ("pp", "tp", "dp", "rdp", "mp"):
+        members = getattr(smp, f"get_{kind}_group")()
+        assert r in members
+        assert getattr(smp, f"{kind}_rank")() == members.index(r)
+        assert getattr(smp, f"{kind}_size")() == len(members)
+        # Each torch.distributed group really spans exactly those ranks.
+        t = torch.tensor([float(r)])
+        dist.all_reduce(t, group=getattr(smp, f"get_{kind}_process_group")())
+        assert t.item() == float(sum(members)), (kind, t.item(), members)
+        # Object collectives agree with the rank lists.
+        group = getattr(smp, f"{kind.upper()}_GROUP")
+        assert smp.allgather(r, group) == members, (kind, members)
+    # Every rank's coordinate is unique: (pp_rank, tp_rank, rdp_rank) identifies the rank.
+    coords = smp.allgather((smp.pp_rank(), smp.tp_rank(), smp.rdp_rank()))
+    assert len(set(coords)) == 4
+    # Layout documented in the topology module: cluster = TP peers are neighbours.
+    if cfg.placement_strategy == "cluster" and cfg.tp == 2:
+        assert smp.get_tp_group() == [r - r % 2, r - r % 2 + 1]
+    if cfg.placement_strategy == "spread" and cfg.tp == 2:
+        assert smp.get_tp_group() == [r % 2, r % 2 + 2]
+    # Point to point, one-sided broadcast, barrier.
+    if r == 0:
+        smp.send({"x": torch.arange(3)}, 1)
+        smp.broadcast("hello", smp.WORLD)
+    else:
+        if r == 1:
+            got = smp.recv_from(0)
+            assert torch.equal(got["x"], torch.arange(3))
+        assert smp.recv_from(0) == "hello"
+    smp.barrier()
+    if r == 0:
+        print(f"LAYOUT-OK {config}", flush=True)
+
+
+def main() -> None:
+    for layout in LAYOUTS:
+        check(layout)
+
+
+if __name__ == "__main__":
+    main()

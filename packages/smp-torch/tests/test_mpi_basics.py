@@ -1,0 +1,37 @@
+"""Real MPI jobs: groups and communication, configuration errors on every rank."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+from conftest import launch
+from smp_comm.testing import MPIRunError
+
+from smp_torch.errors import ConfigError  # noqa: F401 - the error the scripts expect
+
+
+def test_groups_and_comm_api_on_4_ranks() -> None:
+    out = launch("groups.py", 4, timeout=120)
+    assert out.count("LAYOUT-OK") == 5, out
+
+
+def test_bad_configs_raise_on_every_rank() -> None:
+    out = launch("bad_config.py", 2, timeout=60)
+    hits = re.findall(r"RANK (\d) CONFIGERROR (\w+)", out)
+    keys = [
+        "pipeline_parallel_degree", "tensor_parallel_degree", "no_such_key", "microbatches",
+        "ddp", "placement_strategy", "pipeline", "memory_weight",
+    ]
+    for key in keys:
+        for rank in ("0", "1"):
+            assert (rank, key) in hits, (rank, key, out)
+
+
+def test_uncaught_bad_config_fails_fast_on_both_ranks() -> None:
+    start = time.monotonic()
+    with pytest.raises(MPIRunError) as info:
+        launch("bad_config.py", 2, "--uncaught", "0", timeout=60)
+    assert time.monotonic() - start < 30
+    assert "ConfigError: smp config key 'pipeline_parallel_degree'" in str(info.value)

@@ -1,0 +1,36 @@
+"""Rank layout for every placement (pure arithmetic)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from smp_torch.topology import Topology
+
+
+@pytest.mark.parametrize("placement", ["".join(p) for p in itertools.permutations("DPT")])
+@pytest.mark.parametrize(("pp", "tp", "rdp"), [(2, 2, 2), (4, 1, 2), (1, 4, 2), (2, 3, 1)])
+def test_groups_partition_the_world(placement: str, pp: int, tp: int, rdp: int) -> None:
+    topo = Topology(pp, tp, rdp, placement)
+    world = set(range(topo.size))
+    for kind, size in (("pp", pp), ("tp", tp), ("rdp", rdp), ("dp", tp * rdp), ("mp", pp * tp)):
+        groups = topo.all_groups(kind)
+        assert sorted(r for g in groups for r in g) == sorted(world)
+        assert all(len(g) == size for g in groups)
+    for r in world:
+        assert set(topo.tp_group(r)) <= set(topo.dp_group(r))
+        assert set(topo.rdp_group(r)) <= set(topo.dp_group(r))
+        c = topo.coord(r)
+        assert topo.rank(c.d, c.p, c.t) == r
+
+
+def test_cluster_and_spread_layouts() -> None:
+    cluster = Topology(2, 2, 2, "DPT")
+    assert cluster.tp_group(0) == [0, 1]  # tensor-parallel peers are neighbours
+    assert cluster.pp_group(0) == [0, 2]
+    assert cluster.rdp_group(0) == [0, 4]
+    spread = Topology(2, 2, 2, "TPD")
+    assert spread.rdp_group(0) == [0, 1]  # replicas are neighbours
+    assert spread.pp_group(0) == [0, 2]
+    assert spread.tp_group(0) == [0, 4]
