@@ -38,11 +38,11 @@ def test_paper_two_segments() -> None:
 
 
 def test_paper_zero_device_segment_stays_with_parent_and_recursion() -> None:
-    # 3 devices: segments [a,b]=10 [c,d]=10 [e,f]=2; D'Hondt: dev0->s0, dev1->s1, dev2->s0
-    # (5 vs 5 tie -> earlier). [e,f] gets none: parent's device 0. [a,b] has devices
-    # {0, 2}: recursion splits it a->0, b->2.
-    r = partition(flat(a=5, b=5, c=5, d=5, e=1, f=1), 3, alpha=1.0, method="paper")
-    assert r.assignment == {"": 0, "a": 0, "b": 2, "c": 1, "d": 1, "e": 0, "f": 0}
+    # 3 devices: the only optimal split is [a,b]=10 [c]=10 [d,e]=2; D'Hondt: dev0->s0,
+    # dev1->s1 (10 vs 5), dev2->s0 (5 | 5 | 2, tie -> earlier). [d,e] gets no device: it
+    # stays on the parent's device 0. [a,b] has devices {0, 2}: recursion gives a->0, b->2.
+    r = partition(flat(a=5, b=5, c=10, d=1, e=1), 3, alpha=1.0, method="paper")
+    assert r.assignment == {"": 0, "a": 0, "b": 2, "c": 1, "d": 0, "e": 0}
     assert r.loads == pytest.approx([7 / 22, 10 / 22, 5 / 22])
 
 
@@ -153,3 +153,22 @@ def test_wide_and_deep_graphs_stay_fast_and_valid() -> None:
     ]
     r = partition(ModuleGraph(chain), 16, alpha=1.0)
     assert r.max_load == pytest.approx(1 / 16, abs=1e-3)
+
+
+def test_one_huge_embedding_leaves_the_rest_balanced() -> None:
+    # The tied embedding/head node alone sets the max load; the paper method leaves a device
+    # idle, the default shares the blocks evenly over the other three.
+    blocks = tuple(f"blocks.{i}" for i in range(12))
+    g = ModuleGraph(
+        [Module("", "Net", ("embed", "blocks", "head")),
+         Module("embed", "Embedding", (), {"embed.weight": 50_000 * 512}),
+         Module("blocks", "ModuleList", blocks),
+         *[Module(b, "Block", (), {f"{b}.w": 3_000_000}) for b in blocks],
+         Module("head", "Linear", (), {"embed.weight": 50_000 * 512})]
+    )  # fmt: skip
+    paper = partition(g, 4, alpha=1.0, method="paper")
+    default = partition(g, 4, alpha=1.0)
+    assert default.max_load == pytest.approx(default.lower_bound)
+    assert paper.max_load == pytest.approx(default.max_load)
+    assert 0.0 in paper.loads
+    assert sorted(default.loads)[:3] == pytest.approx([12e6 / 61.2e6] * 3)

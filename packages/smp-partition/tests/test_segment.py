@@ -80,8 +80,11 @@ def test_large_against_linear_reference() -> None:
 
 def test_examples() -> None:
     assert segment([1, 1, 1, 1], 2) == [(0, 2), (2, 4)]
-    assert segment([5, 5, 5, 5, 1, 1], 3) == [(0, 2), (2, 4), (4, 6)]
-    assert segment([0, 0, 0], 2) == [(0, 2), (2, 3)]  # zeros: still non-empty segments
+    # optimum 10; the balanced canonical split is 5 | 10 | 7 rather than 10 | 10 | 2
+    assert segment([5, 5, 5, 5, 1, 1], 3) == [(0, 1), (1, 3), (3, 6)]
+    # one heavy element sets the optimum; the rest is still shared evenly
+    assert segment([100, 10, 10, 10, 10, 10, 10], 4) == [(0, 1), (1, 3), (3, 5), (5, 7)]
+    assert segment([0, 0, 0], 2) == [(0, 1), (1, 3)]  # zeros: still non-empty segments
     assert segment([3], 5) == [(0, 1)]
     assert segment([], 2) == []
     with pytest.raises(ValueError):

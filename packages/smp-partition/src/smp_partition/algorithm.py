@@ -79,17 +79,18 @@ def chain_assign(tree: NodeTree, own: Sequence[int], num_devices: int) -> list[i
 
 
 def refine(tree: NodeTree, own: Sequence[int], device: list[int], num_devices: int) -> list[int]:
-    """Move single nodes next to their tree neighbours when no device exceeds the max load.
+    """Move single nodes next to their tree neighbours without creating a new peak load.
 
     A node adjacent to cut tree edges moves to the device most of its neighbours (parent
-    and children) use, if that strictly reduces its cut edges and the target device stays
-    within the current maximum load. The maximum never grows; it is a cheap local pass.
+    and children) use, if that strictly reduces its cut edges and the target's new load
+    stays within the source's old load (free for zero-cost nodes such as containers). So
+    the larger load of the two devices never grows: the maximum cannot rise and the other
+    devices keep their balance. A cheap local pass over the cut edges only.
     """
     device = device[:]
     load = [0] * num_devices
     for n, d in enumerate(device):
         load[d] += own[n]
-    cap = max(load)
     parent = tree.parent
     children = tree.children
     touched: set[int] = set()
@@ -113,8 +114,9 @@ def refine(tree: NodeTree, own: Sequence[int], device: list[int], num_devices: i
             for d, v in votes.items():
                 if v > score:
                     best, score = d, v
-            if best != cur and score > mine and load[best] + own[n] <= cap:
-                load[cur] -= own[n]
-                load[best] += own[n]
+            cost = own[n]
+            if best != cur and score > mine and (cost == 0 or load[best] + cost <= load[cur]):
+                load[cur] -= cost
+                load[best] += cost
                 device[n] = best
     return device

@@ -12,7 +12,7 @@ the exact optimum in few probes. Costs are integers, so everything is exact.
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from itertools import accumulate
 
@@ -74,9 +74,11 @@ def segment(costs: Sequence[int], k: int) -> list[tuple[int, int]]:
     """An optimal split of ``costs`` into exactly ``min(k, len(costs))`` non-empty segments.
 
     Returns ``[(start, end), ...]`` half-open index ranges covering the sequence in order.
-    Among the optimal splits it returns the canonical one that makes every segment as long
-    as the optimum allows, scanning from the left, while leaving one element for each
-    remaining segment.
+    Among the optimal splits it returns a canonical, balanced one: scanning from the left,
+    each segment ends where its sum is closest to an equal share of what is left (ties to
+    the shorter segment), among the ends that keep the rest splittable within the optimum.
+    So when one heavy element sets the optimum, the other segments still share the rest
+    evenly instead of some being packed to the optimum and the last ones left nearly empty.
     """
     m = len(costs)
     if m == 0:
@@ -86,15 +88,30 @@ def segment(costs: Sequence[int], k: int) -> list[tuple[int, int]]:
     best = min_max_value(costs, k)
     k = min(k, m)
     prefix = list(accumulate(costs, initial=0))
+    total = prefix[m]
+    # after[j]: the smallest start from which the tail splits into j segments within
+    # ``best`` (a greedy from the right end that makes each segment as long as allowed).
+    after = [m] * k
+    pos = m
+    for j in range(1, k):
+        if pos > 0:
+            pos = bisect_left(prefix, prefix[pos] - best, 0, pos)
+        after[j] = min(pos, m - j)
     bounds: list[tuple[int, int]] = []
     start = 0
     for i in range(k):
         left = k - i - 1
         if left == 0:
-            end = m
-        else:
-            end = bisect_right(prefix, prefix[start] + best, start + 1, m + 1) - 1
-            end = min(end, m - left)
+            bounds.append((start, m))
+            break
+        base = prefix[start]
+        hi = min(bisect_right(prefix, base + best, start + 1, m + 1) - 1, m - left)
+        lo = max(start + 1, after[left])
+        share = (total - base) // (left + 1)
+        end = bisect_left(prefix, base + share, lo, hi + 1)
+        # ``end`` is the first end reaching the share; the one before may be closer.
+        if end > hi or (end > lo and base + share - prefix[end - 1] <= prefix[end] - base - share):
+            end -= 1
         bounds.append((start, end))
         start = end
     return bounds
