@@ -171,4 +171,4 @@ def test_one_huge_embedding_leaves_the_rest_balanced() -> None:
     assert default.max_load == pytest.approx(default.lower_bound)
     assert paper.max_load == pytest.approx(default.max_load)
     assert 0.0 in paper.loads
-    assert sorted(default.loads)[:3] == pytest.approx([12e6 / 61.2e6] * 3)
+    assert sorted(default.loads)[:3] == pytest.approx([12e6 / 61.6e6] * 3)
