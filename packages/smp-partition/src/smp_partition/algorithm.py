@@ -75,7 +75,92 @@ def chain_assign(tree: NodeTree, own: Sequence[int], num_devices: int) -> list[i
     for d, (a, b) in enumerate(bounds):
         for n in order[a:b]:
             device[n] = d
+    _slide(tree, own, order, bounds, device)
     return device
+
+
+_SLIDE_REACH = 256
+
+
+def _slide(
+    tree: NodeTree,
+    own: Sequence[int],
+    order: list[int],
+    bounds: list[tuple[int, int]],
+    device: list[int],
+) -> None:
+    """Move each boundary of a contiguous split to where it cuts the fewest tree edges.
+
+    A boundary between pieces ``j`` and ``j+1`` may slide (up to ``_SLIDE_REACH`` nodes
+    each way) as long as the larger of the two pieces does not grow, so the maximum load
+    is unchanged and no other piece is touched. Cut-edge changes are counted incrementally
+    as the boundary passes each node. Ties keep the boundary closest to where it was.
+    """
+    parent = tree.parent
+    children = tree.children
+    starts = [a for a, _ in bounds]
+    ends = [b for _, b in bounds]
+    load = [sum(own[n] for n in order[a:b]) for a, b in bounds]
+
+    def delta(node: int, old: int, new: int) -> int:
+        change = 0
+        neighbours = children[node]
+        if node:
+            d = device[parent[node]]
+            change += (d != new) - (d != old)
+        for c in neighbours:
+            d = device[c]
+            change += (d != new) - (d != old)
+        return change
+
+    for j in range(len(bounds) - 1):
+        left, right = j, j + 1
+        b = starts[right]
+        peak = max(load[left], load[right])
+        best_pos, best_gain = b, 0
+        # Slide right: nodes order[b], order[b+1], ... move from ``right`` to ``left``.
+        gain, lo_load, hi_load, p = 0, load[left], load[right], b
+        while p < min(ends[right] - 1, b + _SLIDE_REACH):
+            x = order[p]
+            if lo_load + own[x] > peak:
+                break
+            gain -= delta(x, right, left)
+            device[x] = left
+            lo_load += own[x]
+            hi_load -= own[x]
+            p += 1
+            if gain > best_gain:
+                best_pos, best_gain = p, gain
+        for q in range(b, p):  # undo the trial
+            device[order[q]] = right
+        # Slide left: nodes order[b-1], order[b-2], ... move from ``left`` to ``right``.
+        gain, lo_load, hi_load, p = 0, load[left], load[right], b
+        while p > max(starts[left] + 1, b - _SLIDE_REACH):
+            x = order[p - 1]
+            if hi_load + own[x] > peak:
+                break
+            gain -= delta(x, left, right)
+            device[x] = right
+            lo_load -= own[x]
+            hi_load += own[x]
+            p -= 1
+            if gain > best_gain or (gain == best_gain and gain > 0 and b - p < abs(best_pos - b)):
+                best_pos, best_gain = p, gain
+        for q in range(p, b):
+            device[order[q]] = left
+        if best_pos != b:
+            lo, hi = min(b, best_pos), max(b, best_pos)
+            moved = sum(own[order[q]] for q in range(lo, hi))
+            target = left if best_pos > b else right
+            for q in range(lo, hi):
+                device[order[q]] = target
+            if best_pos > b:
+                load[left] += moved
+                load[right] -= moved
+            else:
+                load[left] -= moved
+                load[right] += moved
+            ends[left] = starts[right] = best_pos
 
 
 def refine(tree: NodeTree, own: Sequence[int], device: list[int], num_devices: int) -> list[int]:
