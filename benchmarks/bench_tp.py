@@ -1,0 +1,170 @@
+"""smp-tp benchmark: activation memory of optimize="memory" vs "speed", and throughput of
+tensor parallelism across data-parallel ranks (scaled batch) vs Megatron-style (prescaled)
+on an embedding-heavy recommendation model.
+
+Run as ``python benchmarks/bench_tp.py``: it launches itself under torch.distributed.run
+with 2 and then 4 CPU processes (gloo) and prints one line of ratios per measurement.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+WORKER_FLAG = "--worker"
+
+
+# ----------------------------------------------------------------------------- worker
+
+
+def saved_activation_bytes(model, x) -> int:
+    """Bytes of distinct storages autograd saves for backward during one forward,
+    parameters excluded (they are not activations)."""
+    import torch
+
+    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in param_ptrs:
+            seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x)
+    out.sum().backward()
+    return sum(seen.values())
+
+
+def bench_memory(rank: int, tp: int) -> None:
+    import torch
+
+    import smp_tp
+
+    cfg = dict(num_attention_heads=8, attention_head_size=32, hidden_size=256, intermediate_size=1024,
+               attention_dropout_prob=0.1, hidden_dropout_prob=0.1)
+    result = {}
+    for optimize in ("speed", "memory"):
+        torch.manual_seed(0)
+        layer = smp_tp.DistributedTransformerLayer(**cfg, optimize=optimize)
+        x = torch.randn(4, 128, 256, requires_grad=True)  # this rank's own samples
+        result[optimize] = saved_activation_bytes(layer, x)
+    if rank == 0:
+        print(f"RESULT memory tp={tp} speed_MiB={result['speed'] / 2**20:.2f} "
+              f"memory_MiB={result['memory'] / 2**20:.2f} ratio={result['memory'] / result['speed']:.3f}",
+              flush=True)
+
+
+def bench_throughput(rank: int, tp: int) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    import smp_tp
+
+    vocab, dim, ids_per_sample, global_batch = 400_000, 64, 16, 512
+
+    class Recommender(nn.Module):
+        """A big sparse-gradient embedding table (tensor parallel) and a small MLP (replicated)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            with smp_tp.tensor_parallelism():
+                self.table = nn.Embedding(vocab, dim, sparse=True)
+            self.mlp = nn.Sequential(nn.Linear(dim, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                                     nn.Linear(256, 1))
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.mlp(self.table(ids).sum(1)).squeeze(-1)
+
+    steps_for = {}
+    for prescaled in (False, True):
+        torch.manual_seed(0)
+        model = smp_tp.parallelize(Recommender(), prescaled_batch=prescaled)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        local = global_batch if prescaled else global_batch // tp  # equal global batch
+        gen = torch.Generator().manual_seed(1 if prescaled else 1 + rank)
+        ids = torch.randint(0, vocab, (local, ids_per_sample), generator=gen)
+        target = torch.rand(local, generator=gen)
+
+        def step(model=model, opt=opt, ids=ids, target=target) -> None:
+            opt.zero_grad(set_to_none=True)
+            loss = nn.functional.mse_loss(model(ids), target)
+            loss.backward()
+            smp_tp.sync_gradients(model)
+            opt.step()
+
+        step()
+        steps_for[prescaled] = step
+    # Interleave the two modes and keep each one's best round: the machine is shared.
+    best = {False: float("inf"), True: float("inf")}
+    for _ in range(5):
+        for prescaled in (False, True):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(4):
+                steps_for[prescaled]()
+            dist.barrier()
+            best[prescaled] = min(best[prescaled], (time.perf_counter() - t0) / 4)
+    rates = {k: global_batch / v for k, v in best.items()}
+    if rank == 0:
+        print(f"RESULT throughput tp={tp} scaled_samples_per_s={rates[False]:.0f} "
+              f"prescaled_samples_per_s={rates[True]:.0f} ratio={rates[False] / rates[True]:.2f}",
+              flush=True)
+
+
+def worker() -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, tp = dist.get_rank(), dist.get_world_size()
+    bench_memory(rank, tp)
+    bench_throughput(rank, tp)
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main() -> None:
+    results: dict[str, dict[int, dict[str, str]]] = {"memory": {}, "throughput": {}}
+    for tp in (2, 4):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp),
+               "--master-addr", "127.0.0.1", "--master-port", str(_port()), __file__, WORKER_FLAG]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=170)
+        if out.returncode != 0:
+            sys.exit(f"bench_tp: tp={tp} failed:\n{out.stdout}\n{out.stderr}")
+        for line in out.stdout.splitlines():
+            if line.startswith("RESULT "):
+                kind, *fields = line.split()[1:]
+                values = dict(f.split("=") for f in fields)
+                results[kind][int(values.pop("tp"))] = values
+    mem = results["memory"]
+    print("activation memory per rank, memory/speed: "
+          + ", ".join(f"tp={tp}: {mem[tp]['ratio']} ({mem[tp]['memory_MiB']} vs {mem[tp]['speed_MiB']} MiB)"
+                      for tp in sorted(mem))
+          + " (target <= 0.55 at tp=2)")
+    thr = results["throughput"]
+    print("recommendation model samples/s, scaled-batch TP / prescaled TP (equal global batch): "
+          + ", ".join(f"tp={tp}: {thr[tp]['ratio']}x ({thr[tp]['scaled_samples_per_s']} vs "
+                      f"{thr[tp]['prescaled_samples_per_s']})" for tp in sorted(thr)))
+
+
+if __name__ == "__main__":
+    if WORKER_FLAG in sys.argv:
+        worker()
+    else:
+        main()
