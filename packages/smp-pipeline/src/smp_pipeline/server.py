@@ -203,12 +203,19 @@ class ExecutionServer:
         if self.abort_msg is None:
             msg = {"kind": M.ABORT, "error": error, "text": text, "src": self.pp_rank}
             self.abort_msg = msg
+            handles = []
             for r in range(self.pp_size):
                 if r != self.pp_rank:
                     try:
-                        self.send(r, dict(msg))
+                        msg_r = dict(msg, src=self.pp_rank)
+                        handles.append(self.comm.isend(msg_r, dest=self.comm_ranks[r], tag=self.tag))
                     except Exception:  # best effort: the transport itself may be broken
                         pass
+            for h in handles:  # make sure the news leaves before this rank raises (and exits)
+                try:
+                    h.wait(timeout=5.0)
+                except Exception:
+                    pass
         self.raise_if_aborted()
 
     def _fail(self) -> None:

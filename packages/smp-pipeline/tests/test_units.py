@@ -1,0 +1,135 @@
+"""Single-process tests: flattening, microbatch splitting, schedules, tracing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from smp_pipeline import PipelineConfigError, Scheduler, split_microbatches, trace_dict
+from smp_pipeline.messages import flatten, pack, unflatten, unpack_leaves
+from smp_pipeline.tracing import to_chrome_trace
+from torch import nn
+
+
+@dataclasses.dataclass
+class Pair:
+    a: torch.Tensor
+    b: object
+
+
+def test_flatten_roundtrip_nested() -> None:
+    t1, t2 = torch.randn(2), torch.randn(3, requires_grad=True)
+    obj = {"x": (t1, [Pair(t2, "s"), 3]), "y": None}
+    skel, tensors = flatten(obj)
+    assert len(tensors) == 2 and tensors[1] is t2
+    back = unflatten(skel, tensors)
+    assert back["x"][0] is t1 and isinstance(back["x"][1][0], Pair) and back["x"][1][0].b == "s"
+    packed = pack(obj, grad_enabled=True)
+    assert packed["flags"] == [False, True]
+    rebuilt, leaves = unpack_leaves(packed)
+    assert len(leaves) == 1 and leaves[0].is_leaf and leaves[0].requires_grad
+
+
+def step(x, y, meta):
+    return x, y, meta
+
+
+def test_split_microbatches() -> None:
+    x = torch.arange(8).reshape(4, 2)
+    y = {"t": torch.arange(12).reshape(2, 6)}
+    mbs = split_microbatches(
+        step, (x, y), {"meta": torch.ones(3)}, 2,
+        non_split_inputs=["meta"], input_split_axes={"y": 1},
+    )
+    assert len(mbs) == 2
+    (x0, y0), kw0 = mbs[0]
+    assert x0.tolist() == [[0, 1], [2, 3]] and y0["t"].shape == (2, 3)
+    assert kw0["meta"].shape == (3,)
+
+
+def test_split_errors_name_the_input() -> None:
+    with pytest.raises(PipelineConfigError, match="input 'x'"):
+        split_microbatches(step, (torch.zeros(3, 2), 1, 2), None, 2)
+    with pytest.raises(PipelineConfigError, match="'nope'"):
+        split_microbatches(step, (torch.zeros(4), 1, 2), None, 2, non_split_inputs=["nope"])
+
+
+def drain(s: Scheduler, script: list[str]) -> list[tuple[int, str]]:
+    """Run a scheduler where every forward reaches backward at once and backward completes."""
+    order = []
+    while not s.done():
+        a = s.next_action()
+        assert a is not None, order
+        order.append(a)
+        mb, phase = a
+        if phase == "forward":
+            s.ready_for_backward(mb)
+        else:
+            s.completed_microbatch(mb)
+    return order
+
+
+def test_schedules() -> None:
+    simple = drain(Scheduler("simple", 3, 5), [])
+    assert simple == [(0, "forward"), (1, "forward"), (2, "forward"),
+                      (0, "backward"), (1, "backward"), (2, "backward")]
+    inter = drain(Scheduler("interleaved", 3, 5), [])
+    assert inter == [(0, "forward"), (0, "backward"), (1, "forward"), (1, "backward"),
+                     (2, "forward"), (2, "backward")]
+    custom = [(0, "forward"), (1, "forward"), (1, "backward"), (0, "backward")]
+    assert drain(Scheduler(custom, 2, 1), []) == custom
+    with pytest.raises(PipelineConfigError, match="lacks"):
+        Scheduler([(0, "forward")], 1, 1)
+    with pytest.raises(PipelineConfigError, match="unknown schedule"):
+        Scheduler("gpipe", 1, 1)
+
+
+def test_active_bound() -> None:
+    s = Scheduler("interleaved", 4, 2)
+    assert s.next_action() == (0, "forward") and s.next_action() == (1, "forward")
+    assert s.next_action() is None  # two in flight
+    s.ready_for_backward(0)
+    assert s.next_action() == (0, "backward")
+    s.completed_microbatch(0)
+    assert s.next_action() == (2, "forward")
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.b = nn.Linear(3, 3)
+        self.a = nn.Linear(3, 3)
+        self.unused = nn.Linear(3, 3)
+        self.head = nn.Linear(3, 3, bias=False)
+        self.head.weight = self.a.weight
+
+    def forward(self, x):
+        return self.head(self.b(self.a(x)))
+
+
+def test_trace_order_times_and_tied_keys() -> None:
+    g = trace_dict(Tiny(), (torch.randn(2, 3),))
+    mods = {m["name"]: m for m in g["modules"]}
+    assert mods[""]["children"] == ["a", "b", "head", "unused"]
+    assert mods["head"]["params"] == {"a.weight": 9}
+    assert mods["a"]["activation_bytes"] == 2 * 3 * 4
+    assert mods[""]["forward_ms"] >= mods["a"]["forward_ms"] >= 0
+    meta = trace_dict(Tiny(), (torch.randn(2, 3),), device="meta")
+    assert all(m["forward_ms"] is None for m in meta["modules"])
+
+
+def test_trace_builds_partition_graph() -> None:
+    smp_partition = pytest.importorskip("smp_partition")
+    from smp_pipeline import trace
+
+    graph = trace(Tiny(), (torch.randn(2, 3),))
+    res = smp_partition.partition(graph, num_devices=2)
+    assert res.assignment["a"] == res.assignment["head"]  # tied weight stays together
+
+
+def test_chrome_trace() -> None:
+    tr = to_chrome_trace([(0, 1, "blocks.0", "forward", 1.0, 1.5), (1, 1, "x", "backward", 1.2, 2.0)])
+    spans = [e for e in tr["traceEvents"] if e["ph"] == "X"]
+    assert spans[0]["ts"] == 0 and spans[0]["dur"] == pytest.approx(5e5)
+    assert spans[1]["tid"] == 1 and spans[1]["cat"] == "backward"
