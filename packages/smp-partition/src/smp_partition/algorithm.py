@@ -45,7 +45,8 @@ def _partition(
 def paper_assign(tree: NodeTree, subtree: Sequence[int], num_devices: int) -> list[int]:
     """Paper Algorithm 1: BFS over nodes, each node takes ``P(n)[0]``, children split P(n)."""
     count = len(tree)
-    sets: list[list[int]] = [[] for _ in range(count)]
+    unset: list[int] = []  # every node's set is written before BFS reaches it
+    sets = [unset] * count
     sets[0] = list(range(num_devices))
     device = [0] * count
     children = tree.children

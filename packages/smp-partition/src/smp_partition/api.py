@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 
 from smp_partition.algorithm import chain_assign, paper_assign, refine
-from smp_partition.costs import Costs, compute_costs
+from smp_partition.costs import compute_costs
 from smp_partition.errors import PartitionError
 from smp_partition.graph import ModuleGraph
 from smp_partition.result import PartitionResult
@@ -31,24 +31,17 @@ def _check_args(graph: object, num_devices: object, alpha: object, method: objec
         raise PartitionError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
 
 
-def _module_loads(
-    tree: NodeTree, costs: Costs, node_device: Sequence[int], num_devices: int
-) -> list[float]:
-    loads = [0.0] * num_devices
-    cost = costs.module_cost
-    for m, n in enumerate(tree.module_node):
-        loads[node_device[n]] += cost[m]
+def _node_edges(graph: ModuleGraph, tree: NodeTree) -> list[tuple[int, int]]:
+    """Every parent→child module edge, as (parent's node, child's node)."""
+    node = tree.module_node
+    return [(node[i], node[c]) for i in range(len(graph)) for c in graph.child_indices(i)]
+
+
+def _loads(node_cost: Sequence[float], node_device: Sequence[int], devices: int) -> list[float]:
+    loads = [0.0] * devices
+    for cost, d in zip(node_cost, node_device):
+        loads[d] += cost
     return loads
-
-
-def _cut_edges(graph: ModuleGraph, module_device: Sequence[int]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for i in range(len(graph)):
-        d = module_device[i]
-        for c in graph.child_indices(i):
-            if module_device[c] != d:
-                out.append((i, c))
-    return out
 
 
 def partition(
@@ -76,25 +69,31 @@ def partition(
         candidates += [refine(tree, own, paper, num_devices), chain]
         candidates.append(refine(tree, own, chain, num_devices))
 
+    node_cost = [0.0] * len(tree)
+    for m, n in enumerate(module_node):
+        node_cost[n] += costs.module_cost[m]
+    edges = _node_edges(graph, tree)
     # Smallest max load first (it bounds pipeline throughput and per-device memory), then
     # fewest idle devices (when the max is set by one big node, the others should still
     # share the rest), then fewest cut edges (request rounds).
     best: tuple[float, int, int] | None = None
-    chosen: tuple[list[int], list[float], list[tuple[int, int]]] | None = None
+    chosen: list[int] = paper
     for node_device in candidates:
-        loads = _module_loads(tree, costs, node_device, num_devices)
-        module_device = [node_device[n] for n in module_node]
-        cuts = _cut_edges(graph, module_device)
-        key = (max(loads), loads.count(0.0), len(cuts))
+        loads = _loads(node_cost, node_device, num_devices)
+        cuts = sum(1 for a, b in edges if node_device[a] != node_device[b])
+        key = (max(loads), loads.count(0.0), cuts)
         if best is None or key < best:
-            best, chosen = key, (module_device, loads, cuts)
-    assert chosen is not None
-    module_device, loads, cuts = chosen
+            best, chosen = key, node_device
+    loads = _loads(node_cost, chosen, num_devices)
+    module_device = [chosen[n] for n in module_node]
 
     mods = graph.modules
-    node_cost = [0.0] * len(tree)
-    for m, n in enumerate(module_node):
-        node_cost[n] += costs.module_cost[m]
+    cut_edges = [
+        (mods[i].name, mods[c].name)
+        for i in range(len(graph))
+        for c in graph.child_indices(i)
+        if module_device[i] != module_device[c]
+    ]
     params = [0] * num_devices
     counts = [0] * num_devices
     for m, d in enumerate(module_device):
@@ -108,7 +107,7 @@ def partition(
         loads=loads,
         max_load=max(loads),
         lower_bound=max(1.0 / num_devices, max(node_cost)),
-        cut_edges=[(mods[p].name, mods[c].name) for p, c in cuts],
+        cut_edges=cut_edges,
         parameters=params,
         module_counts=counts,
     )
