@@ -47,16 +47,20 @@ def bench_memory(rank: int, tp: int) -> None:
 
     cfg = dict(num_attention_heads=8, attention_head_size=32, hidden_size=256, intermediate_size=1024,
                attention_dropout_prob=0.1, hidden_dropout_prob=0.1)
+    import torch.distributed as dist
+
+    singles = [dist.new_group([r]) for r in range(tp)]  # every rank creates every group
     result = {}
-    for optimize in ("speed", "memory"):
+    for optimize, group in (("speed", None), ("memory", None), ("single", singles[rank])):
         torch.manual_seed(0)
-        layer = smp_tp.DistributedTransformerLayer(**cfg, optimize=optimize)
+        layer = smp_tp.DistributedTransformerLayer(
+            **cfg, optimize="speed" if optimize == "single" else optimize, tp_group=group)
         x = torch.randn(4, 128, 256, requires_grad=True)  # this rank's own samples
         result[optimize] = saved_activation_bytes(layer, x)
     if rank == 0:
         print(f"RESULT memory tp={tp} speed_MiB={result['speed'] / 2**20:.2f} "
-              f"memory_MiB={result['memory'] / 2**20:.2f} ratio={result['memory'] / result['speed']:.3f}",
-              flush=True)
+              f"memory_MiB={result['memory'] / 2**20:.2f} ratio={result['memory'] / result['speed']:.3f} "
+              f"single_MiB={result['single'] / 2**20:.2f}", flush=True)
 
 
 def bench_throughput(rank: int, tp: int) -> None:
@@ -156,7 +160,8 @@ def main() -> None:
     print("activation memory per rank, memory/speed: "
           + ", ".join(f"tp={tp}: {mem[tp]['ratio']} ({mem[tp]['memory_MiB']} vs {mem[tp]['speed_MiB']} MiB)"
                       for tp in sorted(mem))
-          + " (target <= 0.55 at tp=2)")
+          + "; one device on its own 4 samples, no TP: "
+          + f"{mem[2]['single_MiB']} MiB (the floor memory mode can reach)")
     thr = results["throughput"]
     print("recommendation model samples/s, scaled-batch TP / prescaled TP (equal global batch): "
           + ", ".join(f"tp={tp}: {thr[tp]['ratio']}x ({thr[tp]['scaled_samples_per_s']} vs "

@@ -71,6 +71,11 @@ def _count(kind: str, phase: str) -> None:
 
 
 # ------------------------------------------------------------------- raw collectives
+# torch 2.13 renamed the flat-tensor collectives (the old names warn); older torch has only
+# the old names.
+_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 # These take a phase label only for counting. With one rank they are the identity.
 
 
@@ -91,7 +96,7 @@ def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup, phase: str) -> t
     src = x.movedim(dim, 0).contiguous()
     out = torch.empty((size * src.shape[0], *src.shape[1:]), dtype=x.dtype, device=x.device)
     _count("all_gather", phase)
-    dist.all_gather_into_tensor(out, src, group=group)
+    _gather_flat(out, src, group=group)
     return out.movedim(0, dim)
 
 
@@ -108,7 +113,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup, phase: str) 
     src = x.movedim(dim, 0).contiguous()
     out = torch.empty((src.shape[0] // size, *src.shape[1:]), dtype=x.dtype, device=x.device)
     _count("reduce_scatter", phase)
-    dist.reduce_scatter_tensor(out, src, group=group)
+    _reduce_scatter_flat(out, src, group=group)
     return out.movedim(0, dim)
 
 
