@@ -20,4 +20,4 @@ def launch(script: str, nprocs: int, *args: Any, timeout: float = 180.0) -> str:
 
 
 def ok_cases(out: str) -> list[str]:
-    return [line.split(" ", 1)[1].strip() for line in out.splitlines() if line.startswith("CASE-OK ")]
+    return [line.split()[1] for line in out.splitlines() if line.startswith("CASE-OK ")]

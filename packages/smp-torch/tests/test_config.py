@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from smp_torch.config import SMPConfig, parse_config
 from smp_torch.errors import ConfigError
 
@@ -21,7 +20,9 @@ def test_defaults_follow_the_spec() -> None:
     assert not any([cfg.offload_activations, cfg.static_mode, cfg.fast_mode])
     assert cfg.activation_loading_horizon == 4 and cfg.tensor_parallel_seed == 0
     assert cfg.trace_device == "cpu" and cfg.timeline is None
-    assert set(cfg.to_dict()) == {f for f in SMPConfig.__dataclass_fields__ if f != "data_parallel_degree"}
+    assert set(cfg.to_dict()) == {
+        f for f in SMPConfig.__dataclass_fields__ if f != "data_parallel_degree"
+    }
 
 
 def test_alias_partitions_and_derived_degree() -> None:

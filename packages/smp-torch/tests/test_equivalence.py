@@ -17,7 +17,11 @@ HAS_TP = importlib.util.find_spec("smp_tp") is not None
 
 
 def _case(name: str, **config: object) -> dict:
-    extra = {k: config.pop(k) for k in ("optimizer", "checkpoint_blocks", "tied", "steps", "batch") if k in config}
+    extra = {
+        k: config.pop(k)
+        for k in ("optimizer", "checkpoint_blocks", "tied", "steps", "batch", "manual")
+        if k in config
+    }
     return {"name": name, "config": config, **extra}
 
 
@@ -29,6 +33,32 @@ DP2_CASES = [
     _case("dp2-checkpointing", microbatches=2, checkpoint_blocks=True),
     _case("dp2-untied-spread", placement_strategy="spread", tied=False),
 ]
+
+
+PP2_CASES = [
+    _case("pp2-mb2", pipeline_parallel_degree=2, microbatches=2),
+    _case("pp2-simple-mb4", pipeline_parallel_degree=2, microbatches=4, pipeline="simple"),
+    _case("pp2-manual", pipeline_parallel_degree=2, microbatches=2, auto_partition=False, manual=True),
+    _case("pp2-checkpointing", pipeline_parallel_degree=2, microbatches=2, checkpoint_blocks=True),
+    _case("pp2-mb1-sgd-untied", pipeline_parallel_degree=2, optimizer="sgd", tied=False),
+]
+
+
+def test_pipeline_2_ranks() -> None:
+    out = launch("equivalence.py", 2, PP2_CASES, timeout=180)
+    assert ok_cases(out) == [c["name"] for c in PP2_CASES], out
+
+
+PP4_CASES = [
+    _case("pp2-dp2", pipeline_parallel_degree=2, microbatches=2),
+    _case("pp2-dp2-shard-spread", pipeline_parallel_degree=2, microbatches=2, shard_optimizer_state=True, placement_strategy="spread"),
+    _case("pp4-mb4", pipeline_parallel_degree=4, microbatches=4, tied=False),
+]
+
+
+def test_pipeline_and_data_parallel_4_ranks() -> None:
+    out = launch("equivalence.py", 4, PP4_CASES, timeout=240)
+    assert ok_cases(out) == [c["name"] for c in PP4_CASES], out
 
 
 def test_data_parallel_2_ranks() -> None:

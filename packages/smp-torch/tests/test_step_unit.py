@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from smp_torch.errors import SMPError
 from smp_torch.step import StepOutput, collect_outputs, split_inputs
 
@@ -43,7 +42,9 @@ def test_indivisible_batch_is_a_clear_error() -> None:
 
 
 def test_step_output_reductions() -> None:
-    out = collect_outputs([(torch.tensor(1.0), torch.ones(2, 3)), (torch.tensor(3.0), torch.zeros(2, 3))])
+    out = collect_outputs(
+        [(torch.tensor(1.0), torch.ones(2, 3)), (torch.tensor(3.0), torch.zeros(2, 3))]
+    )
     loss, pred = out
     assert isinstance(loss, StepOutput) and len(loss) == 2
     assert loss.reduce_mean().item() == 2.0 and loss.reduce_sum().item() == 4.0

@@ -62,7 +62,12 @@ MP_GROUP = CommGroup.MP_GROUP
 
 # Re-exported from smp_tp on first use, so importing smp_torch never depends on smp_tp's
 # import-time state.
-_FROM_TP = ("tensor_parallelism", "set_tensor_parallelism", "tp_register", "tp_register_with_module")
+_FROM_TP = (
+    "tensor_parallelism",
+    "set_tensor_parallelism",
+    "tp_register",
+    "tp_register_with_module",
+)
 
 
 def __getattr__(name: str) -> Any:

@@ -122,7 +122,9 @@ def save_checkpoint(
         try:
             # Gathering is collective: every rank computes the pieces, one rank per piece writes.
             pp_rank = s.groups["pp"].index(s.rank)
-            writer_of_stage = s.groups["tp"].index(s.rank) == 0 and s.groups["rdp"].index(s.rank) == 0
+            writer_of_stage = (
+                s.groups["tp"].index(s.rank) == 0 and s.groups["rdp"].index(s.rank) == 0
+            )
             if partial:
                 model_sd = model._stage_full_state()
                 opt_sd = optimizer.state_dict_stage() if optimizer is not None else None
@@ -165,7 +167,9 @@ def save_checkpoint(
                 "files": entries,
                 "torch": torch.__version__,
             }
-            _atomic_text(json.dumps(manifest, indent=1, sort_keys=True), os.path.join(staging, MANIFEST))
+            _atomic_text(
+                json.dumps(manifest, indent=1, sort_keys=True), os.path.join(staging, MANIFEST)
+            )
             if os.path.exists(final):
                 old = os.path.join(path, f".{tag}.old")
                 shutil.rmtree(old, ignore_errors=True)

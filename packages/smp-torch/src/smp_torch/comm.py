@@ -72,8 +72,6 @@ def broadcast(obj: Any, group: CommGroup = CommGroup.WORLD) -> None:
     """Send ``obj`` to every other member of ``group`` (each calls ``recv_from``)."""
     comm = _comm(group)
     me = comm.Get_rank()
-    requests = [
-        comm.isend(obj, dest=r, tag=_TAG) for r in range(comm.Get_size()) if r != me
-    ]
+    requests = [comm.isend(obj, dest=r, tag=_TAG) for r in range(comm.Get_size()) if r != me]
     for req in requests:
         req.wait()

@@ -74,7 +74,12 @@ def materialize_meta(module: nn.Module, device: torch.device, seed: int) -> None
 
     Runs with a private RNG seeded by ``seed`` so every rank initialises identically.
     """
-    metas = [m for m in module.modules() if any(t.is_meta for t in m._parameters.values() if t is not None) or any(t.is_meta for t in m._buffers.values() if t is not None)]
+    metas = [
+        m
+        for m in module.modules()
+        if any(t.is_meta for t in m._parameters.values() if t is not None)
+        or any(t.is_meta for t in m._buffers.values() if t is not None)
+    ]
     if not metas:
         return
     for m in metas:
@@ -117,7 +122,9 @@ def apply_activation_checkpointing(root: nn.Module) -> int:
             groups = _checkpoint_groups(list(module), opts["strategy"])
             pack = bool(opts["pack_args_as_tuple"])
 
-            def seq_forward(x: Any, _groups: Any = groups, _pack: bool = pack) -> Any:
+            def seq_forward(
+                x: Any, _groups: Any = groups, _pack: bool = pack, _rng: bool = keep_rng
+            ) -> Any:
                 for g in _groups:
 
                     def run(*args: Any, _g: Any = g) -> Any:
@@ -127,16 +134,18 @@ def apply_activation_checkpointing(root: nn.Module) -> int:
                         return out
 
                     inputs = tuple(x) if _pack else (x,)
-                    x = checkpoint(run, *inputs, use_reentrant=False, preserve_rng_state=keep_rng)
+                    x = checkpoint(run, *inputs, use_reentrant=False, preserve_rng_state=_rng)
                 return x
 
             module.forward = seq_forward  # type: ignore[method-assign]
         else:
             original = module.forward
 
-            def forward(*args: Any, _orig: Any = original, **kwargs: Any) -> Any:
+            def forward(
+                *args: Any, _orig: Any = original, _rng: bool = keep_rng, **kwargs: Any
+            ) -> Any:
                 return checkpoint(
-                    _orig, *args, use_reentrant=False, preserve_rng_state=keep_rng, **kwargs
+                    _orig, *args, use_reentrant=False, preserve_rng_state=_rng, **kwargs
                 )
 
             module.forward = forward  # type: ignore[method-assign]
@@ -180,6 +189,9 @@ class DistributedModel(nn.Module):
         self._loss_scale: Callable[[], float] | None = None
         self._pipeline: Any = None
         self._owned_names: set[str] | None = None  # None: every parameter is local
+        self._optimizers: list[Any] = []
+        self._bucket_bytes = bucket_bytes
+        self._reducer: GradReducer | None = None
 
         self._orig_param_names = [n for n, _ in module.named_parameters(remove_duplicate=False)]
         has_meta = any(t.is_meta for t in [*module.parameters(), *module.buffers()])
@@ -192,7 +204,6 @@ class DistributedModel(nn.Module):
             from smp_torch.pipeline import PipelineBinding
 
             self._pipeline = PipelineBinding(self, module, broadcast_weights)
-            self._owned_names = self._pipeline.owned_parameter_names()
         else:
             if has_meta:
                 materialize_meta(module, self._device, self._init_seed())
@@ -205,8 +216,37 @@ class DistributedModel(nn.Module):
                 )
                 self.module.to(self._device)
             apply_activation_checkpointing(self.module)
-        self._reducer = self._build_reducer(bucket_bytes)
+        if self._pipeline is None:
+            self._reducer = self._build_reducer(bucket_bytes)
+        else:
+            self._pipeline.start()
         _CURRENT = self
+
+    def _on_partitioned(self) -> None:
+        """Called once the pipeline assignment is applied: keep only this stage's parameters."""
+        assert self._pipeline is not None
+        self._owned_names = self._pipeline.owned_parameter_names()
+        self._reducer = self._build_reducer(self._bucket_bytes)
+        for opt in self._optimizers:
+            opt._after_partition()
+
+    @property
+    def partitioned(self) -> bool:
+        """Whether parameters have been assigned to pipeline stages (always, with pp=1)."""
+        return self._pipeline is None or self._pipeline.partitioned
+
+    def write_timeline(self, json_path: str | None = None, png_path: str | None = None) -> Any:
+        """Collective over the pipeline: write the recorded request timeline (pp rank 0).
+
+        Needs the ``timeline`` config key; paths default to ``<timeline>.json`` / ``.png``.
+        """
+        if self._pipeline is None:
+            raise SMPError("the request timeline exists only with pipeline parallelism")
+        if not self._cfg.timeline:
+            raise SMPError("set the 'timeline' config key to record a timeline")
+        base = self._cfg.timeline
+        base = base[:-5] if base.endswith(".json") else base
+        return self._pipeline.write_timeline(json_path or base + ".json", png_path or base + ".png")
 
     # -- construction helpers ------------------------------------------------------------
 
@@ -327,7 +367,8 @@ class DistributedModel(nn.Module):
         finally:
             self._in_step = False
         if self._reducer is not None:
-            if self._backward_calls:
+            # Only pp rank 0 sees model.backward calls with a pipeline: always reduce there.
+            if self._backward_calls or self._pipeline is not None:
                 self._reducer.finish()
             else:
                 self._reducer.disarm()
@@ -364,9 +405,7 @@ class DistributedModel(nn.Module):
     def _stage_full_state(self) -> dict[str, torch.Tensor]:
         """This pipeline stage's entries of the full state dict (TP shards gathered)."""
         full = tp_glue.full_state_dict(self.module, self._cfg.tp)
-        return {
-            k: v.detach().to("cpu").clone() for k, v in full.items() if self._owns_full_key(k)
-        }
+        return {k: v.detach().to("cpu").clone() for k, v in full.items() if self._owns_full_key(k)}
 
     def load_state_dict(  # type: ignore[override]
         self, state_dict: dict[str, torch.Tensor], strict: bool = True
@@ -428,4 +467,3 @@ def _clip_grad_norm(model: DistributedModel, max_norm: float, norm_type: float) 
             if p.grad is not None:
                 p.grad.mul_(coef)
     return norm.float()
-

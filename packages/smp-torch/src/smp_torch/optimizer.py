@@ -55,13 +55,7 @@ class DistributedOptimizer:
         cfg = state().config
         self._cfg = cfg
         self._names = {id(p): n for n, p in self.model.named_parameters()}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) not in self._names:
-                    raise SMPError(
-                        "the optimizer holds a parameter that is not one of this rank's model "
-                        "parameters: build it from model.parameters() after smp.DistributedModel"
-                    )
+        self._check_params()
         self.scaler: LossScaler | None = None
         if cfg.fp16:
             args = dict(dynamic_loss_args or {})
@@ -73,9 +67,32 @@ class DistributedOptimizer:
             scaler = self.scaler
             self.model._loss_scale = lambda: scaler.scale
         self._owner: dict[int, tuple[str, int]] = {}  # id(param) -> (group kind, owner rank)
+        self.model._optimizers.append(self)
+        if self.model.partitioned:
+            self._after_partition()
+        _CURRENT = self
+
+    def _check_params(self) -> None:
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in self._names:
+                    raise SMPError(
+                        "the optimizer holds a parameter that is not one of this rank's model "
+                        "parameters: build it from model.parameters() after smp.DistributedModel"
+                    )
+
+    def _after_partition(self) -> None:
+        """Drop parameters now owned by other pipeline stages; assign state-sharding owners."""
+        local = {id(p) for p in self.model.parameters()}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in local:
+                    self.optimizer.state.pop(p, None)
+            group["params"] = [p for p in group["params"] if id(p) in local]
+        self._names = {id(p): n for n, p in self.model.named_parameters()}
+        cfg = self._cfg
         if cfg.shard_optimizer_state and cfg.rdp * cfg.tp > 1:
             self._assign_owners()
-        _CURRENT = self
 
     # -- sharding ----------------------------------------------------------------------------
 
@@ -168,7 +185,9 @@ class DistributedOptimizer:
     def _named_state(self) -> dict[str, dict[str, Any]]:
         """Optimizer state by parameter name, sharded state gathered from its owners."""
         named = {
-            self._names[id(p)]: {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in st.items()}
+            self._names[id(p)]: {
+                k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in st.items()
+            }
             for p, st in self.optimizer.state.items()
         }
         if not self._owner:
@@ -215,7 +234,11 @@ class DistributedOptimizer:
         full_state, full_groups = reshard.optimizer_state_to_full(
             self.model, named, groups, merge_stages
         )
-        sd: dict[str, Any] = {"format": FULL_FORMAT, "state": full_state, "param_groups": full_groups}
+        sd: dict[str, Any] = {
+            "format": FULL_FORMAT,
+            "state": full_state,
+            "param_groups": full_groups,
+        }
         if self.scaler is not None:
             sd["loss_scaler"] = self.scaler.state_dict()
         return sd
@@ -225,7 +248,9 @@ class DistributedOptimizer:
         from smp_torch import reshard
 
         if sd.get("format") == FULL_FORMAT:
-            named, hyper = reshard.optimizer_state_from_full(self.model, sd["state"], sd["param_groups"])
+            named, hyper = reshard.optimizer_state_from_full(
+                self.model, sd["state"], sd["param_groups"]
+            )
             self._load_named(named, hyper)
         elif "optimizer" in sd and "param_names" in sd:
             order = [self._names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
@@ -240,7 +265,9 @@ class DistributedOptimizer:
         if self.scaler is not None and "loss_scaler" in sd:
             self.scaler.load_state_dict(sd["loss_scaler"])
 
-    def _load_named(self, named: dict[str, dict[str, Any]], hyper: dict[str, dict[str, Any]]) -> None:
+    def _load_named(
+        self, named: dict[str, dict[str, Any]], hyper: dict[str, dict[str, Any]]
+    ) -> None:
         by_name = {n: p for n, p in self.model.named_parameters()}
         self.optimizer.state.clear()
         for g in self.optimizer.param_groups:
@@ -254,7 +281,9 @@ class DistributedOptimizer:
                 st = {}
                 for k, v in named[name].items():
                     if torch.is_tensor(v) and v.dim() > 0:
-                        st[k] = v.to(device=p.device, dtype=p.dtype if v.is_floating_point() else v.dtype).clone()
+                        st[k] = v.to(
+                            device=p.device, dtype=p.dtype if v.is_floating_point() else v.dtype
+                        ).clone()
                     elif torch.is_tensor(v):
                         st[k] = v.clone()
                     else:

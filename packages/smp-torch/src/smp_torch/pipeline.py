@@ -1,16 +1,333 @@
-"""Pipeline parallelism: binds a DistributedModel to smp-pipeline's runtime (pp > 1)."""
+"""Pipeline parallelism (``pipeline_parallel_degree > 1``) through smp-pipeline's runtime.
+
+Each pipeline (the ranks of one ``PP_GROUP``) gets an ``smp_comm.Communicator`` and an
+``smp_pipeline.PipelineRuntime`` over the *whole* model; pp rank 0 of every pipeline drives
+the step function, the other stages serve requests.
+
+Partitioning happens on the first ``@smp.step`` call (``auto_partition``, the default): the
+first microbatch of the step is traced on world rank 0 (every pp-rank-0 rank traces together
+when tensor-parallel layers need their peers), ``smp_partition`` splits the traced module
+tree with ``memory_weight`` as its alpha, and rank 0's assignment is broadcast to every rank,
+so every replica and every tensor-parallel peer partitions identically. With
+``auto_partition=False`` the ``smp.partition`` / ``smp.set_partition`` marks (unmarked modules
+follow their parent, the root ``default_partition``) are applied when the model is wrapped.
+A model created under ``smp.delay_param_initialization()`` is partitioned at wrap time from
+its parameter counts alone (no trace: there is nothing to run), then only the modules this
+rank owns are materialised.
+
+After partitioning, the parameters of modules owned by other stages are freed;
+``model.parameters()`` then yields only this stage's, and any ``smp.DistributedOptimizer``
+already built over the full list is trimmed to them.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from smp_torch.errors import SMPError
+import torch
+from torch import nn
 
-__all__ = ["PipelineBinding"]
+from smp_torch import tp_glue
+from smp_torch.annotations import get_checkpoint_mark, get_partition_mark
+from smp_torch.errors import SMPError
+from smp_torch.precision import autocast_context
+from smp_torch.state import state
+
+__all__ = ["PipelineBinding", "static_assignment"]
+
+
+def _marks(module: nn.Module, default: int) -> dict[str, int]:
+    marks: dict[str, int] = {
+        "": get_partition_mark(module) if get_partition_mark(module) is not None else default
+    }
+    for name, m in module.named_modules():
+        mark = get_partition_mark(m)
+        if name and mark is not None:
+            marks[name] = mark
+    return marks
+
+
+def static_assignment(module: nn.Module, pp: int, alpha: float) -> tuple[dict[str, int], Any]:
+    """Partition from parameter counts only (definition order, no times): no forward needed."""
+    from smp_partition import ModuleGraph, partition
+
+    first_name = {id(p): n for n, p in module.named_parameters()}
+    paths = {id(m): n for n, m in module.named_modules()}
+    modules = []
+    for name, m in module.named_modules():
+        children: list[str] = []
+        for c in m._modules.values():
+            if c is not None and paths[id(c)] not in children:
+                children.append(paths[id(c)])
+        params = {first_name[id(p)]: p.numel() for p in m._parameters.values() if p is not None}
+        modules.append(
+            {
+                "name": name,
+                "type": type(m).__name__,
+                "children": children,
+                "params": params,
+                "activation_bytes": 0,
+                "forward_ms": None,
+            }
+        )
+    graph = ModuleGraph.from_dict({"schema": "smp-partition/module-graph@1", "modules": modules})
+    result = partition(graph, num_devices=pp, alpha=alpha)
+    return {str(k): int(v) for k, v in result.assignment.items()}, result
 
 
 class PipelineBinding:
-    """Placeholder until smp-pipeline's lower-level API lands."""
+    """Connects a :class:`~smp_torch.model.DistributedModel` to one ``PipelineRuntime``."""
 
-    def __init__(self, model: Any, module: Any, broadcast_weights: bool) -> None:
-        raise SMPError("pipeline_parallel_degree > 1 needs smp-pipeline's runtime (not yet wired)")
+    def __init__(self, model: Any, module: nn.Module, broadcast_weights: bool) -> None:
+        from smp_comm import Communicator
+        from smp_pipeline import PipelineRuntime
+
+        from smp_torch.model import _broadcast_tensors, _module_tensors, materialize_meta
+
+        s = state()
+        cfg = s.config
+        self.model = model
+        self.cfg = cfg
+        self.pp_rank = s.groups["pp"].index(s.rank)
+        self.partition_result: Any = None
+        self.tracing = False
+        self._alias_owner: dict[str, int] | None = None
+        has_meta = any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+
+        assignment: dict[str, int] | None = None
+        if not cfg.auto_partition:
+            from smp_pipeline.assignment import resolve_assignment
+
+            assignment = resolve_assignment(module, _marks(module, cfg.default_partition), cfg.pp)
+        elif has_meta:
+            if s.rank == 0:
+                found, self.partition_result = static_assignment(module, cfg.pp, cfg.memory_weight)
+            else:
+                found = None
+            assignment = s.mpi_comms["world"].bcast(found, root=0)
+        if has_meta:
+            assert assignment is not None
+            self._materialize_owned(module, assignment, model._init_seed(), materialize_meta)
+        else:
+            module.to(s.device)
+            if broadcast_weights and s.size > 1:
+                _broadcast_tensors(_module_tensors(module), 0, s.process_groups["world"])
+        if cfg.tp > 1:
+            module = tp_glue.parallelize(
+                module, s.process_groups["tp"], cfg.prescaled_batch, cfg.optimize
+            )
+            module.to(s.device)
+            model.module = module
+        self.module = module
+        checkpointing = {}
+        for name, m in module.named_modules():
+            opts = get_checkpoint_mark(m)
+            if opts is not None:
+                strategy = opts["strategy"] if isinstance(m, nn.Sequential) else None
+                checkpointing[name] = strategy
+        self.comm = Communicator(s.mpi_comms["pp"].Dup())
+        self.runtime = PipelineRuntime(
+            module,
+            self.comm,
+            self.pp_rank,
+            cfg.pp,
+            alpha=cfg.memory_weight,
+            schedule=cfg.pipeline,
+            active_microbatches=cfg.active_microbatches,
+            timeout_s=cfg.timeout_s,
+            checkpointing=checkpointing,
+            timeline=bool(cfg.timeline),
+            trace_device=None,
+        )
+        s.closers.append(self.close)
+        self._pending = assignment
+
+    def start(self) -> None:
+        """Apply an assignment known at wrap time (manual or delayed-init partitioning)."""
+        if self._pending is not None:
+            self._apply(self._pending)
+            self._pending = None
+
+    # -- partitioning ------------------------------------------------------------------------
+
+    def _materialize_owned(
+        self,
+        module: nn.Module,
+        assignment: dict[str, int],
+        seed: int,
+        materialize: Callable[..., None],
+    ) -> None:
+        from smp_pipeline.assignment import resolve_assignment
+
+        full = resolve_assignment(module, assignment, self.cfg.pp)
+        device = state().device
+        for name, m in module.named_modules():
+            if full.get(name) == self.pp_rank:
+                materialize_one = any(t.is_meta for t in m._parameters.values() if t is not None)
+                materialize_one = materialize_one or any(
+                    t.is_meta for t in m._buffers.values() if t is not None
+                )
+                if materialize_one:
+                    materialize(_Shallow(m), device, seed + hash(name) % 100003)
+
+    @property
+    def partitioned(self) -> bool:
+        return self.runtime.assignment is not None
+
+    def _apply(self, assignment: dict[str, int]) -> None:
+        self.runtime.set_assignment(assignment)
+        self.model._on_partitioned()
+
+    def ensure_partitioned(self, fn: Callable[..., Any], microbatches: list[Any]) -> None:
+        """Trace (world rank 0) and partition on the first step; identical on every rank."""
+        if self.partitioned:
+            return
+        from smp_pipeline import trace_dict
+
+        s, cfg = state(), self.cfg
+        graph: dict[str, Any] | None = None
+        error: str | None = None
+        must_trace = s.rank == 0 or (cfg.tp > 1 and self.pp_rank == 0)
+        if must_trace:
+            args, kwargs = microbatches[0]
+            self.tracing = True
+            try:
+                with autocast_context(cfg.fp16, cfg.bf16, s.device):
+                    graph = trace_dict(self.module, run=lambda: fn(*args, **kwargs))
+            except Exception as exc:  # noqa: BLE001 - reported on every rank below
+                error = f"tracing the model on rank {s.rank} failed: {exc!r}"
+            finally:
+                self.tracing = False
+        payload: Any = None
+        if s.rank == 0:
+            if error is None:
+                from smp_partition import ModuleGraph, partition
+
+                try:
+                    result = partition(
+                        ModuleGraph.from_dict(graph), num_devices=cfg.pp, alpha=cfg.memory_weight
+                    )
+                    self.partition_result = result
+                    found = {str(k): int(v) for k, v in result.assignment.items()}
+                    payload = {"assignment": self._keep_checkpointed_whole(found)}
+                except Exception as exc:  # noqa: BLE001
+                    payload = {"error": f"partitioning failed: {exc!r}"}
+            else:
+                payload = {"error": error}
+        payload = s.mpi_comms["world"].bcast(payload, root=0)
+        if "error" in payload:
+            raise SMPError(payload["error"])
+        self._apply(payload["assignment"])
+
+    def _keep_checkpointed_whole(self, assignment: dict[str, int]) -> dict[str, int]:
+        """A checkpointed (non-Sequential) module is recomputed on its owner, so its whole
+        subtree must live there: move any descendant the partitioner put elsewhere."""
+        out = dict(assignment)
+        for name, m in self.module.named_modules():
+            opts = get_checkpoint_mark(m)
+            if opts is None or isinstance(m, nn.Sequential) or name not in out:
+                continue
+            for sub, _ in m.named_modules(prefix=name):
+                if sub in out:
+                    out[sub] = out[name]
+        return out
+
+    # -- execution ---------------------------------------------------------------------------
+
+    def run_step(
+        self, fn: Callable[..., Any], microbatches: list[tuple[tuple[Any, ...], dict[str, Any]]]
+    ) -> list[Any]:
+        self.ensure_partitioned(fn, microbatches)
+        cfg, s = self.cfg, state()
+        m = len(microbatches)
+
+        def one_microbatch(index: torch.Tensor) -> Any:
+            args, kwargs = microbatches[int(index.item())]
+            return fn(*args, **kwargs)
+
+        with autocast_context(cfg.fp16, cfg.bf16, s.device):
+            return self.runtime.run_step(one_microbatch, (torch.arange(m),), num_microbatches=m)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def backward(self, tensors: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...]) -> None:
+        if self.tracing:
+            return
+        # The runtime applies 1/microbatches itself; undo the model's copy of that factor.
+        m = self.cfg.microbatches
+        self.runtime.backward(list(tensors), [g * m for g in grads])
+
+    # -- ownership ---------------------------------------------------------------------------
+
+    def owned_parameter_names(self) -> set[str] | None:
+        if not self.partitioned:
+            return None
+        return {n for n, _ in self.runtime.named_local_parameters()}
+
+    def owned_state_names(self) -> set[str]:
+        if not self.partitioned:
+            return set(self.module.state_dict())
+        return set(self.runtime.local_state_dict())
+
+    def owns_full_key(self, key: str) -> bool:
+        """Whether the unwrapped model's state-dict entry ``key`` lives on this stage."""
+        if not self.partitioned:
+            return True
+        if self._alias_owner is None:
+            canon = {id(m): n for n, m in self.module.named_modules()}
+            assert self.runtime.assignment is not None
+            self._alias_owner = {
+                n: self.runtime.assignment[canon[id(m)]]
+                for n, m in self.module.named_modules(remove_duplicate=False)
+            }
+        path = key
+        while True:
+            path = path.rsplit(".", 1)[0] if "." in path else ""
+            if path in self._alias_owner:
+                return self._alias_owner[path] == self.pp_rank
+            if path == "":
+                return self._alias_owner.get("", 0) == self.pp_rank
+
+    def load_full_state(self, sd: dict[str, torch.Tensor], strict: bool) -> Any:
+        """Load a full state dict: this stage's entries only once partitioned."""
+        if not self.partitioned:
+            tp_glue.load_full_state_dict(self.module, dict(sd), self.cfg.tp, strict)
+            return None
+        mine = {k: v for k, v in sd.items() if self.owns_full_key(k)}
+        target = self.module.state_dict()
+        if self.cfg.tp == 1:
+            missing = [k for k in target if self.owns_full_key(k) and k not in mine]
+            if strict and missing:
+                raise SMPError(f"state dict lacks keys of pipeline stage {self.pp_rank}: {missing}")
+            with torch.no_grad():
+                for k, v in mine.items():
+                    if k in target:
+                        target[k].copy_(v)
+            return None
+        # TP: smp-tp slices the full entries; foreign stages' parameters are empty stand-ins.
+        tp_glue.load_full_state_dict(self.module, mine, self.cfg.tp, strict=False)
+        return None
+
+    # -- timeline ----------------------------------------------------------------------------
+
+    def write_timeline(self, json_path: str | None, png_path: str | None) -> Any:
+        return self.runtime.write_timeline(json_path, png_path)
+
+    def close(self) -> None:
+        try:
+            self.runtime.close()
+        finally:
+            self.comm.close()
+
+
+class _Shallow(nn.Module):
+    """Presents one module without its children to :func:`materialize_meta`."""
+
+    def __init__(self, m: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "_target", m)
+
+    def modules(self):  # type: ignore[no-untyped-def,override]
+        yield self._target

@@ -44,7 +44,12 @@ def _tp_state_keys(model: Any, named: dict[str, dict[str, Any]]) -> list[str]:
     from smp_torch.comm import CommGroup, allgather
 
     params = dict(model.named_parameters())
-    mine = {k for n, st in named.items() for k, v in st.items() if n in params and _is_param_shaped(v, params[n])}
+    mine = {
+        k
+        for n, st in named.items()
+        for k, v in st.items()
+        if n in params and _is_param_shaped(v, params[n])
+    }
     keys: set[str] = set()
     for ks in allgather(sorted(mine), CommGroup.TP_GROUP):
         keys.update(ks)
@@ -75,7 +80,11 @@ def optimizer_state_to_full(
         out: dict[str, dict[str, Any]] = {}
         for key in _tp_state_keys(model, named):
             values = {
-                n: (named[n][key].to(p.device, p.dtype) if key in named.get(n, {}) else torch.zeros_like(p))
+                n: (
+                    named[n][key].to(p.device, p.dtype)
+                    if key in named.get(n, {})
+                    else torch.zeros_like(p)
+                )
                 for n, p in params.items()
             }
             saved = _swap_params(model, values)
@@ -90,9 +99,10 @@ def optimizer_state_to_full(
             for st in out.values():
                 st.update(scalars)
         named = out
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": sorted(out)} for g in groups[:1]] + [
-            {**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in groups[1:]
-        ]
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": sorted(out)}
+            for g in groups[:1]
+        ] + [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in groups[1:]]
     if cfg.pp > 1 and merge_stages:
         from smp_torch.comm import CommGroup, allgather
 
@@ -127,26 +137,38 @@ def optimizer_state_from_full(
         hyper = {n: hyper_by_full[n] for n in params if n in hyper_by_full}
         return named, hyper
     tensor_keys = sorted(
-        {k for st in full_state.values() for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0}
+        {
+            k
+            for st in full_state.values()
+            for k, v in st.items()
+            if torch.is_tensor(v) and v.dim() > 0
+        }
     )
     scalars: dict[str, Any] = {}
     for st in full_state.values():
         for k, v in st.items():
             if not (torch.is_tensor(v) and v.dim() > 0):
                 scalars.setdefault(k, v)
+    # Buffers ride along unchanged (smp-tp translates whole modules); parameter entries carry
+    # the state. Tied aliases without state are left out so they cannot overwrite it.
+    param_keys = set(model._full_param_names())
     current = tp_glue.full_state_dict(model.module, cfg.tp)
-    named = {n: dict(scalars) for n in params} if full_state else {}
+    buffers = {k: v for k, v in current.items() if k not in param_keys}
+    named: dict[str, dict[str, Any]] = {}
     for key in tensor_keys:
-        sd = {k: v for k, v in current.items()}
+        sd = dict(buffers)
         for fname, st in full_state.items():
-            if key in st and fname in sd:
+            if key in st:
                 sd[fname] = st[key]
-        fresh = {n: torch.zeros_like(p) for n, p in params.items()}
+        # NaN marks "not loaded": a parameter without this state keeps none.
+        fresh = {n: torch.full_like(p, float("nan")) for n, p in params.items()}
         saved = _swap_params(model, fresh)
         try:
             tp_glue.load_full_state_dict(model.module, sd, cfg.tp, strict=False)
             for n, p in model.named_parameters():
-                named[n][key] = p.data.detach().clone()
+                value = p.data.detach()
+                if value.numel() and not torch.isnan(value).all():
+                    named.setdefault(n, dict(scalars))[key] = value.clone()
         finally:
             _restore(model, saved)
     first_hyper = next(iter(hyper_by_full.values()), {})

@@ -161,7 +161,11 @@ def collect_outputs(per_microbatch: list[Any]) -> Any:
     skeleton = tree_map(gather, per_microbatch[0])
     for out in per_microbatch:
         leaves: list[Any] = []
-        tree_map(lambda x: leaves.append(_detach(x)), out)
+
+        def keep(x: Any, _leaves: list[Any] = leaves) -> None:
+            _leaves.append(_detach(x))
+
+        tree_map(keep, out)
         if len(leaves) != len(flat):
             raise SMPError("the step function returned differently structured outputs")
         for i, leaf in enumerate(leaves):

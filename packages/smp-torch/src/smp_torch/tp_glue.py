@@ -16,7 +16,9 @@ def _smp_tp() -> Any:
     return smp_tp
 
 
-def parallelize(module: nn.Module, tp_group: Any, prescaled_batch: bool, optimize: str) -> nn.Module:
+def parallelize(
+    module: nn.Module, tp_group: Any, prescaled_batch: bool, optimize: str
+) -> nn.Module:
     """Replace the marked submodules of ``module`` by smp-tp's distributed modules."""
     return _smp_tp().parallelize(
         module, tp_group=tp_group, prescaled_batch=prescaled_batch, optimize=optimize

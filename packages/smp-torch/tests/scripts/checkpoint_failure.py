@@ -10,7 +10,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import models  # noqa: E402
-
 import smp_torch as smp  # noqa: E402
 
 

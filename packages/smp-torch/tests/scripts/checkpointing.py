@@ -19,9 +19,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import models  # noqa: E402
-from equivalence import check_close, local_slice, make_opt  # noqa: E402
-
 import smp_torch as smp  # noqa: E402
+from equivalence import check_close, local_slice, make_opt  # noqa: E402
 
 BATCH = 8
 
@@ -41,7 +40,9 @@ def reference(kind: str) -> list[tuple[float, dict[str, torch.Tensor]]]:
     return out
 
 
-def build(config: dict, seed: int, kind: str) -> tuple[smp.DistributedModel, smp.DistributedOptimizer, object]:
+def build(
+    config: dict, seed: int, kind: str
+) -> tuple[smp.DistributedModel, smp.DistributedOptimizer, object]:
     cfg = smp.init(config)
     torch.manual_seed(seed)
     model = smp.DistributedModel(models.TinyLM(tp=cfg.tp > 1))
@@ -64,7 +65,9 @@ def train(model, opt, train_step, steps, ref, name) -> None:  # type: ignore[no-
         loss = train_step(local_slice(x, cfg), local_slice(y, cfg)).reduce_mean()
         losses = smp.allgather(float(loss), smp.DP_GROUP)
         got = torch.tensor(sum(losses) / len(losses), dtype=torch.float64)
-        check_close(f"loss at step {step}", got, torch.tensor(ref[step][0], dtype=torch.float64), name)
+        check_close(
+            f"loss at step {step}", got, torch.tensor(ref[step][0], dtype=torch.float64), name
+        )
         opt.step()
         full = model.state_dict()
         for k, v in ref[step][1].items():
@@ -77,7 +80,9 @@ def run_case(root: str, case: dict) -> None:
     model, opt, train_step = build(case["save"], 0, kind)
     train(model, opt, train_step, range(2), ref, name)
     path = os.path.join(root, name)
-    smp.save_checkpoint(path, "step2", partial=case["partial"], user_content={"step": 2, "note": "hi"})
+    smp.save_checkpoint(
+        path, "step2", partial=case["partial"], user_content={"step": 2, "note": "hi"}
+    )
     train(model, opt, train_step, range(2, 4), ref, name + "/continued")
     model, opt, train_step = build(case["load"], 123, kind)
     user = smp.resume_from_checkpoint(path)

@@ -13,6 +13,7 @@ import copy
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -50,7 +51,9 @@ def run_case(case: dict) -> None:
     cfg = smp.init(case["config"])
     torch.manual_seed(case.get("seed", 0))
     tp_marks = cfg.tp > 1 or case.get("tp_marks", False)
-    model = models.TinyLM(tp=tp_marks, tied=case.get("tied", True))
+    model = models.TinyLM(
+        tp=tp_marks, tied=case.get("tied", True), manual=case.get("manual", False)
+    )
     if case.get("checkpoint_blocks"):
         for block in model.blocks:
             smp.set_activation_checkpointing(block)
@@ -71,6 +74,7 @@ def run_case(case: dict) -> None:
         return loss
 
     batch = case.get("batch", 8)
+    t0 = time.perf_counter()
     for step in range(case.get("steps", 3)):
         x, y = models.global_batch(step, batch)
         ref_opt.zero_grad()
@@ -91,12 +95,16 @@ def run_case(case: dict) -> None:
             raise AssertionError(f"[{name}] state_dict keys {sorted(full)} != {sorted(want)}")
         for k, v in want.items():
             check_close(f"{k} after step {step}", full[k], v, name)
+    if cfg.pp > 1:
+        counts = smp.allgather(len(list(dmodel.parameters())), smp.PP_GROUP)
+        assert all(counts), f"[{name}] a pipeline stage owns no parameter: {counts}"
+    elapsed = time.perf_counter() - t0
     # The gathered state dict loads into the unwrapped module, strict.
     fresh = models.TinyLM(tp=False, tied=case.get("tied", True))
     fresh.load_state_dict(dmodel.state_dict(), strict=True)
     smp.barrier()
     if smp.rank() == 0:
-        print(f"CASE-OK {name}", flush=True)
+        print(f"CASE-OK {name} ({elapsed:.1f}s)", flush=True)
 
 
 def main() -> None:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import smp_torch as smp
 import torch
 import torch.distributed as dist
-
-import smp_torch as smp
 
 LAYOUTS = [
     {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "placement_strategy": "cluster"},

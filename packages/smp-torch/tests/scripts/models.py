@@ -23,12 +23,19 @@ class MLPBlock(nn.Module):
 class TinyLM(nn.Module):
     """Embedding, two residual MLP blocks, layer norm, head tied to the embedding."""
 
-    def __init__(self, tp: bool = False, tied: bool = True, layers: int = 2) -> None:
+    def __init__(
+        self, tp: bool = False, tied: bool = True, layers: int = 2, manual: bool = False
+    ) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, HIDDEN)
         with smp.tensor_parallelism(enabled=tp) if tp else _null():
-            self.blocks = nn.ModuleList([MLPBlock(HIDDEN) for _ in range(layers)])
-        self.ln = nn.LayerNorm(HIDDEN)
+            blocks = [MLPBlock(HIDDEN) for _ in range(layers - 1)]
+            # Manual partitioning: the last block and the norm go to stage 1, the (tied) head
+            # stays with the embedding on stage 0, so the forward visits stage 0 twice.
+            with smp.partition(1) if manual else _null():
+                blocks.append(MLPBlock(HIDDEN))
+                self.ln = nn.LayerNorm(HIDDEN)
+            self.blocks = nn.ModuleList(blocks)
         self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
         if tied:
             self.head.weight = self.emb.weight
