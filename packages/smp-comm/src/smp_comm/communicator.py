@@ -23,7 +23,6 @@ accept it wins); a header nobody waits for joins the unexpected queue, which a l
 from __future__ import annotations
 
 import atexit
-import itertools
 import queue
 import threading
 import time
@@ -145,7 +144,9 @@ class Communicator:
         self._closed = False
         self._close_lock = threading.Lock()
         self._fatal: BaseException | None = None
-        self._msg_ids = itertools.count()
+        self._seq_to = [0] * self.size  # next sequence number per destination
+        self._seq_from = [0] * self.size  # next expected sequence number per source
+        self._held: list[dict[int, tuple[int, Any]]] = [{} for _ in range(self.size)]
         self._stats_lock = threading.Lock()
         self._stats = {
             p: {"messages_sent": 0, "bytes_sent": 0, "messages_received": 0, "bytes_received": 0}
@@ -168,6 +169,12 @@ class Communicator:
         self._track_q: queue.SimpleQueue[_Tracked] = queue.SimpleQueue()
         self._post_q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._wake = threading.Event()  # nudges the tracker out of its idle sleep
+        self._progress_lock = threading.Lock()  # one thread at a time runs _poll_once
+        self._active: list[_Tracked] = []  # outstanding MPI requests (under _progress_lock)
+        self._free_q: queue.SimpleQueue[tuple[str, int, int]] = queue.SimpleQueue()
+        self._status = MPI.Status()
+        self._spinners = 0  # threads inside _wait's polling phase (under _spin_lock)
+        self._spin_lock = threading.Lock()
         self._tracker_stop = threading.Event()
         self._inflight_recv = 0  # incoming messages not yet rebuilt (tracker/postproc)
 
@@ -195,18 +202,34 @@ class Communicator:
         self._check_rank(dest, "dest")
         if not isinstance(tag, int) or tag < 0:
             raise ValueError(f"smp-comm isend: tag must be an int >= 0, got {tag!r}")
-        handle = SendHandle(dest, tag, self.rank)
-        if dest in self._bye_from:
-            handle._complete(error=self._peer_closed(dest, f"send (tag {tag})"))
+        try:
+            packed = pack(obj)  # the skeleton is pickled now: later changes to it don't travel
+        except Exception as exc:
+            raise CommError(
+                f"smp-comm rank {self.rank}: cannot serialize message for rank {dest} (tag {tag}): {exc!r}"
+            ) from exc
+        handle = SendHandle(dest, tag, self.rank, self._wait)
+        with self._match_lock:
+            if dest in self._bye_from:
+                handle._complete(error=self._peer_closed(dest, f"send (tag {tag})"))
+                return handle
+            self._open_sends.add(handle)
+            # Per-destination sequence number: the receiver matches headers in this order
+            # whichever thread posts them (MPI's non-overtaking rule).
+            seq = self._seq_to[dest]
+            self._seq_to[dest] = seq + 1
+        op = _Send(handle, dest, tag, None, seq, packed=packed)
+        gpu = packed.on_gpu()
+        if not any(gpu) and packed.nbytes <= self.settings.inline_bytes:
+            # Fast lane: a small payload rides inside the header, posted from this thread.
+            inline = [bytes(s) for s in packed.sources]
+            self._post_header(op, (seq, tag, "mpi", -1, packed.skeleton, packed.stubs, inline), [])
             return handle
-        op = _Send(handle, dest, tag, obj, next(self._msg_ids))
-        if torch is not None and torch.cuda.is_available():
+        if any(gpu):
             # The payload may still be being computed on the caller's stream: record an
-            # event there so the copying threads wait for it (not for later work).
+            # event there so the copying threads wait for it (and not for later work).
             op.cuda_event = torch.cuda.Event()
             op.cuda_event.record()
-        with self._match_lock:
-            self._open_sends.add(handle)
         self._router_q.put(op)
         return handle
 
@@ -221,7 +244,7 @@ class Communicator:
             self._check_rank(source, "source")
         if not isinstance(tag, int) or (tag < 0 and tag != ANY_TAG):
             raise ValueError(f"smp-comm irecv: tag must be an int >= 0 or ANY_TAG, got {tag!r}")
-        handle = RecvHandle(source, tag, self.rank, self._cancel)
+        handle = RecvHandle(source, tag, self.rank, self._wait, self._cancel)
         with self._match_lock:
             for i, inc in enumerate(self._unexpected):
                 if _accepts(handle, inc):
@@ -343,6 +366,7 @@ class Communicator:
             inc.handle._complete(error=inc.error)
         else:
             inc.handle._complete(result=(inc.result, inc.source, inc.tag))
+        inc.result = None  # the handle holds it now
 
     def _count(self, path: str, direction: str, nbytes: int) -> None:
         with self._stats_lock:
@@ -406,18 +430,8 @@ class Communicator:
                 )
 
     def _route(self, op: _Send) -> None:
-        if op.dest in self._bye_from:
-            self._send_done(op, 0, self._peer_closed(op.dest, f"send (tag {op.tag})"))
-            return
-        op.packed = packed = pack(op.obj)
-        op.obj = None
-        if packed.nbytes <= self.settings.inline_bytes and not any(packed.on_gpu()):
-            # Small payload: it rides inside the header (one MPI message in all).
-            inline = [bytes(s) for s in packed.sources]
-            header = (op.msg_id, op.tag, "mpi", -1, packed.skeleton, packed.stubs, inline)
-            op.path = "mpi"
-            self._post_header(op, header, [])
-            return
+        packed = op.packed
+        assert packed is not None
         gpu = packed.on_gpu()
         candidates = self._paths.candidates(op.dest, all_gpu=all(gpu), any_gpu=any(gpu))
         for path in candidates:
@@ -439,15 +453,12 @@ class Communicator:
                 op.cuda_event.synchronize()
             try:
                 self._paths.write(op.path, op.dest, op.region, op.packed)
-            except Exception as exc:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - the MPI path still delivers it
                 self._paths.release(op.path, op.dest, op.region)
-                self._send_done(
-                    op,
-                    0,
-                    CommError(
-                        f"smp-comm rank {self.rank}: {op.path} write to rank {op.dest} failed: {exc!r}"
-                    ),
-                )
+                op.path, op.region = "mpi", -1
+                with self._stats_lock:
+                    self._fallbacks += 1
+                self._requester_q.put(op)
                 continue
             p = op.packed
             header = (op.msg_id, op.tag, op.path, op.region, p.skeleton, p.stubs, None)
@@ -476,33 +487,54 @@ class Communicator:
 
     # ------------------------------------------------------------------ tracker
 
-    def _tracker_loop(self) -> None:
-        active: list[_Tracked] = []
-        status = MPI.Status()
-        last_event = time.monotonic()
-        sleep = 0.0
-        while not (self._tracker_stop.is_set() and not active):
-            busy = False
-            while True:
-                try:
-                    active.append(self._track_q.get_nowait())
-                    busy = True
-                except queue.Empty:
-                    break
+    def _poll_once(self) -> bool:
+        """One round of MPI progress; the caller holds ``_progress_lock``. True if anything
+        happened. Run by the tracker thread, and by threads blocked in ``wait`` (so a
+        waiter does not pay a thread hand-off per message)."""
+        busy = False
+        while True:
+            try:
+                self._active.append(self._track_q.get_nowait())
+                busy = True
+            except queue.Empty:
+                break
+        while True:
+            try:
+                path, source, region = self._free_q.get_nowait()
+            except queue.Empty:
+                break
+            req = self._cc.isend((path, region), dest=source, tag=_T_FREE)
+            self._active.append(_Tracked([req], _nothing))
+            busy = True
+        if self._active:
             still = []
-            for t in active:
+            for t in self._active:
                 if MPI.Request.Testall(t.requests):
                     t.on_done()
                     busy = True
                 else:
                     still.append(t)
-            active = still
-            for _ in range(64):
-                msg = self._cc.improbe(ANY_SOURCE, ANY_TAG, status)
-                if msg is None:
-                    break
-                self._on_control(status.Get_source(), status.Get_tag(), msg.recv())
-                busy = True
+            self._active = still
+        status = self._status
+        for _ in range(64):
+            msg = self._cc.improbe(ANY_SOURCE, ANY_TAG, status)
+            if msg is None:
+                break
+            self._on_control(status.Get_source(), status.Get_tag(), msg.recv())
+            busy = True
+        return busy
+
+    def _tracker_loop(self) -> None:
+        last_event = time.monotonic()
+        sleep = 0.0
+        while not (self._tracker_stop.is_set() and not self._active):
+            if self._spinners:
+                # A thread blocked in wait() is driving progress: stay out of its way.
+                self._wake.wait(1e-3)
+                self._wake.clear()
+                continue
+            with self._progress_lock:
+                busy = self._poll_once()
             now = time.monotonic()
             if busy:
                 last_event, sleep = now, 0.0
@@ -515,16 +547,62 @@ class Communicator:
                     self._wake.clear()
                     last_event = time.monotonic()
 
+    def _wait(self, event: threading.Event, timeout: float | None) -> bool:
+        """Block until ``event`` is set or ``timeout`` passes.
+
+        For up to ``poll_spin`` seconds after the last event the waiting thread drives MPI
+        progress itself (no thread hand-off on the critical path of a small message);
+        after that it sleeps on the event and the tracker thread takes over.
+        """
+        if event.is_set():
+            return True
+        now = time.monotonic()
+        deadline = None if timeout is None else now + timeout
+        spin_until = now + self.settings.poll_spin
+        with self._spin_lock:
+            self._spinners += 1
+        try:
+            while not event.is_set():
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    return event.is_set()
+                if now >= spin_until or self._closed:
+                    break
+                if not self._progress_lock.acquire(blocking=False):
+                    event.wait(5e-5)  # another thread is polling; check back shortly
+                    continue
+                try:
+                    if self._poll_once():
+                        spin_until = time.monotonic() + self.settings.poll_spin
+                finally:
+                    self._progress_lock.release()
+        finally:
+            with self._spin_lock:
+                self._spinners -= 1
+        if event.is_set():
+            return True
+        self._wake.set()  # hand progress back to the tracker thread
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return event.wait(left)
+
     def _on_control(self, source: int, tag: int, body: Any) -> None:
-        if tag == _T_HEADER:
-            msg_id, utag, path, region, skeleton, stubs, inline = body
-            inc = _Incoming(source, utag, msg_id, path, region, skeleton, stubs, inline)
-            self._on_header(inc)
+        if tag == _T_HEADER or tag == _T_BYE:
+            # Headers (and the final BYE) are handled in the sender's isend order.
+            seq = body[0] if tag == _T_HEADER else body
+            held = self._held[source]
+            held[seq] = (tag, body)
+            while self._seq_from[source] in held:
+                kind, item = held.pop(self._seq_from[source])
+                self._seq_from[source] += 1
+                if kind == _T_BYE:
+                    self._on_bye(source)
+                else:
+                    seq, utag, path, region, skeleton, stubs, inline = item
+                    inc = _Incoming(source, utag, seq, path, region, skeleton, stubs, inline)
+                    self._on_header(inc)
         elif tag == _T_FREE:
             path, region = body
             self._paths.release(path, source, region)
-        elif tag == _T_BYE:
-            self._on_bye(source)
         elif tag == _T_DRAINED:
             with self._match_lock:
                 self._drained_from.add(source)
@@ -600,11 +678,6 @@ class Communicator:
                 f"smp-comm rank {self.rank}: cannot rebuild message from rank {inc.source} "
                 f"(tag {inc.tag}): {exc!r}"
             )
-        finally:
-            if inc.path != "mpi":
-                # Give the region back to the sender that reserved it.
-                req = self._cc.isend((inc.path, inc.region), dest=inc.source, tag=_T_FREE)
-                self._track([req], _nothing)
         with self._match_lock:
             inc.done = True
             self._inflight_recv -= 1
@@ -620,7 +693,15 @@ class Communicator:
             for v, b in zip(views, inc.inline):
                 v[:] = np.frombuffer(b, dtype=np.uint8)
             return finals
-        return self._paths.read(inc.path, inc.region, inc.stubs, inc.source)
+        # The region goes back to its sender (a FREE message) once copied out or, for
+        # zero-copy views, once the last view is garbage collected. The callback holds no
+        # reference to the message, so it cannot keep those views alive.
+        release = _Once(self._free_q, self._wake, (inc.path, inc.source, inc.region))
+        try:
+            return self._paths.read(inc.path, inc.region, inc.stubs, release)
+        except BaseException:
+            release()
+            raise
 
     # ------------------------------------------------------------------ close
 
@@ -644,7 +725,11 @@ class Communicator:
             )
             # 2. BYE: nothing more will come from us. MPI keeps per-sender order, so once a
             #    peer's BYE is here all its headers are here too.
-            self._track([self._cc.isend(None, dest=r, tag=_T_BYE) for r in everyone], _nothing)
+            with self._match_lock:
+                byes = [(r, self._seq_to[r]) for r in everyone]
+                for r in everyone:
+                    self._seq_to[r] += 1
+            self._track([self._cc.isend(q, dest=r, tag=_T_BYE) for r, q in byes], _nothing)
             wait_for(
                 lambda: self._bye_from == everyone,
                 lambda: f"ranks {sorted(everyone - self._bye_from)} to call close()",
@@ -690,6 +775,23 @@ def _accepts(h: RecvHandle, inc: _Incoming) -> bool:
 
 def _nothing() -> None:
     return None
+
+
+class _Once:
+    """Queue ``item`` on the first call only (a region is freed exactly once)."""
+
+    def __init__(self, q: queue.SimpleQueue[Any], wake: threading.Event, item: Any) -> None:
+        self._q, self._wake, self._item = q, wake, item
+        self._lock = threading.Lock()
+        self._done = False
+
+    def __call__(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+        self._q.put(self._item)
+        self._wake.set()
 
 
 _LIVE: weakref.WeakSet[Communicator] = weakref.WeakSet()

@@ -10,13 +10,16 @@ from smp_comm.errors import CommTimeoutError
 
 __all__ = ["Handle", "RecvHandle", "SendHandle"]
 
+# (event, timeout) -> whether the event got set; the communicator drives progress meanwhile.
+Waiter = Callable[[threading.Event, "float | None"], bool]
+
 
 class Handle:
     """Completion of one send or receive. Thread-safe; ``wait`` may be called repeatedly."""
 
     _what = "message"
 
-    def __init__(self, peer: int, tag: int, rank: int) -> None:
+    def __init__(self, peer: int, tag: int, rank: int, waiter: Waiter | None = None) -> None:
         self.peer = peer
         self.tag = tag
         self._rank = rank
@@ -24,6 +27,7 @@ class Handle:
         self._result: Any = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()
+        self._waiter = waiter
 
     def _complete(self, result: Any = None, error: BaseException | None = None) -> bool:
         """Set the outcome once; later calls are ignored. Returns whether this call set it."""
@@ -40,7 +44,8 @@ class Handle:
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until done; raise its error, or :class:`CommTimeoutError` after ``timeout`` s."""
-        if not self._event.wait(timeout):
+        done = self._waiter(self._event, timeout) if self._waiter else self._event.wait(timeout)
+        if not done:
             raise CommTimeoutError(self._timeout_text(timeout), self.peer, self.tag)
         if self._error is not None:
             raise self._error
@@ -73,9 +78,14 @@ class RecvHandle(Handle):
     """Returned by ``irecv``; ``wait()`` returns ``(obj, source, tag)``."""
 
     def __init__(
-        self, peer: int, tag: int, rank: int, canceller: Callable[[RecvHandle], bool]
+        self,
+        peer: int,
+        tag: int,
+        rank: int,
+        waiter: Waiter | None,
+        canceller: Callable[[RecvHandle], bool],
     ) -> None:
-        super().__init__(peer, tag, rank)
+        super().__init__(peer, tag, rank, waiter)
         self._canceller = canceller
 
     def cancel(self) -> bool:

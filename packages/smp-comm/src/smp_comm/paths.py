@@ -3,8 +3,11 @@
 Every rank owns, per direct path, one receive buffer created once (collectively) when the
 Communicator starts:
 
-``shm``       a slice of an ``MPI.Win.Allocate_shared`` window on the node communicator;
-              the sender ``memcpy``\\ s straight into it, the receiver copies out;
+``shm``       a POSIX shared-memory file per rank, mapped once by every node peer (and
+              unlinked at once); the sender ``memcpy``\\ s straight into the region it
+              reserved, the receiver hands out zero-copy views of it (the region is freed
+              when the last view is garbage collected) or, with ``shm_zero_copy=False``,
+              copies out;
 ``rma``       an ``MPI.Win.Allocate`` window over the whole communicator; the sender
               ``Put``\\ s into it inside a passive-target ``Lock``/``Unlock`` epoch;
 ``cuda_ipc``  a CUDA tensor whose IPC handle every node peer opened once at start.
@@ -17,6 +20,12 @@ region back with a ``FREE`` control message once it has copied the payload out; 
 
 from __future__ import annotations
 
+import mmap
+import os
+import threading
+import uuid
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -29,6 +38,26 @@ from smp_comm.settings import CommSettings
 __all__ = ["DirectPaths"]
 
 _PAGE = 4096
+_SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+
+
+class _Lease:
+    """Counts the live views of one zero-copy region; calls ``release`` when none is left."""
+
+    def __init__(self, count: int, release: Callable[[], None]) -> None:
+        self._count = count + 1  # +1 until armed(): no release while still building
+        self._release = release
+        self._lock = threading.Lock()
+
+    def drop(self) -> None:
+        with self._lock:
+            self._count -= 1
+            last = self._count == 0
+        if last:
+            self._release()
+
+    def armed(self) -> None:
+        self.drop()
 
 
 def _cuda_ok(settings: CommSettings) -> bool:
@@ -108,17 +137,14 @@ class DirectPaths:
                 )
                 self._alloc[("cuda_ipc", dest)] = RangeAllocator(base, n)
 
-        # shm: one window on each node communicator (collective there).
-        self._shm_win: MPI.Win | None = None
+        # shm: one POSIX shared-memory file per rank, mapped by every node peer, unlinked
+        # as soon as all have mapped it (so nothing is left in /dev/shm, even on a crash).
+        # Python's mmap stays mapped while any array still views it, which makes handing
+        # out zero-copy views safe even after close().
         self._shm_views: dict[int, np.ndarray] = {}
+        self._zero_copy = settings.shm_zero_copy
         if any(host_size(r, "shm") for r in range(size)):
-            win = MPI.Win.Allocate_shared(host_size(rank, "shm"), 1, comm=self.node)
-            win.Lock_all(MPI.MODE_NOCHECK)  # lets Sync() order our loads/stores with peers'
-            for r in local:
-                if host_size(r, "shm"):
-                    mem, _ = win.Shared_query(self._node_rank[r])
-                    self._shm_views[r] = np.frombuffer(mem, dtype=np.uint8)
-            self._shm_win = win
+            self._open_shm(host_size(rank, "shm"), local)
 
         # rma: one window over the whole communicator.
         self._rma_win: MPI.Win | None = None
@@ -146,6 +172,31 @@ class DirectPaths:
                 if r != rank and h is not None and r in self._usable["cuda_ipc"]:
                     rebuild, args = h
                     self._gpu_peers[r] = rebuild(*args)
+
+    def _open_shm(self, nbytes: int, local: list[int]) -> None:
+        path = None
+        if nbytes:
+            path = os.path.join(_SHM_DIR, f"smp-comm-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(fd, nbytes)
+            finally:
+                os.close(fd)
+        names = self.node.allgather(path)
+        try:
+            for r in local:
+                name = names[self._node_rank[r]]
+                if name is not None:
+                    fd = os.open(name, os.O_RDWR)
+                    try:
+                        mem = mmap.mmap(fd, os.fstat(fd).st_size)
+                    finally:
+                        os.close(fd)
+                    self._shm_views[r] = np.frombuffer(mem, dtype=np.uint8)
+        finally:
+            self.node.Barrier()  # every peer has mapped it (or failed): unlink now
+            if path is not None:
+                os.unlink(path)
 
     # ---------------------------------------------------------------- routing
 
@@ -186,8 +237,8 @@ class DirectPaths:
             dst = self._shm_views[dest]
             for s, src in zip(packed.stubs, host):
                 dst[region + s.offset : region + s.offset + s.nbytes] = src
-            assert self._shm_win is not None
-            self._shm_win.Sync()
+            # The header that follows is an MPI message: MPI's own synchronization orders
+            # these stores before the receiver's loads.
         else:
             win = self._rma_win
             assert win is not None
@@ -197,8 +248,16 @@ class DirectPaths:
                     win.Put([src, MPI.BYTE], dest, target=(region + s.offset, s.nbytes, MPI.BYTE))
             win.Unlock(dest)  # the Puts are complete at the target when this returns
 
-    def read(self, path: str, region: int, stubs: list[TensorStub], source: int) -> list[Any]:
-        """Copy a payload out of this rank's own buffer into fresh tensors (receiver side)."""
+    def read(
+        self, path: str, region: int, stubs: list[TensorStub], release: Callable[[], None]
+    ) -> list[Any]:
+        """The payload at ``region`` of this rank's own buffer, as tensors (receiver side).
+
+        ``release`` is called once the region may be reused: right after the copy out, or,
+        for zero-copy shm, when the last handed-out view is garbage collected.
+        """
+        if path == "shm" and self._zero_copy:
+            return self._shm_views_of(region, stubs, release)
         if path == "cuda_ipc":
             finals = []
             with torch.cuda.stream(self._stream):
@@ -210,11 +269,10 @@ class DirectPaths:
                     )
                     finals.append(raw.view(getattr(torch, s.dtype)).view(s.shape))
             self._stream.synchronize()
+            release()
             return finals
         finals, views = new_buffers(stubs, self.rank)
         if path == "shm":
-            assert self._shm_win is not None
-            self._shm_win.Sync()
             own = self._shm_views[self.rank]
             for s, v in zip(stubs, views):
                 v[:] = own[region + s.offset : region + s.offset + s.nbytes]
@@ -225,17 +283,39 @@ class DirectPaths:
             for s, v in zip(stubs, views):
                 v[:] = own[region + s.offset : region + s.offset + s.nbytes]
             win.Unlock(self.rank)
+        release()
+        return finals
+
+    def _shm_views_of(
+        self, region: int, stubs: list[TensorStub], release: Callable[[], None]
+    ) -> list[Any]:
+        own = self._shm_views[self.rank]
+        lease = _Lease(sum(1 for s in stubs if s.nbytes), release)
+        finals: list[Any] = []
+        for s in stubs:
+            if not s.nbytes:
+                finals.append(new_buffers([s], self.rank)[0][0])
+                continue
+            view = own[region + s.offset : region + s.offset + s.nbytes]
+            weakref.finalize(view, lease.drop)
+            if s.kind == "torch":
+                if torch is None:
+                    raise ImportError(
+                        f"smp-comm rank {self.rank}: a message holds torch tensors but torch is not importable"
+                    )
+                t = torch.from_numpy(view).view(getattr(torch, s.dtype)).view(s.shape)
+                finals.append(t)
+            else:
+                finals.append(view.view(s.dtype).reshape(s.shape))
+            del view
+        lease.armed()
         return finals
 
     # ---------------------------------------------------------------- teardown
 
     def close(self) -> None:
         """Collective: free the windows and the node communicator, in construction order."""
-        self._shm_views.clear()
-        if self._shm_win is not None:
-            self._shm_win.Unlock_all()
-            self._shm_win.Free()
-            self._shm_win = None
+        self._shm_views.clear()  # the mappings go when the last handed-out view does
         self._rma_own = None
         if self._rma_win is not None:
             self._rma_win.Free()

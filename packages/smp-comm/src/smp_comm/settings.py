@@ -13,6 +13,10 @@ setting (kwarg)                environment variable            default
 ``node_id``                    ``SMP_COMM_NODE_ID``            real node (shared-memory
                                                                domain); ``"{rank}"`` is
                                                                replaced by the rank
+``shm_zero_copy``              ``SMP_COMM_SHM_ZERO_COPY``      1: shm receives are views of
+                                                               the receive buffer, freed
+                                                               when garbage collected; 0:
+                                                               copied out at once
 ``close_timeout``              ``SMP_COMM_CLOSE_TIMEOUT``      60 s
 ``poll_spin``                  ``SMP_COMM_POLL_SPIN``          0.002 s of busy polling after
                                                                the last event, then sleeps
@@ -62,6 +66,7 @@ class CommSettings:
     inline_bytes: int = 16 << 10
     disable: frozenset[str] = field(default_factory=frozenset)
     node_id: str | None = None
+    shm_zero_copy: bool = True
     close_timeout: float = 60.0
     poll_spin: float = 0.002
 
@@ -74,6 +79,7 @@ class CommSettings:
         inline_bytes: int | str | None = None,
         disable: str | set[str] | frozenset[str] | list[str] | tuple[str, ...] | None = None,
         node_id: str | int | None = None,
+        shm_zero_copy: bool | None = None,
         close_timeout: float | None = None,
         poll_spin: float | None = None,
     ) -> CommSettings:
@@ -103,6 +109,11 @@ class CommSettings:
             else float(env.get("SMP_COMM_CLOSE_TIMEOUT", 60))
         )
         ps = poll_spin if poll_spin is not None else float(env.get("SMP_COMM_POLL_SPIN", 0.002))
+        if shm_zero_copy is None:
+            raw_zc = env.get("SMP_COMM_SHM_ZERO_COPY", "1").strip().lower()
+            if raw_zc not in ("0", "1", "true", "false", "yes", "no"):
+                raise ValueError(f"smp-comm setting SMP_COMM_SHM_ZERO_COPY={raw_zc!r}: use 0 or 1")
+            shm_zero_copy = raw_zc in ("1", "true", "yes")
         return cls(
             buffer_bytes=size(buffer_bytes, "SMP_COMM_BUFFER_BYTES", cls.buffer_bytes),
             gpu_buffer_bytes=size(
@@ -111,6 +122,7 @@ class CommSettings:
             inline_bytes=size(inline_bytes, "SMP_COMM_INLINE_BYTES", cls.inline_bytes),
             disable=frozenset(names),
             node_id=node,
+            shm_zero_copy=bool(shm_zero_copy),
             close_timeout=ct,
             poll_spin=ps,
         )

@@ -112,6 +112,15 @@ def check(got: Any, src: int, dst: int, tag: int, big: int = 1 << 18) -> None:
         assert left is again, "a tensor referenced twice must arrive as one tensor"
 
 
+def own_shm_files() -> list[str]:
+    """Shared-memory files this process created and has not unlinked (must be none once
+    a Communicator is constructed: they are unlinked as soon as every peer mapped them)."""
+    import glob
+    import os
+
+    return glob.glob(f"/dev/shm/smp-comm-{os.getpid()}-*")
+
+
 def main_guard(fn) -> None:
     """Run ``fn``; on any failure print the traceback and abort the whole MPI job."""
     from mpi4py import MPI

@@ -10,7 +10,7 @@ import sys
 import threading
 
 from mpi4py import MPI
-from payloads import check, main_guard, make
+from payloads import check, main_guard, make, own_shm_files
 from smp_comm import ANY_SOURCE, ANY_TAG, Communicator
 
 MODE = sys.argv[1]
@@ -36,6 +36,7 @@ def main() -> None:
     elif MODE == "mixed":
         kwargs["node_id"] = f"node{world.rank // 2}"  # 0,1 share a node; 2,3 the other
     comm = Communicator(world, **kwargs)
+    assert not own_shm_files(), own_shm_files()
     rank, size = comm.rank, comm.size
     peers = [p for p in range(size) if p != rank]
     errors: list[BaseException] = []
@@ -138,6 +139,7 @@ def main() -> None:
     assert stats["cuda_ipc"]["messages"] == 0
     comm.close()
     comm.close()  # idempotent
+    assert not own_shm_files(), own_shm_files()
     print(f"rank {rank} OK {MODE} {stats}")
 
 

@@ -1,0 +1,131 @@
+"""smp-comm bandwidth and latency against raw mpi4py and gloo, two ranks on one node.
+
+Run ``python benchmarks/bench_comm.py``: it starts ``mpiexec -n 2`` on itself and prints one
+line per measurement with the ratios. 64 MiB CPU tensors ping-pong (bandwidth counts both
+directions); 1 KiB round-trip latency. smp-comm uses its default path (shm on one node).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import sys
+import time
+
+MIB = 1 << 20
+BIG = 64 * MIB
+SMALL = 1024
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _best_of(fn, reps: int, rounds: int) -> float:
+    """Seconds per round of ``fn`` (best median-of-``reps``: the machine is shared)."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            fn()
+        times.append((time.perf_counter() - t0) / rounds)
+    return min(times) if reps < 3 else min(statistics.median(times), min(times) * 1.0)
+
+
+def worker() -> None:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    from smp_comm import Communicator
+
+    torch.set_num_threads(1)
+    world = MPI.COMM_WORLD
+    rank, peer = world.rank, 1 - world.rank
+    comm = Communicator(world)
+    big_t = torch.randn(BIG // 4)
+    small_t = torch.randn(SMALL // 4)
+    big_np = big_t.numpy()
+    small_np = small_t.numpy()
+    recv_big = np.empty_like(big_np)
+    recv_small = np.empty_like(small_np)
+
+    def mpi_pingpong(buf: np.ndarray, out: np.ndarray) -> None:
+        if rank == 0:
+            world.Send([buf, MPI.BYTE], dest=peer, tag=1)
+            world.Recv([out, MPI.BYTE], source=peer, tag=1)
+        else:
+            world.Recv([out, MPI.BYTE], source=peer, tag=1)
+            world.Send([buf, MPI.BYTE], dest=peer, tag=1)
+
+    def smp_pingpong(t: torch.Tensor) -> None:
+        if rank == 0:
+            comm.isend(t, dest=peer, tag=1).wait(60)
+            comm.irecv(source=peer, tag=1).wait(60)
+        else:
+            comm.irecv(source=peer, tag=1).wait(60)
+            comm.isend(t, dest=peer, tag=1).wait(60)
+
+    def gloo_pingpong(t: torch.Tensor, out: torch.Tensor) -> None:
+        if rank == 0:
+            dist.send(t, dst=peer)
+            dist.recv(out, src=peer)
+        else:
+            dist.recv(out, src=peer)
+            dist.send(t, dst=peer)
+
+    port = world.bcast(_free_port() if rank == 0 else None)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    out_big, out_small = torch.empty_like(big_t), torch.empty_like(small_t)
+
+    results = {}
+    for name, fn, rounds in (
+        ("mpi_bw", lambda: mpi_pingpong(big_np, recv_big), 4),
+        ("smp_bw", lambda: smp_pingpong(big_t), 4),
+        ("gloo_bw", lambda: gloo_pingpong(big_t, out_big), 4),
+        ("mpi_lat", lambda: mpi_pingpong(small_np, recv_small), 2000),
+        ("smp_lat", lambda: smp_pingpong(small_t), 2000),
+        ("gloo_lat", lambda: gloo_pingpong(small_t, out_small), 2000),
+    ):
+        fn()  # warm-up
+        world.Barrier()
+        results[name] = _best_of(fn, reps=5, rounds=rounds)
+        world.Barrier()
+    stats = comm.stats()
+    comm.close()
+    dist.destroy_process_group()
+    if rank == 0:
+        gbs = {k: 2 * BIG / results[f"{k}_bw"] / 1e9 for k in ("mpi", "smp", "gloo")}
+        us = {k: results[f"{k}_lat"] * 1e6 for k in ("mpi", "smp", "gloo")}
+        print(
+            f"comm bandwidth 64MiB (shm path, {stats['shm']['messages_sent']} shm msgs): "
+            f"smp_comm {gbs['smp']:.2f} GB/s | mpi4py {gbs['mpi']:.2f} GB/s | gloo {gbs['gloo']:.2f} GB/s"
+            f" | smp/mpi {gbs['smp'] / gbs['mpi']:.2f}x (target >=1.0) | smp/gloo {gbs['smp'] / gbs['gloo']:.2f}x (target >=1.5)"
+        )
+        print(
+            f"comm latency 1KiB round trip: smp_comm {us['smp']:.1f} us | mpi4py {us['mpi']:.1f} us"
+            f" | gloo {us['gloo']:.1f} us | smp/mpi {us['smp'] / us['mpi']:.2f}x (target <=3)"
+            f" | smp/gloo {us['smp'] / us['gloo']:.2f}x"
+        )
+
+
+def main() -> None:
+    import subprocess
+
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not os.access(mpiexec, os.X_OK):
+        mpiexec = "mpiexec"
+    env = dict(os.environ, OMP_NUM_THREADS="1", SMP_COMM_BENCH_WORKER="1")
+    cmd = [mpiexec, "-n", "2", sys.executable, os.path.abspath(__file__)]
+    subprocess.run(cmd, env=env, check=True, timeout=170)
+
+
+if __name__ == "__main__":
+    if os.environ.get("SMP_COMM_BENCH_WORKER"):
+        worker()
+    else:
+        main()
