@@ -235,6 +235,28 @@ class DistributedModel(nn.Module):
         """Whether parameters have been assigned to pipeline stages (always, with pp=1)."""
         return self._pipeline is None or self._pipeline.partitioned
 
+    def partition_table(self) -> str | None:
+        """smp-partition's per-stage table of the automatic partition (world rank 0; else
+        ``None``, as with pp=1 or manual partitioning)."""
+        report = self._pipeline.partition_report if self._pipeline is not None else None
+        if report is None:
+            return None
+        from smp_partition.render import table
+
+        return table(report[1], title=f"smp: {type(self.module).__name__} on {self._cfg.pp} pipeline stages")
+
+    def write_partition_svg(self, path: str) -> bool:
+        """Draw the automatic partition (the module tree coloured by stage) as SVG; world
+        rank 0 only. Returns whether a file was written."""
+        report = self._pipeline.partition_report if self._pipeline is not None else None
+        if report is None:
+            return False
+        from smp_partition.render import svg
+
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(svg(report[0], report[1], title=type(self.module).__name__))
+        return True
+
     def write_timeline(self, json_path: str | None = None, png_path: str | None = None) -> Any:
         """Collective over the pipeline: write the recorded request timeline (pp rank 0).
 

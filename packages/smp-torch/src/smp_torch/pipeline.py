@@ -73,7 +73,7 @@ def static_assignment(module: nn.Module, pp: int, alpha: float) -> tuple[dict[st
         )
     graph = ModuleGraph.from_dict({"schema": "smp-partition/module-graph@1", "modules": modules})
     result = partition(graph, num_devices=pp, alpha=alpha)
-    return {str(k): int(v) for k, v in result.assignment.items()}, result
+    return {str(k): int(v) for k, v in result.assignment.items()}, (graph, result)
 
 
 class PipelineBinding:
@@ -90,7 +90,8 @@ class PipelineBinding:
         self.model = model
         self.cfg = cfg
         self.pp_rank = s.groups["pp"].index(s.rank)
-        self.partition_result: Any = None
+        # (ModuleGraph, PartitionResult) on world rank 0 once partitioned automatically.
+        self.partition_report: Any = None
         self.tracing = False
         self._alias_owner: dict[str, int] | None = None
         has_meta = any(t.is_meta for t in [*module.parameters(), *module.buffers()])
@@ -102,7 +103,7 @@ class PipelineBinding:
             assignment = resolve_assignment(module, _marks(module, cfg.default_partition), cfg.pp)
         elif has_meta:
             if s.rank == 0:
-                found, self.partition_result = static_assignment(module, cfg.pp, cfg.memory_weight)
+                found, self.partition_report = static_assignment(module, cfg.pp, cfg.memory_weight)
             else:
                 found = None
             assignment = s.mpi_comms["world"].bcast(found, root=0)
@@ -205,10 +206,9 @@ class PipelineBinding:
                 from smp_partition import ModuleGraph, partition
 
                 try:
-                    result = partition(
-                        ModuleGraph.from_dict(graph), num_devices=cfg.pp, alpha=cfg.memory_weight
-                    )
-                    self.partition_result = result
+                    mgraph = ModuleGraph.from_dict(graph)
+                    result = partition(mgraph, num_devices=cfg.pp, alpha=cfg.memory_weight)
+                    self.partition_report = (mgraph, result)
                     found = {str(k): int(v) for k, v in result.assignment.items()}
                     payload = {"assignment": self._keep_checkpointed_whole(found)}
                 except Exception as exc:  # noqa: BLE001
