@@ -13,9 +13,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import torch
-
 import smp_torch as smp
+import torch
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "public_domain.txt")
 

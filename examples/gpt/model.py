@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import contextlib
 
+import smp_torch as smp
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-import smp_torch as smp
 
 
 class CausalSelfAttention(nn.Module):

@@ -23,9 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
-from model import build_gpt, lm_loss  # noqa: E402
-
 import smp_torch as smp  # noqa: E402
+from model import build_gpt, lm_loss  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
