@@ -57,6 +57,6 @@ def _layernorm(m: nn.LayerNorm) -> DistributedModule | None:
     return finish(dist, m)
 
 
-register_builtin(nn.Linear, DistributedLinear, _linear)
-register_builtin(nn.Embedding, DistributedEmbedding, _embedding)
-register_builtin(nn.LayerNorm, DistributedLayerNorm, _layernorm)
+register_builtin(nn.Linear, DistributedLinear, _linear)  # type: ignore[arg-type]
+register_builtin(nn.Embedding, DistributedEmbedding, _embedding)  # type: ignore[arg-type]
+register_builtin(nn.LayerNorm, DistributedLayerNorm, _layernorm)  # type: ignore[arg-type]

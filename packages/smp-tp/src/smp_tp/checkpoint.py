@@ -49,7 +49,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         spec = param_spec(value)
         t = value.detach()
         if spec is not None and spec.kind == "shard":
-            t = _all_gather(t, spec.dim, spec.tp_group, "forward")
+            t = _all_gather(t, int(spec.dim or 0), spec.tp_group, "forward")
         sd[key] = t.clone()
     for prefix, m in _replaced(model):
         sd = _translate(sd, prefix, m._smp_tp_from_full)
@@ -61,10 +61,10 @@ def _slice(full: torch.Tensor, local: torch.Tensor, key: str) -> torch.Tensor:
     if spec is not None and spec.kind == "shard":
         from smp_tp.group import tp_rank, tp_size
 
-        size = tp_size(spec.tp_group)
-        if full.shape[spec.dim] % size:
+        size, dim = tp_size(spec.tp_group), int(spec.dim or 0)
+        if full.shape[dim] % size:
             raise ValueError(f"{key}: full size {tuple(full.shape)} cannot be split {size} ways")
-        full = full.chunk(size, spec.dim)[tp_rank(spec.tp_group)]
+        full = full.chunk(size, dim)[tp_rank(spec.tp_group)]
     if tuple(full.shape) != tuple(local.shape):
         raise ValueError(
             f"{key}: shape {tuple(full.shape)} does not match the local shape {tuple(local.shape)}"
@@ -111,7 +111,7 @@ def full_grad_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         spec = param_spec(p)
         g = p.grad.detach()
         if spec is not None and spec.kind == "shard":
-            g = _all_gather(g, spec.dim, spec.tp_group, "forward")
+            g = _all_gather(g, int(spec.dim or 0), spec.tp_group, "forward")
         grads[key] = g.clone()
     for prefix, m in _replaced(model):
         grads = _translate(grads, prefix, lambda sd, m=m: _partial(m._smp_tp_from_full, sd))

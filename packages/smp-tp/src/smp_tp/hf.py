@@ -15,7 +15,6 @@ import warnings
 from typing import Any
 
 import torch
-from torch import nn
 
 from smp_tp.builtin import finish
 from smp_tp.layers.transformer import DistributedTransformerLayer
@@ -25,7 +24,7 @@ from smp_tp.registry import register_builtin
 _ACT_NAMES = {"gelu", "gelu_new", "gelu_pytorch_tanh", "relu"}
 
 
-def _sub(sd: dict, mapping: list[tuple[str, str]], transpose: set[str] = frozenset()) -> dict:
+def _sub(sd: dict, mapping: list[tuple[str, str]], transpose: Any = frozenset()) -> dict:
     out = {}
     for src, dst in mapping:
         for leaf in ("weight", "bias"):
@@ -46,7 +45,7 @@ def _check_cache(past: Any) -> None:
 
 def _install_forward(dist: DistributedModule, original_cls: type, names: dict[str, str]) -> None:
     """Accept the original layer's call signature (HF passes positional arguments too)."""
-    sig = inspect.signature(original_cls.forward)
+    sig = inspect.signature(original_cls.forward)  # type: ignore[attr-defined]
     run = dist.forward
 
     def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -85,7 +84,7 @@ def _gpt2_from_full(sd: dict) -> dict:
     return out
 
 
-def _gpt2_block(m: nn.Module) -> DistributedModule | None:
+def _gpt2_block(m: Any) -> DistributedModule | None:
     attn = m.attn
     cfg = attn.config
     reason = None
@@ -131,7 +130,7 @@ def _bert_from_full(sd: dict) -> dict:
     return _sub(sd, [(dst, src) for src, dst in _BERT_MAP])
 
 
-def _bert_layer(m: nn.Module) -> DistributedModule | None:
+def _bert_layer(m: Any) -> DistributedModule | None:
     selfattn = m.attention.self
     cfg = selfattn.config
     reason = None

@@ -92,9 +92,9 @@ _registry: dict[type, Registration] = {}
 
 
 def _record_init_args(cls: type) -> None:
-    if getattr(cls.__init__, "_smp_tp_records", False):
+    if getattr(cls.__init__, "_smp_tp_records", False):  # type: ignore[misc]
         return
-    original = cls.__init__
+    original = cls.__init__  # type: ignore[misc]
 
     @functools.wraps(original)
     def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
@@ -103,7 +103,7 @@ def _record_init_args(cls: type) -> None:
             object.__setattr__(self, INIT_ARGS, (args, kwargs))
 
     __init__._smp_tp_records = True  # type: ignore[attr-defined]
-    cls.__init__ = __init__  # type: ignore[method-assign]
+    cls.__init__ = __init__  # type: ignore[method-assign,misc]
 
 
 def _check_dist_cls(dist_cls: type) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,14 @@ class DistributedAttentionLayer(RegionModule):
     ``dense.weight (h, A)``, ``dense.bias (h)``, ``pre_layernorm|post_layernorm.weight|bias``
     with ``A = num_attention_heads * attention_head_size``.
     """
+
+    # parameter containers (plain nn.Module holding weight/bias)
+    query: Any
+    key: Any
+    value: Any
+    dense: Any
+    pre_layernorm: Any
+    post_layernorm: Any
 
     def __init__(
         self,
@@ -73,7 +82,7 @@ class DistributedAttentionLayer(RegionModule):
         self.cross_attention, self.causal = cross_attention, causal_mask_size is not None and not cross_attention
         self.causal_mask_size = causal_mask_size
         self.pre_ln, self.post_ln = pre_layernorm, post_layernorm
-        kw = {"device": device}
+        kw: dict[str, Any] = {"device": device}
         speed = self.optimize == "speed"
         with parameter_creation_scope(
             self, dtype=dtype, use_normal=use_normal_initialization, initializer_range=initializer_range

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,11 @@ class DistributedTransformerOutputLayer(RegionModule):
     Full parameter keys: ``dense_h_to_4h.weight (I, h)``, ``.bias (I)``,
     ``dense_4h_to_h.weight (h, I)``, ``.bias (h)``, ``pre_layernorm|post_layernorm.*``.
     """
+
+    dense_h_to_4h: Any
+    dense_4h_to_h: Any
+    pre_layernorm: Any
+    post_layernorm: Any
 
     def __init__(
         self,
@@ -55,7 +61,7 @@ class DistributedTransformerOutputLayer(RegionModule):
         self.hidden_size, self.intermediate_size, self.activation = h, inter, activation
         self.hidden_dropout_prob, self.eps = hidden_dropout_prob, layernorm_epsilon
         self.pre_ln, self.post_ln = pre_layernorm, post_layernorm
-        kw = {"device": device}
+        kw: dict[str, Any] = {"device": device}
         speed = self.optimize == "speed"
         with parameter_creation_scope(
             self, dtype=dtype, use_normal=use_normal_initialization, initializer_range=initializer_range

@@ -13,6 +13,8 @@ A stack of layers enters and leaves once.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -82,7 +84,7 @@ def affine(weight: torch.Tensor | None, bias: torch.Tensor | None) -> nn.Module:
     return c
 
 
-def region_layer_norm(x: torch.Tensor, ln: nn.Module, eps: float, hidden: int, m: DistributedModule) -> torch.Tensor:
+def region_layer_norm(x: torch.Tensor, ln: Any, eps: float, hidden: int, m: DistributedModule) -> torch.Tensor:
     """Layer norm inside the region: plain (speed) or from all-reduced moments (memory)."""
     if m.optimize == "memory":
         from smp_tp.layers.layernorm import sharded_layer_norm

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -46,9 +48,9 @@ class DistributedTransformerLayer(RegionModule):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__(tp_group=tp_group, prescaled_batch=prescaled_batch, optimize=optimize)
-        mode = {"tp_group": self.tp_group, "prescaled_batch": self.prescaled_batch,
+        mode: dict[str, Any] = {"tp_group": self.tp_group, "prescaled_batch": self.prescaled_batch,
                 "optimize": self.optimize, "dtype": dtype, "device": device}
-        attn = {"num_attention_heads": num_attention_heads, "attention_head_size": attention_head_size,
+        attn: dict[str, Any] = {"num_attention_heads": num_attention_heads, "attention_head_size": attention_head_size,
                 "hidden_size": hidden_size, "attention_dropout_prob": attention_dropout_prob,
                 "hidden_dropout_prob": hidden_dropout_prob, "layernorm_epsilon": layernorm_epsilon,
                 "initializer_range": initializer_range,
@@ -129,6 +131,7 @@ class DistributedTransformer(RegionModule):
         cross_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         for layer in self.layers:
+            assert isinstance(layer, DistributedTransformerLayer)
             x = layer.forward_region(x, mask, cross, cross_mask)
         return x
 
@@ -173,7 +176,7 @@ class DistributedTransformerLMHead(DistributedModule):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__(tp_group=tp_group, prescaled_batch=prescaled_batch, optimize=optimize)
-        mode = {"tp_group": self.tp_group, "prescaled_batch": self.prescaled_batch,
+        mode: dict[str, Any] = {"tp_group": self.tp_group, "prescaled_batch": self.prescaled_batch,
                 "dtype": dtype, "device": device}
         self.hidden_dropout_prob, self.add_lm_head = hidden_dropout_prob, add_lm_head
         self.pre_ln, self.post_ln = pre_layernorm, post_layernorm
