@@ -80,3 +80,30 @@ TP4_CASES = [
 def test_tensor_parallel_4_ranks() -> None:
     out = launch("equivalence.py", 4, TP4_CASES, timeout=240)
     assert ok_cases(out) == [c["name"] for c in TP4_CASES], out
+
+
+PPTP4_CASES = [
+    _case("pp2-tp2", pipeline_parallel_degree=2, tensor_parallel_degree=2, microbatches=2),
+    _case(
+        "pp2-tp2-spread-mb4",
+        pipeline_parallel_degree=2,
+        tensor_parallel_degree=2,
+        microbatches=4,
+        placement_strategy="spread",
+    ),
+    _case(
+        "pp2-tp2-prescaled-shard-simple",
+        pipeline_parallel_degree=2,
+        tensor_parallel_degree=2,
+        microbatches=2,
+        prescaled_batch=True,
+        shard_optimizer_state=True,
+        pipeline="simple",
+    ),
+]
+
+
+@pytest.mark.skipif(not HAS_TP, reason="smp_tp not installed")
+def test_pipeline_and_tensor_parallel_4_ranks() -> None:
+    out = launch("equivalence.py", 4, PPTP4_CASES, timeout=240)
+    assert ok_cases(out) == [c["name"] for c in PPTP4_CASES], out

@@ -76,6 +76,18 @@ def static_assignment(module: nn.Module, pp: int, alpha: float) -> tuple[dict[st
     return {str(k): int(v) for k, v in result.assignment.items()}, (graph, result)
 
 
+_ORDER_TAG = 7401
+
+
+def _order_channel_class() -> Any:
+    """smp-pipeline's tensor-parallel ``OrderChannel``, or None when this version lacks it."""
+    try:
+        from smp_pipeline.order import OrderChannel
+    except ImportError:
+        return None
+    return OrderChannel
+
+
 class PipelineBinding:
     """Connects a :class:`~smp_torch.model.DistributedModel` to one ``PipelineRuntime``."""
 
@@ -128,6 +140,25 @@ class PipelineBinding:
                 strategy = opts["strategy"] if isinstance(m, nn.Sequential) else None
                 checkpointing[name] = strategy
         self.comm = Communicator(s.mpi_comms["pp"].Dup())
+        self.tp_comm: Any = None
+        extra: dict[str, Any] = {}
+        active = cfg.active_microbatches
+        self.ordering = "none"
+        if cfg.tp > 1:
+            # TP peers of a stage sit in different pipelines and run collectives inside module
+            # executions, so they must start tasks in the same order.
+            channel_cls = _order_channel_class()
+            if channel_cls is not None:
+                self.tp_comm = Communicator(s.mpi_comms["tp"].Dup())
+                extra["order_channel"] = channel_cls(
+                    self.tp_comm, 0, list(range(1, cfg.tp)), _ORDER_TAG
+                )
+                self.ordering = "leader"
+            else:
+                # Deterministic fallback: one microbatch in flight makes every rank's task
+                # order the program order (correct, but without pipelining overlap).
+                active = 1
+                self.ordering = "serial"
         self.runtime = PipelineRuntime(
             module,
             self.comm,
@@ -135,11 +166,12 @@ class PipelineBinding:
             cfg.pp,
             alpha=cfg.memory_weight,
             schedule=cfg.pipeline,
-            active_microbatches=cfg.active_microbatches,
+            active_microbatches=active,
             timeout_s=cfg.timeout_s,
             checkpointing=checkpointing,
             timeline=bool(cfg.timeline),
             trace_device=None,
+            **extra,
         )
         s.closers.append(self.close)
         self._pending = assignment
@@ -320,6 +352,8 @@ class PipelineBinding:
             self.runtime.close()
         finally:
             self.comm.close()
+            if self.tp_comm is not None:
+                self.tp_comm.close()
 
 
 class _Shallow(nn.Module):
