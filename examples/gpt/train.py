@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/gpt", help="directory for the artefacts")
     p.add_argument("--timeline", action="store_true", help="record the pipeline timeline")
@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> dict:
     tok_s = 0.0
     t0 = time.perf_counter()
     for step in range(args.steps):
+        if args.timeline and args.pp > 1 and step == max(0, args.steps - 3):
+            model.reset_timeline()  # draw only the last steps: readable, like Figure 5
         x, y = corpus.batch(step, args.batch, args.seq)
         optimizer.zero_grad()
         out = train_step(common.local_part(x), common.local_part(y))

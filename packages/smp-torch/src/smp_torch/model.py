@@ -257,6 +257,11 @@ class DistributedModel(nn.Module):
             f.write(svg(report[0], report[1], title=type(self.module).__name__))
         return True
 
+    def reset_timeline(self) -> None:
+        """Forget the timeline recorded so far on this rank (e.g. to keep only late steps)."""
+        if self._pipeline is not None:
+            self._pipeline.reset_timeline()
+
     def write_timeline(self, json_path: str | None = None, png_path: str | None = None) -> Any:
         """Collective over the pipeline: write the recorded request timeline (pp rank 0).
 

@@ -344,6 +344,12 @@ class PipelineBinding:
 
     # -- timeline ----------------------------------------------------------------------------
 
+    def reset_timeline(self) -> None:
+        # smp-pipeline keeps the spans in its server's ``events`` list; it has no reset call.
+        events = getattr(self.runtime.server, "events", None)
+        if isinstance(events, list):
+            events.clear()
+
     def write_timeline(self, json_path: str | None, png_path: str | None) -> Any:
         return self.runtime.write_timeline(json_path, png_path)
 
