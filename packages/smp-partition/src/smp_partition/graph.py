@@ -98,84 +98,92 @@ class ModuleGraph:
         self._check_acyclic_and_reachable()
 
     # ------------------------------------------------------------------ validation
-    def _resolve_children(self) -> list[list[int]]:
+    def _resolve_children(self) -> list[tuple[int, ...]]:
         index = self._index
-        out: list[list[int]] = []
+        out: list[tuple[int, ...]] = []
         for m in self._modules:
-            seen: set[int] = set()
-            kids: list[int] = []
-            for c in m.children:
-                j = index.get(c) if isinstance(c, str) else None
-                if j is None:
-                    raise GraphError(
-                        f"module {_label(m.name)} lists child {c!r} that is not a module"
-                    )
+            names = m.children
+            try:
+                kids = tuple([index[c] for c in names])
+            except (KeyError, TypeError):
+                bad = next(c for c in names if not isinstance(c, str) or c not in index)
+                raise GraphError(
+                    f"module {_label(m.name)} lists child {bad!r} that is not a module"
+                ) from None
+            if len(kids) > 1 and len(set(kids)) != len(kids):
                 # A module called twice lists its child twice: one tree edge is enough.
-                if j not in seen:
-                    seen.add(j)
-                    kids.append(j)
+                kids = tuple(dict.fromkeys(kids))
             out.append(kids)
         return out
 
     def _check_costs(self) -> None:
-        sizes: dict[str, tuple[int, str]] = {}
+        sizes: dict[str, int] = {}
         for m in self._modules:
-            if not isinstance(m.params, Mapping):
+            params = m.params
+            if not isinstance(params, Mapping):
                 raise GraphError(f"module {_label(m.name)}: params must be a mapping")
-            for key, numel in m.params.items():
-                if not isinstance(key, str):
-                    raise GraphError(
-                        f"module {_label(m.name)}: parameter key {key!r} is not a string"
-                    )
-                if isinstance(numel, bool) or not isinstance(numel, int):
-                    raise GraphError(
-                        f"module {_label(m.name)}: parameter {key!r} size must be an integer, "
-                        f"got {numel!r}"
-                    )
-                if numel < 0:
-                    raise GraphError(
-                        f"module {_label(m.name)}: parameter {key!r} has a negative size ({numel})"
-                    )
-                first = sizes.setdefault(key, (numel, m.name))
-                if first[0] != numel:
+            for key, numel in params.items():
+                # Fast path: a str key and a non-negative plain int (bool is excluded).
+                if type(numel) is not int or numel < 0 or type(key) is not str:
+                    self._bad_param(m, key, numel)
+                first = sizes.setdefault(key, numel)
+                if first != numel:
+                    owner = next(o for o in self._modules if key in o.params)
                     raise GraphError(
                         f"module {_label(m.name)}: shared parameter {key!r} has size {numel} "
-                        f"but {first[0]} in module {_label(first[1])}"
+                        f"but {first} in module {_label(owner.name)}"
                     )
-            _check_number(m.activation_bytes, "activation_bytes", m.name)
-            _check_number(m.forward_ms, "forward_ms", m.name, allow_none=True)
+            act, fwd = m.activation_bytes, m.forward_ms
+            if not (act == 0 and type(act) is int):
+                _check_number(act, "activation_bytes", m.name)
+            if fwd is not None:
+                _check_number(fwd, "forward_ms", m.name)
+
+    @staticmethod
+    def _bad_param(m: Module, key: object, numel: object) -> None:
+        if not isinstance(key, str):
+            raise GraphError(f"module {_label(m.name)}: parameter key {key!r} is not a string")
+        if isinstance(numel, bool) or not isinstance(numel, int):
+            raise GraphError(
+                f"module {_label(m.name)}: parameter {key!r} size must be an integer, got {numel!r}"
+            )
+        if numel < 0:
+            raise GraphError(
+                f"module {_label(m.name)}: parameter {key!r} has a negative size ({numel})"
+            )
 
     def _check_acyclic_and_reachable(self) -> None:
-        # Iterative DFS with three colours: 0 new, 1 on the stack, 2 done.
+        # Iterative DFS with three colours (0 new, 1 on the stack, 2 done); the stack is the
+        # current path, which is the cycle's witness when an edge leads back onto it.
         kids = self._child_index
-        colour = bytearray(len(self._modules))
+        n = len(self._modules)
+        colour = bytearray(n)
+        cursor = [0] * n
         root = self._index[ROOT]
         colour[root] = 1
-        stack: list[tuple[int, int]] = [(root, 0)]
-        path: list[int] = [root]
+        stack = [root]
         while stack:
-            node, pos = stack[-1]
+            node = stack[-1]
             children = kids[node]
+            pos = cursor[node]
             if pos < len(children):
-                stack[-1] = (node, pos + 1)
+                cursor[node] = pos + 1
                 child = children[pos]
-                if colour[child] == 1:
-                    names = [self._modules[i].name for i in path[path.index(child) :]]
-                    names.append(self._modules[child].name)
-                    cycle = " -> ".join(repr(n) for n in names)
+                state = colour[child]
+                if state == 0:
+                    colour[child] = 1
+                    stack.append(child)
+                elif state == 1:
+                    path = stack[stack.index(child) :] + [child]
+                    cycle = " -> ".join(repr(self._modules[i].name) for i in path)
                     raise GraphError(
                         f"cycle in children at module {_label(self._modules[child].name)}: {cycle}"
                     )
-                if colour[child] == 0:
-                    colour[child] = 1
-                    stack.append((child, 0))
-                    path.append(child)
             else:
                 colour[node] = 2
                 stack.pop()
-                path.pop()
-        missing = [m.name for m, c in zip(self._modules, colour) if c == 0]
-        if missing:
+        if colour.count(0):
+            missing = [m.name for m, c in zip(self._modules, colour) if c == 0]
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise GraphError(f"module {_label(missing[0])} is not reachable from the root{more}")
 
@@ -204,7 +212,7 @@ class ModuleGraph:
         """Position of module ``name`` in :attr:`modules`."""
         return self._index[name]
 
-    def child_indices(self, i: int) -> list[int]:
+    def child_indices(self, i: int) -> tuple[int, ...]:
         """Positions of module ``i``'s distinct children, in listed order."""
         return self._child_index[i]
 
