@@ -292,6 +292,114 @@ check("tp_register speed", registered, "speed")
 check("tp_register memory", registered, "memory")
 
 
+# ---- TP sub-groups (4 ranks = two TP groups of 2, as inside a data-parallel job)
+def subgroups(optimize: str, prescaled: bool) -> None:
+    import torch.distributed as dist
+    from smp_tp.mappings import _all_gather
+
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both
+    group = pairs[rank // 2]
+
+    def build():
+        return smp_tp.DistributedTransformerLayer(4, 4, H, 32, 0.0, 0.0, "gelu")
+
+    with smp_tp.tp_config(tp_group=single, optimize=optimize):
+        ref = build()
+    randomize(ref)
+    with smp_tp.tp_config(tp_group=group, optimize=optimize, prescaled_batch=prescaled):
+        par = build()
+    smp_tp.load_full_state_dict(par, smp_tp.full_state_dict(ref))
+    # samples differ between the two groups always, and inside a group unless prescaled
+    x = hidden(300 + (rank // 2 if prescaled else rank)).requires_grad_(True)
+    xs = x.detach() if prescaled else _all_gather(x.detach(), 0, group, "forward")
+    xs.requires_grad_(True)
+    y = par(x)
+    y_ref = ref(xs)
+    y.pow(2).mean().backward()
+    y_ref.pow(2).mean().backward()
+    smp_tp.sync_gradients(par, tp_group=group)
+    got, want = smp_tp.full_grad_dict(par), smp_tp.full_grad_dict(ref)
+    close("subgroup output", y, y_ref if prescaled else y_ref.chunk(2)[rank % 2])
+    close_dicts("subgroup grads", got, want)
+
+
+if T == 4:
+    for optimize in ("speed", "memory"):
+        for prescaled in (False, True):
+            check(f"subgroups/{optimize}/{prescaled}", subgroups, optimize, prescaled)
+
+
+# ---- several optimizer steps: same losses and parameters as one process on the global batch
+def training(optimize: str, prescaled: bool) -> None:
+    import torch.distributed as dist
+
+    def build():
+        return smp_tp.DistributedTransformerLMHead(2, 4, 4, H, 32, 97, 8, 0.0, 0.0, causal_mask_size=8,
+                                                   pre_layernorm=True, post_layernorm=False)
+
+    with smp_tp.tp_config(tp_group=single, optimize=optimize):
+        ref = build()
+    randomize(ref)
+    with smp_tp.tp_config(optimize=optimize, prescaled_batch=prescaled):
+        par = build()
+    smp_tp.load_full_state_dict(par, smp_tp.full_state_dict(ref))
+    # SGD, not Adam: the key bias has an exactly-zero gradient (softmax is shift invariant),
+    # and Adam would blow its float rounding noise up into full-size steps on both sides.
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(par.parameters(), lr=0.1, momentum=0.9)
+    losses, ref_losses = [], []
+    for step in range(3):
+        gen = torch.Generator().manual_seed(1000 * step + (0 if prescaled else rank))
+        ids = torch.randint(0, 97, (B, S), generator=gen)
+        all_ids = ids if prescaled else gather_batch(ids)
+        for model, o, x, out in ((par, opt, ids, losses), (ref, opt_ref, all_ids, ref_losses)):
+            o.zero_grad()
+            logits = model(x)
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+            loss.backward()
+            if model is par:
+                smp_tp.sync_gradients(par)
+                mean = loss.detach().clone()
+                dist.all_reduce(mean)
+                out.append(mean.item() / T)
+            else:
+                out.append(loss.item())
+            o.step()
+    got, want = smp_tp.full_state_dict(par), smp_tp.full_state_dict(ref)
+    close("training losses", torch.tensor(losses), torch.tensor(ref_losses))
+    close_dicts("trained parameters", got, want, 1e-5, 1e-5)
+
+
+for optimize in ("speed", "memory"):
+    for prescaled in (False, True):
+        check(f"training/{optimize}/{prescaled}", training, optimize, prescaled)
+
+
+# ---- dropout on: replicated tensors stay identical on every TP rank
+def dropout_consistency(optimize: str) -> None:
+    torch.manual_seed(11)
+    with smp_tp.tp_config(optimize=optimize, prescaled_batch=True):
+        layer = smp_tp.DistributedTransformerLayer(4, 4, H, 32, 0.2, 0.2, "gelu")
+    randomize(layer)
+    x = hidden(77).requires_grad_(True)  # same input on every rank (prescaled)
+    y = layer(x)
+    y.pow(2).mean().backward()
+    ys = gather_batch(y.detach()[None])
+    gs = gather_batch(x.grad[None])
+    reps = [p.grad for p in layer.parameters() if smp_tp.param_spec(p).kind != "shard"]
+    rep = gather_batch(torch.cat([torch.zeros(1)] + [g.reshape(-1) for g in reps])[None])
+    assert all(torch.equal(ys[0], ys[i]) for i in range(T)), "outputs differ across TP ranks"
+    assert all(torch.equal(gs[0], gs[i]) for i in range(T)), "input grads differ across TP ranks"
+    assert all(torch.equal(rep[0], rep[i]) for i in range(T)), "replicated grads differ"
+    layer.eval()
+    with torch.no_grad():
+        assert not torch.equal(layer(x), y.detach()), "dropout had no effect"
+
+
+check("dropout consistency speed", dropout_consistency, "speed")
+check("dropout consistency memory", dropout_consistency, "memory")
+
+
 # ---- bf16 autocast
 for optimize in ("speed", "memory"):
     label = f"autocast bf16/{optimize}"
