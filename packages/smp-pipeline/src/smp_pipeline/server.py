@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -65,7 +64,9 @@ class ExecutionServer:
         self.record_timeline = record_timeline
         self.events: list[TimelineEvent] = []
 
-        self.inbox: queue.Queue[dict[str, Any]] = queue.Queue()
+        # Messages taken from the communicator but not handled yet (see _poll_abort).
+        self.inbox: collections.deque[dict[str, Any]] = collections.deque()
+        self._recv: Any = None  # the posted receive for the next message
         self.ready: collections.deque[tuple[Worker, Any]] = collections.deque()
         self._main_sem = threading.Semaphore(0)
         self.workers: list[Worker] = []
@@ -92,40 +93,64 @@ class ExecutionServer:
         self._last_progress = time.monotonic()
         self.requests_served = 0
 
-        self._receiver = threading.Thread(
-            target=self._receive_loop, name="smp-pipeline-receiver", daemon=True
-        )
-        self._receiver.start()
 
     # ------------------------------------------------------------------ transport
-    def _receive_loop(self) -> None:
-        handle = None
-        while not self.shutting_down:
-            try:
-                if handle is None:
-                    handle = self.comm.irecv(source=ANY_SOURCE, tag=self.tag)
-                obj, _source, _tag = handle.wait(timeout=0.2)
-            except CommTimeoutError:
-                continue
-            except Exception as exc:  # the communicator broke: fail the rank loudly
-                if self.shutting_down:
-                    return
-                self.abort_msg = {
-                    "kind": M.ABORT,
-                    "error": "error",
-                    "text": f"pp rank {self.pp_rank}: receiving failed: {exc!r}",
-                    "src": self.pp_rank,
-                }
+    def _next_message(self, timeout: float) -> dict[str, Any] | None:
+        """The next message (waiting up to ``timeout`` seconds), or None.
+
+        The main thread receives directly (no receiver thread: one thread hop less per
+        message); while a worker runs, :meth:`_poll_abort` peeks for abort messages.
+        """
+        if self.inbox:
+            return self.inbox.popleft()
+        if self._recv is None:
+            self._recv = self.comm.irecv(source=ANY_SOURCE, tag=self.tag)
+        handle = self._recv
+        try:
+            if timeout <= 0:
+                if not handle.test():
+                    return None
+                obj, _, _ = handle.wait()
+            else:
+                obj, _, _ = handle.wait(timeout=timeout)
+        except CommTimeoutError:
+            return None
+        except Exception as exc:  # the communicator broke: fail every rank we can reach
+            self._recv = None
+            self.abort("error", f"pp rank {self.pp_rank}: receiving failed: {exc!r}")
+            raise
+        self._recv = None
+        if obj.get("kind") == M.ABORT and self.abort_msg is None:
+            self.abort_msg = obj
+        return obj
+
+    def _pick_message(self) -> dict[str, Any] | None:
+        """The arrived message to serve first (see :func:`_priority`), or None."""
+        self._poll_abort()
+        if not self.inbox:
+            return None
+        best = min(range(len(self.inbox)), key=lambda i: _priority(self.inbox[i]))
+        msg = self.inbox[best]
+        del self.inbox[best]
+        return msg
+
+    def _poll_abort(self) -> None:
+        """Move every arrived message into the inbox, noting an abort."""
+        while True:
+            if self._recv is None:
+                self._recv = self.comm.irecv(source=ANY_SOURCE, tag=self.tag)
+            if not self._recv.test():
                 return
-            handle = None
+            try:
+                obj, _, _ = self._recv.wait()
+            except Exception as exc:
+                self._recv = None
+                self.abort("error", f"pp rank {self.pp_rank}: receiving failed: {exc!r}")
+                raise
+            self._recv = None
             if obj.get("kind") == M.ABORT and self.abort_msg is None:
                 self.abort_msg = obj
-            self.inbox.put(obj)
-        if handle is not None:
-            try:
-                handle.cancel()
-            except Exception:
-                pass
+            self.inbox.append(obj)
 
     def send(self, pp_dest: int, msg: dict[str, Any]) -> None:
         msg["src"] = self.pp_rank
@@ -177,6 +202,7 @@ class ExecutionServer:
         start = time.time()
         worker.give_token()
         while not self._main_sem.acquire(timeout=0.1):
+            self._poll_abort()
             if self.abort_msg is not None:  # a stalled task here: others gave up on us
                 self.raise_if_aborted()
         self.current = None
@@ -265,20 +291,17 @@ class ExecutionServer:
                 worker.value = value
                 self._switch(worker)
                 continue
-            try:
-                msg = self.inbox.get_nowait()
-            except queue.Empty:
-                msg = None
+            # Scheduled top-level work before queued requests: the schedule's own bound
+            # (active microbatches) keeps the pipeline full without flooding it.
+            if hook is not None and hook():
+                continue
+            msg = self._pick_message()
             if msg is not None:
                 self._handle(msg)
                 continue
-            if hook is not None and hook():
-                continue
-            try:
-                msg = self.inbox.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            self._handle(msg)
+            msg = self._next_message(0.05)
+            if msg is not None:
+                self._handle(msg)
 
     def _handle(self, msg: dict[str, Any]) -> None:
         self._last_progress = time.monotonic()
@@ -311,7 +334,8 @@ class ExecutionServer:
             key = tuple(msg["key"])
             self.outstanding.pop(("bwd", key, msg["req"]), None)
             call = self.outgoing[key]  # type: ignore[index]
-            task = Task(self._run_caller_segment, call.mb, call.path, "backward", call.parent, call.step)
+            label = call.parent.path if isinstance(call.parent, IncomingCall) else "<step>"
+            task = Task(self._run_caller_segment, call.mb, label, "backward", call.parent, call.step)
             task.payload = (call, msg)  # type: ignore[attr-defined]
             self._start(task)
         elif kind == M.MB_DONE:
@@ -407,6 +431,8 @@ class ExecutionServer:
         resp = {
             "kind": M.FWD_RESP,
             "key": key,
+            "step": msg["step"],
+            "mb": msg["mb"],
             "outputs": {"skeleton": skeleton, "tensors": [t.detach() for t in tensors], "flags": flags},
         }
         self.send(msg["src"], resp)
@@ -480,6 +506,8 @@ class ExecutionServer:
                         "kind": M.BWD_RESP,
                         "key": ctx.key,
                         "req": req,
+                        "step": ctx.step,
+                        "mb": ctx.mb,
                         "grads": pack(grads if i == 0 else [None] * len(grads), False),
                     },
                 )
@@ -570,8 +598,29 @@ class ExecutionServer:
         if self.shutting_down:
             return
         self.shutting_down = True
-        self._receiver.join(timeout=5)
+        if self._recv is not None:
+            try:
+                self._recv.cancel()
+            except Exception:
+                pass
+            self._recv = None
         for w in self.idle:
             w.give_token()  # an idle worker given the token while shutting down exits
             self._main_sem.acquire(timeout=1)
         self.idle.clear()
+
+
+_CLASS = {
+    M.ABORT: 0,
+    M.STEP_END: 0,
+    M.MB_DONE: 0,
+    M.FWD_RESP: 1,  # resumes a pending caller: cheap, and unblocks the microbatch
+    M.BWD_RESP: 2,
+    M.BWD_REQ: 2,  # backward before new forward work, as in 1F1B
+    M.FWD_REQ: 3,
+}
+
+
+def _priority(msg: dict[str, Any]) -> tuple[int, int, int]:
+    """Serve order among arrived messages: by kind, then older microbatches first."""
+    return (_CLASS.get(msg["kind"], 0), msg.get("step", 0), msg.get("mb", 0))
