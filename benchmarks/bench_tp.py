@@ -42,25 +42,26 @@ def saved_activation_bytes(model, x) -> int:
 
 def bench_memory(rank: int, tp: int) -> None:
     import torch
+    import torch.distributed as dist
 
     import smp_tp
 
     cfg = dict(num_attention_heads=8, attention_head_size=32, hidden_size=256, intermediate_size=1024,
                attention_dropout_prob=0.1, hidden_dropout_prob=0.1)
-    import torch.distributed as dist
-
     singles = [dist.new_group([r]) for r in range(tp)]  # every rank creates every group
-    result = {}
-    for optimize, group in (("speed", None), ("memory", None), ("single", singles[rank])):
-        torch.manual_seed(0)
-        layer = smp_tp.DistributedTransformerLayer(
-            **cfg, optimize="speed" if optimize == "single" else optimize, tp_group=group)
-        x = torch.randn(4, 128, 256, requires_grad=True)  # this rank's own samples
-        result[optimize] = saved_activation_bytes(layer, x)
-    if rank == 0:
-        print(f"RESULT memory tp={tp} speed_MiB={result['speed'] / 2**20:.2f} "
-              f"memory_MiB={result['memory'] / 2**20:.2f} ratio={result['memory'] / result['speed']:.3f} "
-              f"single_MiB={result['single'] / 2**20:.2f}", flush=True)
+    for seq in (128, 32):
+        result = {}
+        for optimize, group in (("speed", None), ("memory", None), ("single", singles[rank])):
+            torch.manual_seed(0)
+            layer = smp_tp.DistributedTransformerLayer(
+                **cfg, optimize="speed" if optimize == "single" else optimize, tp_group=group)
+            x = torch.randn(4, seq, 256, requires_grad=True)  # this rank's own samples
+            result[optimize] = saved_activation_bytes(layer, x)
+        if rank == 0:
+            print(f"RESULT memory{seq} tp={tp} speed_MiB={result['speed'] / 2**20:.2f} "
+                  f"memory_MiB={result['memory'] / 2**20:.2f} "
+                  f"ratio={result['memory'] / result['speed']:.3f} "
+                  f"single_MiB={result['single'] / 2**20:.2f}", flush=True)
 
 
 def bench_throughput(rank: int, tp: int) -> None:
@@ -143,7 +144,7 @@ def _port() -> int:
 
 
 def main() -> None:
-    results: dict[str, dict[int, dict[str, str]]] = {"memory": {}, "throughput": {}}
+    results: dict[str, dict[int, dict[str, str]]] = {"memory128": {}, "memory32": {}, "throughput": {}}
     for tp in (2, 4):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp),
                "--master-addr", "127.0.0.1", "--master-port", str(_port()), __file__, WORKER_FLAG]
@@ -156,12 +157,13 @@ def main() -> None:
                 kind, *fields = line.split()[1:]
                 values = dict(f.split("=") for f in fields)
                 results[kind][int(values.pop("tp"))] = values
-    mem = results["memory"]
-    print("activation memory per rank, memory/speed: "
-          + ", ".join(f"tp={tp}: {mem[tp]['ratio']} ({mem[tp]['memory_MiB']} vs {mem[tp]['speed_MiB']} MiB)"
-                      for tp in sorted(mem))
-          + "; one device on its own 4 samples, no TP: "
-          + f"{mem[2]['single_MiB']} MiB (the floor memory mode can reach)")
+    parts = []
+    for seq in (128, 32):
+        mem = results[f"memory{seq}"]
+        parts.append(f"seq={seq}: " + ", ".join(
+            f"tp={tp} {mem[tp]['ratio']} ({mem[tp]['memory_MiB']} vs {mem[tp]['speed_MiB']} MiB)"
+            for tp in sorted(mem)) + f", no-TP device on its own samples {mem[2]['single_MiB']} MiB")
+    print("saved activations per rank of one transformer layer, memory/speed: " + "; ".join(parts))
     thr = results["throughput"]
     print("recommendation model samples/s, scaled-batch TP / prescaled TP (equal global batch): "
           + ", ".join(f"tp={tp}: {thr[tp]['ratio']}x ({thr[tp]['scaled_samples_per_s']} vs "
