@@ -115,3 +115,11 @@ def test_python_dash_m_and_no_heavy_imports(graph_file: Path) -> None:
         capture_output=True, text=True,
     )  # fmt: skip
     assert bad.returncode == 2 and "num_devices" in bad.stderr
+
+
+def test_unwritable_output_exit_2(
+    graph_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "no" / "such" / "dir.txt"
+    assert main([str(graph_file), "-d", "2", "-o", str(target)]) == 2
+    assert "dir.txt" in capsys.readouterr().err

@@ -17,6 +17,9 @@ from smp_partition import (
     PartitionResult,
     partition,
 )
+from smp_partition.costs import SCALE, compute_costs
+from smp_partition.segment import min_max_value
+from smp_partition.tree import build_tree
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "graphs" / "t5-small.json"
 
@@ -106,6 +109,11 @@ def test_properties(graph: ModuleGraph, devices: int, alpha: float) -> None:
         assert set(r.cut_edges) == expected_cuts(graph, r)
         assert sum(r.module_counts) == len(graph)
     assert results["default"].max_load <= results["paper"].max_load
+    # ... and no worse than the optimal contiguous split of the execution order.
+    tree = build_tree(graph)
+    own = compute_costs(graph, tree, alpha).node_own
+    chain_best = min_max_value([own[n] for n in tree.preorder()], devices) / SCALE
+    assert results["default"].max_load <= chain_best + 1e-9
 
 
 def test_json_schema_and_round_trip() -> None:
