@@ -110,6 +110,7 @@ class Communicator:
         inline_bytes: int | str | None = None,
         disable: str | set[str] | frozenset[str] | list[str] | tuple[str, ...] | None = None,
         node_id: str | int | None = None,
+        shm_zero_copy: bool | None = None,
         close_timeout: float | None = None,
         poll_spin: float | None = None,
     ) -> None:
@@ -130,6 +131,7 @@ class Communicator:
             inline_bytes=inline_bytes,
             disable=disable,
             node_id=node_id,
+            shm_zero_copy=shm_zero_copy,
             close_timeout=close_timeout,
             poll_spin=poll_spin,
         )
@@ -173,6 +175,7 @@ class Communicator:
         self._active: list[_Tracked] = []  # outstanding MPI requests (under _progress_lock)
         self._free_q: queue.SimpleQueue[tuple[str, int, int]] = queue.SimpleQueue()
         self._status = MPI.Status()
+        self._drained = False  # set by close() once this rank sends no more FREEs
         self._spinners = 0  # threads inside _wait's polling phase (under _spin_lock)
         self._spin_lock = threading.Lock()
         self._tracker_stop = threading.Event()
@@ -503,6 +506,8 @@ class Communicator:
                 path, source, region = self._free_q.get_nowait()
             except queue.Empty:
                 break
+            if self._drained:
+                continue  # the peers stopped listening for FREEs (close() is under way)
             req = self._cc.isend((path, region), dest=source, tag=_T_FREE)
             self._active.append(_Tracked([req], _nothing))
             busy = True
@@ -736,7 +741,10 @@ class Communicator:
             )
             # 3. DRAINED: every payload for us has arrived and every FREE has been sent.
             wait_for(lambda: self._inflight_recv == 0, lambda: "incoming payloads")
-            self._track([self._cc.isend(None, dest=r, tag=_T_DRAINED) for r in everyone], _nothing)
+            with self._progress_lock:  # no FREE may follow DRAINED on the wire
+                self._drained = True
+                reqs = [self._cc.isend(None, dest=r, tag=_T_DRAINED) for r in everyone]
+            self._track(reqs, _nothing)
             wait_for(
                 lambda: self._drained_from == everyone,
                 lambda: f"ranks {sorted(everyone - self._drained_from)} to drain",

@@ -20,6 +20,7 @@ region back with a ``FREE`` control message once it has copied the payload out; 
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import threading
@@ -39,6 +40,21 @@ __all__ = ["DirectPaths"]
 
 _PAGE = 4096
 _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+
+
+class _RegionView:
+    """Exposes ``n`` bytes of a mapping to numpy and is the base of every array made from
+    them (numpy would collapse a slice's base to the whole mapping), so a finalizer on it
+    runs exactly when the last array or tensor viewing the region is gone."""
+
+    def __init__(self, mem: mmap.mmap, offset: int, n: int) -> None:
+        self._anchor = (ctypes.c_char * n).from_buffer(mem, offset)  # pins the mapping
+        self.__array_interface__ = {
+            "shape": (n,),
+            "typestr": "|u1",
+            "data": (ctypes.addressof(self._anchor), False),
+            "version": 3,
+        }
 
 
 class _Lease:
@@ -142,6 +158,7 @@ class DirectPaths:
         # Python's mmap stays mapped while any array still views it, which makes handing
         # out zero-copy views safe even after close().
         self._shm_views: dict[int, np.ndarray] = {}
+        self._shm_maps: dict[int, mmap.mmap] = {}
         self._zero_copy = settings.shm_zero_copy
         if any(host_size(r, "shm") for r in range(size)):
             self._open_shm(host_size(rank, "shm"), local)
@@ -192,6 +209,7 @@ class DirectPaths:
                         mem = mmap.mmap(fd, os.fstat(fd).st_size)
                     finally:
                         os.close(fd)
+                    self._shm_maps[r] = mem
                     self._shm_views[r] = np.frombuffer(mem, dtype=np.uint8)
         finally:
             self.node.Barrier()  # every peer has mapped it (or failed): unlink now
@@ -289,15 +307,17 @@ class DirectPaths:
     def _shm_views_of(
         self, region: int, stubs: list[TensorStub], release: Callable[[], None]
     ) -> list[Any]:
-        own = self._shm_views[self.rank]
+        own = self._shm_maps[self.rank]
         lease = _Lease(sum(1 for s in stubs if s.nbytes), release)
         finals: list[Any] = []
         for s in stubs:
             if not s.nbytes:
                 finals.append(new_buffers([s], self.rank)[0][0])
                 continue
-            view = own[region + s.offset : region + s.offset + s.nbytes]
-            weakref.finalize(view, lease.drop)
+            holder = _RegionView(own, region + s.offset, s.nbytes)
+            weakref.finalize(holder, lease.drop)
+            view = np.asarray(holder)  # keeps ``holder`` alive as its base
+            del holder
             if s.kind == "torch":
                 if torch is None:
                     raise ImportError(
@@ -315,7 +335,9 @@ class DirectPaths:
 
     def close(self) -> None:
         """Collective: free the windows and the node communicator, in construction order."""
-        self._shm_views.clear()  # the mappings go when the last handed-out view does
+        # The mappings go when the last handed-out view does.
+        self._shm_views.clear()
+        self._shm_maps.clear()
         self._rma_own = None
         if self._rma_win is not None:
             self._rma_win.Free()

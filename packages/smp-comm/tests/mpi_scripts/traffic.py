@@ -40,6 +40,7 @@ def main() -> None:
     rank, size = comm.rank, comm.size
     peers = [p for p in range(size) if p != rank]
     errors: list[BaseException] = []
+    kept: list = []  # every received object, checked again once all traffic is done
 
     def guarded(fn):
         def run(*a):
@@ -69,6 +70,7 @@ def main() -> None:
             obj, src, tag = h.wait(timeout=60)
             assert (src, tag) == (s, t), f"wanted ({s},{t}) got ({src},{tag})"
             check(obj, s, rank, t)
+            kept.append((obj, s, t))
 
     @guarded
     def any_source_receiver(tag: int) -> None:
@@ -77,6 +79,7 @@ def main() -> None:
             obj, src, t = comm.irecv(source=ANY_SOURCE, tag=tag).wait(timeout=60)
             assert t == tag
             check(obj, src, rank, t)
+            kept.append((obj, src, t))
             seen.append(src)
         assert sorted(seen) == peers, seen
 
@@ -95,6 +98,11 @@ def main() -> None:
         t.join()
     if errors:
         raise errors[0]
+    # Received tensors may be views of the receive buffer: they must still hold their
+    # bytes after all later traffic (no region is reused while a view is alive).
+    for obj, src, t in kept:
+        check(obj, src, rank, t)
+    kept.clear()
 
     # Matching semantics: the first posted receive that accepts a message gets it.
     world.Barrier()

@@ -1,0 +1,105 @@
+"""Big messages and full buffers (2 ranks on one node).
+
+1. A 600 MiB array (larger than any receive buffer) still arrives, by the MPI fallback.
+2. Zero-copy shm views pin their region until garbage collected: with a 1 MiB buffer the
+   fifth held 256 KiB message falls back to MPI; once the views are dropped, shm again.
+3. With ``shm_zero_copy=False`` the receiver copies out and frees at once.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import numpy as np
+import torch
+from mpi4py import MPI
+from payloads import main_guard
+from smp_comm import ANY_TAG, Communicator
+
+BIG = 600 << 20
+CHUNK = 24 << 20  # BIG is 25 chunks
+BLOCK = np.random.default_rng(7).integers(0, 256, CHUNK, dtype=np.uint8)
+
+
+def pattern(start: int, n: int) -> np.ndarray:
+    """Chunk ``start // CHUNK`` of the big message: random bytes XOR the chunk number."""
+    return BLOCK[:n] ^ np.uint8((start // CHUNK) % 251)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    world = MPI.COMM_WORLD
+    rank = world.rank
+
+    # 1. 600 MiB, checked chunk by chunk to keep memory sane.
+    comm = Communicator(world)
+    if rank == 0:
+        data = np.empty(BIG, dtype=np.uint8)
+        for i in range(0, BIG, CHUNK):
+            data[i : i + CHUNK] = pattern(i, CHUNK)
+        comm.isend({"blob": data}, dest=1, tag=600).wait(timeout=120)
+        del data
+        assert comm.stats()["mpi"]["fallbacks"] == 1, comm.stats()
+    else:
+        obj, src, tag = comm.irecv(0, 600).wait(timeout=120)
+        blob = obj["blob"]
+        assert blob.shape == (BIG,) and blob.dtype == np.uint8 and (src, tag) == (0, 600)
+        for i in range(0, BIG, CHUNK):
+            assert np.array_equal(blob[i : i + CHUNK], pattern(i, CHUNK)), f"chunk at {i}"
+        del obj, blob
+        assert comm.stats()["mpi"]["bytes_received"] == BIG
+    comm.close()
+    gc.collect()
+
+    # 2. Held views fill a 1 MiB buffer; the fallback takes over; dropping them frees it.
+    comm = Communicator(world, buffer_bytes="1M")
+    n_msgs, size = 6, 256 << 10
+    if rank == 0:
+        for i in range(n_msgs):
+            comm.isend(torch.full((size // 4,), float(i)), dest=1, tag=i).wait(timeout=30)
+        s = comm.stats()
+        assert s["shm"]["messages_sent"] == 4 and s["mpi"]["fallbacks"] == 2, s
+        comm.irecv(1, 100).wait(timeout=30)  # the receiver dropped everything
+        deadline = time.monotonic() + 10
+        while comm.stats()["shm"]["messages_sent"] == 4:
+            assert time.monotonic() < deadline, "regions never came back after the views died"
+            comm.isend(torch.ones(size // 4), dest=1, tag=200).wait(timeout=30)
+        comm.isend(None, dest=1, tag=300).wait(timeout=30)
+    else:
+        held = []
+        for i in range(n_msgs):
+            t, _, _ = comm.irecv(0, i).wait(timeout=30)
+            assert torch.equal(t, torch.full((size // 4,), float(i))), i
+            held.append(t)
+        held[0].add_(1)  # the received tensors are ordinary, writable tensors
+        del held, t
+        gc.collect()
+        comm.isend("dropped", dest=0, tag=100).wait(timeout=30)
+        while True:
+            obj, _, tag = comm.irecv(0, ANY_TAG).wait(timeout=30)
+            if tag == 300:
+                break
+            assert torch.equal(obj, torch.ones(size // 4))
+            del obj
+    comm.close()
+
+    # 3. Copy-out mode frees each region at once: 6 messages all take shm.
+    comm = Communicator(world, buffer_bytes="1M", shm_zero_copy=False)
+    if rank == 0:
+        for i in range(n_msgs):
+            comm.isend(torch.full((size // 4,), float(i)), dest=1, tag=i).wait(timeout=30)
+            comm.irecv(1, i).wait(timeout=30)
+        assert comm.stats()["shm"]["messages_sent"] == n_msgs, comm.stats()
+    else:
+        held = []
+        for i in range(n_msgs):
+            t, _, _ = comm.irecv(0, i).wait(timeout=30)
+            assert torch.equal(t, torch.full((size // 4,), float(i))), i
+            held.append(t)
+            comm.isend(None, dest=0, tag=i).wait(timeout=30)
+    comm.close()
+    print(f"rank {rank} OK buffers")
+
+
+main_guard(main)

@@ -1,0 +1,35 @@
+"""smp-comm without torch: block ``import torch`` first, then move numpy arrays (shm + mpi)."""
+
+from __future__ import annotations
+
+import sys
+
+sys.modules["torch"] = None  # makes every `import torch` raise ImportError
+
+import numpy as np  # noqa: E402
+import smp_comm  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+from payloads import check, main_guard, make  # noqa: E402
+from smp_comm import serialize  # noqa: E402
+
+
+def main() -> None:
+    assert serialize.torch is None, "torch must be blocked in this test"
+    world = MPI.COMM_WORLD
+    rank, peer = world.rank, 1 - world.rank
+    for kwargs, path in (({}, "shm"), ({"disable": "shm"}, "mpi")):
+        comm = smp_comm.Communicator(world, **kwargs)
+        handles = [comm.isend(make(rank, peer, t), dest=peer, tag=t) for t in range(4)]
+        for t in reversed(range(4)):
+            obj, src, tag = comm.irecv(peer, t).wait(timeout=60)
+            check(obj, peer, rank, t)
+            assert "f32_grad" not in obj and isinstance(obj["np_big"], np.ndarray)
+        for h in handles:
+            h.wait(timeout=60)
+        assert comm.stats()[path]["messages_received"] == 4, comm.stats()
+        comm.close()
+    assert "torch" not in sys.modules or sys.modules["torch"] is None
+    print(f"rank {rank} OK notorch")
+
+
+main_guard(main)
