@@ -1,0 +1,118 @@
+"""In-process unit tests: serialization, the region allocator, settings, a self-send."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import namedtuple
+
+import numpy as np
+import pytest
+import torch
+from smp_comm.alloc import RangeAllocator
+from smp_comm.serialize import ALIGN, new_buffers, pack, unpack
+from smp_comm.settings import CommSettings, parse_bytes
+
+
+def roundtrip(obj):
+    """pack -> copy each payload into fresh buffers -> unpack (what every path does)."""
+    packed = pack(obj)
+    finals, views = new_buffers(packed.stubs, rank=0)
+    for src, dst in zip(packed.sources, views):
+        dst[:] = src
+    return unpack(packed.skeleton, finals), packed
+
+
+Point = namedtuple("Point", "x y")
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    a: torch.Tensor
+    b: list
+
+
+def test_every_dtype_and_layout_roundtrips() -> None:
+    base = torch.randn(4, 6)
+    obj = {
+        "bf16": base.to(torch.bfloat16).requires_grad_(),
+        "t": base.t(),
+        "neg": base.neg(),  # ordinary tensor
+        "conj": torch.randn(3, dtype=torch.complex64).conj(),
+        "zero": torch.empty(0, 5, dtype=torch.float16),
+        "scalar": torch.tensor(7, dtype=torch.int64),
+        "bool": base > 0,
+        "np": np.arange(10, dtype=np.float32)[::3],
+        "np0": np.float64(2.5),
+        "nt": Point(torch.ones(2), [torch.zeros(1)]),
+        "dc": Frozen(torch.arange(3), [np.ones((2, 2))]),
+    }
+    got, packed = roundtrip(obj)
+    assert len(packed.stubs) == 12 and all(s.offset % ALIGN == 0 for s in packed.stubs)
+    for k in ("bf16", "t", "neg", "conj", "zero", "scalar", "bool"):
+        want = obj[k].detach().resolve_conj()
+        assert got[k].dtype == want.dtype and got[k].shape == want.shape, k
+        assert torch.equal(got[k], want), k
+        assert got[k].is_contiguous(), k
+    assert got["bf16"].requires_grad is False  # finish_tensor restores it, see below
+    assert packed.stubs[0].requires_grad and packed.stubs[0].dtype == "bfloat16"
+    assert np.array_equal(got["np"], obj["np"]) and got["np0"] == 2.5
+    assert isinstance(got["nt"], Point) and torch.equal(got["nt"].y[0], torch.zeros(1))
+    assert isinstance(got["dc"], Frozen) and torch.equal(got["dc"].a, torch.arange(3))
+
+
+def test_requires_grad_and_shared_references() -> None:
+    from smp_comm.serialize import finish_tensor
+
+    t = torch.randn(3, requires_grad=True)
+    packed = pack([t, t, {"again": t}])
+    assert len(packed.stubs) == 1
+    finals, views = new_buffers(packed.stubs, 0)
+    views[0][:] = packed.sources[0]
+    finals = [finish_tensor(s, v) for s, v in zip(packed.stubs, finals)]
+    got = unpack(packed.skeleton, finals)
+    assert got[0] is got[1] is got[2]["again"] and got[0].requires_grad
+
+
+def test_objects_without_raw_bytes_are_pickled_whole() -> None:
+    got, packed = roundtrip({"o": np.array([1, "a"], dtype=object), "s": "x"})
+    assert packed.stubs == [] and got["o"].tolist() == [1, "a"] and got["s"] == "x"
+
+
+def test_allocator_first_fit_and_coalescing() -> None:
+    a = RangeAllocator(base=4096, size=4 * 4096)
+    r1, r2, r3 = a.reserve(1), a.reserve(4096), a.reserve(8000)
+    assert (r1, r2, r3) == (4096, 8192, 12288)
+    assert a.reserve(1) is None  # full
+    a.release(r2)
+    assert a.reserve(5000) is None  # one free page only
+    a.release(r1)
+    assert a.reserve(8192) == 4096  # two freed neighbours merged
+    assert RangeAllocator(0, 0).reserve(1) is None
+
+
+def test_settings_kwargs_env_and_errors(monkeypatch) -> None:
+    assert parse_bytes("64M", "x") == 64 << 20 and parse_bytes("1.5K", "x") == 1536
+    with pytest.raises(ValueError, match="SMP_COMM_BUFFER_BYTES"):
+        parse_bytes("lots", "SMP_COMM_BUFFER_BYTES")
+    monkeypatch.setenv("SMP_COMM_BUFFER_BYTES", "2M")
+    monkeypatch.setenv("SMP_COMM_DISABLE", "rma")
+    monkeypatch.setenv("SMP_COMM_NODE_ID", "node{rank}")
+    s = CommSettings.resolve(rank=3)
+    assert s.buffer_bytes == 2 << 20 and s.disable == {"rma"} and s.node_id == "node3"
+    s = CommSettings.resolve(rank=3, buffer_bytes=0, disable=(), node_id="n")
+    assert s.buffer_bytes == 0 and s.disable == set() and s.node_id == "n"
+    with pytest.raises(ValueError, match="mpi"):
+        CommSettings.resolve(rank=0, disable="mpi")
+
+
+def test_self_send_on_comm_self() -> None:
+    from mpi4py import MPI
+    from smp_comm import ANY_SOURCE, Communicator
+
+    with Communicator(MPI.COMM_SELF) as comm:
+        h = comm.irecv(ANY_SOURCE, 3)
+        comm.isend({"x": torch.arange(5000.0)}, dest=0, tag=3).wait(10)
+        obj, src, tag = h.wait(10)
+        assert torch.equal(obj["x"], torch.arange(5000.0)) and (src, tag) == (0, 3)
+        assert comm.path_to(0) == "mpi"
+    assert comm.closed
