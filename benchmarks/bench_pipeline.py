@@ -4,7 +4,11 @@ Run: python benchmarks/bench_pipeline.py   (spawns `mpiexec -n 4` of itself)
 
 A simulated model of p=4 stages: each stage sleeps t in forward and 2t in backward (the
 backward sleep is in a custom autograd Function), like a GPU kernel that leaves the CPU free,
-so 2 CPU cores can stand for 4 devices. In smp_pipeline each stage calls the next one (a
+so 2 CPU cores can stand for 4 devices. The sleeps run inside ``smp_pipeline.device_work()``:
+the rank's device is busy (device work is serialised per rank) while its server keeps doing
+other tasks' CPU work (relaying responses, sending requests), as it would while a real GPU
+runs asynchronous kernels. Outside smp_pipeline (the torch.distributed.pipelining run)
+``device_work()`` simply runs the sleep. In smp_pipeline each stage calls the next one (a
 nested module hierarchy, stage i on pp rank i); the driver computes a mean loss. Prints:
 
   efficiency: measured m*3t/step_time divided by the ideal m/(m+p-1), for m = 4, 8, 16, 32
@@ -33,7 +37,7 @@ def _worker() -> None:
     import torch.nn.functional as F
     from mpi4py import MPI
     from smp_comm import Communicator
-    from smp_pipeline import PipelineRuntime
+    from smp_pipeline import PipelineRuntime, device_work
     from torch import nn
 
     torch.set_num_threads(1)
@@ -43,13 +47,15 @@ def _worker() -> None:
         def forward(ctx, x, t):  # type: ignore[override]
             ctx.t = t
             if t:
-                time.sleep(t)
+                with device_work():  # the rank keeps serving CPU work, as with a GPU kernel
+                    time.sleep(t)
             return x.clone()
 
         @staticmethod
         def backward(ctx, g):  # type: ignore[override]
             if ctx.t:
-                time.sleep(2 * ctx.t)
+                with device_work():
+                    time.sleep(2 * ctx.t)
             return g, None
 
     class Stage(nn.Module):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 import torch.nn.functional as F
@@ -128,6 +129,39 @@ class Decoder(nn.Module):
     def forward(self, h: torch.Tensor, extra: dict) -> torch.Tensor:
         assert extra["note"] == "hello" and extra["n"] == 3
         return self.lin(torch.relu(h) + extra["skip"])
+
+
+class _DeviceSleep(torch.autograd.Function):
+    """Identity whose forward and backward 'run on the device' (smp_pipeline.device_work)."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        from smp_pipeline import device_work
+
+        with device_work():
+            time.sleep(0.002)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        from smp_pipeline import device_work
+
+        with device_work():
+            time.sleep(0.004)
+        return g
+
+
+class DeviceBlock(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _DeviceSleep.apply(super().forward(x))
+
+
+class DeviceChain(Chain):
+    """Chain whose blocks release the execution token during simulated device work."""
+
+    def __init__(self, d: int = 8, n: int = 4) -> None:
+        super().__init__(d, n)
+        self.blocks = nn.ModuleList([DeviceBlock(d) for _ in range(n)])
 
 
 def mse_step(model: nn.Module, backward):

@@ -278,6 +278,8 @@ def suite_pp4(comm):
         for m in (1, 3, 8):
             run_case(comm, f"chain4-{schedule}-m{m}", models.Chain,
                      data(n=24 if m == 3 else 8), assign, m, schedule)
+    for schedule in ("simple", "interleaved"):
+        run_case(comm, f"device4-{schedule}", models.DeviceChain, data(n=16), assign, 8, schedule)
     run_case(comm, "reuse4", models.Reuse, data(), {"a": 1, "shared": 2, "b": 3}, 4)
     run_case(comm, "branch4", models.Branch, data(sign_pattern=True),
              {"pre": 1, "left": 2, "right.0": 3, "right.1": 2}, 4, per_microbatch_reference=True)

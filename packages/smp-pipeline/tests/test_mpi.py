@@ -36,7 +36,8 @@ def test_pp2_equivalence() -> None:
 def test_pp4_equivalence() -> None:
     out = run_mpi([SCRIPT, "pp4"], 4, timeout=220, env=ENV)
     assert "SUITE-OK pp4" in out, out
-    assert {"chain4-simple-m3", "chain4-interleaved-m8", "reuse4", "branch4", "gpt2-4-auto",
+    assert {"chain4-simple-m3", "chain4-interleaved-m8", "reuse4",
+            "device4-simple", "device4-interleaved", "branch4", "gpt2-4-auto",
             "t5-4-auto"} <= set(_cases(out)), out
 
 

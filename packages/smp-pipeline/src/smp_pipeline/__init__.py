@@ -10,6 +10,7 @@ from smp_pipeline.errors import (
 from smp_pipeline.microbatch import split_microbatches
 from smp_pipeline.runtime import PipelineRuntime
 from smp_pipeline.schedule import Scheduler
+from smp_pipeline.server import device_work
 from smp_pipeline.trace import trace, trace_dict
 from smp_pipeline.tracing import plot_timeline, to_chrome_trace, write_chrome_trace
 
@@ -21,6 +22,7 @@ __all__ = [
     "PipelineTimeoutError",
     "Scheduler",
     "__version__",
+    "device_work",
     "plot_timeline",
     "split_microbatches",
     "to_chrome_trace",

@@ -12,10 +12,12 @@ Failures never hang: an exception in a task, or a request outstanding longer tha
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
+import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -34,7 +36,7 @@ from smp_pipeline.errors import PipelineError, PipelineRemoteError, PipelineTime
 from smp_pipeline.messages import flatten, pack, unflatten, unpack_leaves
 from smp_pipeline.schedule import Scheduler
 from smp_pipeline.state import capture, execution_state
-from smp_pipeline.worker import Task, Worker
+from smp_pipeline.worker import DEVICE, Task, Worker, current_worker
 
 # (pp rank, microbatch, module, phase, start, end): one EXECUTING span of a task.
 TimelineEvent = tuple[int, int, str, str, float, float]
@@ -73,7 +75,6 @@ class ExecutionServer:
         self.idle: list[Worker] = []
         self.waiting: dict[Any, Worker] = {}
         self.current: Task | None = None
-        self.in_segment = False
 
         self._calls = itertools.count()
         self._bwd_reqs = itertools.count()
@@ -92,6 +93,10 @@ class ExecutionServer:
         self.shutting_down = False
         self._last_progress = time.monotonic()
         self.requests_served = 0
+        # device_work(): workers whose device work ended, waiting to get the token back.
+        self._returning: queue.SimpleQueue[tuple[Worker, Task, float, float]] = queue.SimpleQueue()
+        self._device_active = 0
+        self._device_lock = threading.Lock()
 
 
     # ------------------------------------------------------------------ transport
@@ -212,6 +217,33 @@ class ExecutionServer:
         if self.failure is not None:
             self._fail()
 
+    @contextlib.contextmanager
+    def device_work(self) -> Iterator[None]:
+        """Run the block as *device* work: the token goes back to the main loop meanwhile.
+
+        The block must not touch the runtime (no module calls, no messages). Device work of a
+        rank is serialised by a lock (one device), while the main loop keeps serving other
+        tasks' CPU work, as with asynchronous GPU kernels. Outside a worker it just runs.
+        """
+        worker = current_worker()
+        task = self.current
+        if worker is None or worker.server is not self or task is None or task.worker is not worker:
+            yield
+            return
+        worker.state = DEVICE
+        start = end = time.time()
+        self._device_active += 1
+        self.current = None
+        self.token_returned()
+        try:
+            with self._device_lock:
+                start = time.time()
+                yield
+                end = time.time()
+        finally:
+            self._returning.put((worker, task, start, end))
+            worker.wait_resume()
+
     # ------------------------------------------------------------------ failures
     def raise_if_aborted(self) -> None:
         msg = self.abort_msg
@@ -286,6 +318,12 @@ class ExecutionServer:
             if time.monotonic() > next_check:
                 self._check_timeouts()
                 next_check = time.monotonic() + 0.2
+            while not self._returning.empty():  # device work finished: resume first
+                worker, task, start, end = self._returning.get()
+                self._device_active -= 1
+                if self.record_timeline:
+                    self.events.append((self.pp_rank, task.mb, task.module, task.phase, start, end))
+                self.ready.appendleft((worker, None))
             if self.ready:
                 worker, value = self.ready.popleft()
                 worker.value = value
@@ -299,7 +337,7 @@ class ExecutionServer:
             if msg is not None:
                 self._handle(msg)
                 continue
-            msg = self._next_message(0.05)
+            msg = self._next_message(0.0005 if self._device_active else 0.05)
             if msg is not None:
                 self._handle(msg)
 
@@ -372,7 +410,7 @@ class ExecutionServer:
                 f"module '{path}' lives on pp rank {dest}: call the model inside the step "
                 "function given to run_step()"
             )
-        if self.in_segment:
+        if task.in_segment:
             raise PipelineError(
                 f"module '{path}' (pp rank {dest}) was called during a backward segment on pp "
                 f"rank {self.pp_rank}: a checkpointed module must not contain remote submodules"
@@ -465,11 +503,13 @@ class ExecutionServer:
         """One backward segment (never blocks: remote boundaries only send)."""
         if not tensors:
             return
-        self.in_segment = True
+        task = self.current
+        assert task is not None
+        task.in_segment = True
         try:
             torch.autograd.backward(tensors, grads, retain_graph=True)
         finally:
-            self.in_segment = False
+            task.in_segment = False
 
     def _run_callee_segment(self, task: Task) -> None:
         msg = task.payload  # type: ignore[attr-defined]
@@ -624,3 +664,20 @@ _CLASS = {
 def _priority(msg: dict[str, Any]) -> tuple[int, int, int]:
     """Serve order among arrived messages: by kind, then older microbatches first."""
     return (_CLASS.get(msg["kind"], 0), msg.get("step", 0), msg.get("mb", 0))
+
+
+@contextlib.contextmanager
+def device_work() -> Iterator[None]:
+    """Mark a block as device work (see :meth:`ExecutionServer.device_work`).
+
+    Usable anywhere, e.g. in a module's forward or in an autograd Function: inside a pipeline
+    worker the rank keeps serving other requests meanwhile; elsewhere it simply runs the
+    block. Do not use it inside autograd functions on CUDA (there, backward runs on a shared
+    device thread, and kernels are asynchronous anyway).
+    """
+    worker = current_worker()
+    if worker is None:
+        yield
+        return
+    with worker.server.device_work():
+        yield

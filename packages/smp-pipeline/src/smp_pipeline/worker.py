@@ -22,6 +22,14 @@ if TYPE_CHECKING:  # pragma: no cover
 IDLE = "IDLE"
 EXECUTING = "EXECUTING"
 PENDING = "PENDING"
+DEVICE = "DEVICE"  # inside device_work(): token given back, waiting for simulated/device work
+
+_local = threading.local()
+
+
+def current_worker() -> Worker | None:
+    """The worker running on this thread, if any."""
+    return getattr(_local, "worker", None)
 
 
 class Task:
@@ -43,7 +51,7 @@ class Task:
         self.context = context
         self.step = step
         self.worker: Worker | None = None
-        self.order_id: tuple[int, str, int] | None = None  # set for tensor-parallel ordering
+        self.in_segment = False  # inside torch.autograd.backward: remote calls are refused
 
     def describe(self) -> str:
         return f"{self.phase} of module '{self.module or '<root>'}' (microbatch {self.mb})"
@@ -71,6 +79,7 @@ class Worker:
 
     # called on the worker's own thread -------------------------------------------------
     def _loop(self) -> None:
+        _local.worker = self
         while True:
             self._sem.acquire()
             if self.server.shutting_down:
@@ -86,6 +95,12 @@ class Worker:
             self.state = IDLE
             self.server.worker_idle(self)
             self.server.token_returned()
+
+    def wait_resume(self) -> None:
+        """Block until the main loop hands us the token again (after device work)."""
+        self._sem.acquire()
+        self.state = EXECUTING
+        self.server.raise_if_aborted()
 
     def wait(self, key: Any) -> Any:
         """Go PENDING until the main loop resumes us with the value for ``key``."""
