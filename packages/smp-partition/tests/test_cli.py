@@ -123,3 +123,16 @@ def test_unwritable_output_exit_2(
     target = tmp_path / "no" / "such" / "dir.txt"
     assert main([str(graph_file), "-d", "2", "-o", str(target)]) == 2
     assert "dir.txt" in capsys.readouterr().err
+
+
+def test_deep_chain_draws(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from smp_partition import Module
+
+    chain = [Module("", children=("c0",))] + [
+        Module(f"c{i}", "M", (f"c{i + 1}",) if i < 2999 else (), {f"c{i}": 1}) for i in range(3000)
+    ]
+    path = tmp_path / "chain.json"
+    ModuleGraph(chain).to_json(path)
+    for fmt in ("svg", "dot"):
+        assert main([str(path), "-d", "8", "-f", fmt]) == 0
+    assert "(+ subtree)" in capsys.readouterr().out

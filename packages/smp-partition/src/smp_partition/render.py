@@ -2,9 +2,9 @@
 
 The drawings show the node tree coloured by device, like the paper's Figures 9–10: each box
 gives a node's name, its subtree's normalised cost and its device. To stay readable on
-deep models, a node whose subtree lies on one device is not expanded (below the first two
-levels), and a run of sibling nodes of the same type that lie entirely on one device is
-drawn as one box such as ``block[0:6]``.
+deep models, a node whose subtree lies on one device is not expanded (below the first
+level), nothing deeper than 24 levels is drawn, and a run of sibling nodes of the same
+type that lie entirely on one device is drawn as one box such as ``block[0:6]``.
 """
 
 from __future__ import annotations
@@ -74,6 +74,10 @@ def table(result: PartitionResult, title: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
+# Deeper levels are not drawn (and the recursion below stays far from Python's limit).
+_MAX_DEPTH = 24
+
+
 @dataclass
 class Box:
     """One drawn box: a node, or a run of collapsed sibling nodes."""
@@ -121,7 +125,9 @@ def boxes(graph: ModuleGraph, result: PartitionResult) -> Box:
 
     def build(n: int, depth: int) -> Box:
         box = Box(label(n), sub[n], device[n])
-        if uniform[n] >= 0 and depth >= 1:
+        if (uniform[n] >= 0 and depth >= 1) or depth >= _MAX_DEPTH:
+            if depth >= _MAX_DEPTH and uniform[n] < 0:
+                box.label += " (+ subtree)"
             return box
         kids = tree.children[n]
         i = 0
