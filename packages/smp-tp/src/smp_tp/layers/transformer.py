@@ -14,7 +14,7 @@ from smp_tp.layers.embedding import DistributedEmbedding
 from smp_tp.layers.layernorm import DistributedLayerNorm
 from smp_tp.layers.linear import input_split_linear
 from smp_tp.layers.output import DistributedTransformerOutputLayer
-from smp_tp.layers.region import RegionModule, canonical_mask
+from smp_tp.layers.region import RegionModule
 from smp_tp.module import DistributedModule
 
 
@@ -219,10 +219,7 @@ class DistributedTransformerLMHead(DistributedModule):
         if hasattr(self, "embedding_layernorm"):
             x = self.embedding_layernorm(x)
         x = F.dropout(x, self.hidden_dropout_prob, self.training)  # per-sample region: DP stream
-        mask = canonical_mask(attention_mask, batch)
-        if mask is not None and mask.dtype != torch.bool and attention_mask is not None and attention_mask.dim() == 2:
-            mask = mask.bool()
-        x = self.transformer(x, mask, cross_states, cross_mask)
+        x = self.transformer(x, attention_mask, cross_states, cross_mask)
         if hasattr(self, "layernorm"):
             x = self.layernorm(x)
         if not self.add_lm_head:
