@@ -28,6 +28,7 @@ from smp_tp.mappings import (
     gather_replicated_for_tp,
     reduce_scatter_for_tp,
     scatter_and_merge_for_tp,
+    set_shape_checks,
     split_for_tp,
 )
 from smp_tp.module import DistributedModule
@@ -67,7 +68,7 @@ __all__ = [
     "initialize_with_output_partition", "fused_allgather_for_tp", "fwd_allreduce_for_tp",
     "bwd_allreduce_for_tp", "allreduce_for_tp", "scatter_and_merge_for_tp", "all_to_all_for_tp",
     "reduce_scatter_for_tp", "gather_replicated_for_tp", "split_for_tp",
-    "collective_counts", "CollectiveCounts",
+    "collective_counts", "CollectiveCounts", "set_shape_checks",
     # settings and randomness
     "TPConfig", "tp_config", "current_config", "set_default_config",
     "set_tensor_parallel_seed", "get_generator", "tp_dropout", "tp_rank", "tp_size",

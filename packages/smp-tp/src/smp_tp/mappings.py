@@ -18,6 +18,7 @@ check the communication pattern of a layer against the paper's Appendix F.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -79,9 +80,45 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 # These take a phase label only for counting. With one rank they are the identity.
 
 
+_check_shapes = os.environ.get("SMP_TP_CHECK_SHAPES", "") not in ("", "0")
+
+
+def set_shape_checks(enabled: bool) -> None:
+    """Verify before every collective that all TP ranks pass the same shape and dtype.
+
+    Costs one small all-gather per collective; turns a mismatch (e.g. different batch sizes
+    on TP ranks in scaled-batch mode), which would otherwise abort or hang inside the
+    backend, into a ``ValueError`` on every rank naming the ranks and shapes. Also enabled
+    by the environment variable ``SMP_TP_CHECK_SHAPES=1``.
+    """
+    global _check_shapes
+    _check_shapes = bool(enabled)
+
+
+def _verify_same_shape(x: torch.Tensor, group: ProcessGroup, what: str) -> None:
+    if not _check_shapes:
+        return
+    size = tp_size(group)
+    code = [x.dim(), *x.shape, *([0] * (8 - x.dim())), _DTYPES.index(x.dtype) if x.dtype in _DTYPES else -1]
+    mine = torch.tensor(code[:10], dtype=torch.int64, device=x.device)
+    every = torch.empty(size * mine.numel(), dtype=torch.int64, device=x.device)
+    _gather_flat(every, mine, group=group)
+    rows = every.view(size, -1).tolist()
+    if any(r != rows[0] for r in rows):
+        desc = ", ".join(f"rank {i}: {tuple(r[1:1 + r[0]])}" for i, r in enumerate(rows))
+        raise ValueError(
+            f"smp_tp {what}: tensor-parallel ranks passed different shapes or dtypes ({desc}); "
+            f"in scaled-batch mode every TP rank must feed the same number of samples"
+        )
+
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8]
+
+
 def _all_reduce(x: torch.Tensor, group: ProcessGroup, phase: str) -> torch.Tensor:
     if tp_size(group) == 1:
         return x
+    _verify_same_shape(x, group, "all_reduce")
     out = x.contiguous().clone()
     _count("all_reduce", phase)
     dist.all_reduce(out, group=group)
@@ -93,6 +130,7 @@ def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup, phase: str) -> t
     if size == 1:
         return x
     dim = dim % x.dim()
+    _verify_same_shape(x, group, "all_gather")
     src = x.movedim(dim, 0).contiguous()
     out = torch.empty((size * src.shape[0], *src.shape[1:]), dtype=x.dtype, device=x.device)
     _count("all_gather", phase)
@@ -110,6 +148,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup, phase: str) 
             f"reduce_scatter_for_tp: dimension {dim} of size {x.shape[dim]} is not divisible "
             f"by the tensor-parallel degree {size}"
         )
+    _verify_same_shape(x, group, "reduce_scatter")
     src = x.movedim(dim, 0).contiguous()
     out = torch.empty((src.shape[0] // size, *src.shape[1:]), dtype=x.dtype, device=x.device)
     _count("reduce_scatter", phase)
@@ -129,6 +168,7 @@ def _all_to_all(
             f"scatter_and_merge_for_tp: dimension {split_dim} of size {x.shape[split_dim]} is "
             f"not divisible by the tensor-parallel degree {size}"
         )
+    _verify_same_shape(x, group, "all_to_all")
     src = x.movedim(split_dim, 0).contiguous()  # chunk j of dim 0 goes to rank j
     out = torch.empty_like(src)
     _count("all_to_all", phase)

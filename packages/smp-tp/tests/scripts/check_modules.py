@@ -168,6 +168,25 @@ def uneven() -> None:
 check("uneven", uneven)
 
 
+# ---- unequal batches across TP ranks: a clear error on every rank with shape checks on
+def unequal_batches() -> None:
+    lin = smp_tp.DistributedLinear(H, 8)
+    smp_tp.set_shape_checks(True)
+    try:
+        lin(torch.randn(2 + rank, H))
+    except ValueError as e:
+        assert "rank 0: (2, 16)" in str(e) and "same number of samples" in str(e), str(e)
+    else:
+        raise AssertionError("unequal batches were not detected")
+    finally:
+        smp_tp.set_shape_checks(False)
+    y = lin(torch.randn(3, H))  # still usable afterwards
+    assert y.shape == (3, 8)
+
+
+check("unequal batches", unequal_batches)
+
+
 # ---- dropout streams
 def streams() -> None:
     x = torch.ones(1000)
