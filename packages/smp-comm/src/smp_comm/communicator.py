@@ -175,6 +175,7 @@ class Communicator:
         self._active: list[_Tracked] = []  # outstanding MPI requests (under _progress_lock)
         self._free_q: queue.SimpleQueue[tuple[str, int, int]] = queue.SimpleQueue()
         self._status = MPI.Status()
+        self._working = [0, 0, 0, 0]  # queued items: router, direct, requester, postproc
         self._drained = False  # set by close() once this rank sends no more FREEs
         self._spinners = 0  # threads inside _wait's polling phase (under _spin_lock)
         self._spin_lock = threading.Lock()
@@ -182,14 +183,13 @@ class Communicator:
         self._inflight_recv = 0  # incoming messages not yet rebuilt (tracker/postproc)
 
         self._threads = [
-            threading.Thread(target=self._guard(self._router_loop), name="smp-comm-router"),
-            threading.Thread(target=self._guard(self._direct_loop), name="smp-comm-direct"),
-            threading.Thread(target=self._guard(self._requester_loop), name="smp-comm-requester"),
-            threading.Thread(target=self._guard(self._tracker_loop), name="smp-comm-tracker"),
-            threading.Thread(target=self._guard(self._postproc_loop), name="smp-comm-postproc"),
+            self._thread("router", lambda: self._serve(0, self._router_q, self._route)),
+            self._thread("direct", lambda: self._serve(1, self._direct_q, self._direct_send)),
+            self._thread("requester", lambda: self._serve(2, self._requester_q, self._mpi_send)),
+            self._thread("tracker", self._tracker_loop),
+            self._thread("postproc", lambda: self._serve(3, self._post_q, self._finish)),
         ]
         for t in self._threads:
-            t.daemon = True
             t.start()
         _LIVE.add(self)
 
@@ -233,7 +233,7 @@ class Communicator:
             # event there so the copying threads wait for it (and not for later work).
             op.cuda_event = torch.cuda.Event()
             op.cuda_event.record()
-        self._router_q.put(op)
+        self._enqueue(0, self._router_q, op)
         return handle
 
     def irecv(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> RecvHandle:
@@ -377,6 +377,9 @@ class Communicator:
             s[f"messages_{direction}"] += 1
             s[f"bytes_{direction}"] += nbytes
 
+    def _thread(self, name: str, loop: Callable[[], None]) -> threading.Thread:
+        return threading.Thread(target=self._guard(loop), name=f"smp-comm-{name}", daemon=True)
+
     def _guard(self, loop: Callable[[], None]) -> Callable[[], None]:
         """Run a thread loop; if it dies, fail every waiter instead of leaving it hanging."""
 
@@ -407,8 +410,9 @@ class Communicator:
             self._open_sends.discard(op.handle)
 
     def _track(self, requests: list[MPI.Request], on_done: Callable[[], None]) -> None:
+        # No wake-up: the tracker polls within 1 ms anyway, and a thread waiting on the
+        # handle polls at once (waking the tracker would only contend for the GIL).
         self._track_q.put(_Tracked(requests, on_done))
-        self._wake.set()
 
     def _post_header(self, op: _Send, header: tuple[Any, ...], extra: list[MPI.Request]) -> None:
         """Send the header (and any payload requests already posted) and track them all."""
@@ -419,18 +423,13 @@ class Communicator:
 
     # ------------------------------------------------------------------ send side threads
 
-    def _router_loop(self) -> None:
-        while (op := self._router_q.get()) is not _STOP:
+    def _serve(self, i: int, q: queue.SimpleQueue[Any], handle: Callable[[Any], None]) -> None:
+        """Thread body: hand each queued message to ``handle`` until the stop sentinel."""
+        while (item := q.get()) is not _STOP:
             try:
-                self._route(op)
-            except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable object
-                self._send_done(
-                    op,
-                    0,
-                    CommError(
-                        f"smp-comm rank {self.rank}: cannot send to rank {op.dest} (tag {op.tag}): {exc!r}"
-                    ),
-                )
+                handle(item)
+            finally:
+                self._working[i] -= 1
 
     def _route(self, op: _Send) -> None:
         packed = op.packed
@@ -441,52 +440,48 @@ class Communicator:
             region = self._paths.reserve(path, op.dest, packed.region_bytes)
             if region is not None:
                 op.path, op.region = path, region
-                self._direct_q.put(op)
+                self._enqueue(1, self._direct_q, op)
                 return
         if candidates:
             with self._stats_lock:
                 self._fallbacks += 1
         op.path = "mpi"
-        self._requester_q.put(op)
+        self._enqueue(2, self._requester_q, op)
 
-    def _direct_loop(self) -> None:
-        while (op := self._direct_q.get()) is not _STOP:
-            assert op.packed is not None
+    def _direct_send(self, op: _Send) -> None:
+        assert op.packed is not None
+        if op.cuda_event is not None:
+            op.cuda_event.synchronize()
+        try:
+            self._paths.write(op.path, op.dest, op.region, op.packed)
+        except Exception:  # noqa: BLE001 - the MPI path still delivers it
+            self._paths.release(op.path, op.dest, op.region)
+            op.path, op.region = "mpi", -1
+            with self._stats_lock:
+                self._fallbacks += 1
+            self._enqueue(2, self._requester_q, op)
+            return
+        p = op.packed
+        header = (op.msg_id, op.tag, op.path, op.region, p.skeleton, p.stubs, None)
+        self._post_header(op, header, [])
+
+    def _mpi_send(self, op: _Send) -> None:
+        p = op.packed
+        assert p is not None
+        if any(p.on_gpu()):
             if op.cuda_event is not None:
                 op.cuda_event.synchronize()
-            try:
-                self._paths.write(op.path, op.dest, op.region, op.packed)
-            except Exception:  # noqa: BLE001 - the MPI path still delivers it
-                self._paths.release(op.path, op.dest, op.region)
-                op.path, op.region = "mpi", -1
-                with self._stats_lock:
-                    self._fallbacks += 1
-                self._requester_q.put(op)
-                continue
-            p = op.packed
-            header = (op.msg_id, op.tag, op.path, op.region, p.skeleton, p.stubs, None)
-            self._post_header(op, header, [])
-
-    def _requester_loop(self) -> None:
-        while (op := self._requester_q.get()) is not _STOP:
-            p = op.packed
-            assert p is not None
-            if any(p.on_gpu()):
-                if op.cuda_event is not None:
-                    op.cuda_event.synchronize()
-                # Host staging (CommPreprocessing): MPI reads host memory only.
-                p.sources = [
-                    s.cpu().numpy() if not isinstance(s, np.ndarray) else s for s in p.sources
-                ]
-            header = (op.msg_id, op.tag, "mpi", -1, p.skeleton, p.stubs, None)
-            data_tag = op.msg_id % (self._tag_ub + 1)
-            # Header first, then payloads: the receiver posts matching Irecvs on the header.
-            reqs = [
-                self._dc.Isend([src, MPI.BYTE], dest=op.dest, tag=data_tag)
-                for src in p.sources
-                if src.size
-            ]
-            self._post_header(op, header, reqs)
+            # Host staging (CommPreprocessing): MPI reads host memory only.
+            p.sources = [s.cpu().numpy() if not isinstance(s, np.ndarray) else s for s in p.sources]
+        header = (op.msg_id, op.tag, "mpi", -1, p.skeleton, p.stubs, None)
+        data_tag = op.msg_id % (self._tag_ub + 1)
+        # Header first, then payloads: the receiver posts matching Irecvs on the header.
+        reqs = [
+            self._dc.Isend([src, MPI.BYTE], dest=op.dest, tag=data_tag)
+            for src in p.sources
+            if src.size
+        ]
+        self._post_header(op, header, reqs)
 
     # ------------------------------------------------------------------ tracker
 
@@ -530,7 +525,10 @@ class Communicator:
         return busy
 
     def _tracker_loop(self) -> None:
-        last_event = time.monotonic()
+        # No busy spinning here: a thread that keeps dropping and retaking the GIL starves
+        # the others (CPython hands the GIL over only on request). Threads blocked in
+        # wait() spin instead, briefly; the tracker sleeps between rounds, 20 us doubling
+        # up to 1 ms while idle, and local work wakes it at once.
         sleep = 0.0
         while not (self._tracker_stop.is_set() and not self._active):
             if self._spinners:
@@ -540,17 +538,13 @@ class Communicator:
                 continue
             with self._progress_lock:
                 busy = self._poll_once()
-            now = time.monotonic()
             if busy:
-                last_event, sleep = now, 0.0
-            elif now - last_event < self.settings.poll_spin:
-                time.sleep(0)  # yield the GIL, keep polling
-            else:
-                # Idle: back off up to 1 ms; new local work wakes us at once.
-                sleep = min(1e-3, max(2e-5, sleep * 2))
-                if self._wake.wait(sleep):
-                    self._wake.clear()
-                    last_event = time.monotonic()
+                sleep = 0.0
+                continue
+            sleep = min(1e-3, max(2e-5, sleep * 2))
+            if self._wake.wait(sleep):
+                self._wake.clear()
+                sleep = 0.0
 
     def _wait(self, event: threading.Event, timeout: float | None) -> bool:
         """Block until ``event`` is set or ``timeout`` passes.
@@ -573,6 +567,11 @@ class Communicator:
                     return event.is_set()
                 if now >= spin_until or self._closed:
                     break
+                if any(self._working):
+                    # Backend threads have work: sleep instead of spinning, or this thread
+                    # would keep taking the GIL from them.
+                    event.wait(2e-4)
+                    continue
                 if not self._progress_lock.acquire(blocking=False):
                     event.wait(5e-5)  # another thread is polling; check back shortly
                     continue
@@ -648,9 +647,20 @@ class Communicator:
                     for s in inc.stubs
                     if s.nbytes
                 ]
-            self._track(reqs, lambda: self._post_q.put(inc))
+            self._track(reqs, lambda: self._to_postproc(inc))
+        elif inc.path == "mpi":
+            self._finish(inc)  # inline payload: cheap, no thread hand-off
         else:
-            self._post_q.put(inc)
+            self._to_postproc(inc)
+
+    def _to_postproc(self, inc: _Incoming) -> None:
+        self._enqueue(3, self._post_q, inc)
+
+    def _enqueue(self, i: int, q: queue.SimpleQueue[Any], item: Any) -> None:
+        # _working[i] counts items queued for thread i (approximate: GIL-atomic enough
+        # for its only use, deciding whether a waiter may spin).
+        self._working[i] += 1
+        q.put(item)
 
     def _on_bye(self, source: int) -> None:
         """``source`` closed: it will send nothing more, so fail receives that need it."""
@@ -666,10 +676,6 @@ class Communicator:
             self._posted = keep
 
     # ------------------------------------------------------------------ receive side
-
-    def _postproc_loop(self) -> None:
-        while (inc := self._post_q.get()) is not _STOP:
-            self._finish(inc)
 
     def _finish(self, inc: _Incoming) -> None:
         try:
