@@ -100,7 +100,9 @@ def expected_costs(graph: ModuleGraph, alpha: float) -> dict[str, float]:
         comp = {k: 1.0 for k in comp}
     psi, w = sum(comp.values()), sum(mem.values())
     return {
-        k: alpha * (mem[k] / w if w else comp[k] / psi) + (1 - alpha) * comp[k] / psi for k in mods
+        # fractions first: with subnormal times, (1 - alpha) * t would round before dividing
+        k: alpha * (mem[k] / w if w else comp[k] / psi) + (1 - alpha) * (comp[k] / psi)
+        for k in mods
     }
 
 

@@ -188,6 +188,11 @@ class ModuleGraph:
             raise GraphError(f"module {_label(missing[0])} is not reachable from the root{more}")
 
     # ------------------------------------------------------------------ access
+    def __repr__(self) -> str:
+        if len(self._modules) > 50:
+            return f"<ModuleGraph of {len(self._modules)} modules>"
+        return f"ModuleGraph({list(self._modules)!r})"
+
     @property
     def modules(self) -> tuple[Module, ...]:
         """All modules, in the order they were given."""
