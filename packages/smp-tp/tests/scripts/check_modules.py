@@ -106,10 +106,6 @@ builders = {
 }
 
 
-class CrossWrap(nn.Module):  # the cross layer takes (hidden, mask, cross) positionally
-    pass
-
-
 for prescaled in (False, True):
     for optimize in ("speed", "memory"):
         for name, (build, inputs) in builders.items():
@@ -210,7 +206,6 @@ def parallelize_plain(prescaled: bool) -> None:
     plain = nn.Sequential(nn.Embedding(40, H), nn.Linear(H, 2 * H), nn.ReLU(), nn.LayerNorm(2 * H),
                           nn.Linear(2 * H, 8))
     plain.load_state_dict(model.state_dict())
-    model[1].weight.data.mul_(1.0)
     smp_tp.parallelize(model, prescaled_batch=prescaled)
     kinds = [type(m).__name__ for m in model]
     assert kinds == ["DistributedEmbedding", "DistributedLinear", "ReLU", "DistributedLayerNorm",
