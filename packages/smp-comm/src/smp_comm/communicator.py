@@ -137,9 +137,9 @@ class Communicator:
         )
         # Collective set-up, in the same order on every rank: private communicators for
         # control messages and for MPI-path payloads, then the persistent direct buffers.
-        self._cc: MPI.Intracomm = base.Dup()
-        self._dc: MPI.Intracomm = base.Dup()
-        self._tag_ub: int = int(self._cc.Get_attr(MPI.TAG_UB))
+        self._cc: MPI.Intracomm = base.Dup()  # type: ignore[assignment]
+        self._dc: MPI.Intracomm = base.Dup()  # type: ignore[assignment]
+        self._tag_ub: int = int(self._cc.Get_attr(MPI.TAG_UB))  # type: ignore[arg-type]
         self._paths = DirectPaths(self._cc, self.settings)
 
         self._closing = False
@@ -176,6 +176,7 @@ class Communicator:
         self._free_q: queue.SimpleQueue[tuple[str, int, int]] = queue.SimpleQueue()
         self._status = MPI.Status()
         self._working = [0, 0, 0, 0]  # queued items: router, direct, requester, postproc
+        self._working_lock = threading.Lock()
         self._drained = False  # set by close() once this rank sends no more FREEs
         self._spinners = 0  # threads inside _wait's polling phase (under _spin_lock)
         self._spin_lock = threading.Lock()
@@ -393,8 +394,8 @@ class Communicator:
                     for h in self._posted:
                         h._complete(error=err)
                     self._posted.clear()
-                    for h in list(self._open_sends):
-                        h._complete(error=err)
+                    for sh in list(self._open_sends):
+                        sh._complete(error=err)
                     for inc in self._live_incs.values():
                         if inc.handle is not None:
                             inc.handle._complete(error=err)
@@ -429,7 +430,8 @@ class Communicator:
             try:
                 handle(item)
             finally:
-                self._working[i] -= 1
+                with self._working_lock:
+                    self._working[i] -= 1
 
     def _route(self, op: _Send) -> None:
         packed = op.packed
@@ -657,9 +659,10 @@ class Communicator:
         self._enqueue(3, self._post_q, inc)
 
     def _enqueue(self, i: int, q: queue.SimpleQueue[Any], item: Any) -> None:
-        # _working[i] counts items queued for thread i (approximate: GIL-atomic enough
-        # for its only use, deciding whether a waiter may spin).
-        self._working[i] += 1
+        # _working[i] counts items queued for or being handled by thread i; a waiter spins
+        # only while all are zero.
+        with self._working_lock:
+            self._working[i] += 1
         q.put(item)
 
     def _on_bye(self, source: int) -> None:

@@ -168,7 +168,7 @@ class DirectPaths:
         self._rma_own: np.ndarray | None = None
         if any(host_size(r, "rma") for r in range(size)):
             self._rma_win = MPI.Win.Allocate(host_size(rank, "rma"), 1, comm=cc)
-            self._rma_own = np.frombuffer(self._rma_win.tomemory(), dtype=np.uint8)
+            self._rma_own = np.frombuffer(self._rma_win.tomemory(), dtype=np.uint8)  # type: ignore[call-overload]
 
         # cuda_ipc: a GPU buffer per rank, IPC handles exchanged once on the node.
         self._gpu_own: Any = None
@@ -295,8 +295,9 @@ class DirectPaths:
             for s, v in zip(stubs, views):
                 v[:] = own[region + s.offset : region + s.offset + s.nbytes]
         else:
-            win, own = self._rma_win, self._rma_own
-            assert win is not None and own is not None
+            win, rma_own = self._rma_win, self._rma_own
+            assert win is not None and rma_own is not None
+            own = rma_own
             win.Lock(self.rank, MPI.LOCK_SHARED)
             for s, v in zip(stubs, views):
                 v[:] = own[region + s.offset : region + s.offset + s.nbytes]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,6 +124,7 @@ class _Pickler(pickle.Pickler):
         self._keep: list[Any] = []  # keeps id()s unique while pickling
 
     def persistent_id(self, obj: Any) -> int | None:
+        make: Callable[[Any], tuple[TensorStub, Any]]
         if isinstance(obj, np.ndarray):
             if obj.dtype.hasobject or obj.dtype.itemsize == 0:
                 return None  # object arrays have no raw bytes to move: pickle them whole
