@@ -36,6 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--placement", default="cluster")
     p.add_argument("--prescaled", action="store_true", help="prescaled_batch (Megatron mode)")
     p.add_argument("--shard-optimizer", action="store_true", help="shard_optimizer_state")
+    p.add_argument("--memory-weight", type=float, default=0.8, help="partitioner alpha")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
     p.add_argument("--seq", type=int, default=64)
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
         "placement_strategy": args.placement,
         "prescaled_batch": args.prescaled,
         "shard_optimizer_state": args.shard_optimizer,
+        "memory_weight": args.memory_weight,
         "timeline": os.path.join(args.out, "timeline") if args.timeline and args.pp > 1 else None,
     }
     smp.init(config)

@@ -1,0 +1,200 @@
+"""End-to-end: the GPT example pipelined over 2 CPU processes vs one process, and vs
+``torch.distributed.pipelining`` on the same model.
+
+Run: python benchmarks/bench_gpt.py      (spawns the workers itself; ~1-2 minutes)
+
+Every process uses one thread (``torch.set_num_threads(1)``), so two processes have twice the
+compute of one. Three runs train the same GPT (examples/gpt/model.py: 8 blocks, width 128,
+64-character windows, global batch 32) for a few steps after a warm-up:
+
+- one process, plain PyTorch on the whole batch;
+- smp, ``pipeline_parallel_degree=2`` on 2 processes, 8 microbatches, automatic partition;
+- ``torch.distributed.pipelining`` (``Schedule1F1B``, 8 microbatches) with the model cut by
+  hand into the same two halves (embeddings + 4 blocks | 4 blocks + head; the head gets its
+  own copy of the tied embedding, which does not change the work).
+
+Runs alternate (2 rounds, best of each kind) so that other load on the machine affects every
+kind alike. Prints one line: tokens/s of each and the ratios smp/one process (ideal 2x, less the bubble
+(p-1)/(m+p-1) = 1/9) and smp/torch.pipelining.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, os.path.join(ROOT, "examples", "gpt"))
+
+DIM, LAYERS, HEADS, SEQ, BATCH, MB = 128, 8, 4, 64, 32, 8
+WARMUP, STEPS = 2, 6
+ROUNDS = int(os.environ.get("BENCH_GPT_ROUNDS", "2"))
+
+
+def _setup():  # type: ignore[no-untyped-def]
+    import common
+    import torch
+    from model import build_gpt
+
+    torch.set_num_threads(1)
+    corpus = common.CharCorpus()
+    torch.manual_seed(0)
+    return torch, corpus, build_gpt(corpus.vocab_size, SEQ, DIM, HEADS, LAYERS, False)
+
+
+def _rate(times: list[float]) -> float:
+    return BATCH * SEQ * len(times) / sum(times)
+
+
+def single() -> dict:
+    torch, corpus, model = _setup()
+    from model import lm_loss
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    times = []
+    for step in range(WARMUP + STEPS):
+        x, y = corpus.batch(step, BATCH, SEQ)
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        lm_loss(model(x), y).backward()
+        opt.step()
+        if step >= WARMUP:
+            times.append(time.perf_counter() - t0)
+    return {"tokens_per_s": _rate(times)}
+
+
+def smp_pp2() -> dict:
+    torch, corpus, net = _setup()
+    import smp_torch as smp
+    from model import lm_loss
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": MB})
+    model = smp.DistributedModel(net)
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+    @smp.step
+    def train_step(x, y):  # type: ignore[no-untyped-def]
+        loss = lm_loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    times = []
+    for step in range(WARMUP + STEPS):
+        x, y = corpus.batch(step, BATCH, SEQ)
+        smp.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        train_step(x, y)
+        opt.step()
+        if step >= WARMUP:
+            times.append(time.perf_counter() - t0)
+    return {"tokens_per_s": _rate(times), "rank": smp.rank()}
+
+
+def torch_pipelining() -> dict:
+    torch, corpus, net = _setup()
+    import copy
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from mpi4py import MPI
+    from smp_torch.bootstrap import init_torch_distributed
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    init_torch_distributed(MPI.COMM_WORLD, 120.0)
+    rank = dist.get_rank()
+    half = LAYERS // 2
+
+    class First(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte, self.wpe = net.wte, net.wpe
+            self.blocks = nn.ModuleList(net.blocks[:half])
+
+        def forward(self, idx):  # type: ignore[no-untyped-def]
+            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    class Second(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(net.blocks[half:])
+            self.ln_f = net.ln_f
+            self.head = nn.Linear(DIM, net.head.out_features, bias=False)
+            self.head.weight = nn.Parameter(copy.deepcopy(net.wte.weight.detach()))
+
+        def forward(self, x):  # type: ignore[no-untyped-def]
+            for b in self.blocks:
+                x = b(x)
+            return self.head(self.ln_f(x))
+
+    mod = First() if rank == 0 else Second()
+    stage = PipelineStage(mod, rank, 2, torch.device("cpu"))
+
+    def loss_fn(logits, y):  # type: ignore[no-untyped-def]
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    sched = Schedule1F1B(stage, n_microbatches=MB, loss_fn=loss_fn)
+    opt = torch.optim.AdamW(mod.parameters(), lr=1e-3)
+    times = []
+    for step in range(WARMUP + STEPS):
+        x, y = corpus.batch(step, BATCH, SEQ)
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        if rank == 0:
+            sched.step(x)
+        else:
+            sched.step(target=y)
+        opt.step()
+        if step >= WARMUP:
+            times.append(time.perf_counter() - t0)
+    dist.destroy_process_group()
+    return {"tokens_per_s": _rate(times), "rank": rank}
+
+
+def _launch(kind: str, nprocs: int) -> float:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("SMP_CONFIG", None)
+    if nprocs == 1:
+        cmd = [sys.executable, __file__, "--worker", kind]
+    else:
+        local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+        mpiexec = local if os.access(local, os.X_OK) else "mpiexec"
+        cmd = [mpiexec, "-n", str(nprocs), sys.executable, __file__, "--worker", kind]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise SystemExit(f"bench_gpt: {kind} failed:\n{out.stdout}\n{out.stderr}")
+    results = [json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    return min(r["tokens_per_s"] for r in results)
+
+
+def main() -> None:
+    if "--worker" in sys.argv:
+        kind = sys.argv[sys.argv.index("--worker") + 1]
+        result = {"single": single, "smp": smp_pp2, "torchpp": torch_pipelining}[kind]()
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+    # Interleaved rounds, best of each: other load on the machine hits every kind alike.
+    best = {"single": 0.0, "smp": 0.0, "torchpp": 0.0}
+    for _ in range(ROUNDS):
+        for kind, n in (("single", 1), ("smp", 2), ("torchpp", 2)):
+            best[kind] = max(best[kind], _launch(kind, n))
+    one, smp_rate, tpp = best["single"], best["smp"], best["torchpp"]
+    print(
+        f"bench_gpt: GPT {LAYERS}x{DIM}, batch {BATCH}x{SEQ}, {MB} microbatches, 1 thread/process: "
+        f"one process {one:,.0f} tok/s; smp pp=2 {smp_rate:,.0f} tok/s "
+        f"({smp_rate / one:.2f}x one process, ideal {2 * MB / (MB + 1):.2f}x); "
+        f"torch.distributed.pipelining 1F1B {tpp:,.0f} tok/s (smp/torch {smp_rate / tpp:.2f}x)"
+    )
+
+
+if __name__ == "__main__":
+    main()
