@@ -13,6 +13,7 @@ from smp_partition.result import PartitionResult
 from smp_partition.tree import NodeTree, build_tree
 
 METHODS = ("default", "paper")
+MAX_DEVICES = 1 << 20
 
 
 def _check_args(graph: object, num_devices: object, alpha: object, method: object) -> None:
@@ -20,6 +21,9 @@ def _check_args(graph: object, num_devices: object, alpha: object, method: objec
         raise PartitionError(f"graph must be a ModuleGraph, got {type(graph).__name__}")
     if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
         raise PartitionError(f"num_devices must be an integer >= 1, got {num_devices!r}")
+    if num_devices > MAX_DEVICES:
+        # Per-device lists are materialised; a typo like 10**9 should fail, not swap.
+        raise PartitionError(f"num_devices must be at most {MAX_DEVICES}, got {num_devices}")
     if (
         isinstance(alpha, bool)
         or not isinstance(alpha, (int, float))
