@@ -93,8 +93,9 @@ def materialize_meta(module: nn.Module, device: torch.device, seed: int) -> None
         torch.manual_seed(seed)
         for m in metas:
             m.to_empty(device=device, recurse=False)
-            if hasattr(m, "reset_parameters"):
-                m.reset_parameters()
+            reset = getattr(m, "reset_parameters", None)
+            if callable(reset):
+                reset()
 
 
 def _checkpoint_groups(children: list[nn.Module], strategy: str) -> list[list[nn.Module]]:

@@ -116,14 +116,14 @@ class DistributedOptimizer:
     def _broadcast_owned(self) -> None:
         s = state()
         # Fixed order on every rank: by group kind, then owner, then parameter order.
-        batches: dict[tuple[str, int], list[torch.Tensor]] = {}
+        batches: dict[tuple[str, int], list[torch.nn.Parameter]] = {}
         for _, p in self.model.named_parameters():
             if id(p) in self._owner:
                 batches.setdefault(self._owner[id(p)], []).append(p)
         for (kind, owner), params in sorted(batches.items()):
             if len(s.groups[kind]) == 1:
                 continue
-            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
             for p in params:
                 by_dtype.setdefault(p.dtype, []).append(p)
             for _, ps in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):

@@ -38,9 +38,8 @@ __all__ = ["PipelineBinding", "static_assignment"]
 
 
 def _marks(module: nn.Module, default: int) -> dict[str, int]:
-    marks: dict[str, int] = {
-        "": get_partition_mark(module) if get_partition_mark(module) is not None else default
-    }
+    root = get_partition_mark(module)
+    marks: dict[str, int] = {"": root if root is not None else default}
     for name, m in module.named_modules():
         mark = get_partition_mark(m)
         if name and mark is not None:
@@ -316,7 +315,7 @@ class PipelineBinding:
                 from smp_partition import ModuleGraph, partition
 
                 try:
-                    mgraph = ModuleGraph.from_dict(fix_container_times(graph))
+                    mgraph = ModuleGraph.from_dict(fix_container_times(graph or {"modules": []}))
                     result = partition(mgraph, num_devices=cfg.pp, alpha=cfg.memory_weight)
                     self.partition_report = (mgraph, result)
                     found = {str(k): int(v) for k, v in result.assignment.items()}

@@ -132,6 +132,7 @@ def optimizer_state_from_full(
         hyper = {k: v for k, v in g.items() if k != "params"}
         for name in g["params"]:
             hyper_by_full[name] = hyper
+    named: dict[str, dict[str, Any]]
     if cfg.tp == 1:
         named = {n: dict(full_state[n]) for n in params if n in full_state}
         hyper = {n: hyper_by_full[n] for n in params if n in hyper_by_full}
@@ -154,7 +155,7 @@ def optimizer_state_from_full(
     param_keys = set(model._full_param_names())
     current = tp_glue.full_state_dict(model.module, cfg.tp)
     buffers = {k: v for k, v in current.items() if k not in param_keys}
-    named: dict[str, dict[str, Any]] = {}
+    named = {}
     for key in tensor_keys:
         sd = dict(buffers)
         for fname, st in full_state.items():

@@ -34,7 +34,7 @@ def tree_map(fn: Callable[[Any], Any], obj: Any) -> Any:
         return type(obj)(tree_map(fn, x) for x in obj)
     if isinstance(obj, Mapping) and not isinstance(obj, torch.Tensor):
         try:
-            return type(obj)({k: tree_map(fn, v) for k, v in obj.items()})
+            return type(obj)({k: tree_map(fn, v) for k, v in obj.items()})  # type: ignore[call-arg]
         except TypeError:
             return {k: tree_map(fn, v) for k, v in obj.items()}
     if is_dataclass(obj) and not isinstance(obj, type):
@@ -67,7 +67,10 @@ def _split_tree(obj: Any, n: int, axis: int, where: str) -> list[Any]:
         return len(leaves) - 1
 
     skeleton = tree_map(collect, obj)
-    return [tree_map(lambda i, m=m: leaves[i][m], skeleton) for m in range(n)]
+    def pick(m: int) -> Any:
+        return tree_map(lambda i: leaves[i][m], skeleton)
+
+    return [pick(m) for m in range(n)]
 
 
 def split_inputs(
