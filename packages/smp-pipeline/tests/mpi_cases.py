@@ -341,11 +341,122 @@ def suite_failures(comm):
     os._exit(0)  # the stalled worker thread is still asleep; exit without waiting for it
 
 
+def suite_tp(comm):
+    """pp=2 x 2 tensor-parallel peers: collectives inside modules need the order channel.
+
+    Pipelines {0,1} and {2,3}; TP groups {0,2} and {1,3} (leaders 0 and 1). Stage 1 runs a
+    gloo all_reduce in forward and in backward whose value is the microbatch id, so peers at
+    different microbatches would fail the check (or hang and time out). Stage 0 sleeps a
+    random time per call (different per pipeline) to scramble the natural order.
+    """
+    import random
+
+    import torch.distributed as dist
+    from smp_pipeline import OrderChannel, device_work
+
+    rank = comm.rank
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29631")
+    dist.init_process_group("gloo", rank=rank, world_size=4)
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    pp_rank, pipeline = rank % 2, rank // 2
+    tp_group = groups[pp_rank]
+    rng = random.Random(100 + rank)
+
+    class Jitter(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # type: ignore[override]
+            with device_work():
+                time.sleep(rng.uniform(0.0, 0.01))
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):  # type: ignore[override]
+            with device_work():
+                time.sleep(rng.uniform(0.0, 0.01))
+            return g
+
+    class CheckedAllReduce(torch.autograd.Function):
+        """Identity; forward and backward all-reduce the microbatch id and check it."""
+
+        @staticmethod
+        def forward(ctx, x, mb_id):  # type: ignore[override]
+            ctx.mb_id = mb_id
+            t = mb_id.clone()
+            dist.all_reduce(t, group=tp_group)
+            assert torch.equal(t, 2 * mb_id), f"forward collective mismatch {t} vs {mb_id}"
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):  # type: ignore[override]
+            t = ctx.mb_id.clone()
+            dist.all_reduce(t, group=tp_group)
+            assert torch.equal(t, 2 * ctx.mb_id), f"backward collective mismatch {t}"
+            return g, None
+
+    class S0(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return Jitter.apply(torch.tanh(self.lin(x)))
+
+    class S1(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 1)
+
+        def forward(self, h, mb_id):
+            return CheckedAllReduce.apply(self.lin(h), mb_id)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.s0 = S0()
+            self.s1 = S1()
+
+        def forward(self, x, mb_id):
+            return self.s1(self.s0(x), mb_id)
+
+    leader = pp_rank  # world rank of this stage's pipeline-0 peer
+    for case, (schedule, m) in enumerate((("interleaved", 4), ("simple", 4), ("interleaved", 8))):
+        channel = OrderChannel(comm, leader=leader, followers=[leader + 2], tag=7360 + 2 * case + pp_rank)
+        torch.manual_seed(7)
+        model = Net()
+        ref = copy.deepcopy(model)
+        g = torch.Generator().manual_seed(pipeline)
+        x, y = torch.randn(2 * m, 8, generator=g), torch.randn(2 * m, 1, generator=g)
+        ids = torch.arange(m, dtype=torch.float32).repeat_interleave(2)
+        rt = PipelineRuntime(model, comm, pp_rank, 2, comm_ranks=[2 * pipeline, 2 * pipeline + 1],
+                             assignment={"s1": 1}, schedule=schedule, tag=next_tag() + 1000 * pipeline,
+                             timeout_s=30, order_channel=channel)
+
+        def step(x, y, ids, model=model, rt=rt):
+            loss = F.mse_loss(model(x, ids[0]), y)
+            rt.backward(loss)
+            return loss
+
+        for _ in range(2):
+            outs = rt.run_step(step, (x, y, ids), num_microbatches=m)
+        F.mse_loss(torch.cat([ref.s1.lin(torch.tanh(ref.s0.lin(c))) for c in x.chunk(m)]), y).backward()
+        close(torch.stack(outs).mean(), F.mse_loss(ref.s1.lin(torch.tanh(ref.s0.lin(x))), y), "tp loss")
+        refp = dict(ref.named_parameters())
+        for n, p in rt.named_local_parameters():
+            close(p.grad, 2 * refp[n].grad, f"tp grad {n}")  # two identical steps accumulated
+        rt.close()
+        channel.close()
+        if rank == 0:
+            print(f"CASE-OK tp-{schedule}-m{m}", flush=True)
+    dist.destroy_process_group()
+
+
 def main() -> None:
     comm = Communicator(MPI.COMM_WORLD)
     suite = sys.argv[1]
     t0 = time.monotonic()
-    {"pp2": suite_pp2, "pp4": suite_pp4, "failures": suite_failures}[suite](comm)
+    suites = {"pp2": suite_pp2, "pp4": suite_pp4, "failures": suite_failures, "tp": suite_tp}
+    suites[suite](comm)
     if comm.rank == 0:
         print(f"SUITE-OK {suite} in {time.monotonic() - t0:.1f}s", flush=True)
     comm.close()

@@ -48,3 +48,11 @@ def test_errors_and_timeouts_reach_every_rank() -> None:
         assert f"ERROR-OK rank {rank}" in out, out
         assert f"TIMEOUT-OK rank {rank}" in out, out
     assert "waited more than 1.5s for the forward of module 'inner' (microbatch 0)" in out
+
+
+@pytest.mark.timeout(180)
+def test_tensor_parallel_order_channel() -> None:
+    """pp=2 x tp=2: collectives inside stage modules stay matched across pipelines."""
+    port = str(29000 + os.getpid() % 2000)
+    out = run_mpi([SCRIPT, "tp"], 4, timeout=160, env={**ENV, "MASTER_PORT": port})
+    assert {"tp-interleaved-m4", "tp-simple-m4", "tp-interleaved-m8"} <= set(_cases(out)), out

@@ -8,6 +8,7 @@ from smp_pipeline.errors import (
     PipelineTimeoutError,
 )
 from smp_pipeline.microbatch import split_microbatches
+from smp_pipeline.order import OrderChannel
 from smp_pipeline.runtime import PipelineRuntime
 from smp_pipeline.schedule import Scheduler
 from smp_pipeline.server import device_work
@@ -15,6 +16,7 @@ from smp_pipeline.trace import trace, trace_dict
 from smp_pipeline.tracing import plot_timeline, to_chrome_trace, write_chrome_trace
 
 __all__ = [
+    "OrderChannel",
     "PipelineConfigError",
     "PipelineError",
     "PipelineRemoteError",

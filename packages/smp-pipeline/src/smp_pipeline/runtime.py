@@ -25,6 +25,7 @@ from smp_pipeline.checkpointing import (
 )
 from smp_pipeline.errors import PipelineConfigError, PipelineError
 from smp_pipeline.microbatch import split_microbatches
+from smp_pipeline.order import OrderChannel
 from smp_pipeline.schedule import Scheduler, ScheduleSpec
 from smp_pipeline.server import ExecutionServer
 from smp_pipeline.state import capture
@@ -53,6 +54,8 @@ class PipelineRuntime:
         timeline: record every task span for :meth:`write_timeline`.
         tag: the message tag (the runtime also uses ``tag + 1`` for setup collectives).
         trace_device: device for the automatic-partition trace (``"meta"``: no times).
+        order_channel: tensor-parallel ordering (see :mod:`smp_pipeline.order`): on the
+            leader, every task start is published; followers start tasks in that order.
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class PipelineRuntime:
         timeline: bool = False,
         tag: int = DEFAULT_TAG,
         trace_device: str | None = None,
+        order_channel: OrderChannel | None = None,
     ) -> None:
         if not 0 <= pp_rank < pp_size:
             raise PipelineConfigError(f"pp_rank {pp_rank} outside 0..{pp_size - 1}")
@@ -103,7 +107,9 @@ class PipelineRuntime:
             timeout_s,
             self._execute_owned,
             record_timeline=timeline,
+            order=order_channel,
         )
+        self.order_channel = order_channel
         if assignment is not None:
             self.set_assignment(assignment)
 
@@ -396,3 +402,5 @@ class PipelineRuntime:
     def close(self) -> None:
         """Stop the server's threads (idempotent). Does not close the communicator."""
         self.server.close()
+        if self.order_channel is not None:
+            self.order_channel.close()

@@ -63,6 +63,17 @@ class Scheduler:
         self.in_flight.discard(mb)
         self.completed.add(mb)
 
+    def take(self, mb: int, phase: Phase) -> None:
+        """Record an action decided elsewhere (a tensor-parallel leader's choice)."""
+        if phase == "forward":
+            self.next_forward = max(self.next_forward, mb + 1)
+            self.in_flight.add(mb)
+            self.running_forward.add(mb)
+        else:
+            if mb in self.ready:
+                self.ready.remove(mb)
+            self.backward_started.add(mb)
+
     def done(self) -> bool:
         return len(self.completed) == self.m
 

@@ -34,6 +34,7 @@ from smp_pipeline.boundary import (
 )
 from smp_pipeline.errors import PipelineError, PipelineRemoteError, PipelineTimeoutError
 from smp_pipeline.messages import flatten, pack, unflatten, unpack_leaves
+from smp_pipeline.order import OrderChannel
 from smp_pipeline.schedule import Scheduler
 from smp_pipeline.state import capture, execution_state
 from smp_pipeline.worker import DEVICE, Task, Worker, current_worker
@@ -55,6 +56,7 @@ class ExecutionServer:
         timeout_s: float,
         execute: Callable[[str, tuple[Any, ...], dict[str, Any], bool], Any],
         record_timeline: bool = False,
+        order: OrderChannel | None = None,
     ) -> None:
         self.comm = comm
         self.pp_rank = pp_rank
@@ -97,6 +99,10 @@ class ExecutionServer:
         self._returning: queue.SimpleQueue[tuple[Worker, Task, float, float]] = queue.SimpleQueue()
         self._device_active = 0
         self._device_lock = threading.Lock()
+        # Tensor-parallel ordering: grants per (step, microbatch), and the channel.
+        self.order = order
+        self._grants: dict[tuple[int, int], int] = {}
+        self.follower_start: Callable[[int, str], None] | None = None
 
 
     # ------------------------------------------------------------------ transport
@@ -188,10 +194,11 @@ class ExecutionServer:
         worker = self.waiting.pop(key)
         self.ready.append((worker, value))
 
-    def _start(self, task: Task) -> None:
+    def _start(self, task: Task, kind: str = "task") -> None:
         worker = self.idle.pop() if self.idle else self._new_worker()
         worker.task = task
         task.worker = worker
+        worker.grant_kind = kind
         self._switch(worker)
 
     def _new_worker(self) -> Worker:
@@ -203,6 +210,12 @@ class ExecutionServer:
         """Hand the token to ``worker`` and wait until it comes back."""
         task = worker.task
         assert task is not None
+        key = (task.step, task.mb)
+        index = self._grants.get(key, 0)
+        self._grants[key] = index + 1
+        if self.order is not None and self.order.is_leader:
+            self.order.publish((task.step, task.mb, worker.grant_kind, index))
+        worker.grant_kind = "task"
         self.current = task
         start = time.time()
         worker.give_token()
@@ -311,6 +324,9 @@ class ExecutionServer:
     # ------------------------------------------------------------------ serving
     def serve(self, until: Callable[[], bool], hook: Callable[[], bool] | None = None) -> None:
         """Run the main loop until ``until()``; ``hook()`` starts scheduled work (driver)."""
+        if self.order is not None and not self.order.is_leader:
+            self._serve_follower(until)
+            return
         self._last_progress = time.monotonic()
         next_check = time.monotonic() + 0.2
         while not until():
@@ -318,12 +334,7 @@ class ExecutionServer:
             if time.monotonic() > next_check:
                 self._check_timeouts()
                 next_check = time.monotonic() + 0.2
-            while not self._returning.empty():  # device work finished: resume first
-                worker, task, start, end = self._returning.get()
-                self._device_active -= 1
-                if self.record_timeline:
-                    self.events.append((self.pp_rank, task.mb, task.module, task.phase, start, end))
-                self.ready.appendleft((worker, None))
+            self._take_returning()
             if self.ready:
                 worker, value = self.ready.popleft()
                 worker.value = value
@@ -340,6 +351,72 @@ class ExecutionServer:
             msg = self._next_message(0.0005 if self._device_active else 0.05)
             if msg is not None:
                 self._handle(msg)
+
+    def _take_returning(self) -> None:
+        while not self._returning.empty():  # device work finished: resume first
+            worker, task, start, end = self._returning.get()
+            self._device_active -= 1
+            if self.record_timeline:
+                self.events.append((self.pp_rank, task.mb, task.module, task.phase, start, end))
+            self.ready.appendleft((worker, None))
+
+    def _serve_follower(self, until: Callable[[], bool]) -> None:
+        """Main loop of a tensor-parallel follower: start tasks in the leader's order."""
+        assert self.order is not None
+        self._last_progress = time.monotonic()
+        next_check = time.monotonic() + 0.2
+        while not until():
+            self.raise_if_aborted()
+            if time.monotonic() > next_check:
+                self._check_timeouts()
+                next_check = time.monotonic() + 0.2
+            self._take_returning()
+            self._poll_abort()
+            for msg in [m for m in self.inbox if m["kind"] not in _TASK_KINDS]:
+                self.inbox.remove(msg)
+                self._handle(msg)  # responses become ready wake-ups; no grant yet
+            if until():
+                return
+            want = self.order.peek()
+            if want is not None and self._grant_follower(want):
+                self.order.pop()
+                continue
+            msg = self._next_message(0.0005)
+            if msg is not None:
+                self.inbox.append(msg)
+
+    def _grant_follower(self, want: tuple[int, int, str, int]) -> bool:
+        """Start the task the leader announced, if it is ready here."""
+        step, mb, kind, index = want
+        mine = self._grants.get((step, mb), 0)
+        if index != mine:
+            self.abort(
+                "error",
+                f"pp rank {self.pp_rank}: tensor-parallel order diverged: the leader started "
+                f"task {index} of microbatch {mb} (step {step}), this rank is at task {mine}",
+            )
+        if kind == "start":
+            if self.follower_start is None:
+                return False
+            self.follower_start(mb, "forward")
+            return True
+        if kind == "admit":
+            if ("admit", step, mb) not in self.waiting or self.follower_start is None:
+                return False
+            self.follower_start(mb, "backward")  # wakes the microbatch's step task
+        for i, (worker, value) in enumerate(self.ready):
+            t = worker.task
+            if t is not None and t.step == step and t.mb == mb:
+                del self.ready[i]
+                worker.value = value
+                self._switch(worker)
+                return True
+        for msg in self.inbox:
+            if msg["kind"] in _TASK_KINDS and msg.get("step") == step and msg.get("mb") == mb:
+                self.inbox.remove(msg)
+                self._handle(msg)
+                return True
+        return False
 
     def _handle(self, msg: dict[str, Any]) -> None:
         self._last_progress = time.monotonic()
@@ -597,30 +674,41 @@ class ExecutionServer:
             self.send_all({"kind": M.MB_DONE, "step": step, "mb": task.mb})
             self.drop_microbatch(step, task.mb)
 
-        def start_next() -> bool:
-            action = scheduler.next_action()
-            if action is None:
-                return False
-            mb, phase = action
+        def start(mb: int, phase: str) -> None:
             if phase == "forward":
                 root = RootContext(step, mb)
                 self.roots[(step, mb)] = root
-                self._start(Task(run_microbatch, mb, "<step>", "forward", root, step))
+                self._start(Task(run_microbatch, mb, "<step>", "forward", root, step), "start")
             else:
                 root = self.roots[(step, mb)]
                 root.admitted = True
                 worker = self.waiting[("admit", step, mb)]
                 assert worker.task is not None
                 worker.task.phase = "backward"
+                worker.grant_kind = "admit"
                 self._wake(("admit", step, mb), None)
+
+        def start_next() -> bool:
+            action = scheduler.next_action()
+            if action is None:
+                return False
+            start(*action)
             return True
 
+        def follower_start(mb: int, phase: str) -> None:
+            scheduler.take(mb, phase)  # type: ignore[arg-type]
+            start(mb, phase)
+
+        self.follower_start = follower_start
         try:
             self.serve(scheduler.done, start_next)
             self.send_all({"kind": M.STEP_END, "step": step, "outputs": pack(outputs, False)})
             self.flush_sends()
         finally:
             self.scheduler = None
+            self.follower_start = None
+            if self.order is not None and self.order.is_leader:
+                self.order.flush(self.timeout_s)
         return outputs
 
     def follow_step(self) -> list[Any]:
@@ -630,6 +718,8 @@ class ExecutionServer:
         self.serve(lambda: step in self.step_ends)
         msg = self.step_ends.pop(step)
         self.drop_step(step)
+        if self.order is not None and self.order.is_leader:
+            self.order.flush(self.timeout_s)
         self.flush_sends()
         return unflatten(msg["outputs"]["skeleton"], msg["outputs"]["tensors"])
 
@@ -650,6 +740,7 @@ class ExecutionServer:
         self.idle.clear()
 
 
+_TASK_KINDS = (M.FWD_REQ, M.BWD_REQ, M.BWD_RESP)  # messages that start a task
 _CLASS = {
     M.ABORT: 0,
     M.STEP_END: 0,

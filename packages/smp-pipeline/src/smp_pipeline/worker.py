@@ -66,6 +66,7 @@ class Worker:
         self.state = IDLE
         self.task: Task | None = None
         self.value: Any = None  # what the main loop hands over when resuming a PENDING worker
+        self.grant_kind = "task"  # how the next token grant is announced to TP followers
         self._sem = threading.Semaphore(0)
         self._thread = threading.Thread(
             target=self._loop, name=f"smp-pipeline-worker-{index}", daemon=True
