@@ -41,10 +41,9 @@ def saved_activation_bytes(model, x) -> int:
 
 
 def bench_memory(rank: int, tp: int) -> None:
+    import smp_tp
     import torch
     import torch.distributed as dist
-
-    import smp_tp
 
     cfg = dict(num_attention_heads=8, attention_head_size=32, hidden_size=256, intermediate_size=1024,
                attention_dropout_prob=0.1, hidden_dropout_prob=0.1)
@@ -65,11 +64,10 @@ def bench_memory(rank: int, tp: int) -> None:
 
 
 def bench_throughput(rank: int, tp: int) -> None:
+    import smp_tp
     import torch
     import torch.distributed as dist
     from torch import nn
-
-    import smp_tp
 
     vocab, dim, ids_per_sample, global_batch = 400_000, 64, 16, 512
 
