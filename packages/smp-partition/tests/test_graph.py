@@ -2,55 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import graph_dict, t5_like
-from smp_partition import SCHEMA, GraphError, Module, ModuleGraph
+from conftest import BAD, t5_like
+from smp_partition import GraphError, Module, ModuleGraph
 from smp_partition.tree import build_tree
-
-
-def m(name: str, children: list[str] | None = None, **extra: Any) -> dict[str, Any]:
-    return {"name": name, "type": "M", "children": children or [], "params": {}, **extra}
-
-
-def test_round_trip(tmp_path: Path) -> None:
-    g = t5_like(2)
-    again = ModuleGraph.from_dict(json.loads(json.dumps(g.to_dict())))
-    assert again.modules == g.modules
-    path = tmp_path / "g.json"
-    g.to_json(path)
-    assert ModuleGraph.from_json(path).modules == g.modules
-    assert "encoder" in g and g["encoder"].type == "Stack" and len(g) == len(g.modules)
-
-
-def test_defaults_are_optional() -> None:
-    g = ModuleGraph.from_dict({"schema": SCHEMA, "modules": [{"name": ""}]})
-    assert g[""] == Module("")
-
-
-BAD: list[tuple[str, dict[str, Any], str]] = [
-    ("schema", {"schema": "other@1", "modules": [m("")]}, "unknown schema 'other@1'"),
-    ("no schema", {"modules": [m("")]}, "unknown schema None"),
-    ("duplicate", graph_dict(m("", ["a"]), m("a"), m("a")), "duplicate module name 'a'"),
-    ("child", graph_dict(m("", ["a"]), m("a", ["ghost"])), "module 'a' lists child 'ghost'"),
-    ("cycle", graph_dict(m("", ["a"]), m("a", ["b"]), m("b", ["a"])), "cycle in children at module 'a'"),
-    ("self cycle", graph_dict(m("", ["a"]), m("a", ["a"])), "cycle in children at module 'a'"),
-    ("root cycle", graph_dict(m("", ["a"]), m("a", [""])), "cycle in children"),
-    ("negative params", graph_dict(m("", ["a"]), m("a", params={"w": -3})), "module 'a': parameter 'w' has a negative size"),
-    ("float params", graph_dict(m("", ["a"]), m("a", params={"w": 1.5})), "module 'a': parameter 'w' size must be an integer"),
-    ("negative activations", graph_dict(m("", ["a"]), m("a", activation_bytes=-1)), "module 'a': activation_bytes is negative"),
-    ("negative time", graph_dict(m("", ["a"]), m("a", forward_ms=-0.5)), "module 'a': forward_ms is negative"),
-    ("nan time", graph_dict(m("", ["a"]), m("a", forward_ms=float("nan"))), "module 'a': forward_ms must be finite"),
-    ("missing root", graph_dict(m("a")), "missing root module"),
-    ("unreachable", graph_dict(m(""), m("lost"), m("lost2")), "module 'lost' is not reachable from the root (and 1 more)"),
-    ("size clash", graph_dict(m("", ["a", "b"]), m("a", params={"w": 3}), m("b", params={"w": 4})), "module 'b': shared parameter 'w' has size 4 but 3 in module 'a'"),
-    ("modules type", {"schema": SCHEMA, "modules": {}}, "'modules' must be a list"),
-    ("name type", graph_dict({"name": 3}), "modules[0]: 'name' must be a string"),
-    ("children type", graph_dict(m("", "a")), "module '' (the root): 'children' must be a list"),
-]  # fmt: skip
 
 
 @pytest.mark.parametrize("case,data,message", BAD, ids=[b[0] for b in BAD])
