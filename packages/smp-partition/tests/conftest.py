@@ -127,21 +127,6 @@ def m(name: str, children: list[str] | None = None, **extra: Any) -> dict[str, A
     return {"name": name, "type": "M", "children": children or [], "params": {}, **extra}
 
 
-def test_round_trip(tmp_path: Path) -> None:
-    g = t5_like(2)
-    again = ModuleGraph.from_dict(json.loads(json.dumps(g.to_dict())))
-    assert again.modules == g.modules
-    path = tmp_path / "g.json"
-    g.to_json(path)
-    assert ModuleGraph.from_json(path).modules == g.modules
-    assert "encoder" in g and g["encoder"].type == "Stack" and len(g) == len(g.modules)
-
-
-def test_defaults_are_optional() -> None:
-    g = ModuleGraph.from_dict({"schema": SCHEMA, "modules": [{"name": ""}]})
-    assert g[""] == Module("")
-
-
 BAD: list[tuple[str, dict[str, Any], str]] = [
     ("schema", {"schema": "other@1", "modules": [m("")]}, "unknown schema 'other@1'"),
     ("no schema", {"modules": [m("")]}, "unknown schema None"),

@@ -11,6 +11,21 @@ from smp_partition import GraphError, Module, ModuleGraph
 from smp_partition.tree import build_tree
 
 
+def test_round_trip(tmp_path: Path) -> None:
+    g = t5_like(2)
+    again = ModuleGraph.from_dict(json.loads(json.dumps(g.to_dict())))
+    assert again.modules == g.modules
+    path = tmp_path / "g.json"
+    g.to_json(path)
+    assert ModuleGraph.from_json(path).modules == g.modules
+    assert "encoder" in g and g["encoder"].type == "Stack" and len(g) == len(g.modules)
+
+
+def test_defaults_are_optional() -> None:
+    g = ModuleGraph.from_dict({"schema": SCHEMA, "modules": [{"name": ""}]})
+    assert g[""] == Module("")
+
+
 @pytest.mark.parametrize("case,data,message", BAD, ids=[b[0] for b in BAD])
 def test_errors_name_the_fault(case: str, data: dict[str, Any], message: str) -> None:
     with pytest.raises(GraphError) as info:
