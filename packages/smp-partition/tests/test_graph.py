@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import BAD, t5_like
-from smp_partition import GraphError, Module, ModuleGraph
+from smp_partition import SCHEMA, GraphError, Module, ModuleGraph
 from smp_partition.tree import build_tree
 
 
