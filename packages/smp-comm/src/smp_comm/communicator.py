@@ -575,7 +575,8 @@ class Communicator:
                     event.wait(2e-4)
                     continue
                 if not self._progress_lock.acquire(blocking=False):
-                    event.wait(5e-5)  # another thread is polling; check back shortly
+                    # Another thread is polling (and completes our handle too if it can).
+                    event.wait(5e-4)
                     continue
                 try:
                     if self._poll_once():
