@@ -22,6 +22,7 @@ already built over the full list is trimmed to them.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -275,7 +276,8 @@ class PipelineBinding:
                     t.is_meta for t in m._buffers.values() if t is not None
                 )
                 if materialize_one:
-                    materialize(_Shallow(m), device, seed + hash(name) % 100003)
+                    # crc32, not hash(): str hashes differ between processes.
+                    materialize(_Shallow(m), device, seed + zlib.crc32(name.encode()) % 100003)
 
     @property
     def partitioned(self) -> bool:

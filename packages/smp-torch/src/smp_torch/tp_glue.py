@@ -20,7 +20,13 @@ def parallelize(
     module: nn.Module, tp_group: Any, prescaled_batch: bool, optimize: str
 ) -> nn.Module:
     """Replace the marked submodules of ``module`` by smp-tp's distributed modules."""
-    return _smp_tp().parallelize(
+    from smp_torch.state import state
+
+    tp = _smp_tp()
+    seed_fn = getattr(tp, "set_tensor_parallel_seed", None)
+    if seed_fn is not None:
+        seed_fn(state().config.tensor_parallel_seed)
+    return tp.parallelize(
         module, tp_group=tp_group, prescaled_batch=prescaled_batch, optimize=optimize
     )
 
