@@ -200,7 +200,7 @@ class PipelineRuntime:
             groups = self.plan.groups.get(path)
             if groups and owner == self.pp_rank:
                 assert isinstance(m, nn.Sequential)
-                m.forward = grouped_sequential_forward(m, groups)
+                m.forward = grouped_sequential_forward(m, groups)  # type: ignore[method-assign]
 
     def _call_remote(self, path: str, owner: int, *args: Any, **kwargs: Any) -> Any:
         return self.server.call_remote(path, owner, args, kwargs, path in self.plan.modules)

@@ -381,9 +381,9 @@ class ExecutionServer:
             if want is not None and self._grant_follower(want):
                 self.order.pop()
                 continue
-            msg = self._next_message(0.0005)
-            if msg is not None:
-                self.inbox.append(msg)
+            arrived = self._next_message(0.0005)
+            if arrived is not None:
+                self.inbox.append(arrived)
 
     def _grant_follower(self, want: tuple[int, int, str, int]) -> bool:
         """Start the task the leader announced, if it is ready here."""
