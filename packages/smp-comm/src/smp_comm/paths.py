@@ -21,10 +21,12 @@ region back with a ``FREE`` control message once it has copied the payload out; 
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import threading
 import uuid
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -161,7 +163,11 @@ class DirectPaths:
         self._shm_maps: dict[int, mmap.mmap] = {}
         self._zero_copy = settings.shm_zero_copy
         if any(host_size(r, "shm") for r in range(size)):
-            self._open_shm(host_size(rank, "shm"), local)
+            actual = self._open_shm(host_size(rank, "shm"), local)
+            for dest in self._usable["shm"]:
+                if actual[dest] != host_size(dest, "shm"):  # that rank could not get it all
+                    base, n = _slice_of(rank, dest, peers(dest, True), actual[dest])
+                    self._alloc[("shm", dest)] = RangeAllocator(base, n)
 
         # rma: one window over the whole communicator.
         self._rma_win: MPI.Win | None = None
@@ -190,23 +196,45 @@ class DirectPaths:
                     rebuild, args = h
                     self._gpu_peers[r] = rebuild(*args)
 
-    def _open_shm(self, nbytes: int, local: list[int]) -> None:
+    def _open_shm(self, nbytes: int, local: list[int]) -> dict[int, int]:
+        """Create this rank's buffer, map every node peer's; returns each one's size."""
         path = None
         if nbytes:
             path = os.path.join(_SHM_DIR, f"smp-comm-{os.getpid()}-{uuid.uuid4().hex[:12]}")
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:
-                os.ftruncate(fd, nbytes)
+                # Reserve the pages now: on a small /dev/shm (containers default to 64 MiB)
+                # a sparse file would fail later with SIGBUS on the first write past the
+                # limit. Without room, this rank receives over MPI instead.
+                try:
+                    st = os.statvfs(_SHM_DIR)
+                    if st.f_bavail * st.f_frsize < nbytes:  # don't fill it up trying
+                        raise OSError(errno.ENOSPC, f"{st.f_bavail * st.f_frsize} bytes free")
+                    os.posix_fallocate(fd, 0, nbytes)
+                except OSError as exc:
+                    warnings.warn(
+                        f"smp-comm rank {self.rank}: cannot reserve {nbytes} bytes in "
+                        f"{_SHM_DIR} ({exc}); the shm path to this rank is off",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+                    nbytes = 0
+                    os.ftruncate(fd, 0)
             finally:
                 os.close(fd)
-        names = self.node.allgather(path)
+            if not nbytes:
+                os.unlink(path)
+                path = None
+        names = self.node.allgather((path, nbytes))
+        sizes = {}
         try:
             for r in local:
-                name = names[self._node_rank[r]]
+                name, n = names[self._node_rank[r]]
+                sizes[r] = n
                 if name is not None:
                     fd = os.open(name, os.O_RDWR)
                     try:
-                        mem = mmap.mmap(fd, os.fstat(fd).st_size)
+                        mem = mmap.mmap(fd, n)
                     finally:
                         os.close(fd)
                     self._shm_maps[r] = mem
@@ -215,6 +243,7 @@ class DirectPaths:
             self.node.Barrier()  # every peer has mapped it (or failed): unlink now
             if path is not None:
                 os.unlink(path)
+        return sizes
 
     # ---------------------------------------------------------------- routing
 

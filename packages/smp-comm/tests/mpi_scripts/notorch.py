@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 
 sys.modules["torch"] = None  # makes every `import torch` raise ImportError
 
@@ -17,8 +18,18 @@ def main() -> None:
     assert serialize.torch is None, "torch must be blocked in this test"
     world = MPI.COMM_WORLD
     rank, peer = world.rank, 1 - world.rank
-    for kwargs, path in (({}, "shm"), ({"disable": "shm"}, "mpi")):
-        comm = smp_comm.Communicator(world, **kwargs)
+    configs = (
+        ({}, "shm"),
+        ({"disable": "shm"}, "mpi"),
+        # More than /dev/shm holds: a warning, then the MPI path (never SIGBUS later).
+        ({"buffer_bytes": "100000G"}, "mpi"),
+    )
+    for kwargs, path in configs:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            comm = smp_comm.Communicator(world, **kwargs)
+        big = "buffer_bytes" in kwargs
+        assert any("cannot reserve" in str(w.message) for w in caught) == big, caught
         handles = [comm.isend(make(rank, peer, t), dest=peer, tag=t) for t in range(4)]
         for t in reversed(range(4)):
             obj, src, tag = comm.irecv(peer, t).wait(timeout=60)
