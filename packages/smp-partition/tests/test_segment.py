@@ -58,13 +58,25 @@ def check_bounds(bounds: list[tuple[int, int]], n: int, k: int) -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.integers(0, 30), min_size=1, max_size=9), st.integers(1, 10))
-def test_optimal_against_brute_force(costs: list[int], k: int) -> None:
+@given(
+    st.lists(st.integers(0, 30), min_size=1, max_size=9),
+    st.integers(1, 10),
+    st.lists(st.integers(0, 5), min_size=9, max_size=9),
+)
+def test_optimal_against_brute_force(costs: list[int], k: int, penalty: list[int]) -> None:
     best = brute(costs, k)
     assert min_max_value(costs, k) == best
-    bounds = segment(costs, k)
-    check_bounds(bounds, len(costs), k)
-    assert max(sum(costs[a:b]) for a, b in bounds) == best
+    for choice in (None, penalty):
+        bounds = segment(costs, k, choice)
+        check_bounds(bounds, len(costs), k)
+        assert max(sum(costs[a:b]) for a, b in bounds) == best
+
+
+def test_penalty_picks_cheap_boundaries() -> None:
+    # optimum 4; balanced ends would be 3 and 6 or 7, the penalty asks for 4 and 8
+    costs = [1] * 10
+    cheap = [9, 9, 9, 9, 0, 9, 9, 9, 0, 9]
+    assert segment(costs, 3, cheap) == [(0, 4), (4, 8), (8, 10)]
 
 
 def test_large_against_linear_reference() -> None:

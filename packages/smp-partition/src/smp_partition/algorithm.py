@@ -64,14 +64,27 @@ def paper_assign(tree: NodeTree, subtree: Sequence[int], num_devices: int) -> li
     return device
 
 
-def chain_assign(tree: NodeTree, own: Sequence[int], num_devices: int) -> list[int]:
+def chain_assign(
+    tree: NodeTree, own: Sequence[int], num_devices: int, shallow: bool = False
+) -> list[int]:
     """Optimal contiguous split of the execution-order (pre-order) node sequence.
 
     Every node's own modules are the indivisible unit, so the bottleneck is at most
     ``1/D`` plus the largest node; devices follow execution order like pipeline stages.
+    With ``shallow``, among the optimal splits each boundary prefers to fall before a node
+    near the root (cutting a block off its ModuleList costs one edge; cutting inside a
+    block also cuts every enclosing level's later children), at some cost to the balance
+    of the pieces below the maximum.
     """
     order = tree.preorder()
-    bounds = segment([own[n] for n in order], num_devices)
+    penalty = None
+    if shallow:
+        depth = [0] * len(tree)
+        parent = tree.parent
+        for n in range(1, len(tree)):  # BFS ids: parents first
+            depth[n] = depth[parent[n]] + 1
+        penalty = [depth[n] for n in order]
+    bounds = segment([own[n] for n in order], num_devices, penalty)
     device = [0] * len(tree)
     for d, (a, b) in enumerate(bounds):
         for n in order[a:b]:

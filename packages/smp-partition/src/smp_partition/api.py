@@ -69,9 +69,10 @@ def partition(
     paper = paper_assign(tree, sub, num_devices)
     candidates = [paper]
     if method == "default" and num_devices > 1:
-        chain = chain_assign(tree, own, num_devices)
-        candidates += [refine(tree, own, paper, num_devices), chain]
-        candidates.append(refine(tree, own, chain, num_devices))
+        candidates.append(refine(tree, own, paper, num_devices))
+        for shallow in (False, True):
+            chain = chain_assign(tree, own, num_devices, shallow)
+            candidates += [chain, refine(tree, own, chain, num_devices)]
 
     node_cost = [0.0] * len(tree)
     for m, n in enumerate(module_node):

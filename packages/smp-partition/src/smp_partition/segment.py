@@ -70,7 +70,12 @@ def min_max_value(costs: Sequence[int], k: int) -> int:
     return hi
 
 
-def segment(costs: Sequence[int], k: int) -> list[tuple[int, int]]:
+_SCAN = 256
+
+
+def segment(
+    costs: Sequence[int], k: int, penalty: Sequence[int] | None = None
+) -> list[tuple[int, int]]:
     """An optimal split of ``costs`` into exactly ``min(k, len(costs))`` non-empty segments.
 
     Returns ``[(start, end), ...]`` half-open index ranges covering the sequence in order.
@@ -79,6 +84,10 @@ def segment(costs: Sequence[int], k: int) -> list[tuple[int, int]]:
     the shorter segment), among the ends that keep the rest splittable within the optimum.
     So when one heavy element sets the optimum, the other segments still share the rest
     evenly instead of some being packed to the optimum and the last ones left nearly empty.
+
+    With ``penalty`` (one value per index: the price of starting a segment there), each
+    end is instead the cheapest allowed one within ``_SCAN`` positions of the balanced
+    choice, ties going to the better balanced. The split stays optimal.
     """
     m = len(costs)
     if m == 0:
@@ -112,6 +121,12 @@ def segment(costs: Sequence[int], k: int) -> list[tuple[int, int]]:
         # ``end`` is the first end reaching the share; the one before may be closer.
         if end > hi or (end > lo and base + share - prefix[end - 1] <= prefix[end] - base - share):
             end -= 1
+        if penalty is not None:
+            target = base + share
+            end = min(
+                range(max(lo, end - _SCAN), min(hi, end + _SCAN) + 1),
+                key=lambda e: (penalty[e], abs(prefix[e] - target)),
+            )
         bounds.append((start, end))
         start = end
     return bounds
