@@ -19,7 +19,7 @@ HAS_TP = importlib.util.find_spec("smp_tp") is not None
 def _case(name: str, **config: object) -> dict:
     extra = {
         k: config.pop(k)
-        for k in ("optimizer", "checkpoint_blocks", "tied", "steps", "batch", "manual")
+        for k in ("optimizer", "checkpoint_blocks", "tied", "steps", "batch", "manual", "model")
         if k in config
     }
     return {"name": name, "config": config, **extra}
@@ -107,3 +107,29 @@ PPTP4_CASES = [
 def test_pipeline_and_tensor_parallel_4_ranks() -> None:
     out = launch("equivalence.py", 4, PPTP4_CASES, timeout=240)
     assert ok_cases(out) == [c["name"] for c in PPTP4_CASES], out
+
+
+# A Hugging Face GPT-2 (built from a config): smp-tp's built-in GPT-2 mapping replaces its
+# blocks, the partitioner keeps each replaced block whole. SGD: Adam turns the float noise of
+# GPT-2's (mathematically zero) key-bias gradients into visible differences.
+HF_CASES = [
+    _case("gpt2-pp2-dp2", pipeline_parallel_degree=2, microbatches=2, model="gpt2", optimizer="sgd"),
+    _case("gpt2-tp2-dp2", tensor_parallel_degree=2, model="gpt2", optimizer="sgd"),
+    _case(
+        "gpt2-pp2-tp2",
+        pipeline_parallel_degree=2,
+        tensor_parallel_degree=2,
+        microbatches=2,
+        model="gpt2",
+        optimizer="sgd",
+    ),
+]
+
+
+@pytest.mark.skipif(
+    not HAS_TP or importlib.util.find_spec("transformers") is None,
+    reason="needs smp_tp and transformers",
+)
+def test_hugging_face_gpt2_4_ranks() -> None:
+    out = launch("equivalence.py", 4, HF_CASES, timeout=300)
+    assert ok_cases(out) == [c["name"] for c in HF_CASES], out

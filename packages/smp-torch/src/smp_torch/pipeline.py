@@ -184,9 +184,7 @@ class PipelineBinding:
 
         assignment: dict[str, int] | None = None
         if not cfg.auto_partition:
-            from smp_pipeline.assignment import resolve_assignment
-
-            assignment = resolve_assignment(module, _marks(module, cfg.default_partition), cfg.pp)
+            assignment = _marks(module, cfg.default_partition)
         elif has_meta:
             if s.rank == 0:
                 found, self.partition_report = static_assignment(module, cfg.pp, cfg.memory_weight)
@@ -284,7 +282,14 @@ class PipelineBinding:
         return self.runtime.assignment is not None
 
     def _apply(self, assignment: dict[str, int]) -> None:
-        self.runtime.set_assignment(assignment)
+        from smp_pipeline.assignment import resolve_assignment
+
+        # Names given before tensor parallelism replaced modules may no longer exist inside
+        # the replacements; the replacements themselves keep their paths.
+        names = {n for n, _ in self.module.named_modules(remove_duplicate=False)}
+        kept = {k: v for k, v in assignment.items() if k in names}
+        full = resolve_assignment(self.module, kept, self.cfg.pp)
+        self.runtime.set_assignment(self._keep_whole(full))
         self.model._on_partitioned()
 
     def ensure_partitioned(self, fn: Callable[..., Any], microbatches: list[Any]) -> None:
@@ -321,7 +326,7 @@ class PipelineBinding:
                     result = partition(mgraph, num_devices=cfg.pp, alpha=cfg.memory_weight)
                     self.partition_report = (mgraph, result)
                     found = {str(k): int(v) for k, v in result.assignment.items()}
-                    payload = {"assignment": self._keep_checkpointed_whole(found)}
+                    payload = {"assignment": found}
                 except Exception as exc:  # noqa: BLE001
                     payload = {"error": f"partitioning failed: {exc!r}"}
             else:
@@ -331,13 +336,21 @@ class PipelineBinding:
             raise SMPError(payload["error"])
         self._apply(payload["assignment"])
 
-    def _keep_checkpointed_whole(self, assignment: dict[str, int]) -> dict[str, int]:
-        """A checkpointed (non-Sequential) module is recomputed on its owner, so its whole
-        subtree must live there: move any descendant the partitioner put elsewhere."""
+    def _keep_whole(self, assignment: dict[str, int]) -> dict[str, int]:
+        """Keep some subtrees on one stage: move descendants the partitioner put elsewhere.
+
+        - a checkpointed (non-Sequential) module is recomputed on its owner;
+        - an smp-tp distributed module uses its submodules' parameters directly (not by
+          calling them), so they must live where it runs.
+        """
+        try:
+            from smp_tp import DistributedModule
+        except ImportError:  # pragma: no cover - smp-tp is a dependency
+            DistributedModule = ()  # type: ignore[assignment,misc]  # noqa: N806
         out = dict(assignment)
         for name, m in self.module.named_modules():
-            opts = get_checkpoint_mark(m)
-            if opts is None or isinstance(m, nn.Sequential) or name not in out:
+            checkpointed = get_checkpoint_mark(m) is not None and not isinstance(m, nn.Sequential)
+            if not (checkpointed or isinstance(m, DistributedModule)) or name not in out:
                 continue
             for sub, _ in m.named_modules(prefix=name):
                 if sub in out:

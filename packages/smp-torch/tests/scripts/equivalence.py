@@ -51,9 +51,14 @@ def run_case(case: dict) -> None:
     cfg = smp.init(case["config"])
     torch.manual_seed(case.get("seed", 0))
     tp_marks = cfg.tp > 1 or case.get("tp_marks", False)
-    model = models.TinyLM(
-        tp=tp_marks, tied=case.get("tied", True), manual=case.get("manual", False)
-    )
+    if case.get("model") == "gpt2":
+        model = models.hf_gpt2()
+        if tp_marks:
+            smp.set_tensor_parallelism(model)
+    else:
+        model = models.TinyLM(
+            tp=tp_marks, tied=case.get("tied", True), manual=case.get("manual", False)
+        )
     if case.get("checkpoint_blocks"):
         for block in model.blocks:
             smp.set_activation_checkpointing(block)
@@ -67,9 +72,12 @@ def run_case(case: dict) -> None:
         assert shards, f"[{name}] tensor parallelism replaced no module"
     opt = smp.DistributedOptimizer(make_opt(case.get("optimizer", "adam"), dmodel.parameters()))
 
+    hf = case.get("model") == "gpt2"
+
     @smp.step
     def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = models.lm_loss(dmodel(x), y)
+        logits = dmodel(input_ids=x).logits if hf else dmodel(x)
+        loss = models.lm_loss(logits, y)
         dmodel.backward(loss)
         return loss
 
@@ -78,7 +86,7 @@ def run_case(case: dict) -> None:
     for step in range(case.get("steps", 3)):
         x, y = models.global_batch(step, batch)
         ref_opt.zero_grad()
-        ref_loss = models.lm_loss(ref(x), y)
+        ref_loss = models.lm_loss(ref(input_ids=x).logits if hf else ref(x), y)
         ref_loss.backward()
         ref_opt.step()
 
@@ -100,7 +108,7 @@ def run_case(case: dict) -> None:
         assert all(counts), f"[{name}] a pipeline stage owns no parameter: {counts}"
     elapsed = time.perf_counter() - t0
     # The gathered state dict loads into the unwrapped module, strict.
-    fresh = models.TinyLM(tp=False, tied=case.get("tied", True))
+    fresh = models.hf_gpt2() if hf else models.TinyLM(tp=False, tied=case.get("tied", True))
     fresh.load_state_dict(dmodel.state_dict(), strict=True)
     smp.barrier()
     if smp.rank() == 0:

@@ -64,3 +64,14 @@ def global_batch(step: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     x = torch.randint(0, VOCAB, (batch, SEQ), generator=g)
     y = torch.randint(0, VOCAB, (batch, SEQ), generator=g)
     return x, y
+
+
+def hf_gpt2() -> nn.Module:
+    """A tiny Hugging Face GPT-2 built from a config (no download), dropout off."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(
+        n_layer=2, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+    )  # fmt: skip
+    return GPT2LMHeadModel(cfg)
