@@ -181,3 +181,21 @@ def test_one_huge_embedding_leaves_the_rest_balanced() -> None:
     assert paper.max_load == pytest.approx(default.max_load)
     assert 0.0 in paper.loads
     assert sorted(default.loads)[:3] == pytest.approx([12e6 / 61.6e6] * 3)
+
+
+def test_garbage_collector_state_is_restored() -> None:
+    import gc
+
+    g = t5_like(1)
+    assert gc.isenabled()
+    partition(g, 2)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        partition(g, 2)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    with pytest.raises(PartitionError):
+        partition(g, 0)
+    assert gc.isenabled()
