@@ -99,6 +99,7 @@ class ExecutionServer:
         self._returning: queue.SimpleQueue[tuple[Worker, Task, float, float]] = queue.SimpleQueue()
         self._device_active = 0
         self._device_lock = threading.Lock()
+        self._device_done = threading.Event()  # set when device work ends (wakes the main loop)
         # Tensor-parallel ordering: grants per (step, microbatch), and the channel.
         self.order = order
         self._grants: dict[tuple[int, int], int] = {}
@@ -134,6 +135,21 @@ class ExecutionServer:
         if obj.get("kind") == M.ABORT and self.abort_msg is None:
             self.abort_msg = obj
         return obj
+
+    def _wait_message(self) -> dict[str, Any] | None:
+        """Idle: wait for a message, or for device work to end (whichever comes first)."""
+        if not self._device_active:
+            return self._next_message(0.05)
+        # A worker's device work may end any moment: watch both without spinning.
+        deadline = time.monotonic() + 0.05
+        while time.monotonic() < deadline:
+            msg = self._next_message(0)
+            if msg is not None or not self._returning.empty():
+                return msg
+            if self._device_done.wait(0.001):
+                self._device_done.clear()
+                return None
+        return None
 
     def _pick_message(self) -> dict[str, Any] | None:
         """The arrived message to serve first (see :func:`_priority`), or None."""
@@ -255,6 +271,7 @@ class ExecutionServer:
                 end = time.time()
         finally:
             self._returning.put((worker, task, start, end))
+            self._device_done.set()
             worker.wait_resume()
 
     # ------------------------------------------------------------------ failures
@@ -348,7 +365,7 @@ class ExecutionServer:
             if msg is not None:
                 self._handle(msg)
                 continue
-            msg = self._next_message(0.0005 if self._device_active else 0.05)
+            msg = self._wait_message()
             if msg is not None:
                 self._handle(msg)
 
@@ -381,9 +398,11 @@ class ExecutionServer:
             if want is not None and self._grant_follower(want):
                 self.order.pop()
                 continue
-            arrived = self._next_message(0.0005)
+            arrived = self._next_message(0)
             if arrived is not None:
                 self.inbox.append(arrived)
+            elif self._device_done.wait(0.0005):
+                self._device_done.clear()
 
     def _grant_follower(self, want: tuple[int, int, str, int]) -> bool:
         """Start the task the leader announced, if it is ready here."""
