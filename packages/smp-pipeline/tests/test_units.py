@@ -133,3 +133,77 @@ def test_chrome_trace() -> None:
     spans = [e for e in tr["traceEvents"] if e["ph"] == "X"]
     assert spans[0]["ts"] == 0 and spans[0]["dur"] == pytest.approx(5e5)
     assert spans[1]["tid"] == 1 and spans[1]["cat"] == "backward"
+
+
+class _NoPeers:
+    """A communicator for a single rank: nothing ever arrives, sending is a bug."""
+
+    rank = 0
+
+    class _Handle:
+        def test(self) -> bool:
+            return False
+
+        def wait(self, timeout=None):
+            from smp_comm import CommTimeoutError
+
+            raise CommTimeoutError("nothing", 0, 0)
+
+        def cancel(self) -> bool:
+            return True
+
+    def irecv(self, source=-1, tag=-1):
+        return self._Handle()
+
+    def isend(self, obj, dest, tag=0):
+        raise AssertionError(f"a single rank sent {obj.get('kind')}")
+
+
+def test_single_rank_runtime_matches_plain_training() -> None:
+    """pp=1: the runtime runs everything locally; microbatching + checkpointing keep grads."""
+    pytest.importorskip("smp_comm")
+    import copy
+
+    import torch.nn.functional as F
+    from smp_pipeline import PipelineRuntime
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    F.mse_loss(ref(x), y).backward()
+    rt = PipelineRuntime(model, _NoPeers(), 0, 1, assignment={}, checkpointing={"": "group_2"},
+                         timeline=True)
+
+    def step(x, y):
+        loss = F.mse_loss(model(x), y)
+        rt.backward(loss)
+        return loss
+
+    for schedule in ("simple", "interleaved"):
+        for p in model.parameters():
+            p.grad = None
+        losses = rt.run_step(step, (x, y), num_microbatches=4, schedule=schedule)
+        assert torch.allclose(torch.stack(losses).mean(), F.mse_loss(ref(x), y))
+        for (n, p), rp in zip(rt.named_local_parameters(), ref.parameters()):
+            assert torch.allclose(p.grad, rp.grad, rtol=1e-5, atol=1e-6), n
+    assert rt.owned_modules() == [name for name, _ in model.named_modules()]
+    sd = {k: v + 1 for k, v in ref.state_dict().items()}
+    assert sorted(rt.load_state_dict_local(sd)) == sorted(sd)
+    assert torch.equal(model[0].weight, sd["0.weight"])
+    with pytest.raises(Exception, match="backward"):
+        rt.backward(torch.ones(()))  # outside a step
+    events = rt.timeline_events()
+    assert {e[3] for e in events} == {"forward", "backward"}
+    rt.close()
+
+
+def test_timeline_png(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    from smp_pipeline import plot_timeline
+
+    events = [(r, mb, "m", ph, 0.01 * (mb + r), 0.01 * (mb + r) + 0.005)
+              for r in range(2) for mb in range(3) for ph in ("forward", "backward")]
+    path = tmp_path / "t.png"
+    plot_timeline(events, str(path))
+    assert path.read_bytes()[:4] == b"\x89PNG"

@@ -205,6 +205,10 @@ class PipelineRuntime:
     def _call_remote(self, path: str, owner: int, *args: Any, **kwargs: Any) -> Any:
         return self.server.call_remote(path, owner, args, kwargs, path in self.plan.modules)
 
+    def device_work(self) -> Any:
+        """Context manager: run the block as device work (see :func:`smp_pipeline.device_work`)."""
+        return self.server.device_work()
+
     def _call_checkpointed(self, path: str, *args: Any, **kwargs: Any) -> Any:
         m = self._modules[path]
         return run_checkpointed(functools.partial(type(m)._call_impl, m), args, kwargs)
@@ -336,6 +340,27 @@ class PipelineRuntime:
             if self._canonical(mod) in owned:
                 out[key] = value
         return out
+
+    def load_state_dict_local(self, state_dict: Mapping[str, torch.Tensor]) -> list[str]:
+        """Copy the owned entries of a full (or local) state dict into this rank's modules.
+
+        Entries of modules owned elsewhere are ignored. Returns the keys loaded here.
+        """
+        own = self.local_state_dict()
+        live = self.module.state_dict(keep_vars=True)
+        loaded = []
+        with torch.no_grad():
+            for key, value in state_dict.items():
+                if key in own:
+                    target = live[key]
+                    if target.shape != value.shape:
+                        raise PipelineConfigError(
+                            f"state dict entry '{key}' has shape {tuple(value.shape)}, the model "
+                            f"has {tuple(target.shape)}"
+                        )
+                    target.copy_(value)
+                    loaded.append(key)
+        return loaded
 
     def full_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
         """Collective: gather the full ``state_dict`` (loadable into the unwrapped model).

@@ -1,9 +1,15 @@
 """The execution server of one pipeline rank (paper §4.2, Figures 3–4).
 
-The main thread serves an input queue (filled by a receiver thread from the communicator)
-and a local "ready" queue of wake-ups; worker threads execute tasks, one at a time, by
-holding the execution token (see :mod:`smp_pipeline.worker`). Everything that touches the
-server's state runs while holding the token, so no locks are needed besides the queues.
+The main thread receives messages from the communicator itself (no receiver thread: one
+thread hand-off less per message) into an inbox, and serves it together with a local "ready"
+queue of wake-ups; worker threads execute tasks, one at a time, by holding the execution
+token (see :mod:`smp_pipeline.worker`). Everything that touches the server's state runs
+while holding the token, so no locks are needed besides the hand-off primitives.
+
+Serving order: workers whose device work ended, then local wake-ups, then the driver's
+schedule (new top-level work, bounded by ``active_microbatches``), then arrived messages by
+kind (responses that resume a caller, then backward work, then new forward requests) and,
+within a kind, older microbatches first.
 
 Failures never hang: an exception in a task, or a request outstanding longer than
 ``timeout_s``, broadcasts an ABORT message and raises on every pipeline rank.
@@ -182,6 +188,8 @@ class ExecutionServer:
     def send(self, pp_dest: int, msg: dict[str, Any]) -> None:
         msg["src"] = self.pp_rank
         self._sends.append(self.comm.isend(msg, dest=self.comm_ranks[pp_dest], tag=self.tag))
+        if len(self._sends) > 512:  # long steps: forget completed sends as we go
+            self._sends = [h for h in self._sends if not h.test()]
 
     def send_all(self, msg: dict[str, Any]) -> None:
         for r in range(self.pp_size):
@@ -574,6 +582,13 @@ class ExecutionServer:
     # ------------------------------------------------------------------ backward
     def send_backward_request(self, call: OutgoingCall, grads: list[torch.Tensor | None]) -> None:
         """Called from :class:`RemoteBoundary.backward`: send, count, never wait."""
+        task = self.current
+        if task is None or not task.in_segment:
+            raise PipelineError(
+                f"the gradient of remote module '{call.path}' was requested outside the "
+                "pipeline's backward: call runtime.backward(loss) in the step function, "
+                "not loss.backward()"
+            )
         if all(g is None for g in grads):
             return
         call.parent.pending += 1
