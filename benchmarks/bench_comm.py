@@ -2,7 +2,8 @@
 
 Run ``python benchmarks/bench_comm.py``: it starts ``mpiexec -n 2`` on itself and prints one
 line per measurement with the ratios. 64 MiB CPU tensors ping-pong (bandwidth counts both
-directions); 1 KiB round-trip latency. smp-comm uses its default path (shm on one node).
+directions); 1 KiB round-trip latency. smp-comm uses its default path (shm on one node)
+with default settings; extra lines show the copy-out receive mode and a longer poll_spin.
 """
 
 from __future__ import annotations
@@ -40,13 +41,14 @@ def worker() -> None:
     import torch
     import torch.distributed as dist
     from mpi4py import MPI
-
     from smp_comm import Communicator
 
     torch.set_num_threads(1)
     world = MPI.COMM_WORLD
     rank, peer = world.rank, 1 - world.rank
     comm = Communicator(world)
+    copy_comm = Communicator(world, shm_zero_copy=False)  # receiver copies out of shm
+    spin_comm = Communicator(world, buffer_bytes="1M", poll_spin=0.05)  # waiters poll longer
     big_t = torch.randn(BIG // 4)
     small_t = torch.randn(SMALL // 4)
     big_np = big_t.numpy()
@@ -62,13 +64,13 @@ def worker() -> None:
             world.Recv([out, MPI.BYTE], source=peer, tag=1)
             world.Send([buf, MPI.BYTE], dest=peer, tag=1)
 
-    def smp_pingpong(t: torch.Tensor) -> None:
+    def smp_pingpong(t: torch.Tensor, c: Communicator = comm) -> None:
         if rank == 0:
-            comm.isend(t, dest=peer, tag=1).wait(60)
-            comm.irecv(source=peer, tag=1).wait(60)
+            c.isend(t, dest=peer, tag=1).wait(60)
+            c.irecv(source=peer, tag=1).wait(60)
         else:
-            comm.irecv(source=peer, tag=1).wait(60)
-            comm.isend(t, dest=peer, tag=1).wait(60)
+            c.irecv(source=peer, tag=1).wait(60)
+            c.isend(t, dest=peer, tag=1).wait(60)
 
     def gloo_pingpong(t: torch.Tensor, out: torch.Tensor) -> None:
         if rank == 0:
@@ -86,9 +88,11 @@ def worker() -> None:
     for name, fn, rounds in (
         ("mpi_bw", lambda: mpi_pingpong(big_np, recv_big), 4),
         ("smp_bw", lambda: smp_pingpong(big_t), 4),
+        ("copy_bw", lambda: smp_pingpong(big_t, copy_comm), 4),
         ("gloo_bw", lambda: gloo_pingpong(big_t, out_big), 4),
         ("mpi_lat", lambda: mpi_pingpong(small_np, recv_small), 2000),
         ("smp_lat", lambda: smp_pingpong(small_t), 2000),
+        ("spin_lat", lambda: smp_pingpong(small_t, spin_comm), 2000),
         ("gloo_lat", lambda: gloo_pingpong(small_t, out_small), 2000),
     ):
         fn()  # warm-up
@@ -96,20 +100,32 @@ def worker() -> None:
         results[name] = _best_of(fn, reps=5, rounds=rounds)
         world.Barrier()
     stats = comm.stats()
+    copy_shm = copy_comm.stats()["shm"]["messages_sent"]
     comm.close()
+    copy_comm.close()
+    spin_comm.close()
     dist.destroy_process_group()
     if rank == 0:
-        gbs = {k: 2 * BIG / results[f"{k}_bw"] / 1e9 for k in ("mpi", "smp", "gloo")}
-        us = {k: results[f"{k}_lat"] * 1e6 for k in ("mpi", "smp", "gloo")}
+        gbs = {k: 2 * BIG / results[f"{k}_bw"] / 1e9 for k in ("mpi", "smp", "copy", "gloo")}
+        us = {k: results[f"{k}_lat"] * 1e6 for k in ("mpi", "smp", "spin", "gloo")}
         print(
             f"comm bandwidth 64MiB (shm path, {stats['shm']['messages_sent']} shm msgs): "
             f"smp_comm {gbs['smp']:.2f} GB/s | mpi4py {gbs['mpi']:.2f} GB/s | gloo {gbs['gloo']:.2f} GB/s"
             f" | smp/mpi {gbs['smp'] / gbs['mpi']:.2f}x (target >=1.0) | smp/gloo {gbs['smp'] / gbs['gloo']:.2f}x (target >=1.5)"
         )
         print(
+            f"comm bandwidth 64MiB, receiver copies out (shm_zero_copy=False, {copy_shm} shm msgs): "
+            f"smp_comm {gbs['copy']:.2f} GB/s | smp/mpi {gbs['copy'] / gbs['mpi']:.2f}x"
+            f" | smp/gloo {gbs['copy'] / gbs['gloo']:.2f}x"
+        )
+        print(
             f"comm latency 1KiB round trip: smp_comm {us['smp']:.1f} us | mpi4py {us['mpi']:.1f} us"
             f" | gloo {us['gloo']:.1f} us | smp/mpi {us['smp'] / us['mpi']:.2f}x (target <=3)"
             f" | smp/gloo {us['smp'] / us['gloo']:.2f}x"
+        )
+        print(
+            f"comm latency 1KiB round trip, poll_spin=0.05: smp_comm {us['spin']:.1f} us"
+            f" | smp/mpi {us['spin'] / us['mpi']:.2f}x | smp/gloo {us['spin'] / us['gloo']:.2f}x"
         )
 
 

@@ -214,6 +214,8 @@ class Communicator:
             ) from exc
         handle = SendHandle(dest, tag, self.rank, self._wait)
         with self._match_lock:
+            if self._closing:  # checked under the lock close() takes to number its BYEs
+                raise CommClosedError(f"smp-comm rank {self.rank}: the Communicator is closed")
             if dest in self._bye_from:
                 handle._complete(error=self._peer_closed(dest, f"send (tag {tag})"))
                 return handle
@@ -388,20 +390,25 @@ class Communicator:
             try:
                 loop()
             except BaseException as exc:  # noqa: BLE001 - reported to every waiter
-                self._fatal = exc
-                err = CommError(f"smp-comm rank {self.rank}: backend thread failed: {exc!r}")
-                with self._match_lock:
-                    for h in self._posted:
-                        h._complete(error=err)
-                    self._posted.clear()
-                    for sh in list(self._open_sends):
-                        sh._complete(error=err)
-                    for inc in self._live_incs.values():
-                        if inc.handle is not None:
-                            inc.handle._complete(error=err)
+                self._fail_all(exc)
                 raise
 
         return run
+
+    def _fail_all(self, exc: BaseException) -> CommError:
+        """The backend broke: fail every pending operation (nothing may hang on it)."""
+        self._fatal = exc
+        err = CommError(f"smp-comm rank {self.rank}: backend failed: {exc!r}")
+        with self._match_lock:
+            for h in self._posted:
+                h._complete(error=err)
+            self._posted.clear()
+            for sh in list(self._open_sends):
+                sh._complete(error=err)
+            for inc in self._live_incs.values():
+                if inc.handle is not None:
+                    inc.handle._complete(error=err)
+        return err
 
     def _send_done(self, op: _Send, nbytes: int, error: BaseException | None = None) -> None:
         if error is None:
@@ -581,6 +588,8 @@ class Communicator:
                 try:
                     if self._poll_once():
                         spin_until = time.monotonic() + self.settings.poll_spin
+                except Exception as exc:
+                    raise self._fail_all(exc) from exc
                 finally:
                     self._progress_lock.release()
         finally:
