@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import gc
 import math
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
+from smp_partition._gc import gc_paused
 from smp_partition.algorithm import chain_assign, paper_assign, refine
 from smp_partition.costs import compute_costs
 from smp_partition.errors import PartitionError
@@ -50,23 +49,6 @@ def _loads(node_cost: Sequence[float], node_device: Sequence[int], devices: int)
     return loads
 
 
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector (restored on exit).
-
-    Partitioning allocates a few small lists per node and frees nothing until it returns;
-    none of it can form a cycle, so full collections over millions of live objects would
-    only cost time (about a quarter of it on a million-module graph).
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 def partition(
     graph: ModuleGraph, num_devices: int, alpha: float = 1.0, method: str = "default"
 ) -> PartitionResult:
@@ -79,7 +61,7 @@ def partition(
     it is never worse than ``"paper"`` on maximum load.
     """
     _check_args(graph, num_devices, alpha, method)
-    with _gc_paused():
+    with gc_paused():
         return _partition(graph, num_devices, float(alpha), method)
 
 

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from smp_partition._gc import gc_paused
 from smp_partition.errors import GraphError
 
 SCHEMA = "smp-partition/module-graph@1"
@@ -80,6 +81,10 @@ class ModuleGraph:
     __slots__ = ("_modules", "_index", "_child_index")
 
     def __init__(self, modules: Iterable[Module]) -> None:
+        with gc_paused():
+            self._build(modules)
+
+    def _build(self, modules: Iterable[Module]) -> None:
         self._modules: tuple[Module, ...] = tuple(modules)
         index: dict[str, int] = {}
         for i, m in enumerate(self._modules):
@@ -233,6 +238,11 @@ class ModuleGraph:
         raw = data.get("modules")
         if not isinstance(raw, list):
             raise GraphError("'modules' must be a list of module objects")
+        with gc_paused():
+            return cls(cls._parse_modules(raw))
+
+    @staticmethod
+    def _parse_modules(raw: list[Any]) -> list[Module]:
         modules: list[Module] = []
         for i, entry in enumerate(raw):
             if not isinstance(entry, Mapping):
@@ -263,7 +273,7 @@ class ModuleGraph:
                     forward_ms=fwd,
                 )
             )
-        return cls(modules)
+        return modules
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> ModuleGraph:
