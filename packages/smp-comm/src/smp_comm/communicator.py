@@ -1,9 +1,12 @@
 """The :class:`Communicator`: on-demand tensor messages over MPI and direct paths.
 
-Threads (paper, Appendix G), each consuming one queue of messages:
+``isend`` pickles the object's skeleton in the calling thread (tensors become stubs; a
+pickling error raises there) and numbers the message for its destination. A payload of at
+most ``inline_bytes`` rides inside the header, posted from that thread. Everything else
+goes through threads (paper, Appendix G), each consuming one queue of messages:
 
-``router``     (CommInitiator) serializes an outgoing object, picks its path and, for a
-               direct path, reserves room in the destination's persistent buffer;
+``router``     (CommInitiator) picks the path and, for a direct path, reserves room in
+               the destination's persistent buffer (else: the MPI fallback);
 ``direct``     (D2D send) copies the payload into the reserved region (shm memcpy, RMA
                ``Put``, CUDA IPC copy), then posts the header;
 ``requester``  (CommPreprocessing + CommRequester) stages GPU tensors to host and posts the
@@ -11,13 +14,19 @@ Threads (paper, Appendix G), each consuming one queue of messages:
 ``tracker``    (CommTracker) tests every outstanding MPI request, probes for incoming
                control messages (``Improbe`` + ``Mrecv``: never a blind receive), matches
                headers to posted receives and posts the payload ``Irecv``\\ s;
-``postproc``   (CommPostprocessing, D2D recv) copies payloads out of the receive buffer,
-               frees the region (a ``FREE`` message back to the sender), rebuilds the object.
+``postproc``   (CommPostprocessing, D2D recv) copies payloads out of the receive buffer
+               (or hands out views of it), has the region freed (a ``FREE`` message back
+               to the sender) and rebuilds the object.
+
+A thread blocked in ``wait()`` runs the tracker's polling itself for a short while (see
+``poll_spin``), so a small message costs no thread hand-off on either side.
 
 Matching semantics are MPI's: a header is matched, in arrival order, against the posted
 receives in the order they were posted (the first posted receive whose source and tag
 accept it wins); a header nobody waits for joins the unexpected queue, which a later
-``irecv`` searches oldest first. Messages from one sender are matched in the order sent.
+``irecv`` searches oldest first. Messages from one sender are matched in the order its
+``isend`` calls were made: headers carry a per-destination sequence number and the
+receiver processes them in that order, whichever thread and path carried each.
 """
 
 from __future__ import annotations
