@@ -9,10 +9,10 @@ from __future__ import annotations
 import glob
 import os
 import sys
-import tomllib
 from pathlib import Path
 
 import nox
+import tomllib
 
 ROOT = Path(__file__).parent
 PACKAGES = ["smp-partition", "smp-comm", "smp-tp", "smp-pipeline", "smp-torch"]
