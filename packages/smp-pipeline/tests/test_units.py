@@ -119,6 +119,28 @@ def test_trace_order_times_and_tied_keys() -> None:
     assert all(m["forward_ms"] is None for m in meta["modules"])
 
 
+class WithList(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(3, 3)
+        self.blocks = nn.ModuleList([nn.Linear(3, 3) for _ in range(2)])
+        self.embed = nn.Linear(3, 3)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def test_trace_places_module_lists_by_their_members() -> None:
+    g = trace_dict(WithList(), (torch.randn(2, 3),))
+    mods = {m["name"]: m for m in g["modules"]}
+    assert mods[""]["children"] == ["embed", "blocks", "head"]
+    blocks = mods["blocks"]["forward_ms"]
+    assert blocks == pytest.approx(mods["blocks.0"]["forward_ms"] + mods["blocks.1"]["forward_ms"])
+
+
 def test_trace_builds_partition_graph() -> None:
     smp_partition = pytest.importorskip("smp_partition")
     from smp_pipeline import trace

@@ -157,6 +157,9 @@ class PipelineRuntime:
 
                 self._tracing = True
                 try:
+                    if run is not None:  # warm-up: first calls are slow (lazy initialisation)
+                        with torch.no_grad():
+                            run()
                     graph = trace_dict(
                         self.module, args, dict(kwargs or {}), run=run,
                         device=self.trace_device if step_fn is None else None,

@@ -1,9 +1,11 @@
 """Tracing a model: execution order, forward time and activation bytes per module (§C.1).
 
-One forward pass with hooks on every module records, per module: the first time it ran (so a
-parent's children can be listed in execution order; children that never ran follow in
-definition order), its inclusive forward time (summed over calls, omitted on the meta device)
-and the bytes of its output tensors (summed over calls). Parameters are keyed by their first
+One forward pass with hooks on every module records, per module: the first time it ran (a
+parent's children are listed by the first execution anywhere in their subtree, so a never-
+called container such as ``nn.ModuleList`` sits where its members ran; children that never
+ran follow in definition order), its inclusive forward time (summed over calls; a container
+that is never called gets its children's sum; omitted on the meta device) and the bytes of
+its output tensors (summed over calls). Parameters are keyed by their first
 name in ``module.named_parameters()``, so a tied parameter has one key wherever it appears,
 and the partitioner keeps the modules sharing it together.
 """
@@ -95,17 +97,40 @@ def trace_dict(
         for h in handles:
             h.remove()
 
-    modules = []
-    for name, m, children in module_children(target):
-        child_paths: list[str] = []
+    # Children are ordered by the first execution anywhere in their subtree, so a container
+    # that is never called itself (nn.ModuleList) sits where its members ran; containers
+    # that never ran get the summed time of their children (inclusive-time invariant).
+    child_lists: dict[str, list[str]] = {}
+    for name, _m, children in module_children(target):
+        kids: list[str] = []
         for c in children:
             cp = paths[id(c)]
-            if cp not in child_paths:
-                child_paths.append(cp)
-        definition = {p: i for i, p in enumerate(child_paths)}
-        child_paths.sort(
-            key=lambda p: (p not in first_seen, first_seen.get(p, 0), definition[p])
-        )
+            if cp not in kids:
+                kids.append(cp)
+        child_lists[name] = kids
+    inf = float("inf")
+    first_memo: dict[str, float] = {}
+
+    def subtree_first(p: str, stack: frozenset[str] = frozenset()) -> float:
+        if p in first_memo:
+            return first_memo[p]
+        best = float(first_seen.get(p, inf))
+        for c in child_lists[p]:
+            if c not in stack:
+                best = min(best, subtree_first(c, stack | {p}))
+        first_memo[p] = best
+        return best
+
+    def inclusive_ms(p: str, stack: frozenset[str] = frozenset()) -> float:
+        if p in first_seen:
+            return times.get(p, 0.0)
+        return sum(inclusive_ms(c, stack | {p}) for c in child_lists[p] if c not in stack)
+
+    modules = []
+    for name, m, _children in module_children(target):
+        kids = child_lists[name]
+        definition = {p: i for i, p in enumerate(kids)}
+        kids = sorted(kids, key=lambda p: (subtree_first(p), definition[p]))
         params = {
             param_key[id(p)]: p.numel() for p in m._parameters.values() if p is not None
         }
@@ -113,12 +138,10 @@ def trace_dict(
             {
                 "name": name,
                 "type": type(m).__name__,
-                "children": child_paths,
+                "children": kids,
                 "params": params,
                 "activation_bytes": act.get(name, 0),
-                "forward_ms": (times.get(name, 0.0) if name in first_seen else 0.0)
-                if timed
-                else None,
+                "forward_ms": inclusive_ms(name) if timed else None,
             }
         )
     return {"schema": "smp-partition/module-graph@1", "modules": modules}
