@@ -260,6 +260,8 @@ def state_checks(comm):
     assert outs[0]["y"].dtype == torch.bfloat16
     outs = rt.run_step(lambda x: model(x), (x,), num_microbatches=1)
     assert outs[0]["grad"] is True and outs[0]["autocast"] is False
+    outs = rt.run_step(lambda x: model(x), (x,), num_microbatches=2, outputs_to_all=False)
+    assert (outs[0] is None) == (rank != 0), outs
     sd = rt.full_state_dict(dst=0)
     if rank == 0:
         assert sd is not None and set(sd) == set(full)

@@ -239,13 +239,15 @@ class PipelineRuntime:
         input_split_axes: Mapping[str | int, int] | None = None,
         schedule: ScheduleSpec | None = None,
         active_microbatches: int | None = None,
+        outputs_to_all: bool = True,
     ) -> list[Any]:
         """Collective over the pipeline ranks: run one training (or evaluation) step.
 
         On pp rank 0, ``step_fn(*mb_args, **mb_kwargs)`` runs once per microbatch (arguments
         split on their batch axis); inside it call the model as usual and
         :meth:`backward` on the loss. Returns the list of per-microbatch outputs (tensors
-        detached) on every rank (pp rank 0 sends them to the others at the end of the step).
+        detached) on every rank (pp rank 0 sends them to the others at the end of the step;
+        with ``outputs_to_all=False`` the other ranks get a list of None instead).
         Other ranks may pass any arguments (they are ignored except during the first,
         partitioning, step where only pp rank 0's are used).
         """
@@ -267,7 +269,7 @@ class PipelineRuntime:
             m,
             active_microbatches or self.active_microbatches,
         )
-        return self.server.drive_step(step_fn, mbs, scheduler, capture())
+        return self.server.drive_step(step_fn, mbs, scheduler, capture(), outputs_to_all)
 
     def backward(
         self,

@@ -692,6 +692,7 @@ class ExecutionServer:
         microbatches: list[tuple[tuple[Any, ...], dict[str, Any]]],
         scheduler: Scheduler,
         state: dict[str, Any],
+        outputs_to_all: bool = True,
     ) -> list[Any]:
         """Run a step on the driver: start tasks as the schedule says, serve until done."""
         self.step += 1
@@ -736,7 +737,8 @@ class ExecutionServer:
         self.follower_start = follower_start
         try:
             self.serve(scheduler.done, start_next)
-            self.send_all({"kind": M.STEP_END, "step": step, "outputs": pack(outputs, False)})
+            shared = outputs if outputs_to_all else [None] * len(outputs)
+            self.send_all({"kind": M.STEP_END, "step": step, "outputs": pack(shared, False)})
             self.flush_sends()
         finally:
             self.scheduler = None
