@@ -450,7 +450,34 @@ def suite_tp(comm):
         channel.close()
         if rank == 0:
             print(f"CASE-OK tp-{schedule}-m{m}", flush=True)
-    dist.destroy_process_group()
+
+    # An exception in pipeline B's stage 1 while its TP peer in pipeline A waits inside the
+    # all_reduce: abort_ranks carries the abort to the other pipeline, so all 4 ranks raise.
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, mb_id):  # type: ignore[override]
+            if pipeline == 1 and int(mb_id) == 1:
+                raise ValueError("boom-tp")
+            return CheckedAllReduce.apply(x, mb_id)
+
+    S1.forward = lambda self, h, mb_id: Boom.apply(self.lin(h), mb_id)  # type: ignore[method-assign]
+    torch.manual_seed(7)
+    model = Net()
+    channel = OrderChannel(comm, leader=leader, followers=[leader + 2], tag=7390 + pp_rank)
+    rt = PipelineRuntime(model, comm, pp_rank, 2, comm_ranks=[2 * pipeline, 2 * pipeline + 1],
+                         assignment={"s1": 1}, tag=8800, timeout_s=30, order_channel=channel,
+                         abort_ranks=[0, 1, 2, 3])
+    x, y = torch.randn(8, 8), torch.randn(8, 1)
+    ids = torch.arange(4, dtype=torch.float32).repeat_interleave(2)
+    try:
+        rt.run_step(lambda x, y, ids: F.mse_loss(model(x, ids[0]), y), (x, y, ids), num_microbatches=4)
+    except PipelineRemoteError as exc:
+        assert "boom-tp" in str(exc), str(exc)
+        print(f"TP-ABORT-OK rank {rank}", flush=True)
+    else:
+        raise AssertionError("no error")
+    MPI.COMM_WORLD.Barrier()
+    os._exit(0)  # pipeline A's stage-1 worker is still inside the all_reduce
 
 
 def main() -> None:

@@ -56,3 +56,5 @@ def test_tensor_parallel_order_channel() -> None:
     port = str(29000 + os.getpid() % 2000)
     out = run_mpi([SCRIPT, "tp"], 4, timeout=160, env={**ENV, "MASTER_PORT": port})
     assert {"tp-interleaved-m4", "tp-simple-m4", "tp-interleaved-m8"} <= set(_cases(out)), out
+    for rank in range(4):  # an exception in one pipeline reaches the other one too
+        assert f"TP-ABORT-OK rank {rank}" in out, out

@@ -56,6 +56,8 @@ class PipelineRuntime:
         trace_device: device for the automatic-partition trace (``"meta"``: no times).
         order_channel: tensor-parallel ordering (see :mod:`smp_pipeline.order`): on the
             leader, every task start is published; followers start tasks in that order.
+        abort_ranks: further communicator ranks to notify when this runtime aborts (e.g.
+            every rank of the other pipelines, which must use the same ``tag``); they raise too.
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class PipelineRuntime:
         tag: int = DEFAULT_TAG,
         trace_device: str | None = None,
         order_channel: OrderChannel | None = None,
+        abort_ranks: Sequence[int] | None = None,
     ) -> None:
         if not 0 <= pp_rank < pp_size:
             raise PipelineConfigError(f"pp_rank {pp_rank} outside 0..{pp_size - 1}")
@@ -108,6 +111,7 @@ class PipelineRuntime:
             self._execute_owned,
             record_timeline=timeline,
             order=order_channel,
+            abort_ranks=list(abort_ranks or []),
         )
         self.order_channel = order_channel
         if assignment is not None:

@@ -63,11 +63,16 @@ class ExecutionServer:
         execute: Callable[[str, tuple[Any, ...], dict[str, Any], bool], Any],
         record_timeline: bool = False,
         order: OrderChannel | None = None,
+        abort_ranks: list[int] | None = None,
     ) -> None:
         self.comm = comm
         self.pp_rank = pp_rank
         self.pp_size = pp_size
         self.comm_ranks = comm_ranks
+        self._comm_rank = comm_ranks[pp_rank]
+        # Further communicator ranks told about an abort (e.g. the other pipelines' ranks,
+        # whose tensor-parallel peers would otherwise wait in a collective forever).
+        self.abort_ranks = list(abort_ranks or [])
         self.tag = tag
         self.timeout_s = timeout_s
         self.execute = execute  # runs an owned module: (path, args, kwargs, checkpoint) -> out
@@ -288,25 +293,34 @@ class ExecutionServer:
         if msg is None:
             return
         text = msg["text"]
-        if msg["src"] != self.pp_rank:
-            text = f"{text} [reported by pp rank {msg['src']}, raised on pp rank {self.pp_rank}]"
+        if msg.get("comm_rank") != self._comm_rank:
+            text = (
+                f"{text} [reported by pp rank {msg['src']} (communicator rank "
+                f"{msg.get('comm_rank')}), raised on pp rank {self.pp_rank}]"
+            )
         if msg["error"] == "timeout":
             raise PipelineTimeoutError(text)
         raise PipelineRemoteError(text)
 
     def abort(self, error: str, text: str) -> None:
-        """Tell every pipeline rank to raise, then raise here."""
+        """Tell every pipeline rank (and ``abort_ranks``) to raise, then raise here."""
         if self.abort_msg is None:
-            msg = {"kind": M.ABORT, "error": error, "text": text, "src": self.pp_rank}
+            msg = {
+                "kind": M.ABORT,
+                "error": error,
+                "text": text,
+                "src": self.pp_rank,
+                "comm_rank": self._comm_rank,
+            }
             self.abort_msg = msg
+            targets = [self.comm_ranks[r] for r in range(self.pp_size) if r != self.pp_rank]
+            targets += [r for r in self.abort_ranks if r not in targets and r != self._comm_rank]
             handles = []
-            for r in range(self.pp_size):
-                if r != self.pp_rank:
-                    try:
-                        msg_r = dict(msg, src=self.pp_rank)
-                        handles.append(self.comm.isend(msg_r, dest=self.comm_ranks[r], tag=self.tag))
-                    except Exception:  # best effort: the transport itself may be broken
-                        pass
+            for dest in targets:
+                try:
+                    handles.append(self.comm.isend(dict(msg), dest=dest, tag=self.tag))
+                except Exception:  # best effort: the transport itself may be broken
+                    pass
             for h in handles:  # make sure the news leaves before this rank raises (and exits)
                 try:
                     h.wait(timeout=5.0)
