@@ -590,9 +590,9 @@ class Communicator:
                     # would keep taking the GIL from them.
                     event.wait(2e-4)
                     continue
-                if not self._progress_lock.acquire(blocking=False):
-                    # Another thread is polling (and completes our handle too if it can).
-                    event.wait(5e-4)
+                if not self._progress_lock.acquire(timeout=5e-4):
+                    # Another thread is polling (a round takes microseconds; it also
+                    # completes our handle if our message is there).
                     continue
                 try:
                     if self._poll_once():

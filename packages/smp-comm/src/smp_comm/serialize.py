@@ -15,7 +15,7 @@ import io
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -29,12 +29,12 @@ __all__ = ["ALIGN", "Packed", "TensorStub", "pack", "unpack", "new_buffers", "to
 ALIGN = 64  # byte alignment of each tensor inside a direct-path region
 
 
-@dataclass(frozen=True)
-class TensorStub:
+class TensorStub(NamedTuple):
     """Stands in for one tensor/array in the pickled skeleton.
 
     ``offset`` is the byte offset of the tensor's bytes inside the message payload (the
-    reserved region for direct paths); ``device`` is where the sender had it.
+    reserved region for direct paths, ``ALIGN``-aligned); ``device`` is where the sender
+    had it. (A named tuple: cheap to build and to pickle, which small messages feel.)
     """
 
     id: int
@@ -77,7 +77,7 @@ def _layout(sizes: list[int]) -> tuple[list[int], int]:
     return offsets, pos
 
 
-def _torch_bytes(t: Any) -> tuple[TensorStub, Any]:
+def _torch_bytes(t: Any, idx: int, offset: int) -> tuple[TensorStub, Any]:
     src = t.detach()
     if src.is_conj():
         src = src.resolve_conj()
@@ -87,21 +87,22 @@ def _torch_bytes(t: Any) -> tuple[TensorStub, Any]:
         src = src.contiguous()  # non-contiguous -> one contiguous copy
     flat = src.reshape(-1).view(torch.uint8)
     stub = TensorStub(
-        id=-1,
-        kind="torch",
-        dtype=str(t.dtype).removeprefix("torch."),
-        shape=tuple(t.shape),
-        nbytes=flat.numel(),
-        requires_grad=bool(t.requires_grad),
-        device=str(t.device),
+        idx,
+        "torch",
+        str(t.dtype).removeprefix("torch."),
+        tuple(t.shape),
+        flat.numel(),
+        bool(t.requires_grad),
+        str(t.device),
+        offset,
     )
     return stub, flat if flat.is_cuda else flat.numpy()
 
 
-def _numpy_bytes(a: np.ndarray) -> tuple[TensorStub, Any]:
+def _numpy_bytes(a: np.ndarray, idx: int, offset: int) -> tuple[TensorStub, Any]:
     src = np.ascontiguousarray(a)
     flat = src.reshape(-1).view(np.uint8)
-    stub = TensorStub(id=-1, kind="numpy", dtype=a.dtype, shape=tuple(a.shape), nbytes=flat.size)
+    stub = TensorStub(idx, "numpy", a.dtype, tuple(a.shape), flat.size, False, "cpu", offset)
     return stub, flat
 
 
@@ -121,10 +122,11 @@ class _Pickler(pickle.Pickler):
         self.stubs: list[TensorStub] = []
         self.sources: list[Any] = []
         self._seen: dict[int, int] = {}
+        self._end = 0  # payload bytes laid out so far
         self._keep: list[Any] = []  # keeps id()s unique while pickling
 
     def persistent_id(self, obj: Any) -> int | None:
-        make: Callable[[Any], tuple[TensorStub, Any]]
+        make: Callable[[Any, int, int], tuple[TensorStub, Any]]
         if isinstance(obj, np.ndarray):
             if obj.dtype.hasobject or obj.dtype.itemsize == 0:
                 return None  # object arrays have no raw bytes to move: pickle them whole
@@ -136,8 +138,9 @@ class _Pickler(pickle.Pickler):
         key = id(obj)
         if key in self._seen:
             return self._seen[key]
-        stub, src = make(obj)
         idx = len(self.stubs)
+        stub, src = make(obj, idx, self._end)
+        self._end += (stub.nbytes + ALIGN - 1) // ALIGN * ALIGN
         self.stubs.append(stub)
         self.sources.append(src)
         self._seen[key] = idx
@@ -150,12 +153,7 @@ def pack(obj: Any) -> Packed:
     buf = io.BytesIO()
     p = _Pickler(buf)
     p.dump(obj)
-    offsets, _ = _layout([s.nbytes for s in p.stubs])
-    stubs = [
-        TensorStub(i, s.kind, s.dtype, s.shape, s.nbytes, s.requires_grad, s.device, off)
-        for i, (s, off) in enumerate(zip(p.stubs, offsets))
-    ]
-    return Packed(buf.getvalue(), stubs, p.sources)
+    return Packed(buf.getvalue(), p.stubs, p.sources)
 
 
 def new_buffers(stubs: list[TensorStub], rank: int) -> tuple[list[Any], list[np.ndarray]]:
