@@ -164,6 +164,11 @@ class DeviceChain(Chain):
         self.blocks = nn.ModuleList([DeviceBlock(d) for _ in range(n)])
 
 
+def seq_model(d: int = 8) -> nn.Sequential:
+    """A flat Sequential: runs of children on one rank travel as one request."""
+    return nn.Sequential(*[Block(d) for _ in range(5)], nn.Linear(d, 1))
+
+
 def mse_step(model: nn.Module, backward):
     def step(x, y):
         out = model(x)

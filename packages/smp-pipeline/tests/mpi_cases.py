@@ -171,6 +171,11 @@ def suite_pp2(comm):
               (3, "forward"), (2, "backward"), (3, "backward")]
     run_case(comm, "chain-custom", models.Chain, data(), chain_assign, 4, custom)
     run_case(comm, "chain-auto", models.Chain, data(), None, 4)
+    seq_assign = {"1": 1, "2": 1, "3": 1, "5": 1}
+    for schedule in ("simple", "interleaved"):
+        run_case(comm, f"seqrun-{schedule}", models.seq_model, data(), seq_assign, 4, schedule)
+    run_case(comm, "seqrun-ckpt", models.seq_model, data(), seq_assign, 4,
+             checkpointing={"2": None, "4": None})
 
     def tied_step(model, rt):
         def step(ids, target):

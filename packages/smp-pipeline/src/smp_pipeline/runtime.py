@@ -208,6 +208,52 @@ class PipelineRuntime:
             if groups and owner == self.pp_rank:
                 assert isinstance(m, nn.Sequential)
                 m.forward = grouped_sequential_forward(m, groups)  # type: ignore[method-assign]
+            elif (
+                owner == self.pp_rank
+                and isinstance(m, nn.Sequential)
+                and type(m).forward is nn.Sequential.forward
+            ):
+                runs = self._remote_runs(m)
+                if runs:
+                    m.forward = self._sequential_forward(path, m, runs)  # type: ignore[method-assign]
+
+    def _remote_runs(self, seq: nn.Sequential) -> dict[int, tuple[int, int]]:
+        """Runs of >= 2 consecutive children owned by one other rank: ``start -> (end, rank)``."""
+        assert self.assignment is not None
+        canon = canonical_modules(self.module)
+        owners = [self.assignment[canon[id(c)]] for c in seq]
+        runs: dict[int, tuple[int, int]] = {}
+        i = 0
+        while i < len(owners):
+            j = i + 1
+            while j < len(owners) and owners[j] == owners[i]:
+                j += 1
+            if owners[i] != self.pp_rank and j - i >= 2:
+                runs[i] = (j, owners[i])
+            i = j
+        return runs
+
+    def _sequential_forward(
+        self, path: str, seq: nn.Sequential, runs: dict[int, tuple[int, int]]
+    ) -> Callable[[Any], Any]:
+        """``seq.forward`` sending each run of children living on one other rank as one
+        request (Appendix B), instead of one request per child."""
+        children = list(seq)
+
+        def forward(x: Any) -> Any:
+            i = 0
+            while i < len(children):
+                run = runs.get(i)
+                if run is not None:
+                    end, owner = run
+                    x = self.server.call_remote(path, owner, (x,), {}, False, (i, end))
+                    i = end
+                else:
+                    x = children[i](x)
+                    i += 1
+            return x
+
+        return forward
 
     def _call_remote(self, path: str, owner: int, *args: Any, **kwargs: Any) -> Any:
         return self.server.call_remote(path, owner, args, kwargs, path in self.plan.modules)
@@ -221,8 +267,21 @@ class PipelineRuntime:
         return run_checkpointed(functools.partial(type(m)._call_impl, m), args, kwargs)
 
     def _execute_owned(
-        self, path: str, args: tuple[Any, ...], kwargs: dict[str, Any], checkpoint: bool
+        self,
+        path: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        checkpoint: bool,
+        span: tuple[int, int] | None = None,
     ) -> Any:
+        if span is not None:  # consecutive children of a Sequential, all owned here
+            seq = self._modules.get(path)
+            if not isinstance(seq, nn.Sequential):
+                raise PipelineError(f"pp rank {self.pp_rank}: '{path}' is not an nn.Sequential")
+            (x,) = args
+            for child in list(seq)[span[0] : span[1]]:
+                x = child(x)
+            return x
         m = self._modules.get(path)
         if m is None or self.assignment is None or self.assignment[path] != self.pp_rank:
             raise PipelineError(f"pp rank {self.pp_rank} was asked to run module '{path}', which it does not own")

@@ -60,7 +60,7 @@ class ExecutionServer:
         comm_ranks: list[int],
         tag: int,
         timeout_s: float,
-        execute: Callable[[str, tuple[Any, ...], dict[str, Any], bool], Any],
+        execute: Callable[..., Any],
         record_timeline: bool = False,
         order: OrderChannel | None = None,
         abort_ranks: list[int] | None = None,
@@ -75,7 +75,9 @@ class ExecutionServer:
         self.abort_ranks = list(abort_ranks or [])
         self.tag = tag
         self.timeout_s = timeout_s
-        self.execute = execute  # runs an owned module: (path, args, kwargs, checkpoint) -> out
+        # Runs an owned module: (path, args, kwargs, checkpoint, span) -> outputs, where
+        # span=(i, j) asks for children i..j-1 of an nn.Sequential (Appendix B).
+        self.execute = execute
         self.record_timeline = record_timeline
         self.events: list[TimelineEvent] = []
 
@@ -464,7 +466,10 @@ class ExecutionServer:
         kind = msg["kind"]
         if kind == M.FWD_REQ:
             self.requests_served += 1
-            task = Task(self._run_forward_request, msg["mb"], msg["path"], "forward", None, msg["step"])
+            label = msg["path"]
+            if msg.get("span"):
+                label = "{}[{}:{}]".format(label or "<root>", *msg["span"])
+            task = Task(self._run_forward_request, msg["mb"], label, "forward", None, msg["step"])
             task.payload = msg  # type: ignore[attr-defined]
             self._start(task)
         elif kind == M.FWD_RESP:
@@ -519,9 +524,19 @@ class ExecutionServer:
 
     # ------------------------------------------------------------------ forward
     def call_remote(
-        self, path: str, dest: int, args: tuple[Any, ...], kwargs: dict[str, Any], checkpoint: bool
+        self,
+        path: str,
+        dest: int,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        checkpoint: bool,
+        span: tuple[int, int] | None = None,
     ) -> Any:
-        """Run module ``path`` on pp rank ``dest`` for the current task (caller side)."""
+        """Run module ``path`` on pp rank ``dest`` for the current task (caller side).
+
+        ``span=(i, j)``: run children ``i..j-1`` of the ``nn.Sequential`` at ``path`` in one
+        request (they all live on ``dest``).
+        """
         task = self.current
         if task is None or task.worker is None or task.context is None:
             raise PipelineError(
@@ -548,6 +563,7 @@ class ExecutionServer:
             "grad": st["grad"],
             "autocast": st["autocast"],
             "checkpoint": checkpoint,
+            "span": span,
             "inputs": {"skeleton": skeleton, "tensors": [t.detach() for t in tensors], "flags": flags},
         }
         self.outstanding[("fwd", key)] = (
@@ -562,7 +578,8 @@ class ExecutionServer:
         oflags = out["flags"]
         if any(oflags):
             inputs = [t for t, f in zip(tensors, flags) if f]
-            call = OutgoingCall(self, key, dest, path, ctx, inputs)
+            label = path if span is None else f"{path or '<root>'}[{span[0]}:{span[1]}]"
+            call = OutgoingCall(self, key, dest, label, ctx, inputs)
             self.outgoing[key] = call
             idx = [i for i, f in enumerate(oflags) if f]
             joined = attach_boundary(call, [outs[i] for i in idx])
@@ -575,10 +592,12 @@ class ExecutionServer:
         msg = task.payload  # type: ignore[attr-defined]
         (args, kwargs), leaves = unpack_leaves(msg["inputs"])
         key: CallKey = tuple(msg["key"])  # type: ignore[assignment]
-        rec = IncomingCall(msg["step"], msg["mb"], key, msg["path"], leaves)
+        rec = IncomingCall(msg["step"], msg["mb"], key, task.module, leaves)
         task.context = rec
         with execution_state(msg["grad"], msg["autocast"]):
-            out = self.execute(msg["path"], tuple(args), dict(kwargs), bool(msg["checkpoint"]))
+            out = self.execute(
+                msg["path"], tuple(args), dict(kwargs), bool(msg["checkpoint"]), msg.get("span")
+            )
         skeleton, tensors = flatten(out)
         flags = [bool(msg["grad"] and t.requires_grad) for t in tensors]
         if any(flags):
