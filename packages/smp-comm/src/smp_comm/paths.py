@@ -35,6 +35,7 @@ import numpy as np
 from mpi4py import MPI
 
 from smp_comm.alloc import RangeAllocator
+from smp_comm.errors import CommError
 from smp_comm.serialize import Packed, TensorStub, new_buffers, torch
 from smp_comm.settings import CommSettings
 
@@ -100,6 +101,7 @@ class DirectPaths:
     are collective over ``cc`` and run in the same order on every rank."""
 
     def __init__(self, cc: MPI.Intracomm, settings: CommSettings) -> None:
+        self._cc = cc
         self.rank = rank = cc.Get_rank()
         size = cc.Get_size()
         enabled = {p for p in ("shm", "rma") if p not in settings.disable}
@@ -227,6 +229,7 @@ class DirectPaths:
                 path = None
         names = self.node.allgather((path, nbytes))
         sizes = {}
+        failure = None
         try:
             for r in local:
                 name, n = names[self._node_rank[r]]
@@ -239,10 +242,20 @@ class DirectPaths:
                         os.close(fd)
                     self._shm_maps[r] = mem
                     self._shm_views[r] = np.frombuffer(mem, dtype=np.uint8)
+        except OSError as exc:  # e.g. a node_id override that groups different hosts
+            failure = f"rank {self.rank}: {exc}"
         finally:
             self.node.Barrier()  # every peer has mapped it (or failed): unlink now
             if path is not None:
                 os.unlink(path)
+        # Every rank learns of a failure anywhere, so none goes on alone into the next
+        # collective call.
+        failures = [f for f in self._cc.allgather(failure) if f]
+        if failures:
+            raise CommError(
+                "smp-comm: cannot map the shared-memory buffers of node peers "
+                f"(is node_id grouping ranks of different hosts?): {'; '.join(failures)}"
+            )
         return sizes
 
     # ---------------------------------------------------------------- routing
