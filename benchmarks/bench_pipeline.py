@@ -79,85 +79,96 @@ def _worker() -> None:
         assert m is not None
         return m
 
-    def smp_times(t: float, ms, tag: int) -> tuple[dict[int, float], int]:
-        comm = smp_times.comm  # type: ignore[attr-defined]
+    import resource
+
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    comm = Communicator(world)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", os.environ.get("BENCH_PIPELINE_PORT", "29517"))
+    dist.init_process_group("gloo", rank=rank, world_size=P)
+    assignment = {".".join(["next"] * i): i for i in range(1, P)}
+
+    def make_runtime(t: float, tag: int):
         model = chain(t)
-        assignment = {".".join(["next"] * i): i for i in range(1, P)}
         rt = PipelineRuntime(model, comm, rank, P, assignment=assignment, tag=tag,
                              active_microbatches=P + 2, timeout_s=120)
-        out: dict[int, float] = {}
-        served = 0
 
         def step(x):
             loss = model(x).pow(2).mean()
             rt.backward(loss)
             return loss
 
-        for m in ms:
-            x = torch.randn(m * MB_SIZE, D)
-            rt.run_step(step, (x,), num_microbatches=m)  # warm-up
-            before = rt.requests_served
-            times = []
-            for _ in range(STEPS):
-                world.Barrier()
-                t0 = time.perf_counter()
-                rt.run_step(step, (x,), num_microbatches=m)
-                times.append(time.perf_counter() - t0)
-            served = world.allreduce(rt.requests_served - before, op=MPI.MAX) // STEPS
-            out[m] = world.allreduce(statistics.median(times), op=MPI.MAX)
-        rt.close()
-        return out, served
+        return rt, step
 
-    smp_times.comm = Communicator(world)  # type: ignore[attr-defined]
-    ours, _ = smp_times(T, MBS, 7400)
-    zero, served = smp_times(0.0, (16,), 7500)
-    smp_times.comm.close()  # type: ignore[attr-defined]
-
-    # torch.distributed.pipelining on the same simulated stages (gloo, one stage per rank).
-    import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", os.environ.get("BENCH_PIPELINE_PORT", "29517"))
-    dist.init_process_group("gloo", rank=rank, world_size=P)
+    rt, step = make_runtime(T, 7400)
     stage_mod = Stage(T)
-    theirs: dict[int, float] = {}
+    pippy = {}
     for m in MBS:
         stage = PipelineStage(stage_mod, rank, P, torch.device("cpu"))
-        sched = Schedule1F1B(stage, n_microbatches=m, loss_fn=lambda o, y: F.mse_loss(o, y))
-        x = torch.randn(m * MB_SIZE, D)
-        y = torch.zeros(m * MB_SIZE, D)
+        pippy[m] = Schedule1F1B(stage, n_microbatches=m, loss_fn=lambda o, y: F.mse_loss(o, y))
 
-        def run(sched=sched, x=x, y=y) -> None:
-            if rank == 0:
-                sched.step(x)
-            elif rank == P - 1:
-                sched.step(target=y, losses=[])
-            else:
-                sched.step()
+    def run_theirs(m: int, x, y) -> None:
+        if rank == 0:
+            pippy[m].step(x)
+        elif rank == P - 1:
+            pippy[m].step(target=y, losses=[])
+        else:
+            pippy[m].step()
 
-        run()  # warm-up (shape inference)
-        times = []
-        for _ in range(STEPS):
-            dist.barrier()
-            t0 = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - t0)
-        theirs[m] = world.allreduce(statistics.median(times), op=MPI.MAX)
+    def timed(fn) -> float:
+        world.Barrier()
+        t0 = time.perf_counter()
+        fn()
+        return world.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+
+    ours: dict[int, list[float]] = {m: [] for m in MBS}
+    theirs: dict[int, list[float]] = {m: [] for m in MBS}
+    data = {m: (torch.randn(m * MB_SIZE, D), torch.zeros(m * MB_SIZE, D)) for m in MBS}
+    for m in MBS:  # warm-up (thread pools, shape inference)
+        rt.run_step(step, (data[m][0],), num_microbatches=m)
+        run_theirs(m, *data[m])
+    # Alternate the two systems, so both see the same load on a shared machine.
+    for _ in range(STEPS):
+        for m in MBS:
+            ours[m].append(timed(lambda m=m: rt.run_step(step, (data[m][0],), num_microbatches=m)))
+            theirs[m].append(timed(lambda m=m: run_theirs(m, *data[m])))
+    rt.close()
     dist.destroy_process_group()
+
+    # Runtime overhead: the same model with zero compute; latency and CPU per request.
+    rt0, step0 = make_runtime(0.0, 7500)
+    x16 = torch.randn(16 * MB_SIZE, D)
+    rt0.run_step(step0, (x16,), num_microbatches=16)
+    before = rt0.requests_served
+    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+    zero = statistics.median(
+        timed(lambda: rt0.run_step(step0, (x16,), num_microbatches=16)) for _ in range(STEPS)
+    )
+    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = cpu1.ru_utime - cpu0.ru_utime + cpu1.ru_stime - cpu0.ru_stime
+    served = rt0.requests_served - before
+    busiest = world.allreduce(served, op=MPI.MAX) // STEPS
+    total_served = world.allreduce(served, op=MPI.SUM)
+    total_cpu = world.allreduce(cpu, op=MPI.SUM)
+    rt0.close()
+    comm.close()
+    ours_med = {m: statistics.median(v) for m, v in ours.items()}
+    theirs_med = {m: statistics.median(v) for m, v in theirs.items()}
 
     if rank == 0:
         eff = []
         for m in MBS:
-            measured = m * 3 * T / ours[m]
+            measured = m * 3 * T / ours_med[m]
             ideal = m / (m + P - 1)
             eff.append(f"m={m}: {measured / ideal:.3f}")
         print(f"smp_pipeline p={P} t={T * 1e3:.0f}ms efficiency / ideal m/(m+p-1): " + ", ".join(eff))
         print("smp_pipeline step time / torch.distributed.pipelining Schedule1F1B: "
-              + ", ".join(f"m={m}: {ours[m] / theirs[m]:.3f}" for m in MBS))
-        per_req = zero[16] / max(served, 1) * 1e6
-        print(f"smp_pipeline overhead at zero compute: {per_req:.0f} us per request "
-              f"(m=16 step {zero[16] * 1e3:.1f} ms, {served} requests on the busiest rank)")
+              + ", ".join(f"m={m}: {ours_med[m] / theirs_med[m]:.3f}" for m in MBS))
+        print(f"smp_pipeline overhead at zero compute (m=16): {zero / max(busiest, 1) * 1e6:.0f} us "
+              f"step latency per request on the busiest rank ({busiest} requests, step "
+              f"{zero * 1e3:.1f} ms), {total_cpu / max(total_served, 1) * 1e6:.0f} us CPU per request")
 
 
 def main() -> None:
