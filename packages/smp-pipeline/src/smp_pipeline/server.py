@@ -521,6 +521,8 @@ class ExecutionServer:
                 del d[k]
         for k in [k for k in self.roots if k[0] <= step]:
             del self.roots[k]
+        for g in [g for g in self._grants if g[0] <= step]:
+            del self._grants[g]
 
     # ------------------------------------------------------------------ forward
     def call_remote(
@@ -770,6 +772,7 @@ class ExecutionServer:
         self.follower_start = follower_start
         try:
             self.serve(scheduler.done, start_next)
+            self.drop_step(step)
             shared = outputs if outputs_to_all else [None] * len(outputs)
             self.send_all({"kind": M.STEP_END, "step": step, "outputs": pack(shared, False)})
             self.flush_sends()
