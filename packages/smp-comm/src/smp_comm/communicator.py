@@ -586,10 +586,10 @@ class Communicator:
                 if now >= spin_until or self._closed:
                     break
                 if any(self._working):
-                    # Backend threads have work: sleep instead of spinning, or this thread
+                    # Backend threads have work: poll only every 200 us, or this thread
                     # would keep taking the GIL from them.
-                    event.wait(2e-4)
-                    continue
+                    if event.wait(2e-4):
+                        break
                 if not self._progress_lock.acquire(timeout=5e-4):
                     # Another thread is polling (a round takes microseconds; it also
                     # completes our handle if our message is there).
