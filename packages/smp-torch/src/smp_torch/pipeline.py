@@ -371,7 +371,12 @@ class PipelineBinding:
             return fn(*args, **kwargs)
 
         with autocast_context(cfg.fp16, cfg.bf16, s.device):
-            return self.runtime.run_step(one_microbatch, (torch.arange(m),), num_microbatches=m)
+            out = self.runtime.run_step(one_microbatch, (torch.arange(m),), num_microbatches=m)
+        # Every stage leaves the step together: a driver that finished its last step must not
+        # exit (closing its communicator) while another stage is still receiving the step's
+        # end message. A failed step raises on every stage before reaching this point.
+        s.mpi_comms["pp"].Barrier()
+        return out
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
