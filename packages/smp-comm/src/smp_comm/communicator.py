@@ -46,7 +46,16 @@ from mpi4py import MPI
 from smp_comm.errors import CommClosedError, CommError, PeerClosedError
 from smp_comm.handles import RecvHandle, SendHandle
 from smp_comm.paths import DirectPaths
-from smp_comm.serialize import Packed, TensorStub, finish_tensor, new_buffers, pack, torch, unpack
+from smp_comm.serialize import (
+    Packed,
+    TensorStub,
+    finish_tensor,
+    from_blobs,
+    new_buffers,
+    pack,
+    torch,
+    unpack,
+)
 from smp_comm.settings import PATHS, CommSettings
 
 __all__ = ["ANY_SOURCE", "ANY_TAG", "Communicator"]
@@ -436,7 +445,11 @@ class Communicator:
         assert op.packed is not None
         req = self._cc.isend(header, dest=op.dest, tag=_T_HEADER)
         nbytes = op.packed.nbytes
-        self._track([req, *extra], lambda: self._send_done(op, nbytes))
+        reqs = [req, *extra]
+        if not extra and MPI.Request.Testall(reqs):
+            self._send_done(op, nbytes)  # a small header usually leaves at once (eager)
+            return
+        self._track(reqs, lambda: self._send_done(op, nbytes))
 
     # ------------------------------------------------------------------ send side threads
 
@@ -722,10 +735,7 @@ class Communicator:
         if inc.path == "mpi":
             if inc.inline is None:
                 return inc.finals
-            finals, views = new_buffers(inc.stubs, self.rank)
-            for v, b in zip(views, inc.inline):
-                v[:] = np.frombuffer(b, dtype=np.uint8)
-            return finals
+            return from_blobs(inc.stubs, inc.inline, self.rank)
         # The region goes back to its sender (a FREE message) once copied out or, for
         # zero-copy views, once the last view is garbage collected. The callback holds no
         # reference to the message, so it cannot keep those views alive.

@@ -181,6 +181,26 @@ def new_buffers(stubs: list[TensorStub], rank: int) -> tuple[list[Any], list[np.
     return finals, views
 
 
+def from_blobs(stubs: list[TensorStub], blobs: list[bytes], rank: int) -> list[Any]:
+    """Tensors/arrays for an inline payload (``blobs[i]`` holds stub ``i``'s bytes)."""
+    out: list[Any] = []
+    for s, b in zip(stubs, blobs):
+        if s.kind == "torch":
+            if torch is None:
+                raise ImportError(
+                    f"smp-comm rank {rank}: a message holds torch tensors but torch is not importable"
+                )
+            raw = (
+                torch.frombuffer(bytearray(b), dtype=torch.uint8)
+                if s.nbytes
+                else torch.empty(0, dtype=torch.uint8)
+            )
+            out.append(raw.view(getattr(torch, s.dtype)).view(s.shape))
+        else:
+            out.append(np.frombuffer(bytearray(b), dtype=np.uint8).view(s.dtype).reshape(s.shape))
+    return out
+
+
 def finish_tensor(stub: TensorStub, value: Any) -> Any:
     """Restore device placement and the requires_grad flag of a received tensor."""
     if stub.kind != "torch":
