@@ -4,6 +4,8 @@
 2. Zero-copy shm views pin their region until garbage collected: with a 1 MiB buffer the
    fifth held 256 KiB message falls back to MPI; once the views are dropped, shm again.
 3. With ``shm_zero_copy=False`` the receiver copies out and frees at once.
+4. A burst on one (source, tag) whose messages take different paths (inline, shm, MPI
+   fallback for full buffer or oversized) still arrives in the order sent.
 """
 
 from __future__ import annotations
@@ -98,6 +100,24 @@ def main() -> None:
             assert torch.equal(t, torch.full((size // 4,), float(i))), i
             held.append(t)
             comm.isend(None, dest=0, tag=i).wait(timeout=30)
+    comm.close()
+
+    # 4. Per-sender order holds across paths, with the buffer overflowing on the way.
+    comm = Communicator(world, buffer_bytes="2M")
+    sizes = [16, 100_000, 3_000_000, 40_000, 8] * 60
+    if rank == 0:
+        hs = [
+            comm.isend((i, np.full(n // 8, i, dtype=np.int64)), dest=1, tag=5)
+            for i, n in enumerate(sizes)
+        ]
+        for h in hs:
+            h.wait(timeout=60)
+        s = comm.stats()
+        assert s["shm"]["messages_sent"] > 0 and s["mpi"]["fallbacks"] >= 60, s
+    else:
+        for i, n in enumerate(sizes):
+            (j, a), _, _ = comm.irecv(0, 5).wait(timeout=60)
+            assert j == i and a.size == n // 8 and (a.size == 0 or (a[0] == i and a[-1] == i)), i
     comm.close()
     print(f"rank {rank} OK buffers")
 
