@@ -11,9 +11,13 @@ runs asynchronous kernels. Outside smp_pipeline (the torch.distributed.pipelinin
 ``device_work()`` simply runs the sleep. In smp_pipeline each stage calls the next one (a
 nested module hierarchy, stage i on pp rank i); the driver computes a mean loss. Prints:
 
-  efficiency: measured m*3t/step_time divided by the ideal m/(m+p-1), for m = 4, 8, 16, 32
+  efficiency: measured m*3t/step_time divided by the ideal m/(m+p-1), for m = 4, 8, 16, 32,
+              with active_microbatches = p+2 (the default) and 2p
   vs 1F1B:    smp_pipeline step time / torch.distributed.pipelining Schedule1F1B step time
-  overhead:   runtime cost per served request at zero compute (microseconds)
+  overhead:   step latency per served request at zero compute, and CPU per request
+              (all threads of all ranks, including the communicator's)
+
+Medians of 5 steps; the two systems' steps alternate so both see the same machine load.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ T = float(os.environ.get("BENCH_PIPELINE_T", "0.02"))  # forward seconds per sta
 MBS = (4, 8, 16, 32)
 D = 16
 MB_SIZE = 2
-STEPS = 3
+STEPS = 5
 
 
 def _worker() -> None:
@@ -90,10 +94,10 @@ def _worker() -> None:
     dist.init_process_group("gloo", rank=rank, world_size=P)
     assignment = {".".join(["next"] * i): i for i in range(1, P)}
 
-    def make_runtime(t: float, tag: int):
+    def make_runtime(t: float, tag: int, active: int = P + 2):
         model = chain(t)
         rt = PipelineRuntime(model, comm, rank, P, assignment=assignment, tag=tag,
-                             active_microbatches=P + 2, timeout_s=120)
+                             active_microbatches=active, timeout_s=120)
 
         def step(x):
             loss = model(x).pow(2).mean()
@@ -102,7 +106,10 @@ def _worker() -> None:
 
         return rt, step
 
-    rt, step = make_runtime(T, 7400)
+    # Two settings of the in-flight bound: the default p+2, and 2p (more microbatches in
+    # flight hide the request round trips through the stage chain).
+    actives = (P + 2, 2 * P)
+    runtimes = {a: make_runtime(T, 7400 + 10 * a, a) for a in actives}
     stage_mod = Stage(T)
     pippy = {}
     for m in MBS:
@@ -123,18 +130,23 @@ def _worker() -> None:
         fn()
         return world.allreduce(time.perf_counter() - t0, op=MPI.MAX)
 
-    ours: dict[int, list[float]] = {m: [] for m in MBS}
+    ours: dict[tuple[int, int], list[float]] = {(a, m): [] for a in actives for m in MBS}
     theirs: dict[int, list[float]] = {m: [] for m in MBS}
     data = {m: (torch.randn(m * MB_SIZE, D), torch.zeros(m * MB_SIZE, D)) for m in MBS}
     for m in MBS:  # warm-up (thread pools, shape inference)
-        rt.run_step(step, (data[m][0],), num_microbatches=m)
+        for rt, step in runtimes.values():
+            rt.run_step(step, (data[m][0],), num_microbatches=m)
         run_theirs(m, *data[m])
     # Alternate the two systems, so both see the same load on a shared machine.
     for _ in range(STEPS):
         for m in MBS:
-            ours[m].append(timed(lambda m=m: rt.run_step(step, (data[m][0],), num_microbatches=m)))
+            for a, (rt, step) in runtimes.items():
+                ours[(a, m)].append(
+                    timed(lambda m=m, rt=rt, step=step: rt.run_step(step, (data[m][0],), num_microbatches=m))
+                )
             theirs[m].append(timed(lambda m=m: run_theirs(m, *data[m])))
-    rt.close()
+    for rt, _ in runtimes.values():
+        rt.close()
     dist.destroy_process_group()
 
     # Runtime overhead: the same model with zero compute; latency and CPU per request.
@@ -154,18 +166,21 @@ def _worker() -> None:
     total_cpu = world.allreduce(cpu, op=MPI.SUM)
     rt0.close()
     comm.close()
-    ours_med = {m: statistics.median(v) for m, v in ours.items()}
+    ours_med = {k: statistics.median(v) for k, v in ours.items()}
     theirs_med = {m: statistics.median(v) for m, v in theirs.items()}
 
     if rank == 0:
-        eff = []
-        for m in MBS:
-            measured = m * 3 * T / ours_med[m]
-            ideal = m / (m + P - 1)
-            eff.append(f"m={m}: {measured / ideal:.3f}")
-        print(f"smp_pipeline p={P} t={T * 1e3:.0f}ms efficiency / ideal m/(m+p-1): " + ", ".join(eff))
-        print("smp_pipeline step time / torch.distributed.pipelining Schedule1F1B: "
-              + ", ".join(f"m={m}: {ours_med[m] / theirs_med[m]:.3f}" for m in MBS))
+        for a in actives:
+            eff = []
+            for m in MBS:
+                measured = m * 3 * T / ours_med[(a, m)]
+                ideal = m / (m + P - 1)
+                eff.append(f"m={m}: {measured / ideal:.3f}")
+            print(f"smp_pipeline p={P} t={T * 1e3:.0f}ms active={a}: efficiency / ideal "
+                  "m/(m+p-1): " + ", ".join(eff))
+            print(f"smp_pipeline active={a} step time / torch.distributed.pipelining "
+                  "Schedule1F1B: "
+                  + ", ".join(f"m={m}: {ours_med[(a, m)] / theirs_med[m]:.3f}" for m in MBS))
         print(f"smp_pipeline overhead at zero compute (m=16): {zero / max(busiest, 1) * 1e6:.0f} us "
               f"step latency per request on the busiest rank ({busiest} requests, step "
               f"{zero * 1e3:.1f} ms), {total_cpu / max(total_served, 1) * 1e6:.0f} us CPU per request")
