@@ -75,8 +75,7 @@ class _Send:
     handle: SendHandle
     dest: int
     tag: int
-    obj: Any
-    msg_id: int
+    msg_id: int  # per-destination sequence number (also the payload's MPI tag)
     cuda_event: Any = None
     packed: Packed | None = None
     path: str = "mpi"
@@ -242,7 +241,7 @@ class Communicator:
             # whichever thread posts them (MPI's non-overtaking rule).
             seq = self._seq_to[dest]
             self._seq_to[dest] = seq + 1
-        op = _Send(handle, dest, tag, None, seq, packed=packed)
+        op = _Send(handle, dest, tag, seq, packed=packed)
         gpu = packed.on_gpu()
         if not any(gpu) and packed.nbytes <= self.settings.inline_bytes:
             # Fast lane: a small payload rides inside the header, posted from this thread.
