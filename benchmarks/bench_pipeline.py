@@ -181,6 +181,10 @@ def _worker() -> None:
             print(f"smp_pipeline active={a} step time / torch.distributed.pipelining "
                   "Schedule1F1B: "
                   + ", ".join(f"m={m}: {ours_med[(a, m)] / theirs_med[m]:.3f}" for m in MBS))
+        ref = ", ".join(
+            f"m={m}: {m * 3 * T / theirs_med[m] / (m / (m + P - 1)):.3f}" for m in MBS
+        )
+        print(f"(for reference) Schedule1F1B efficiency / ideal: {ref}")
         print(f"smp_pipeline overhead at zero compute (m=16): {zero / max(busiest, 1) * 1e6:.0f} us "
               f"step latency per request on the busiest rank ({busiest} requests, step "
               f"{zero * 1e3:.1f} ms), {total_cpu / max(total_served, 1) * 1e6:.0f} us CPU per request")
