@@ -364,7 +364,24 @@ class ExecutionServer:
 
     # ------------------------------------------------------------------ serving
     def serve(self, until: Callable[[], bool], hook: Callable[[], bool] | None = None) -> None:
-        """Run the main loop until ``until()``; ``hook()`` starts scheduled work (driver)."""
+        """Run the main loop until ``until()``; ``hook()`` starts scheduled work (driver).
+
+        Any unexpected error of the loop itself is broadcast as an abort, so the other ranks
+        raise too instead of waiting for this one.
+        """
+        try:
+            self._serve(until, hook)
+        except PipelineError:
+            raise
+        except BaseException as exc:
+            if self.abort_msg is None:
+                try:
+                    self.abort("error", f"pp rank {self.pp_rank}: internal error: {exc!r}")
+                except PipelineError as err:
+                    raise err from exc
+            raise
+
+    def _serve(self, until: Callable[[], bool], hook: Callable[[], bool] | None) -> None:
         if self.order is not None and not self.order.is_leader:
             self._serve_follower(until)
             return
