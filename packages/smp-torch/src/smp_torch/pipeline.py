@@ -79,6 +79,14 @@ def static_assignment(module: nn.Module, pp: int, alpha: float) -> tuple[dict[st
 _ORDER_TAG = 7401
 
 
+def _runtime_accepts(name: str) -> bool:
+    import inspect
+
+    from smp_pipeline import PipelineRuntime
+
+    return name in inspect.signature(PipelineRuntime.__init__).parameters
+
+
 def _order_channel_class() -> Any:
     """smp-pipeline's tensor-parallel ``OrderChannel``, or None when this version lacks it."""
     try:
@@ -211,9 +219,14 @@ class PipelineBinding:
             if opts is not None:
                 strategy = opts["strategy"] if isinstance(m, nn.Sequential) else None
                 checkpointing[name] = strategy
-        self.comm = Communicator(s.mpi_comms["pp"].Dup())
-        self.tp_comm: Any = None
+        # One communicator over the whole job, shared by every pipeline: each runtime talks to
+        # its own stages (comm_ranks), and an abort reaches every rank (abort_ranks), so a
+        # tensor-parallel peer or replica in another pipeline raises instead of waiting in a
+        # collective forever.
+        self.comm = Communicator(s.mpi_comms["world"].Dup())
         extra: dict[str, Any] = {}
+        if _runtime_accepts("abort_ranks"):
+            extra["abort_ranks"] = [r for r in range(s.size) if r not in s.groups["pp"]]
         active = cfg.active_microbatches
         self.ordering = "none"
         if cfg.tp > 1:
@@ -221,9 +234,9 @@ class PipelineBinding:
             # executions, so they must start tasks in the same order.
             channel_cls = _order_channel_class()
             if channel_cls is not None:
-                self.tp_comm = Communicator(s.mpi_comms["tp"].Dup())
+                tp_group = s.groups["tp"]
                 extra["order_channel"] = channel_cls(
-                    self.tp_comm, 0, list(range(1, cfg.tp)), _ORDER_TAG
+                    self.comm, tp_group[0], tp_group[1:], _ORDER_TAG
                 )
                 self.ordering = "leader"
             else:
@@ -236,6 +249,7 @@ class PipelineBinding:
             self.comm,
             self.pp_rank,
             cfg.pp,
+            comm_ranks=s.groups["pp"],
             alpha=cfg.memory_weight,
             schedule=cfg.pipeline,
             active_microbatches=active,
@@ -370,12 +384,23 @@ class PipelineBinding:
             args, kwargs = microbatches[int(index.item())]
             return fn(*args, **kwargs)
 
-        with autocast_context(cfg.fp16, cfg.bf16, s.device):
-            out = self.runtime.run_step(one_microbatch, (torch.arange(m),), num_microbatches=m)
-        # Every stage leaves the step together: a driver that finished its last step must not
-        # exit (closing its communicator) while another stage is still receiving the step's
-        # end message. A failed step raises on every stage before reaching this point.
-        s.mpi_comms["pp"].Barrier()
+        error: BaseException | None = None
+        out: list[Any] = []
+        try:
+            with autocast_context(cfg.fp16, cfg.bf16, s.device):
+                out = self.runtime.run_step(one_microbatch, (torch.arange(m),), num_microbatches=m)
+        except BaseException as exc:  # noqa: BLE001 - shared with every rank below
+            error = exc
+        # Every rank of the job agrees on the step's outcome before anyone goes on (to the
+        # data-parallel all-reduce, or to exit and close its communicator). The runtime makes
+        # a failure raise on every rank, but a rank that had already finished the step when
+        # the abort arrived would otherwise wait for a peer that never comes.
+        report = None if error is None else f"rank {s.rank}: {type(error).__name__}: {error}"
+        failures = [r for r in s.mpi_comms["world"].allgather(report) if r]
+        if error is not None:
+            raise error
+        if failures:
+            raise SMPError(f"the step failed on another rank: {failures[0]}")
         return out
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -455,8 +480,6 @@ class PipelineBinding:
             self.runtime.close()
         finally:
             self.comm.close()
-            if self.tp_comm is not None:
-                self.tp_comm.close()
 
 
 class _Shallow(nn.Module):

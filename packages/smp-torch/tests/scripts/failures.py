@@ -1,0 +1,49 @@
+"""An exception inside the step function of ONE pipeline must raise on every rank of the job
+(no rank left waiting in a collective). Prints ``RANK <r> RAISED <type>`` on each rank."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import models  # noqa: E402
+import smp_torch as smp  # noqa: E402
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    config = {"pipeline_parallel_degree": 2, "microbatches": 2, "timeout_s": 60}
+    if len(sys.argv) > 1:
+        config["tensor_parallel_degree"] = int(sys.argv[1])
+    cfg = smp.init(config)
+    torch.manual_seed(0)
+    model = smp.DistributedModel(models.TinyLM(tp=cfg.tp > 1))
+    first = smp.get_pp_group()[0]
+    bad_pipeline = first == max(smp.allgather(first))
+
+    @smp.step
+    def train_step(x: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+        loss = models.lm_loss(model(x), y)
+        if step == 1 and bad_pipeline:
+            raise ValueError("boom in the last pipeline")
+        model.backward(loss)
+        return loss
+
+    try:
+        for step in range(3):
+            x, y = models.global_batch(step, 8)
+            n, i = smp.dp_size(), smp.dp_rank()
+            train_step(x.chunk(n)[i], y.chunk(n)[i], step)
+            print(f"RANK {smp.rank()} finished step {step}", flush=True)
+    except Exception as exc:  # noqa: BLE001
+        first_line = str(exc).splitlines()[0][:120] if str(exc) else ""
+        print(f"\nRANK {smp.rank()} RAISED {type(exc).__name__}: {first_line}", flush=True)
+        os._exit(0)  # skip the orderly shutdown: peers are gone
+    print(f"RANK {smp.rank()} NO ERROR", flush=True)
+
+
+if __name__ == "__main__":
+    main()
