@@ -84,7 +84,7 @@ def mse_ref(model, batch):
 
 def run_case(comm, name, build, batch, assignment, m, schedule="interleaved", *, step_of=None,
              ref_loss=None, per_microbatch_reference=False, checkpointing=None, active=None,
-             rtol=RTOL, atol=ATOL, steps=2):
+             rtol=RTOL, atol=ATOL, steps=2, **rt_kwargs):
     rank, size = comm.rank, comm.size
     torch.manual_seed(1234)
     model = build()
@@ -93,7 +93,7 @@ def run_case(comm, name, build, batch, assignment, m, schedule="interleaved", *,
     ref_loss = ref_loss or mse_ref
     rt = PipelineRuntime(
         model, comm, rank, size, assignment=assignment, schedule=schedule, timeout_s=60,
-        checkpointing=checkpointing, active_microbatches=active, tag=next_tag(),
+        checkpointing=checkpointing, active_microbatches=active, tag=next_tag(), **rt_kwargs,
     )
     ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
     opt = None
@@ -171,6 +171,7 @@ def suite_pp2(comm):
               (3, "forward"), (2, "backward"), (3, "backward")]
     run_case(comm, "chain-custom", models.Chain, data(), chain_assign, 4, custom)
     run_case(comm, "chain-auto", models.Chain, data(), None, 4)
+    run_case(comm, "chain-auto-meta", models.Chain, data(), None, 4, trace_device="meta")
     seq_assign = {"1": 1, "2": 1, "3": 1, "5": 1}
     for schedule in ("simple", "interleaved"):
         run_case(comm, f"seqrun-{schedule}", models.seq_model, data(), seq_assign, 4, schedule)

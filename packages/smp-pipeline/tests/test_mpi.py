@@ -26,7 +26,7 @@ def test_pp2_equivalence() -> None:
     out = run_mpi([SCRIPT, "pp2"], 2, timeout=220, env=ENV)
     assert "SUITE-OK pp2" in out, out
     cases = _cases(out)
-    for name in ("chain-simple-m8", "chain-interleaved-m1", "chain-custom", "tied-ckpt-group_2",
+    for name in ("chain-simple-m8", "chain-interleaved-m1", "chain-custom", "chain-auto-meta", "tied-ckpt-group_2",
                  "seqrun-simple", "seqrun-interleaved", "seqrun-ckpt",
                  "reuse-interleaved", "branch-simple", "gpt2-auto", "t5-auto", "t5-manual",
                  "state-and-timeline"):

@@ -141,6 +141,15 @@ def test_trace_places_module_lists_by_their_members() -> None:
     assert blocks == pytest.approx(mods["blocks.0"]["forward_ms"] + mods["blocks.1"]["forward_ms"])
 
 
+def test_static_graph_runs_nothing() -> None:
+    from smp_pipeline import static_graph_dict
+
+    g = static_graph_dict(Tiny())
+    mods = {m["name"]: m for m in g["modules"]}
+    assert mods[""]["children"] == ["b", "a", "unused", "head"]  # definition order
+    assert mods["head"]["params"] == {"a.weight": 9} and mods["a"]["forward_ms"] is None
+
+
 def test_trace_builds_partition_graph() -> None:
     smp_partition = pytest.importorskip("smp_partition")
     from smp_pipeline import trace

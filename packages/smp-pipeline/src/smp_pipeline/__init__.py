@@ -12,7 +12,7 @@ from smp_pipeline.order import OrderChannel
 from smp_pipeline.runtime import PipelineRuntime
 from smp_pipeline.schedule import Scheduler
 from smp_pipeline.server import device_work
-from smp_pipeline.trace import trace, trace_dict
+from smp_pipeline.trace import static_graph_dict, trace, trace_dict
 from smp_pipeline.tracing import plot_timeline, to_chrome_trace, write_chrome_trace
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "device_work",
     "plot_timeline",
     "split_microbatches",
+    "static_graph_dict",
     "to_chrome_trace",
     "trace",
     "trace_dict",

@@ -29,7 +29,7 @@ from smp_pipeline.order import OrderChannel
 from smp_pipeline.schedule import Scheduler, ScheduleSpec
 from smp_pipeline.server import ExecutionServer
 from smp_pipeline.state import capture
-from smp_pipeline.trace import canonical_modules, trace_dict
+from smp_pipeline.trace import canonical_modules, static_graph_dict, trace_dict
 from smp_pipeline.tracing import plot_timeline, write_chrome_trace
 
 DEFAULT_TAG = 7301  # the runtime uses this tag and the next one on the communicator
@@ -53,7 +53,9 @@ class PipelineRuntime:
         checkpointing: ``{module path: strategy}`` (see :mod:`smp_pipeline.checkpointing`).
         timeline: record every task span for :meth:`write_timeline`.
         tag: the message tag (the runtime also uses ``tag + 1`` for setup collectives).
-        trace_device: device for the automatic-partition trace (``"meta"``: no times).
+        trace_device: device for the automatic-partition trace. ``"meta"``: nothing is run
+            (a step function uses the real model); the graph has definition order and
+            parameter sizes only, no times or activations.
         order_channel: tensor-parallel ordering (see :mod:`smp_pipeline.order`): on the
             leader, every task start is published; followers start tasks in that order.
         abort_ranks: further communicator ranks to notify when this runtime aborts (e.g.
@@ -161,13 +163,17 @@ class PipelineRuntime:
 
                 self._tracing = True
                 try:
-                    if run is not None:  # warm-up: first calls are slow (lazy initialisation)
-                        with torch.no_grad():
-                            run()
-                    graph = trace_dict(
-                        self.module, args, dict(kwargs or {}), run=run,
-                        device=self.trace_device if step_fn is None else None,
-                    )
+                    if self.trace_device == "meta" and step_fn is not None:
+                        # The step function uses the real model: do not run it at all.
+                        graph = static_graph_dict(self.module)
+                    else:
+                        if run is not None:  # warm-up: first calls are slow (lazy init)
+                            with torch.no_grad():
+                                run()
+                        graph = trace_dict(
+                            self.module, args, dict(kwargs or {}), run=run,
+                            device=self.trace_device if step_fn is None else None,
+                        )
                 finally:
                     self._tracing = False
                 assignment = auto_assignment(graph, self.pp_size, self.alpha)

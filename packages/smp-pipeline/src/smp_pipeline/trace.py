@@ -147,6 +147,32 @@ def trace_dict(
     return {"schema": "smp-partition/module-graph@1", "modules": modules}
 
 
+def static_graph_dict(module: nn.Module) -> dict[str, Any]:
+    """The module graph without running anything: definition order, parameters only.
+
+    For models too large to trace at all (times omitted, activation bytes 0).
+    """
+    paths = canonical_modules(module)
+    param_key = {id(p): name for name, p in module.named_parameters()}
+    modules = []
+    for name, m, children in module_children(module):
+        kids: list[str] = []
+        for c in children:
+            if paths[id(c)] not in kids:
+                kids.append(paths[id(c)])
+        modules.append(
+            {
+                "name": name,
+                "type": type(m).__name__,
+                "children": kids,
+                "params": {param_key[id(p)]: p.numel() for p in m._parameters.values() if p is not None},
+                "activation_bytes": 0,
+                "forward_ms": None,
+            }
+        )
+    return {"schema": "smp-partition/module-graph@1", "modules": modules}
+
+
 def trace(
     module: nn.Module,
     args: tuple[Any, ...] = (),
