@@ -29,20 +29,19 @@ from typing import Any
 import torch
 from smp_comm import ANY_SOURCE, CommTimeoutError
 
+from smp_pipeline import calls
 from smp_pipeline import messages as M
 from smp_pipeline.boundary import (
     CallKey,
-    Context,
     IncomingCall,
     OutgoingCall,
     RootContext,
-    attach_boundary,
 )
 from smp_pipeline.errors import PipelineError, PipelineRemoteError, PipelineTimeoutError
-from smp_pipeline.messages import flatten, pack, unflatten, unpack_leaves
+from smp_pipeline.messages import pack, unflatten
 from smp_pipeline.order import OrderChannel
 from smp_pipeline.schedule import Scheduler
-from smp_pipeline.state import capture, execution_state
+from smp_pipeline.state import execution_state
 from smp_pipeline.worker import DEVICE, Task, Worker, current_worker
 
 # (pp rank, microbatch, module, phase, start, end): one EXECUTING span of a task.
@@ -541,184 +540,14 @@ class ExecutionServer:
         for g in [g for g in self._grants if g[0] <= step]:
             del self._grants[g]
 
-    # ------------------------------------------------------------------ forward
-    def call_remote(
-        self,
-        path: str,
-        dest: int,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        checkpoint: bool,
-        span: tuple[int, int] | None = None,
-    ) -> Any:
-        """Run module ``path`` on pp rank ``dest`` for the current task (caller side).
-
-        ``span=(i, j)``: run children ``i..j-1`` of the ``nn.Sequential`` at ``path`` in one
-        request (they all live on ``dest``).
-        """
-        task = self.current
-        if task is None or task.worker is None or task.context is None:
-            raise PipelineError(
-                f"module '{path}' lives on pp rank {dest}: call the model inside the step "
-                "function given to run_step()"
-            )
-        if task.in_segment:
-            raise PipelineError(
-                f"module '{path}' (pp rank {dest}) was called during a backward segment on pp "
-                f"rank {self.pp_rank}: a checkpointed module must not contain remote submodules"
-            )
-        ctx = task.context
-        key: CallKey = (self.pp_rank, next(self._calls))
-        st = capture()
-        skeleton, tensors = flatten((args, kwargs))
-        flags = [bool(st["grad"] and t.requires_grad) for t in tensors]
-        msg = {
-            "kind": M.FWD_REQ,
-            "key": key,
-            "path": path,
-            "step": ctx.step,
-            "mb": ctx.mb,
-            "phase": "forward",
-            "grad": st["grad"],
-            "autocast": st["autocast"],
-            "checkpoint": checkpoint,
-            "span": span,
-            "inputs": {"skeleton": skeleton, "tensors": [t.detach() for t in tensors], "flags": flags},
-        }
-        self.outstanding[("fwd", key)] = (
-            time.monotonic(),
-            f"the forward of module '{path}' (microbatch {ctx.mb}) on pp rank {dest}",
-        )
-        self.send(dest, msg)
-        assert task.worker is not None
-        resp = task.worker.wait(("fwd", key))
-        out = resp["outputs"]
-        outs = [t.detach() for t in out["tensors"]]
-        oflags = out["flags"]
-        if any(oflags):
-            inputs = [t for t, f in zip(tensors, flags) if f]
-            label = path if span is None else f"{path or '<root>'}[{span[0]}:{span[1]}]"
-            call = OutgoingCall(self, key, dest, label, ctx, inputs)
-            self.outgoing[key] = call
-            idx = [i for i, f in enumerate(oflags) if f]
-            joined = attach_boundary(call, [outs[i] for i in idx])
-            for i, t in zip(idx, joined):
-                outs[i] = t
-        return unflatten(out["skeleton"], outs)
-
-    def _run_forward_request(self, task: Task) -> None:
-        """Callee side of :meth:`call_remote`."""
-        msg = task.payload  # type: ignore[attr-defined]
-        (args, kwargs), leaves = unpack_leaves(msg["inputs"])
-        key: CallKey = tuple(msg["key"])  # type: ignore[assignment]
-        rec = IncomingCall(msg["step"], msg["mb"], key, task.module, leaves)
-        task.context = rec
-        with execution_state(msg["grad"], msg["autocast"]):
-            out = self.execute(
-                msg["path"], tuple(args), dict(kwargs), bool(msg["checkpoint"]), msg.get("span")
-            )
-        skeleton, tensors = flatten(out)
-        flags = [bool(msg["grad"] and t.requires_grad) for t in tensors]
-        if any(flags):
-            rec.outputs = [t for t, f in zip(tensors, flags) if f]
-            self.incoming[key] = rec
-        resp = {
-            "kind": M.FWD_RESP,
-            "key": key,
-            "step": msg["step"],
-            "mb": msg["mb"],
-            "outputs": {"skeleton": skeleton, "tensors": [t.detach() for t in tensors], "flags": flags},
-        }
-        self.send(msg["src"], resp)
-
-    # ------------------------------------------------------------------ backward
-    def send_backward_request(self, call: OutgoingCall, grads: list[torch.Tensor | None]) -> None:
-        """Called from :class:`RemoteBoundary.backward`: send, count, never wait."""
-        task = self.current
-        if task is None or not task.in_segment:
-            raise PipelineError(
-                f"the gradient of remote module '{call.path}' was requested outside the "
-                "pipeline's backward: call runtime.backward(loss) in the step function, "
-                "not loss.backward()"
-            )
-        if all(g is None for g in grads):
-            return
-        call.parent.pending += 1
-        req = next(self._bwd_reqs)
-        self.outstanding[("bwd", call.key, req)] = (
-            time.monotonic(),
-            f"the backward of module '{call.path}' (microbatch {call.mb}) on pp rank {call.dest}",
-        )
-        self.send(
-            call.dest,
-            {
-                "kind": M.BWD_REQ,
-                "key": call.key,
-                "req": req,
-                "path": call.path,
-                "step": call.step,
-                "mb": call.mb,
-                "grads": pack(grads, False),
-            },
-        )
-
-    def segment(self, tensors: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-        """One backward segment (never blocks: remote boundaries only send)."""
-        if not tensors:
-            return
-        task = self.current
-        assert task is not None
-        task.in_segment = True
-        try:
-            torch.autograd.backward(tensors, grads, retain_graph=True)
-        finally:
-            task.in_segment = False
-
-    def _run_callee_segment(self, task: Task) -> None:
-        msg = task.payload  # type: ignore[attr-defined]
-        rec = task.context
-        assert isinstance(rec, IncomingCall)
-        grads = unflatten(msg["grads"]["skeleton"], msg["grads"]["tensors"])
-        pairs = [(o, g) for o, g in zip(rec.outputs, grads) if g is not None]
-        self.segment([o for o, _ in pairs], [g for _, g in pairs])
-        self.maybe_complete(rec)
-
-    def _run_caller_segment(self, task: Task) -> None:
-        call, msg = task.payload  # type: ignore[attr-defined]
-        grads = unflatten(msg["grads"]["skeleton"], msg["grads"]["tensors"])
-        pairs = [(t, g) for t, g in zip(call.inputs, grads) if g is not None]
-        self.segment([t for t, _ in pairs], [g for _, g in pairs])
-        call.parent.pending -= 1
-        self.maybe_complete(call.parent)
-
-    def maybe_complete(self, ctx: Context) -> None:
-        """If ``ctx`` has no outstanding nested request, its input gradients are complete."""
-        if ctx.pending:
-            return
-        if isinstance(ctx, IncomingCall):
-            if not ctx.open:
-                return
-            grads: list[torch.Tensor | None] = []
-            for leaf in ctx.inputs:
-                grads.append(leaf.grad)
-                leaf.grad = None  # the next response carries only later contributions
-            for i, req in enumerate(ctx.open):
-                self.send(
-                    ctx.key[0],
-                    {
-                        "kind": M.BWD_RESP,
-                        "key": ctx.key,
-                        "req": req,
-                        "step": ctx.step,
-                        "mb": ctx.mb,
-                        "grads": pack(grads if i == 0 else [None] * len(grads), False),
-                    },
-                )
-            ctx.open.clear()
-        elif isinstance(ctx, RootContext):
-            key = ("bwd_done", ctx.step, ctx.mb)
-            if key in self.waiting:
-                self._wake(key, None)
+    # Cross-rank calls and backward segments live in calls.py (one idea per module).
+    call_remote = calls.call_remote
+    _run_forward_request = calls.run_forward_request
+    send_backward_request = calls.send_backward_request
+    segment = calls.segment
+    _run_callee_segment = calls.run_callee_segment
+    _run_caller_segment = calls.run_caller_segment
+    maybe_complete = calls.maybe_complete
 
     # ------------------------------------------------------------------ steps
     def backward(self, tensors: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
