@@ -42,12 +42,13 @@ def test_uncaught_bad_config_fails_fast_on_both_ranks() -> None:
     assert "ConfigError: smp config key 'pipeline_parallel_degree'" in str(info.value)
 
 
-@pytest.mark.parametrize("tp", ["1", "2"])
-def test_failure_in_one_pipeline_raises_on_every_rank(tp: str) -> None:
-    """pp=2 on 4 ranks (dp=2, or tp=2): the step function raises in one pipeline only; every
-    rank of the job must raise (nobody waits in a collective), well within the timeout."""
+@pytest.mark.parametrize(("tp", "pp"), [("1", "2"), ("2", "2"), ("1", "1")])
+def test_failure_in_one_pipeline_raises_on_every_rank(tp: str, pp: str) -> None:
+    """4 ranks (pp=2 x dp=2, pp=2 x tp=2, dp=4): the step function raises in one pipeline
+    (one rank with dp=4) only; every rank of the job must raise (nobody waits in a
+    collective), well within the timeout."""
     start = time.monotonic()
-    out = launch("failures.py", 4, tp, timeout=120)
+    out = launch("failures.py", 4, tp, pp, timeout=120)
     assert time.monotonic() - start < 90
     raised = set(re.findall(r"RANK (\d) RAISED", out))
     assert raised == {"0", "1", "2", "3"}, out

@@ -88,12 +88,15 @@ class GradReducer:
             self._armed = True
 
     def disarm(self) -> None:
-        """Stop reacting to gradients (a step that ran no backward)."""
+        """Stop reacting to gradients and forget launched buckets (a step that ran no
+        backward, or failed)."""
         with self._lock:
             self._armed = False
+            self._next = 0
             for b in self._buckets:
                 b.ready = 0
                 b.members.clear()
+                b.flat, b.handle, b.launched = None, None, False
 
     def _on_grad(self, param: torch.Tensor) -> None:
         with self._lock:

@@ -381,25 +381,47 @@ class DistributedModel(nn.Module):
         self._in_step = True
         self._backward_calls = 0
         cfg = self._cfg
-        try:
-            if self._pipeline is not None:
+        if self._pipeline is not None:
+            try:
                 results = self._pipeline.run_step(fn, microbatches)
-            else:
-                results = []
-                for i, (args, kwargs) in enumerate(microbatches):
-                    self._microbatch = i
-                    if i == len(microbatches) - 1 and self._reducer is not None:
-                        self._reducer.arm()
-                    with autocast_context(cfg.fp16, cfg.bf16, self._device):
-                        results.append(fn(*args, **kwargs))
+            finally:
+                self._in_step = False
+            if self._reducer is not None:
+                # Only pp rank 0 sees model.backward calls with a pipeline: always reduce.
+                self._reducer.finish()
+            return results
+        results = []
+        error: BaseException | None = None
+        try:
+            for i, (args, kwargs) in enumerate(microbatches):
+                self._microbatch = i
+                if i == len(microbatches) - 1 and self._reducer is not None:
+                    self._reducer.arm()
+                with autocast_context(cfg.fp16, cfg.bf16, self._device):
+                    results.append(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - shared with the other ranks below
+            error = exc
         finally:
             self._in_step = False
-        if self._reducer is not None:
-            # Only pp rank 0 sees model.backward calls with a pipeline: always reduce there.
-            if self._backward_calls or self._pipeline is not None:
-                self._reducer.finish()
-            else:
-                self._reducer.disarm()
+        if self._reducer is None:
+            if error is not None:
+                raise error
+            return results
+        # The ranks agree on the outcome (and on whether a backward ran) before waiting for
+        # the gradient all-reduce, so an exception on one rank raises on all of them instead
+        # of leaving the others waiting for its gradients.
+        report = None if error is None else f"rank {state().rank}: {type(error).__name__}: {error}"
+        views = state().mpi_comms["world"].allgather((report, self._backward_calls))
+        failures = [r for r, _ in views if r]
+        if error is not None or failures:
+            self._reducer.disarm()
+            if error is not None:
+                raise error
+            raise SMPError(f"the step failed on another rank: {failures[0]}")
+        if any(calls for _, calls in views):
+            self._reducer.finish()
+        else:
+            self._reducer.disarm()
         return results
 
     # -- state -----------------------------------------------------------------------------

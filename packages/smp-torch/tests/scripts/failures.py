@@ -1,4 +1,4 @@
-"""An exception inside the step function of ONE pipeline must raise on every rank of the job
+"""Usage: failures.py [TP [PP]]. An exception inside the step function of ONE pipeline must raise on every rank of the job
 (no rank left waiting in a collective). Prints ``RANK <r> RAISED <type>`` on each rank."""
 
 from __future__ import annotations
@@ -15,12 +15,18 @@ import smp_torch as smp  # noqa: E402
 
 def main() -> None:
     torch.set_num_threads(1)
-    config = {"pipeline_parallel_degree": 2, "microbatches": 2, "timeout_s": 60}
-    if len(sys.argv) > 1:
-        config["tensor_parallel_degree"] = int(sys.argv[1])
+    tp = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+    pp = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+    config = {
+        "pipeline_parallel_degree": pp,
+        "tensor_parallel_degree": tp,
+        "microbatches": 2,
+        "timeout_s": 60,
+    }
     cfg = smp.init(config)
     torch.manual_seed(0)
     model = smp.DistributedModel(models.TinyLM(tp=cfg.tp > 1))
+    # The last pipeline fails (with pp=1: the last rank).
     first = smp.get_pp_group()[0]
     bad_pipeline = first == max(smp.allgather(first))
 
