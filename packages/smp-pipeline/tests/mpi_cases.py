@@ -273,9 +273,14 @@ def state_checks(comm):
         assert sd is not None and set(sd) == set(full)
         for k in full:
             close(sd[k], full[k], f"state_dict {k}")
-    events = rt.write_timeline(json_path=f"/tmp/smp_pp_timeline_{os.getpid()}.json")
-    if rank == 0:
-        assert events and {e[0] for e in events} == set(range(size)), events
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "timeline.json")
+        events = rt.write_timeline(json_path=path)
+        if rank == 0:
+            assert events and {e[0] for e in events} == set(range(size)), events
+            assert os.path.getsize(path) > 0
         print("CASE-OK state-and-timeline", flush=True)
     rt.close()
 
