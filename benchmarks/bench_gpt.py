@@ -13,7 +13,7 @@ compute of one. Three runs train the same GPT (examples/gpt/model.py: 8 blocks, 
   hand into the same two halves (embeddings + 4 blocks | 4 blocks + head; the head gets its
   own copy of the tied embedding, which does not change the work).
 
-Runs alternate (2 rounds, best of each kind) so that other load on the machine affects every
+Runs alternate (3 rounds; per run the median step; best run of each kind) so that other load on the machine affects every
 kind alike. Prints one line: tokens/s of each and the ratios smp/one process (ideal 2x, less the bubble
 (p-1)/(m+p-1) = 1/9) and smp/torch.pipelining.
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -32,7 +33,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples", "gpt"))
 
 DIM, LAYERS, HEADS, SEQ, BATCH, MB = 128, 8, 4, 64, 32, 8
 WARMUP, STEPS = 2, 6
-ROUNDS = int(os.environ.get("BENCH_GPT_ROUNDS", "2"))
+ROUNDS = int(os.environ.get("BENCH_GPT_ROUNDS", "3"))
 
 
 def _setup():  # type: ignore[no-untyped-def]
@@ -47,7 +48,8 @@ def _setup():  # type: ignore[no-untyped-def]
 
 
 def _rate(times: list[float]) -> float:
-    return BATCH * SEQ * len(times) / sum(times)
+    # The median step: robust to a step that another job on the machine slowed down.
+    return BATCH * SEQ / statistics.median(times)
 
 
 def single() -> dict:
@@ -188,8 +190,9 @@ def main() -> None:
         for kind, n in (("single", 1), ("smp", 2), ("torchpp", 2)):
             best[kind] = max(best[kind], _launch(kind, n))
     one, smp_rate, tpp = best["single"], best["smp"], best["torchpp"]
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
-        f"bench_gpt: GPT {LAYERS}x{DIM}, batch {BATCH}x{SEQ}, {MB} microbatches, 1 thread/process: "
+        f"bench_gpt (load avg {load:.1f} on {os.cpu_count()} cores): GPT {LAYERS}x{DIM}, batch {BATCH}x{SEQ}, {MB} microbatches, 1 thread/process: "
         f"one process {one:,.0f} tok/s; smp pp=2 {smp_rate:,.0f} tok/s "
         f"({smp_rate / one:.2f}x one process, ideal {2 * MB / (MB + 1):.2f}x); "
         f"torch.distributed.pipelining 1F1B {tpp:,.0f} tok/s (smp/torch {smp_rate / tpp:.2f}x)"
