@@ -63,7 +63,10 @@ class GPT(nn.Module):
         super().__init__()
         self.wte = nn.Embedding(vocab, dim)
         self.wpe = nn.Embedding(seq, dim)
-        self.blocks = nn.ModuleList([Block(dim, heads) for _ in range(layers)])
+        # An nn.Sequential rather than a ModuleList looped over in forward: when the pipeline
+        # splits it, each stage's run of blocks is one request (smp-pipeline serves spans of
+        # a Sequential), not one request per block.
+        self.blocks = nn.Sequential(*[Block(dim, heads) for _ in range(layers)])
         self.ln_f = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.wte.weight  # tied input and output embeddings
@@ -72,8 +75,7 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
-        for block in self.blocks:
-            x = block(x)
+        x = self.blocks(x)
         return self.head(self.ln_f(x))
 
 
