@@ -96,80 +96,6 @@ def _order_channel_class() -> Any:
     return OrderChannel
 
 
-def execution_order(module: nn.Module, run: Callable[[], Any]) -> dict[str, int]:
-    """Run ``run()`` once (a warm-up, no grad) and record the order modules are first called."""
-    paths = {id(m): n for n, m in module.named_modules()}
-    order: dict[str, int] = {}
-
-    def pre(mod: nn.Module, _args: Any) -> None:
-        order.setdefault(paths[id(mod)], len(order))
-
-    handles = [m.register_forward_pre_hook(pre) for m in module.modules()]
-    try:
-        with torch.no_grad():
-            run()
-    finally:
-        for h in handles:
-            h.remove()
-    return order
-
-
-def reorder_children(graph: dict[str, Any], order: dict[str, int]) -> dict[str, Any]:
-    """List every module's children in the order their subtrees first ran.
-
-    A container that is never called itself (``nn.ModuleList``) would otherwise come after
-    its executed siblings, and the partitioner's contiguous segments would follow a wrong
-    order (e.g. the head between the embeddings and the blocks).
-    """
-    by_name = {m["name"]: m for m in graph["modules"]}
-    first: dict[str, float] = {}
-
-    def subtree_first(name: str, stack: tuple[str, ...] = ()) -> float:
-        if name in first:
-            return first[name]
-        best = float(order.get(name, float("inf")))
-        for c in by_name[name]["children"]:
-            if c not in stack:
-                best = min(best, subtree_first(c, (*stack, name)))
-        first[name] = best
-        return best
-
-    for m in graph["modules"]:
-        kids = list(m["children"])
-        m["children"] = sorted(kids, key=lambda c: (subtree_first(c), kids.index(c)))
-    return graph
-
-
-def fix_container_times(graph: dict[str, Any]) -> dict[str, Any]:
-    """Give containers that never run themselves (``nn.ModuleList``, ``nn.ModuleDict``) the
-    summed time of their children.
-
-    The trace records time only for modules that are *called*. A ``ModuleList`` whose blocks
-    are called by the parent's ``forward`` gets 0, so the parent's exclusive time
-    (inclusive minus children) would wrongly absorb every block's time and the partitioner
-    would see the blocks as free. Summing the children restores the intended costs.
-    """
-    by_name = {m["name"]: m for m in graph["modules"]}
-    done: dict[str, float] = {}
-
-    def total(name: str, stack: tuple[str, ...] = ()) -> float:
-        if name in done:
-            return done[name]
-        m = by_name[name]
-        own = m.get("forward_ms")
-        if own is None:
-            return 0.0
-        if own == 0.0 and m["children"]:
-            own = sum(total(c, (*stack, name)) for c in m["children"] if c not in stack)
-            m["forward_ms"] = own
-        done[name] = float(own)
-        return float(own)
-
-    for name in list(by_name):
-        total(name)
-    return graph
-
-
 class PipelineBinding:
     """Connects a :class:`~smp_torch.model.DistributedModel` to one ``PipelineRuntime``."""
 
@@ -322,10 +248,11 @@ class PipelineBinding:
             try:
                 with autocast_context(cfg.fp16, cfg.bf16, s.device):
                     # A warm-up run first: first calls are slow (lazy initialisation) and would
-                    # distort the timed trace; it also gives the true execution order.
-                    order = execution_order(self.module, lambda: fn(*args, **kwargs))
+                    # distort the timed trace. The trace itself orders children by execution
+                    # and gives never-called containers (nn.ModuleList) their members' time.
+                    with torch.no_grad():
+                        fn(*args, **kwargs)
                     graph = trace_dict(self.module, run=lambda: fn(*args, **kwargs))
-                    graph = reorder_children(graph, order)
             except Exception as exc:  # noqa: BLE001 - reported on every rank below
                 error = f"tracing the model on rank {s.rank} failed: {exc!r}"
             finally:
@@ -336,7 +263,7 @@ class PipelineBinding:
                 from smp_partition import ModuleGraph, partition
 
                 try:
-                    mgraph = ModuleGraph.from_dict(fix_container_times(graph or {"modules": []}))
+                    mgraph = ModuleGraph.from_dict(graph or {"modules": []})
                     result = partition(mgraph, num_devices=cfg.pp, alpha=cfg.memory_weight)
                     self.partition_report = (mgraph, result)
                     found = {str(k): int(v) for k, v in result.assignment.items()}
