@@ -152,13 +152,15 @@ class ExecutionServer:
         """Idle: wait for a message, or for device work to end (whichever comes first)."""
         if not self._device_active:
             return self._next_message(0.05)
-        # A worker's device work may end any moment: watch both without spinning.
+        # A worker's device work may end any moment: watch both without spinning. Testing
+        # the receive also drives the communicator's progress, so a message is seen within
+        # one tick here instead of waiting for its backend thread's next polling round.
         deadline = time.monotonic() + 0.05
         while time.monotonic() < deadline:
             msg = self._next_message(0)
             if msg is not None or not self._returning.empty():
                 return msg
-            if self._device_done.wait(0.001):
+            if self._device_done.wait(0.0005):
                 self._device_done.clear()
                 return None
         return None
