@@ -44,6 +44,10 @@ from smp_pipeline.schedule import Scheduler
 from smp_pipeline.state import execution_state
 from smp_pipeline.worker import DEVICE, Task, Worker, current_worker
 
+# Idle main loop: spin this long for a message, then test for one every tick.
+_SPIN_S = 2e-4
+_TICK_S = 5e-4
+
 # (pp rank, microbatch, module, phase, start, end): one EXECUTING span of a task.
 TimelineEvent = tuple[int, int, str, str, float, float]
 
@@ -149,18 +153,23 @@ class ExecutionServer:
         return obj
 
     def _wait_message(self) -> dict[str, Any] | None:
-        """Idle: wait for a message, or for device work to end (whichever comes first)."""
+        """Idle: wait for a message, or for device work to end (whichever comes first).
+
+        A short spin first (the communicator's waiter drives its progress), so a quick reply
+        costs no sleep; then ticks of 0.5 ms, each testing the receive (which also drives
+        progress) and waking at once when device work ends. No thread spins for long: with
+        more ranks than cores, a spinning rank takes the CPU from the rank that would answer.
+        """
         if not self._device_active:
-            return self._next_message(0.05)
-        # A worker's device work may end any moment: watch both without spinning. Testing
-        # the receive also drives the communicator's progress, so a message is seen within
-        # one tick here instead of waiting for its backend thread's next polling round.
+            msg = self._next_message(_SPIN_S)
+            if msg is not None:
+                return msg
         deadline = time.monotonic() + 0.05
         while time.monotonic() < deadline:
             msg = self._next_message(0)
             if msg is not None or not self._returning.empty():
                 return msg
-            if self._device_done.wait(0.0005):
+            if self._device_done.wait(_TICK_S):
                 self._device_done.clear()
                 return None
         return None
