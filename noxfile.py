@@ -52,12 +52,16 @@ def _local_closure(package: str) -> list[str]:
     return order
 
 
-def _needs_torch(packages: list[str]) -> bool:
+def _declares(packages: list[str], requirement: str) -> bool:
     return any(
-        _requirement_name(r) == "torch"
+        _requirement_name(r) == requirement
         for p in packages
         for r in _pyproject(p).get("dependencies", [])
     )
+
+
+def _needs_torch(packages: list[str]) -> bool:
+    return _declares(packages, "torch")
 
 
 def _install(session: nox.Session, package: str, extra: str | None = "test") -> None:
@@ -115,7 +119,9 @@ def build(session: nox.Session) -> None:
             mod = dep.replace("-", "_")
             wheels += sorted(glob.glob(str(dist / f"{mod}-*.whl")))[-1:]
         pin = [TORCH_PIN] if _needs_torch(closure) else []
-        session.run(py, "-m", "pip", "install", "-q", *pin, *wheels, external=True)
+        # mpi4py needs an MPI library: a cluster has one, here the mpich wheel stands in.
+        mpi = ["mpich"] if _declares(closure, "mpi4py") else []
+        session.run(py, "-m", "pip", "install", "-q", *pin, *mpi, *wheels, external=True)
         mod = name.replace("-", "_")
         session.run(py, "-c", f"import {mod}; print({mod}.__name__, {mod}.__version__)", external=True)
 
