@@ -229,7 +229,7 @@ class Communicator:
             raise CommError(
                 f"smp-comm rank {self.rank}: cannot serialize message for rank {dest} (tag {tag}): {exc!r}"
             ) from exc
-        handle = SendHandle(dest, tag, self.rank, self._wait, self._test_poll)
+        handle = SendHandle(dest, tag, self.rank, self._wait)
         with self._match_lock:
             if self._closing:  # checked under the lock close() takes to number its BYEs
                 raise CommClosedError(f"smp-comm rank {self.rank}: the Communicator is closed")
@@ -267,7 +267,7 @@ class Communicator:
             self._check_rank(source, "source")
         if not isinstance(tag, int) or (tag < 0 and tag != ANY_TAG):
             raise ValueError(f"smp-comm irecv: tag must be an int >= 0 or ANY_TAG, got {tag!r}")
-        handle = RecvHandle(source, tag, self.rank, self._wait, self._cancel, self._test_poll)
+        handle = RecvHandle(source, tag, self.rank, self._wait, self._cancel)
         with self._match_lock:
             for i, inc in enumerate(self._unexpected):
                 if _accepts(handle, inc):
@@ -576,18 +576,6 @@ class Communicator:
                 self._wake.clear()
                 sleep = 0.0
 
-    def _test_poll(self) -> None:
-        """One round of progress for ``Handle.test()``, unless another thread is polling
-        (never blocks) or the backend threads have queued work (they need the GIL more)."""
-        if self._closed or any(self._working) or not self._progress_lock.acquire(blocking=False):
-            return
-        try:
-            self._poll_once()
-        except Exception as exc:
-            raise self._fail_all(exc) from exc
-        finally:
-            self._progress_lock.release()
-
     def _wait(self, event: threading.Event, timeout: float | None) -> bool:
         """Block until ``event`` is set or ``timeout`` passes.
 
@@ -619,13 +607,12 @@ class Communicator:
                     # completes our handle if our message is there).
                     continue
                 try:
-                    busy = self._poll_once()
+                    if self._poll_once():
+                        spin_until = time.monotonic() + self.settings.poll_spin
                 except Exception as exc:
                     raise self._fail_all(exc) from exc
                 finally:
                     self._progress_lock.release()
-                if busy:
-                    spin_until = time.monotonic() + self.settings.poll_spin
         finally:
             with self._spin_lock:
                 self._spinners -= 1

@@ -12,8 +12,6 @@ __all__ = ["Handle", "RecvHandle", "SendHandle"]
 
 # (event, timeout) -> whether the event got set; the communicator drives progress meanwhile.
 Waiter = Callable[[threading.Event, "float | None"], bool]
-# One non-blocking round of progress (as MPI_Test makes progress).
-Poller = Callable[[], None]
 
 
 class Handle:
@@ -21,9 +19,7 @@ class Handle:
 
     _what = "message"
 
-    def __init__(
-        self, peer: int, tag: int, rank: int, waiter: Waiter | None = None, poller: Poller | None = None
-    ) -> None:
+    def __init__(self, peer: int, tag: int, rank: int, waiter: Waiter | None = None) -> None:
         self.peer = peer
         self.tag = tag
         self._rank = rank
@@ -32,7 +28,6 @@ class Handle:
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._waiter = waiter
-        self._poller = poller
 
     def _complete(self, result: Any = None, error: BaseException | None = None) -> bool:
         """Set the outcome once; later calls are ignored. Returns whether this call set it."""
@@ -44,13 +39,7 @@ class Handle:
             return True
 
     def test(self) -> bool:
-        """True when the operation has finished (successfully or not); never blocks.
-
-        Like ``MPI_Test`` it also makes progress: one round of polling when no other thread
-        is polling, so a caller that tests in its own loop sees a message without waiting for
-        the backend thread's next round."""
-        if not self._event.is_set() and self._poller is not None:
-            self._poller()
+        """True when the operation has finished (successfully or not); never blocks."""
         return self._event.is_set()
 
     def wait(self, timeout: float | None = None) -> Any:
@@ -95,9 +84,8 @@ class RecvHandle(Handle):
         rank: int,
         waiter: Waiter | None,
         canceller: Callable[[RecvHandle], bool],
-        poller: Poller | None = None,
     ) -> None:
-        super().__init__(peer, tag, rank, waiter, poller)
+        super().__init__(peer, tag, rank, waiter)
         self._canceller = canceller
 
     def cancel(self) -> bool:
