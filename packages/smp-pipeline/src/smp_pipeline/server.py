@@ -156,8 +156,8 @@ class ExecutionServer:
         """Idle: wait for a message, or for device work to end (whichever comes first).
 
         A short spin first (the communicator's waiter drives its progress), so a quick reply
-        costs no sleep; then ticks of 0.5 ms, each testing the receive (which also drives
-        progress) and waking at once when device work ends. No thread spins for long: with
+        costs no sleep; then ticks of 0.5 ms, each testing the receive, waking at once when
+        device work ends. No thread spins for long: with
         more ranks than cores, a spinning rank takes the CPU from the rank that would answer.
         """
         if not self._device_active:
