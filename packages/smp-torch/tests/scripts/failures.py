@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import torch
 
@@ -47,7 +48,11 @@ def main() -> None:
     except Exception as exc:  # noqa: BLE001
         first_line = str(exc).splitlines()[0][:120] if str(exc) else ""
         print(f"\nRANK {smp.rank()} RAISED {type(exc).__name__}: {first_line}", flush=True)
-        os._exit(0)  # skip the orderly shutdown: peers are gone
+        # Skip the orderly shutdown (peers are gone), but only after a grace period: MPICH's
+        # launcher kills the remaining ranks once one exits without MPI_Finalize, which would
+        # cut off a peer that is raising the same error a moment later.
+        time.sleep(3)
+        os._exit(0)
     print(f"RANK {smp.rank()} NO ERROR", flush=True)
 
 
