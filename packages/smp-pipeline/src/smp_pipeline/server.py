@@ -110,6 +110,7 @@ class ExecutionServer:
         self.failure: tuple[Task, BaseException, str] | None = None
         self.shutting_down = False
         self._last_progress = time.monotonic()
+        self._next_timeout_check = self._last_progress + 0.2
         self.requests_served = 0
         # device_work(): workers whose device work ended, waiting to get the token back.
         self._returning: queue.SimpleQueue[tuple[Worker, Task, float, float]] = queue.SimpleQueue()
@@ -395,14 +396,9 @@ class ExecutionServer:
         if self.order is not None and not self.order.is_leader:
             self._serve_follower(until)
             return
-        self._last_progress = time.monotonic()
-        next_check = time.monotonic() + 0.2
+        self._start_loop()
         while not until():
-            self.raise_if_aborted()
-            if time.monotonic() > next_check:
-                self._check_timeouts()
-                next_check = time.monotonic() + 0.2
-            self._take_returning()
+            self._loop_housekeeping()
             if self.ready:
                 worker, value = self.ready.popleft()
                 worker.value = value
@@ -420,6 +416,20 @@ class ExecutionServer:
             if msg is not None:
                 self._handle(msg)
 
+    def _start_loop(self) -> None:
+        self._last_progress = time.monotonic()
+        self._next_timeout_check = self._last_progress + 0.2
+
+    def _loop_housekeeping(self) -> None:
+        """Each main-loop turn: fail fast on an abort, check timeouts every 0.2 s, and resume
+        workers whose device work finished."""
+        self.raise_if_aborted()
+        now = time.monotonic()
+        if now > self._next_timeout_check:
+            self._check_timeouts()
+            self._next_timeout_check = now + 0.2
+        self._take_returning()
+
     def _take_returning(self) -> None:
         while not self._returning.empty():  # device work finished: resume first
             worker, task, start, end = self._returning.get()
@@ -431,14 +441,9 @@ class ExecutionServer:
     def _serve_follower(self, until: Callable[[], bool]) -> None:
         """Main loop of a tensor-parallel follower: start tasks in the leader's order."""
         assert self.order is not None
-        self._last_progress = time.monotonic()
-        next_check = time.monotonic() + 0.2
+        self._start_loop()
         while not until():
-            self.raise_if_aborted()
-            if time.monotonic() > next_check:
-                self._check_timeouts()
-                next_check = time.monotonic() + 0.2
-            self._take_returning()
+            self._loop_housekeeping()
             self._poll_abort()
             for msg in [m for m in self.inbox if m["kind"] not in _TASK_KINDS]:
                 self.inbox.remove(msg)
