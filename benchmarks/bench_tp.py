@@ -1,4 +1,5 @@
-"""smp-tp benchmark: activation memory of optimize="memory" vs "speed", and throughput of
+"""smp-tp benchmark: activation memory of optimize="memory" (with and without its selective
+recomputation) vs "speed", and throughput of
 tensor parallelism across data-parallel ranks (scaled batch) vs Megatron-style (prescaled)
 on an embedding-heavy recommendation model.
 
@@ -48,18 +49,26 @@ def bench_memory(rank: int, tp: int) -> None:
     cfg = dict(num_attention_heads=8, attention_head_size=32, hidden_size=256, intermediate_size=1024,
                attention_dropout_prob=0.1, hidden_dropout_prob=0.1)
     singles = [dist.new_group([r]) for r in range(tp)]  # every rank creates every group
+    variants = {  # name: (optimize, recompute_activations, group)
+        "speed": ("speed", True, None),
+        "memory": ("memory", True, None),
+        "memory_norecompute": ("memory", False, None),
+        "single": ("speed", True, singles[rank]),  # no TP: one device on its own samples
+    }
     for seq in (128, 32):
         result = {}
-        for optimize, group in (("speed", None), ("memory", None), ("single", singles[rank])):
+        for name, (optimize, recompute, group) in variants.items():
             torch.manual_seed(0)
             layer = smp_tp.DistributedTransformerLayer(
-                **cfg, optimize="speed" if optimize == "single" else optimize, tp_group=group)
+                **cfg, optimize=optimize, recompute_activations=recompute, tp_group=group)
             x = torch.randn(4, seq, 256, requires_grad=True)  # this rank's own samples
-            result[optimize] = saved_activation_bytes(layer, x)
+            result[name] = saved_activation_bytes(layer, x)
         if rank == 0:
             print(f"RESULT memory{seq} tp={tp} speed_MiB={result['speed'] / 2**20:.2f} "
                   f"memory_MiB={result['memory'] / 2**20:.2f} "
                   f"ratio={result['memory'] / result['speed']:.3f} "
+                  f"norecompute_MiB={result['memory_norecompute'] / 2**20:.2f} "
+                  f"norecompute_ratio={result['memory_norecompute'] / result['speed']:.3f} "
                   f"single_MiB={result['single'] / 2**20:.2f}", flush=True)
 
 
@@ -159,9 +168,11 @@ def main() -> None:
     for seq in (128, 32):
         mem = results[f"memory{seq}"]
         parts.append(f"seq={seq}: " + ", ".join(
-            f"tp={tp} {mem[tp]['ratio']} ({mem[tp]['memory_MiB']} vs {mem[tp]['speed_MiB']} MiB)"
-            for tp in sorted(mem)) + f", no-TP device on its own samples {mem[2]['single_MiB']} MiB")
-    print("saved activations per rank of one transformer layer, memory/speed: " + "; ".join(parts))
+            f"tp={tp} {mem[tp]['ratio']} ({mem[tp]['memory_MiB']} vs {mem[tp]['speed_MiB']} MiB; "
+            f"without recompute {mem[tp]['norecompute_ratio']}, {mem[tp]['norecompute_MiB']} MiB)"
+            for tp in sorted(mem)) + f"; no-TP device on its own samples {mem[2]['single_MiB']} MiB")
+    print("saved activations per rank of one transformer layer, memory (recompute_activations=True)"
+          "/speed: " + " | ".join(parts))
     thr = results["throughput"]
     print("recommendation model samples/s, scaled-batch TP / prescaled TP (equal global batch): "
           + ", ".join(f"tp={tp}: {thr[tp]['ratio']}x ({thr[tp]['scaled_samples_per_s']} vs "

@@ -53,13 +53,22 @@ def get_generator(device: torch.device | str, kind: str, tp_group: ProcessGroup 
 
 
 def tp_dropout(
-    x: torch.Tensor, p: float, training: bool, kind: str, tp_group: ProcessGroup = None
+    x: torch.Tensor,
+    p: float,
+    training: bool,
+    kind: str,
+    tp_group: ProcessGroup = None,
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Inverted dropout whose mask comes from the given tensor-parallel stream."""
+    """Inverted dropout whose mask comes from the given tensor-parallel stream.
+
+    ``generator``, when given, is used instead of the stream's generator (recomputation
+    replays a copy of the stream in the state it had during forward).
+    """
     if not training or p == 0.0:
         return x
     if p >= 1.0:
         return x * 0.0
-    gen = get_generator(x.device, kind, tp_group)
+    gen = generator if generator is not None else get_generator(x.device, kind, tp_group)
     keep = torch.rand(x.shape, generator=gen, device=x.device) >= p
     return x * keep * (1.0 / (1.0 - p))

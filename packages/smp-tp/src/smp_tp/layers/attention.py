@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
+from functools import partial
 from typing import Any
 
 import torch
@@ -17,7 +18,8 @@ from smp_tp.params import (
     initialize_with_output_partition,
     parameter_creation_scope,
 )
-from smp_tp.random import tp_dropout
+from smp_tp.random import get_generator, tp_dropout
+from smp_tp.recompute import memory_dropout, recomputed_linear
 
 
 def _rank_major(w: torch.Tensor, parts: int, tp: int) -> torch.Tensor:
@@ -37,6 +39,12 @@ class DistributedAttentionLayer(RegionModule):
     Full (unsharded) parameter keys: ``query|key|value.weight (A, h)``, ``.bias (A)``,
     ``dense.weight (h, A)``, ``dense.bias (h)``, ``pre_layernorm|post_layernorm.weight|bias``
     with ``A = num_attention_heads * attention_head_size``.
+
+    ``recompute_activations`` (default True; ``optimize="memory"`` only): keep only q, k, v
+    and the dropout generator state of the attention core and recompute scores, softmax,
+    dropout and the context in backward (local to this rank's heads: no collective), and
+    redraw the hidden-dropout mask instead of storing it. Results are identical either way;
+    see :mod:`smp_tp.recompute`.
     """
 
     # parameter containers (plain nn.Module holding weight/bias)
@@ -65,10 +73,12 @@ class DistributedAttentionLayer(RegionModule):
         tp_group: ProcessGroup = None,
         prescaled_batch: bool | None = None,
         optimize: str | None = None,
+        recompute_activations: bool = True,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__(tp_group=tp_group, prescaled_batch=prescaled_batch, optimize=optimize)
+        self.recompute_activations = bool(recompute_activations)
         self._require_divisible(num_attention_heads=num_attention_heads)
         if self.optimize == "memory":
             self._require_divisible(hidden_size=hidden_size)
@@ -112,7 +122,29 @@ class DistributedAttentionLayer(RegionModule):
                 if post_layernorm:
                     self.post_layernorm = affine(torch.ones(ln_size, **kw), torch.zeros(ln_size, **kw))
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def _core_and_gen(self, device: torch.device) -> tuple[Any, torch.Generator | None]:
+        p = self.attention_dropout_prob if self.training else 0.0
+        # local heads exist on this rank only: per-rank stream
+        gen = get_generator(device, "tp_rank", self.tp_group) if 0.0 < p < 1.0 else None
+        return partial(self._core, p), gen
+
+    def _attend_project(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """This rank's partial output projection of the attention context (before combining)."""
+        core, gen = self._core_and_gen(q.device)
+        if self._recompute_active() and torch.is_grad_enabled():
+            return recomputed_linear(core, gen, self.dense.weight, q, k, v, mask)
+        return F.linear(core(gen, q, k, v, mask), self.dense.weight)
+
+    def _recompute_active(self) -> bool:
+        return self.optimize == "memory" and self.recompute_activations
+
+    def _core(
+        self, p: float, gen: torch.Generator | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Scores, softmax, dropout and ``probs @ v`` over this rank's heads (no collective)."""
         B, sq, _ = q.shape
         sk = k.shape[1]
         H, d = self.local_heads, self.attention_head_size
@@ -132,8 +164,7 @@ class DistributedAttentionLayer(RegionModule):
             keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
             scores = scores.masked_fill(~keep, neg)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
-        # local heads exist on this rank only: per-rank stream
-        probs = tp_dropout(probs, self.attention_dropout_prob, self.training, "tp_rank", self.tp_group)
+        probs = tp_dropout(probs, p, p > 0.0, "tp_rank", self.tp_group, generator=gen)
         return torch.matmul(probs, v).transpose(1, 2).reshape(B, sq, H * d)
 
     def _projections(self, a: torch.Tensor, kv_src: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
@@ -167,14 +198,14 @@ class DistributedAttentionLayer(RegionModule):
             raise ValueError("DistributedAttentionLayer(cross_attention=True) needs cross_states")
         a = region_layer_norm(x, self.pre_layernorm, self.eps, self.hidden_size, self) if self.pre_ln else x
         q, k, v = self._projections(a, cross if self.cross_attention else None)
-        ctx = self._attend(q, k, v, cross_mask if self.cross_attention else mask)
+        part = self._attend_project(q, k, v, cross_mask if self.cross_attention else mask)
         g = self.tp_group
         if self.optimize == "speed":
-            o = fwd_allreduce_for_tp(F.linear(ctx, self.dense.weight), g) + self.dense.bias
+            o = fwd_allreduce_for_tp(part, g) + self.dense.bias
             o = tp_dropout(o, self.hidden_dropout_prob, self.training, "tp_shared", g)
         else:
-            o = reduce_scatter_for_tp(F.linear(ctx, self.dense.weight), -1, g) + self.dense.bias
-            o = tp_dropout(o, self.hidden_dropout_prob, self.training, "tp_rank", g)
+            o = reduce_scatter_for_tp(part, -1, g) + self.dense.bias
+            o = memory_dropout(o, self.hidden_dropout_prob, self.training, self.recompute_activations, g)
         out = x + o
         if self.post_ln:
             out = region_layer_norm(out, self.post_layernorm, self.eps, self.hidden_size, self)

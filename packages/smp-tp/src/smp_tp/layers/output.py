@@ -17,6 +17,7 @@ from smp_tp.params import (
     parameter_creation_scope,
 )
 from smp_tp.random import tp_dropout
+from smp_tp.recompute import activation_linear, memory_dropout
 
 
 class DistributedTransformerOutputLayer(RegionModule):
@@ -24,6 +25,9 @@ class DistributedTransformerOutputLayer(RegionModule):
 
     Full parameter keys: ``dense_h_to_4h.weight (I, h)``, ``.bias (I)``,
     ``dense_4h_to_h.weight (h, I)``, ``.bias (h)``, ``pre_layernorm|post_layernorm.*``.
+
+    ``recompute_activations`` (default True; ``optimize="memory"`` only): save the
+    pre-activation instead of ``activation(pre)`` and redraw the dropout mask in backward.
     """
 
     dense_h_to_4h: Any
@@ -46,10 +50,12 @@ class DistributedTransformerOutputLayer(RegionModule):
         tp_group: ProcessGroup = None,
         prescaled_batch: bool | None = None,
         optimize: str | None = None,
+        recompute_activations: bool = True,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__(tp_group=tp_group, prescaled_batch=prescaled_batch, optimize=optimize)
+        self.recompute_activations = bool(recompute_activations)
         if activation not in ACTIVATIONS:
             raise ValueError(
                 f"DistributedTransformerOutputLayer: activation {activation!r} not in {sorted(ACTIVATIONS)}"
@@ -102,10 +108,13 @@ class DistributedTransformerOutputLayer(RegionModule):
             o = fwd_allreduce_for_tp(F.linear(hid, self.dense_4h_to_h.weight), g) + self.dense_4h_to_h.bias
             o = tp_dropout(o, self.hidden_dropout_prob, self.training, "tp_shared", g)
         else:
-            hid = reduce_scatter_for_tp(F.linear(a, self.dense_h_to_4h.weight), -1, g)
-            hid = act(hid + self.dense_h_to_4h.bias)
-            o = reduce_scatter_for_tp(F.linear(hid, self.dense_4h_to_h.weight), -1, g) + self.dense_4h_to_h.bias
-            o = tp_dropout(o, self.hidden_dropout_prob, self.training, "tp_rank", g)
+            pre = reduce_scatter_for_tp(F.linear(a, self.dense_h_to_4h.weight), -1, g) + self.dense_h_to_4h.bias
+            if self.recompute_activations and torch.is_grad_enabled():  # keep pre, not act(pre)
+                part = activation_linear(pre, self.dense_4h_to_h.weight, act)
+            else:
+                part = F.linear(act(pre), self.dense_4h_to_h.weight)
+            o = reduce_scatter_for_tp(part, -1, g) + self.dense_4h_to_h.bias
+            o = memory_dropout(o, self.hidden_dropout_prob, self.training, self.recompute_activations, g)
         out = x + o
         if self.post_ln:
             out = region_layer_norm(out, self.post_layernorm, self.eps, self.hidden_size, self)

@@ -22,6 +22,8 @@ class DistributedTransformerLayer(RegionModule):
     """Attention (+ optional cross-attention) followed by the MLP output layer.
 
     Children: ``attention``, ``crossattention`` (when ``add_cross_attention``), ``output``.
+    ``recompute_activations`` (default True) applies to ``optimize="memory"`` only: see
+    :class:`~smp_tp.DistributedAttentionLayer` and :mod:`smp_tp.recompute`.
     """
 
     def __init__(
@@ -44,12 +46,15 @@ class DistributedTransformerLayer(RegionModule):
         tp_group: ProcessGroup = None,
         prescaled_batch: bool | None = None,
         optimize: str | None = None,
+        recompute_activations: bool = True,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__(tp_group=tp_group, prescaled_batch=prescaled_batch, optimize=optimize)
+        self.recompute_activations = bool(recompute_activations)
         mode: dict[str, Any] = {"tp_group": self.tp_group, "prescaled_batch": self.prescaled_batch,
-                "optimize": self.optimize, "dtype": dtype, "device": device}
+                "optimize": self.optimize, "recompute_activations": self.recompute_activations,
+                "dtype": dtype, "device": device}
         attn: dict[str, Any] = {"num_attention_heads": num_attention_heads, "attention_head_size": attention_head_size,
                 "hidden_size": hidden_size, "attention_dropout_prob": attention_dropout_prob,
                 "hidden_dropout_prob": hidden_dropout_prob, "layernorm_epsilon": layernorm_epsilon,
@@ -106,10 +111,12 @@ class DistributedTransformer(RegionModule):
         tp_group: ProcessGroup = None,
         prescaled_batch: bool | None = None,
         optimize: str | None = None,
+        recompute_activations: bool = True,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__(tp_group=tp_group, prescaled_batch=prescaled_batch, optimize=optimize)
+        self.recompute_activations = bool(recompute_activations)
         self.num_layers = num_layers
         self.layers = nn.ModuleList(
             DistributedTransformerLayer(
@@ -118,7 +125,8 @@ class DistributedTransformer(RegionModule):
                 initializer_range, use_normal_initialization, causal_mask_size,
                 add_cross_attention, pre_layernorm, post_layernorm,
                 tp_group=self.tp_group, prescaled_batch=self.prescaled_batch,
-                optimize=self.optimize, dtype=dtype, device=device,
+                optimize=self.optimize, recompute_activations=self.recompute_activations,
+                dtype=dtype, device=device,
             )
             for _ in range(num_layers)
         )
@@ -172,10 +180,12 @@ class DistributedTransformerLMHead(DistributedModule):
         tp_group: ProcessGroup = None,
         prescaled_batch: bool | None = None,
         optimize: str | None = None,
+        recompute_activations: bool = True,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__(tp_group=tp_group, prescaled_batch=prescaled_batch, optimize=optimize)
+        self.recompute_activations = bool(recompute_activations)
         mode: dict[str, Any] = {"tp_group": self.tp_group, "prescaled_batch": self.prescaled_batch,
                 "dtype": dtype, "device": device}
         self.hidden_dropout_prob, self.add_lm_head = hidden_dropout_prob, add_lm_head
@@ -193,7 +203,8 @@ class DistributedTransformerLMHead(DistributedModule):
             num_layers, num_attention_heads, attention_head_size, hidden_size, intermediate_size,
             attention_dropout_prob, hidden_dropout_prob, activation, layernorm_epsilon,
             initializer_range, use_normal_initialization, causal_mask_size, add_cross_attention,
-            pre_layernorm, post_layernorm, optimize=self.optimize, **mode,
+            pre_layernorm, post_layernorm, optimize=self.optimize,
+            recompute_activations=self.recompute_activations, **mode,
         )
         if pre_layernorm:
             self.layernorm = DistributedLayerNorm(hidden_size, layernorm_epsilon, **mode)
