@@ -13,3 +13,5 @@ def test_modules_match_single_rank(nprocs: int) -> None:
     # Appendix F: per transformer layer
     assert "collectives per layer (speed): {'forward': {'all_reduce': 2}, 'backward': {'all_reduce': 2}}" in out
     assert "collectives per layer (memory)" in out
+    # optimize="memory" with recomputation: exact saved-byte counts checked on every rank
+    assert f"saved bytes per rank (tp={nprocs})" in out

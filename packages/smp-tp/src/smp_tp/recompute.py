@@ -51,7 +51,7 @@ class _RecomputedLinear(torch.autograd.Function):
     generator state for backward; ``fn``'s output and intermediates are recomputed.
 
     The two products of the linear's backward are formed as autograd forms them for
-    ``F.linear`` on a 2-D view (``dh = g @ W``, ``dW = g.T @ h``), and ``fn`` is replayed
+    ``F.linear`` (``dh = g @ W``, ``dW = g.T @ h`` on 2-D views), and ``fn`` is replayed
     under the autocast state and from the generator state of the forward, so the gradients
     equal those of the plain computation.
     """
@@ -76,11 +76,29 @@ class _RecomputedLinear(torch.autograd.Function):
         enabled, dtype = ctx.autocast
         with torch.enable_grad(), torch.autocast(ctx.device_type, dtype=dtype, enabled=enabled):
             h = ctx.fn(_replay(ctx.gen, state), *leaves).to(weight.dtype)
-        g2 = grad.reshape(-1, grad.shape[-1])
-        dweight = g2.t().mm(h.detach().reshape(-1, h.shape[-1])) if ctx.needs_input_grad[2] else None
+        g2, h2 = grad.reshape(-1, grad.shape[-1]), h.detach().reshape(-1, h.shape[-1])
+        dweight = _weight_grad(g2, h2, weight) if ctx.needs_input_grad[2] else None
         wanted = [t for t, need in zip(leaves, needs) if need]
-        grads = iter(torch.autograd.grad(h, wanted, g2.mm(weight).view(h.shape)) if wanted else ())
+        dh = _input_grad(g2, h2, weight).reshape(h.shape)
+        grads = iter(torch.autograd.grad(h, wanted, dh) if wanted else ())
         return (None, None, dweight, *(next(grads) if need else None for need in needs))
+
+
+# ``F.linear(h, W)`` on a 3-D ``h`` is ``h2 @ W.t()`` on a 2-D view ``h2``; autograd's
+# matrix-product backward picks the operand order by the operands' memory layout, and so
+# do these two, so that the rounding is the same as on the plain path.
+
+
+def _column_major(m: torch.Tensor) -> bool:
+    return m.stride(0) == 1 and m.stride(1) == m.shape[0]
+
+
+def _input_grad(g2: torch.Tensor, h2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return weight.t().mm(g2.t()).t() if _column_major(h2) else g2.mm(weight)
+
+
+def _weight_grad(g2: torch.Tensor, h2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return g2.t().mm(h2) if _column_major(weight.t()) else h2.t().mm(g2).t()
 
 
 def recomputed_linear(

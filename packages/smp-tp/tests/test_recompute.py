@@ -1,0 +1,73 @@
+"""Selective recomputation of optimize="memory" in one process (degree 1): recomputing gives
+bit-for-bit the forward and gradients of the plain computation, dropout included.
+(The multi-rank versions, and the saved-byte counts, are in scripts/check_modules.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import smp_tp
+import torch
+from smp_tp.recompute import activation_linear, regenerated_dropout
+
+CASES = {
+    "bert": dict(activation="gelu"),
+    "gpt": dict(activation="gelu_new", causal_mask_size=6, pre_layernorm=True, post_layernorm=False),
+    "cross": dict(activation="relu", add_cross_attention=True),
+}
+
+
+def run(recompute: bool, case: str, autocast: bool) -> list[torch.Tensor]:
+    smp_tp.set_tensor_parallel_seed(7)
+    torch.manual_seed(0)
+    layer = smp_tp.DistributedTransformerLayer(
+        4, 8, 32, 64, 0.25, 0.25, optimize="memory", recompute_activations=recompute, **CASES[case])
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 6, 32, generator=gen).requires_grad_(True)
+    cross = torch.randn(3, 4, 32, generator=gen).requires_grad_(True)
+    mask = torch.ones(3, 6)
+    mask[0, -2:] = 0
+    outs = []
+    for _ in range(2):  # the second call draws different masks: the stream has moved on
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            outs.append(layer(x, mask, cross_states=cross))
+    (outs[0].float().pow(2).sum() + outs[1].float().pow(3).sum()).backward()
+    grads = [x.grad, cross.grad if case == "cross" else torch.zeros(1)]
+    return outs + grads + [p.grad for p in layer.parameters()]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("autocast", [False, True])
+def test_recompute_is_bitwise_identical(case: str, autocast: bool) -> None:
+    got, want = run(True, case, autocast), run(False, case, autocast)
+    assert not torch.equal(got[0], got[1])  # dropout on: the two calls differ
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g is not None and w is not None, i
+        assert torch.equal(g, w), f"tensor {i} differs by {(g.float() - w.float()).abs().max()}"
+
+
+def test_recompute_is_off_without_grad_and_in_eval() -> None:
+    layer = smp_tp.DistributedTransformerLayer(4, 8, 32, 64, 0.25, 0.25, optimize="memory")
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        a = layer.eval()(x)
+    b = layer(x.requires_grad_(True))
+    assert torch.equal(a, b.detach())
+    assert "Recomputed" not in type(b.grad_fn).__name__
+
+
+def test_recompute_helpers_save_less() -> None:
+    pre = torch.randn(8, 16, requires_grad=True)
+    w = torch.randn(4, 16, requires_grad=True)
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = activation_linear(pre, w, torch.nn.functional.gelu)
+        z = regenerated_dropout(pre, 0.5, torch.Generator().manual_seed(3))
+    # the pre-activation and the weight, a generator state; no activation output, no mask
+    assert sorted(tuple(t.shape) for t in saved if t.dtype != torch.uint8) == [(4, 16), (8, 16)]
+    assert not any(t.dtype == torch.bool for t in saved)
+    (y.sum() + z.sum()).backward()
+    gen = torch.Generator().manual_seed(3)
+    keep = torch.rand(8, 16, generator=gen) >= 0.5
+    p2, w2 = pre.detach().requires_grad_(True), w.detach().requires_grad_(True)
+    (torch.nn.functional.linear(torch.nn.functional.gelu(p2), w2).sum() + (p2 * keep * 2.0).sum()).backward()
+    assert torch.equal(pre.grad, p2.grad) and torch.equal(w.grad, w2.grad)
