@@ -52,6 +52,11 @@ def get_generator(device: torch.device | str, kind: str, tp_group: ProcessGroup 
         return gen
 
 
+def dropout_mask(x: torch.Tensor, p: float, gen: torch.Generator | None) -> torch.Tensor:
+    """The keep mask (bool) of inverted dropout with drop probability ``p``, drawn from ``gen``."""
+    return torch.rand(x.shape, generator=gen, device=x.device) >= p
+
+
 def tp_dropout(
     x: torch.Tensor,
     p: float,
@@ -70,5 +75,5 @@ def tp_dropout(
     if p >= 1.0:
         return x * 0.0
     gen = generator if generator is not None else get_generator(x.device, kind, tp_group)
-    keep = torch.rand(x.shape, generator=gen, device=x.device) >= p
+    keep = dropout_mask(x, p, gen)
     return x * keep * (1.0 / (1.0 - p))

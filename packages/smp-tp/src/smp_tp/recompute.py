@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from smp_tp.random import get_generator, tp_dropout
+from smp_tp.random import dropout_mask, get_generator, tp_dropout
 
 Generator = torch.Generator | None
 
@@ -123,11 +123,6 @@ def _no_gen(act: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., torch.
 def activation_linear(pre: torch.Tensor, weight: torch.Tensor, act: Callable) -> torch.Tensor:
     """``F.linear(act(pre), weight)`` storing ``pre`` instead of ``act(pre)`` for backward."""
     return recomputed_linear(_no_gen(act), None, weight, pre)
-
-
-def dropout_mask(x: torch.Tensor, p: float, gen: torch.Generator) -> torch.Tensor:
-    """The keep mask of inverted dropout, drawn from ``gen``."""
-    return torch.rand(x.shape, generator=gen, device=x.device) >= p
 
 
 class _RegeneratedDropout(torch.autograd.Function):
