@@ -164,6 +164,40 @@ class DeviceChain(Chain):
         self.blocks = nn.ModuleList([DeviceBlock(d) for _ in range(n)])
 
 
+class _CountBackward(torch.autograd.Function):
+    """Identity that counts how often its backward runs (in ``Diamond.backward_runs``)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        Diamond.backward_runs += 1
+        return g
+
+
+class Diamond(nn.Module):
+    """A residual path around a remote child: ``h + mid(norm(h))`` with ``mid`` elsewhere.
+
+    Local graph below ``h`` gets gradient both through the residual and through the remote
+    call; joined backward must differentiate it once per microbatch, segments twice.
+    """
+
+    backward_runs = 0
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+        self.mid = Block(d)
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = _CountBackward.apply(torch.tanh(self.inp(x)))
+        return self.head(h + self.mid(self.norm(h)))
+
+
 def seq_model(d: int = 8) -> nn.Sequential:
     """A flat Sequential: runs of children on one rank travel as one request."""
     return nn.Sequential(*[Block(d) for _ in range(5)], nn.Linear(d, 1))

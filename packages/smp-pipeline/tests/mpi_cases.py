@@ -231,6 +231,21 @@ def suite_pp2(comm):
     run_case(comm, "t5-auto", t5, gb, None, 4, step_of=hf_loss_step, ref_loss=reference_hf)
     run_case(comm, "t5-manual", t5, gb, {"decoder": 1, "decoder.embed_tokens": 0, "encoder.block.1": 1}, 2, "simple",
              step_of=hf_loss_step, ref_loss=reference_hf)
+    # The GPU code path (backward segments) on CPU, and the residual-around-a-remote-call
+    # shape where joined backward saves work.
+    seg = {"backward_mode": "segments"}
+    run_case(comm, "chain-segments", models.Chain, data(), chain_assign, 4, **seg)
+    run_case(comm, "reuse-segments", models.Reuse, data(), {"shared": 1, "out": 1}, 4, **seg)
+    run_case(comm, "tied-segments", models.TiedLM, (ids, tgt), tied_assign, 4,
+             step_of=tied_step, ref_loss=tied_ref, **seg)
+    run_case(comm, "gpt2-segments", gpt2, gb, {"transformer.h.1": 1, "transformer.ln_f": 1}, 4,
+             step_of=hf_loss_step, ref_loss=reference_hf, **seg)
+    for mode, per_mb in (("joined", 1), ("segments", 2)):
+        models.Diamond.backward_runs = 0
+        run_case(comm, f"diamond-{mode}", models.Diamond, data(), {"mid": 1}, 4, steps=1,
+                 backward_mode=mode)
+        if comm.rank == 0:  # once per microbatch when joined (+1: the one-process reference)
+            assert models.Diamond.backward_runs == 4 * per_mb + 1, (mode, models.Diamond.backward_runs)
     state_checks(comm)
 
 
@@ -302,6 +317,9 @@ def suite_pp4(comm):
              {"transformer.h.0": 1, "transformer.h.1": 2, "transformer.ln_f": 3}, 8, "simple",
              step_of=hf_loss_step, ref_loss=reference_hf)
     run_case(comm, "t5-4-auto", t5, gb, None, 2, step_of=hf_loss_step, ref_loss=reference_hf)
+    run_case(comm, "branch4-segments", models.Branch, data(sign_pattern=True),
+             {"pre": 1, "left": 2, "right.0": 3, "right.1": 2}, 4, per_microbatch_reference=True,
+             backward_mode="segments")
 
 
 class Boom(torch.nn.Module):

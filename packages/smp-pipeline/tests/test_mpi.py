@@ -29,7 +29,8 @@ def test_pp2_equivalence() -> None:
     for name in ("chain-simple-m8", "chain-interleaved-m1", "chain-custom", "chain-auto-meta", "tied-ckpt-group_2",
                  "seqrun-simple", "seqrun-interleaved", "seqrun-ckpt",
                  "reuse-interleaved", "branch-simple", "gpt2-auto", "t5-auto", "t5-manual",
-                 "state-and-timeline"):
+                 "state-and-timeline", "chain-segments", "reuse-segments", "tied-segments",
+                 "gpt2-segments", "diamond-joined", "diamond-segments"):
         assert name in cases, (name, out)
 
 
@@ -39,7 +40,7 @@ def test_pp4_equivalence() -> None:
     assert "SUITE-OK pp4" in out, out
     assert {"chain4-simple-m3", "chain4-interleaved-m8", "reuse4",
             "device4-simple", "device4-interleaved", "branch4", "gpt2-4-auto",
-            "t5-4-auto"} <= set(_cases(out)), out
+            "t5-4-auto", "branch4-segments"} <= set(_cases(out)), out
 
 
 @pytest.mark.timeout(120)

@@ -1,6 +1,18 @@
-"""Autograd across pipeline ranks without ever blocking inside an autograd function.
+"""Autograd across pipeline ranks.
 
-The graph is *cut* at every remote call:
+Two modes, chosen per remote call:
+
+- **Joined** (CPU gradients, the default there): the boundary's backward sends a backward
+  request and waits for the input gradients *inside* the autograd engine (the worker gives
+  the execution token back meanwhile, as a forward call does), then returns them. The
+  boundary is an ordinary node between the call's sent inputs and received outputs, so one
+  engine run per microbatch context covers its whole local graph and the engine's own
+  dependency counting handles a residual path around a remote call: every local node runs
+  once. On CPU the engine runs a CPU node on the thread that called ``backward``, so only
+  that worker waits.
+- **Segments** (CUDA gradients, or ``backward_mode="segments"``): the engine runs CUDA nodes
+  on one device thread shared by every caller, so a waiting backward function would stall
+  every microbatch on the device. There the graph is *cut* at every remote call:
 
 - On the owner (callee) the call's inputs arrive as fresh leaves (``requires_grad`` as sent);
   the call's input leaves and its outputs that require grad are kept in an
@@ -22,7 +34,9 @@ sum to the full gradient, provided the graph is retained (``retain_graph=True``)
 microbatch's backward completes; then every record of the microbatch is dropped, freeing the
 graph. A boundary may fire more than once (two segments reaching it through different paths);
 each firing is its own request, and each response carries only the gradient accumulated since
-the previous response (input leaves' ``.grad`` is reset after being sent).
+the previous response (input leaves' ``.grad`` is reset after being sent). The price: local
+graph shared by two segments (a residual path around a remote call) is differentiated
+once per segment, which joined mode avoids.
 """
 
 from __future__ import annotations
@@ -87,30 +101,42 @@ class OutgoingCall:
         self.inputs = inputs  # the tensors sent that require grad, in flat order
         self.step = parent.step
         self.mb = parent.mb
+        # Joined mode: the boundary's backward waits for the input gradients (module doc).
+        self.joined = False
 
 
 class RemoteBoundary(torch.autograd.Function):
-    """Identity on a remote call's outputs; its backward sends a backward request and returns.
+    """Identity on a remote call's outputs (the last ``len(tensors) - n_inputs`` arguments).
 
-    ``dummy`` is an empty tensor that requires grad, so the outputs require grad even though
-    the received tensors are plain leaves.
+    Joined mode also takes the call's sent inputs (the first ``n_inputs``), so the node links
+    them to the outputs, and its backward returns their gradients from the owner. Segment mode
+    passes no inputs; its backward only sends a backward request and returns. ``dummy`` is an
+    empty tensor that requires grad, so the outputs require grad even when nothing else does.
     """
 
     @staticmethod
-    def forward(ctx: Any, call: OutgoingCall, dummy: torch.Tensor, *tensors: torch.Tensor) -> Any:
+    def forward(
+        ctx: Any, call: OutgoingCall, dummy: torch.Tensor, n_inputs: int, *tensors: torch.Tensor
+    ) -> Any:
         ctx.call = call
+        ctx.n_inputs = n_inputs
         ctx.set_materialize_grads(False)  # unused outputs give None, not zeros
-        return tuple(t.detach() for t in tensors)
+        return tuple(t.detach() for t in tensors[n_inputs:])
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         call: OutgoingCall = ctx.call
-        call.server.send_backward_request(call, list(grads))
-        return (None, None) + (None,) * len(grads)
+        if call.joined:
+            input_grads = call.server.backward_through(call, list(grads))
+        else:
+            call.server.send_backward_request(call, list(grads))
+            input_grads = [None] * ctx.n_inputs
+        return (None, None, None, *input_grads) + (None,) * len(grads)
 
 
 def attach_boundary(call: OutgoingCall, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Pass ``tensors`` (the received outputs that require grad) through the boundary."""
     dummy = torch.empty(0, requires_grad=True)
-    out = RemoteBoundary.apply(call, dummy, *tensors)
+    inputs = call.inputs if call.joined else []
+    out = RemoteBoundary.apply(call, dummy, len(inputs), *inputs, *tensors)
     return list(out)

@@ -92,8 +92,12 @@ def call_remote(
         call = OutgoingCall(self, key, dest, label, ctx, inputs)
         self.outgoing[key] = call
         idx = [i for i, f in enumerate(oflags) if f]
-        joined = attach_boundary(call, [outs[i] for i in idx])
-        for i, t in zip(idx, joined):
+        # Joined backward where the boundary's gradients are CPU tensors (boundary.py).
+        call.joined = self.backward_mode == "joined" or (
+            self.backward_mode == "auto" and all(outs[i].device.type == "cpu" for i in idx)
+        )
+        attached = attach_boundary(call, [outs[i] for i in idx])
+        for i, t in zip(idx, attached):
             outs[i] = t
     return unflatten(out["skeleton"], outs)
 
@@ -122,8 +126,45 @@ def run_forward_request(self: ExecutionServer, task: Task) -> None:
     }
     self.send(msg["src"], resp)
 
+def backward_through(
+    self: ExecutionServer, call: OutgoingCall, grads: list[torch.Tensor | None]
+) -> list[torch.Tensor | None]:
+    """Joined mode, from :class:`RemoteBoundary.backward`: send the output gradients, wait
+    (token given back) for the owner's input gradients and return them."""
+    task = self.current
+    if task is None or not task.in_segment or task.worker is None:
+        raise PipelineError(
+            f"the gradient of remote module '{call.path}' was requested outside the "
+            "pipeline's backward: call runtime.backward(loss) in the step function, "
+            "not loss.backward()"
+        )
+    if all(g is None for g in grads):
+        return [None] * len(call.inputs)
+    req = next(self._bwd_reqs)
+    wait_key = ("bwd", call.key, req)
+    self.outstanding[wait_key] = (
+        time.monotonic(),
+        f"the backward of module '{call.path}' (microbatch {call.mb}) on pp rank {call.dest}",
+    )
+    self.send(
+        call.dest,
+        {
+            "kind": M.BWD_REQ,
+            "key": call.key,
+            "req": req,
+            "path": call.path,
+            "step": call.step,
+            "mb": call.mb,
+            "grads": pack(grads, False),
+        },
+    )
+    msg = task.worker.wait(wait_key)
+    input_grads = unflatten(msg["grads"]["skeleton"], msg["grads"]["tensors"])
+    return list(input_grads)
+
+
 def send_backward_request(self: ExecutionServer, call: OutgoingCall, grads: list[torch.Tensor | None]) -> None:
-    """Called from :class:`RemoteBoundary.backward`: send, count, never wait."""
+    """Segment mode, from :class:`RemoteBoundary.backward`: send, count, never wait."""
     task = self.current
     if task is None or not task.in_segment:
         raise PipelineError(

@@ -60,6 +60,10 @@ class PipelineRuntime:
             leader, every task start is published; followers start tasks in that order.
         abort_ranks: further communicator ranks to notify when this runtime aborts (e.g.
             every rank of the other pipelines, which must use the same ``tag``); they raise too.
+        backward_mode: cross-rank autograd (see :mod:`smp_pipeline.boundary`). ``"auto"``:
+            *joined* where a remote call's gradients are CPU tensors (one engine run per
+            microbatch context, each local node once), *segments* where they are CUDA
+            tensors; ``"joined"`` / ``"segments"`` force one (every rank must agree).
     """
 
     def __init__(
@@ -81,6 +85,7 @@ class PipelineRuntime:
         trace_device: str | None = None,
         order_channel: OrderChannel | None = None,
         abort_ranks: Sequence[int] | None = None,
+        backward_mode: str = "auto",
     ) -> None:
         if not 0 <= pp_rank < pp_size:
             raise PipelineConfigError(f"pp_rank {pp_rank} outside 0..{pp_size - 1}")
@@ -114,6 +119,7 @@ class PipelineRuntime:
             record_timeline=timeline,
             order=order_channel,
             abort_ranks=list(abort_ranks or []),
+            backward_mode=backward_mode,
         )
         self.order_channel = order_channel
         if assignment is not None:

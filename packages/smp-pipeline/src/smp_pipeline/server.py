@@ -67,7 +67,12 @@ class ExecutionServer:
         record_timeline: bool = False,
         order: OrderChannel | None = None,
         abort_ranks: list[int] | None = None,
+        backward_mode: str = "auto",
     ) -> None:
+        if backward_mode not in ("auto", "joined", "segments"):
+            raise PipelineError(f"backward_mode must be 'auto', 'joined' or 'segments', got {backward_mode!r}")
+        # Cross-rank autograd (boundary.py): "auto" joins where gradients are CPU tensors.
+        self.backward_mode = backward_mode
         self.comm = comm
         self.pp_rank = pp_rank
         self.pp_size = pp_size
@@ -445,7 +450,7 @@ class ExecutionServer:
         while not until():
             self._loop_housekeeping()
             self._poll_abort()
-            for msg in [m for m in self.inbox if m["kind"] not in _TASK_KINDS]:
+            for msg in [m for m in self.inbox if not self._starts_task(m)]:
                 self.inbox.remove(msg)
                 self._handle(msg)  # responses become ready wake-ups; no grant yet
             if until():
@@ -487,11 +492,17 @@ class ExecutionServer:
                 self._switch(worker)
                 return True
         for msg in self.inbox:
-            if msg["kind"] in _TASK_KINDS and msg.get("step") == step and msg.get("mb") == mb:
+            if self._starts_task(msg) and msg.get("step") == step and msg.get("mb") == mb:
                 self.inbox.remove(msg)
                 self._handle(msg)
                 return True
         return False
+
+    def _starts_task(self, msg: dict[str, Any]) -> bool:
+        """Whether handling ``msg`` starts a task (else it only wakes a waiting worker)."""
+        if msg["kind"] == M.BWD_RESP:
+            return ("bwd", tuple(msg["key"]), msg["req"]) not in self.waiting
+        return msg["kind"] in _TASK_KINDS
 
     def _handle(self, msg: dict[str, Any]) -> None:
         self._last_progress = time.monotonic()
@@ -525,7 +536,11 @@ class ExecutionServer:
             self._start(task)
         elif kind == M.BWD_RESP:
             key = tuple(msg["key"])
-            self.outstanding.pop(("bwd", key, msg["req"]), None)
+            wait_key = ("bwd", key, msg["req"])
+            self.outstanding.pop(wait_key, None)
+            if wait_key in self.waiting:  # joined mode: resume the waiting backward
+                self._wake(wait_key, msg)
+                return
             call = self.outgoing[key]  # type: ignore[index]
             label = call.parent.path if isinstance(call.parent, IncomingCall) else "<step>"
             task = Task(self._run_caller_segment, call.mb, label, "backward", call.parent, call.step)
@@ -560,6 +575,7 @@ class ExecutionServer:
     call_remote = calls.call_remote
     _run_forward_request = calls.run_forward_request
     send_backward_request = calls.send_backward_request
+    backward_through = calls.backward_through
     segment = calls.segment
     _run_callee_segment = calls.run_callee_segment
     _run_caller_segment = calls.run_caller_segment
