@@ -63,7 +63,25 @@ def bench_memory(rank: int, tp: int) -> None:
                 **cfg, optimize=optimize, recompute_activations=recompute, tp_group=group)
             x = torch.randn(4, seq, 256, requires_grad=True)  # this rank's own samples
             result[name] = saved_activation_bytes(layer, x)
+        times = {}
+        if seq == 128:  # what recomputation costs: one fwd+bwd of the layer, best of 5
+            for name in ("memory", "memory_norecompute"):
+                optimize, recompute, group = variants[name]
+                torch.manual_seed(0)
+                layer = smp_tp.DistributedTransformerLayer(
+                    **cfg, optimize=optimize, recompute_activations=recompute, tp_group=group)
+                x = torch.randn(4, seq, 256, requires_grad=True)
+                best = float("inf")
+                for _ in range(5):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    layer(x).sum().backward()
+                    best = min(best, time.perf_counter() - t0)
+                times[name] = best
         if rank == 0:
+            if times:
+                print(f"RESULT time{seq} tp={tp} recompute_ms={times['memory'] * 1e3:.1f} "
+                      f"stored_ms={times['memory_norecompute'] * 1e3:.1f}", flush=True)
             print(f"RESULT memory{seq} tp={tp} speed_MiB={result['speed'] / 2**20:.2f} "
                   f"memory_MiB={result['memory'] / 2**20:.2f} "
                   f"ratio={result['memory'] / result['speed']:.3f} "
@@ -151,7 +169,8 @@ def _port() -> int:
 
 
 def main() -> None:
-    results: dict[str, dict[int, dict[str, str]]] = {"memory128": {}, "memory32": {}, "throughput": {}}
+    results: dict[str, dict[int, dict[str, str]]] = {
+        "memory128": {}, "memory32": {}, "time128": {}, "throughput": {}}
     for tp in (2, 4):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp),
                "--master-addr", "127.0.0.1", "--master-port", str(_port()), __file__, WORKER_FLAG]
@@ -173,6 +192,10 @@ def main() -> None:
             for tp in sorted(mem)) + f"; no-TP device on its own samples {mem[2]['single_MiB']} MiB")
     print("saved activations per rank of one transformer layer, memory (recompute_activations=True)"
           "/speed: " + " | ".join(parts))
+    tm = results["time128"]
+    print("one layer fwd+bwd, seq=128, memory layout with / without recomputation (best of 5, "
+          "shared CPU): " + ", ".join(
+              f"tp={tp} {tm[tp]['recompute_ms']} vs {tm[tp]['stored_ms']} ms" for tp in sorted(tm)))
     thr = results["throughput"]
     print("recommendation model samples/s, scaled-batch TP / prescaled TP (equal global batch): "
           + ", ".join(f"tp={tp}: {thr[tp]['ratio']}x ({thr[tp]['scaled_samples_per_s']} vs "
