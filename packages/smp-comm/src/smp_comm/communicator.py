@@ -21,6 +21,11 @@ goes through threads (paper, Appendix G), each consuming one queue of messages:
 A thread blocked in ``wait()`` runs the tracker's polling itself for a short while (see
 ``poll_spin``), so a small message costs no thread hand-off on either side.
 
+A lone CPU tensor or array of at most ``small_message_bytes`` skips all of the above: it
+travels as one self-describing frame (:mod:`smp_comm.fastpath`), ``Isend``-ed on a
+communicator of its own from the calling thread, and is taken by whichever thread probes
+it first (matched probes make that safe), usually the one waiting for it.
+
 Matching semantics are MPI's: a header is matched, in arrival order, against the posted
 receives in the order they were posted (the first posted receive whose source and tag
 accept it wins); a header nobody waits for joins the unexpected queue, which a later
@@ -43,8 +48,9 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from smp_comm import fastpath
 from smp_comm.errors import CommClosedError, CommError, PeerClosedError
-from smp_comm.handles import RecvHandle, SendHandle
+from smp_comm.handles import Handle, RecvHandle, SendHandle
 from smp_comm.paths import DirectPaths
 from smp_comm.serialize import (
     Packed,
@@ -65,6 +71,10 @@ ANY_TAG: int = MPI.ANY_TAG
 
 # Control-message tags on the private control communicator.
 _T_HEADER, _T_FREE, _T_BYE, _T_DRAINED = 1, 2, 3, 4
+_FAST = 0  # a fast-path frame waiting for its turn in its sender's order
+# Fast-path probes a waiting thread makes between two full progress rounds: a round costs
+# about as much as 10 probes, and the probes are what finds a small message soonest.
+_SPIN_PROBES = 32
 _STOP = object()  # queue sentinel
 
 
@@ -125,6 +135,7 @@ class Communicator:
         buffer_bytes: int | str | None = None,
         gpu_buffer_bytes: int | str | None = None,
         inline_bytes: int | str | None = None,
+        small_message_bytes: int | str | None = None,
         disable: str | set[str] | frozenset[str] | list[str] | tuple[str, ...] | None = None,
         node_id: str | int | None = None,
         shm_zero_copy: bool | None = None,
@@ -146,6 +157,7 @@ class Communicator:
             buffer_bytes=buffer_bytes,
             gpu_buffer_bytes=gpu_buffer_bytes,
             inline_bytes=inline_bytes,
+            small_message_bytes=small_message_bytes,
             disable=disable,
             node_id=node_id,
             shm_zero_copy=shm_zero_copy,
@@ -153,9 +165,17 @@ class Communicator:
             poll_spin=poll_spin,
         )
         # Collective set-up, in the same order on every rank: private communicators for
-        # control messages and for MPI-path payloads, then the persistent direct buffers.
+        # control messages, for MPI-path payloads and for fast-path frames (always created
+        # and probed, so ranks with different small_message_bytes still talk), then the
+        # persistent direct buffers.
         self._cc: MPI.Intracomm = base.Dup()  # type: ignore[assignment]
         self._dc: MPI.Intracomm = base.Dup()  # type: ignore[assignment]
+        self._fc: MPI.Intracomm = base.Dup()  # type: ignore[assignment]
+        self._fast_limit = self.settings.small_message_bytes
+        self._fstatus = MPI.Status()
+        # Fast-path messages and bytes sent, received; under _match_lock, which both ends
+        # of the fast path hold anyway (a second lock per message costs latency).
+        self._fast_count = [0, 0, 0, 0]
         self._tag_ub: int = int(self._cc.Get_attr(MPI.TAG_UB))  # type: ignore[arg-type]
         self._paths = DirectPaths(self._cc, self.settings)
 
@@ -195,8 +215,8 @@ class Communicator:
         self._working = [0, 0, 0, 0]  # queued items: router, direct, requester, postproc
         self._working_lock = threading.Lock()
         self._drained = False  # set by close() once this rank sends no more FREEs
-        self._spinners = 0  # threads inside _wait's polling phase (under _spin_lock)
-        self._spin_lock = threading.Lock()
+        # One entry per thread inside _wait's polling phase (list append/pop are atomic).
+        self._spinners: list[None] = []
         self._tracker_stop = threading.Event()
         self._inflight_recv = 0  # incoming messages not yet rebuilt (tracker/postproc)
 
@@ -219,6 +239,11 @@ class Communicator:
         Returns at once. The tensors in ``obj`` must not be modified until the handle's
         ``wait()`` returns (as with ``MPI_Isend``).
         """
+        if self._fast_limit and type(tag) is int and 0 <= tag <= self._tag_ub:
+            # Fast path first: every check below costs, and a small message feels each one.
+            parts = fastpath.encode(obj, self._fast_limit)
+            if parts is not None:
+                return self._fast_send(parts, dest, tag)
         self._check_open()
         self._check_rank(dest, "dest")
         if not isinstance(tag, int) or tag < 0:
@@ -256,6 +281,45 @@ class Communicator:
         self._enqueue(0, self._router_q, op)
         return handle
 
+    def _fast_send(self, parts: tuple[Any, ...], dest: int, tag: int) -> SendHandle:
+        """Send a fast-path frame from the calling thread (see :mod:`smp_comm.fastpath`).
+
+        Ordered for latency: the frame leaves first, the handle is made afterwards.
+        """
+        if self._closing or self._fatal is not None:
+            self._check_open()
+        if type(dest) is not int or not 0 <= dest < self.size:
+            self._check_rank(dest, "dest")
+        with self._match_lock:
+            if self._closing:  # checked under the lock close() takes to number its BYEs
+                raise CommClosedError(f"smp-comm rank {self.rank}: the Communicator is closed")
+            if dest in self._bye_from:
+                handle = SendHandle(dest, tag, self.rank, self._wait)
+                handle._complete(error=self._peer_closed(dest, f"send (tag {tag})"))
+                return handle
+            seq = self._seq_to[dest]
+            self._seq_to[dest] = seq + 1
+            # Posted under the lock that numbered it: frames to one rank leave in sequence
+            # order, and close() cannot number its BYE in between.
+            buf = fastpath.frame(parts, seq)
+            req = self._fc.Isend([buf, MPI.BYTE], dest=dest, tag=tag)
+            handle = SendHandle(dest, tag, self.rank, self._wait)
+            counts = self._fast_count
+            counts[0] += 1
+            counts[1] += len(parts[-1])
+            if req.Test():  # eager: a small frame has usually left already
+                handle._done = True  # nobody else holds the handle yet
+                return handle
+            self._open_sends.add(handle)
+        self._track([req], lambda: self._fast_sent(handle, buf))
+        return handle
+
+    def _fast_sent(self, handle: SendHandle, buf: bytes) -> None:
+        del buf  # kept alive by the callback until MPI is done with it
+        handle._complete()
+        with self._match_lock:
+            self._open_sends.discard(handle)
+
     def irecv(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> RecvHandle:
         """Post a receive; ``wait()`` returns ``(obj, source, tag)``.
 
@@ -285,7 +349,9 @@ class Communicator:
         """Messages and payload bytes per path: ``{"mpi": {...}, "shm": ..., "cuda_ipc": ...,
         "rma": ...}``; each holds ``messages``/``bytes`` (sent + received) and the
         ``*_sent``/``*_received`` parts; ``mpi`` also counts ``fallbacks`` (messages that a
-        direct path could have carried but whose destination buffer lacked room)."""
+        direct path could have carried but whose destination buffer lacked room) and
+        ``fast_sent``/``fast_received`` (its messages that took the small-message fast
+        path, :mod:`smp_comm.fastpath`)."""
         with self._stats_lock:
             out = {}
             for p, s in self._stats.items():
@@ -294,7 +360,18 @@ class Communicator:
                 d["bytes"] = s["bytes_sent"] + s["bytes_received"]
                 out[p] = d
             out["mpi"]["fallbacks"] = self._fallbacks
-            return out
+        with self._match_lock:
+            fast = list(self._fast_count)
+        # Fast-path messages are MPI messages: counted in "mpi" too.
+        mpi = out["mpi"]
+        mpi["fast_sent"], mpi["fast_received"] = fast[0], fast[2]
+        mpi["messages_sent"] += fast[0]
+        mpi["bytes_sent"] += fast[1]
+        mpi["messages_received"] += fast[2]
+        mpi["bytes_received"] += fast[3]
+        mpi["messages"] += fast[0] + fast[2]
+        mpi["bytes"] += fast[1] + fast[3]
+        return out
 
     def path_to(self, dest: int, device: str = "cpu") -> str:
         """The path a large payload on ``device`` would take to ``dest`` with room to spare."""
@@ -520,17 +597,11 @@ class Communicator:
         happened. Run by the tracker thread, and by threads blocked in ``wait`` (so a
         waiter does not pay a thread hand-off per message)."""
         busy = False
-        while True:
-            try:
-                self._active.append(self._track_q.get_nowait())
-                busy = True
-            except queue.Empty:
-                break
-        while True:
-            try:
-                path, source, region = self._free_q.get_nowait()
-            except queue.Empty:
-                break
+        while not self._track_q.empty():
+            self._active.append(self._track_q.get())
+            busy = True
+        while not self._free_q.empty():
+            path, source, region = self._free_q.get()
             if self._drained:
                 continue  # the peers stopped listening for FREEs (close() is under way)
             req = self._cc.isend((path, region), dest=source, tag=_T_FREE)
@@ -552,7 +623,34 @@ class Communicator:
                 break
             self._on_control(status.Get_source(), status.Get_tag(), msg.recv())
             busy = True
+        for _ in range(64):
+            if not self._take_fast():
+                break
+            busy = True
         return busy
+
+    def _take_fast(self) -> bool:
+        """Receive one fast-path frame if one has arrived (caller holds ``_progress_lock``)."""
+        msg = self._fc.Improbe(ANY_SOURCE, ANY_TAG, self._fstatus)
+        if msg is None:
+            return False
+        self._on_frame(msg)
+        return True
+
+    def _on_frame(self, msg: MPI.Message) -> None:
+        """Receive the frame ``msg`` just probed into ``_fstatus`` (caller holds
+        ``_progress_lock``). A matched probe: the frame is this thread's alone once probed,
+        so the tracker and waiting threads may all probe at once without stealing."""
+        st = self._fstatus
+        source, tag = st.Get_source(), st.Get_tag()
+        buf = bytearray(st.Get_count(MPI.BYTE))
+        msg.Recv([buf, MPI.BYTE])
+        seq = fastpath.frame_seq(buf)
+        if seq == self._seq_from[source] and not self._held[source]:
+            self._seq_from[source] = seq + 1  # its turn already: the common case, inlined
+            self._on_fast(source, seq, tag, buf)
+        else:
+            self._in_order(source, seq, _FAST, (tag, buf))
 
     def _tracker_loop(self) -> None:
         # No busy spinning here: a thread that keeps dropping and retaking the GIL starves
@@ -576,67 +674,70 @@ class Communicator:
                 self._wake.clear()
                 sleep = 0.0
 
-    def _wait(self, event: threading.Event, timeout: float | None) -> bool:
-        """Block until ``event`` is set or ``timeout`` passes.
+    def _wait(self, handle: Handle, timeout: float | None) -> bool:
+        """Block until ``handle`` completes or ``timeout`` passes; True if it completed.
 
         For up to ``poll_spin`` seconds after the last event the waiting thread drives MPI
-        progress itself (no thread hand-off on the critical path of a small message);
-        after that it sleeps on the event and the tracker thread takes over.
+        progress itself (no thread hand-off on the critical path of a small message):
+        mostly fast-path probes, the cheapest way to see a small message the moment it
+        lands, with a full progress round every ``_SPIN_PROBES`` probes. After that it
+        sleeps and the tracker thread takes over.
         """
-        if event.is_set():
+        if handle._done:
             return True
         now = time.monotonic()
         deadline = None if timeout is None else now + timeout
         spin_until = now + self.settings.poll_spin
-        with self._spin_lock:
-            self._spinners += 1
+        self._spinners.append(None)
         try:
-            while not event.is_set():
+            while not handle._done:
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
-                    return event.is_set()
+                    return handle._done
                 if now >= spin_until or self._closed:
                     break
                 if any(self._working):
                     # Backend threads have work: poll only every 200 us, or this thread
                     # would keep taking the GIL from them.
-                    if event.wait(2e-4):
+                    if handle._sleep(2e-4):
                         break
                 if not self._progress_lock.acquire(timeout=5e-4):
                     # Another thread is polling (a round takes microseconds; it also
                     # completes our handle if our message is there).
                     continue
                 try:
-                    if self._poll_once():
+                    if self._spin_fast(handle) or self._poll_once():
                         spin_until = time.monotonic() + self.settings.poll_spin
                 except Exception as exc:
                     raise self._fail_all(exc) from exc
                 finally:
                     self._progress_lock.release()
         finally:
-            with self._spin_lock:
-                self._spinners -= 1
-        if event.is_set():
+            self._spinners.pop()
+        if handle._done:
             return True
         self._wake.set()  # hand progress back to the tracker thread
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        return event.wait(left)
+        return handle._sleep(left)
+
+    def _spin_fast(self, handle: Handle) -> bool:
+        """Probe for fast-path frames until one arrives (True) or ``_SPIN_PROBES`` probes
+        found none (False); the caller holds ``_progress_lock``."""
+        probe, st = self._fc.Improbe, self._fstatus
+        for _ in range(_SPIN_PROBES):
+            msg = probe(ANY_SOURCE, ANY_TAG, st)
+            if msg is not None:
+                self._on_frame(msg)
+                return True
+            if handle._done:  # completed by another thread (or on a general path)
+                return False
+        return False
 
     def _on_control(self, source: int, tag: int, body: Any) -> None:
-        if tag == _T_HEADER or tag == _T_BYE:
-            # Headers (and the final BYE) are handled in the sender's isend order.
-            seq = body[0] if tag == _T_HEADER else body
-            held = self._held[source]
-            held[seq] = (tag, body)
-            while self._seq_from[source] in held:
-                kind, item = held.pop(self._seq_from[source])
-                self._seq_from[source] += 1
-                if kind == _T_BYE:
-                    self._on_bye(source)
-                else:
-                    seq, utag, path, region, skeleton, stubs, inline = item
-                    inc = _Incoming(source, utag, seq, path, region, skeleton, stubs, inline)
-                    self._on_header(inc)
+        if tag == _T_HEADER:
+            self._in_order(source, body[0], _T_HEADER, body)
+        elif tag == _T_BYE:
+            self._in_order(source, body, _T_BYE, None)
         elif tag == _T_FREE:
             path, region = body
             self._paths.release(path, source, region)
@@ -647,6 +748,62 @@ class Communicator:
             raise CommError(
                 f"smp-comm rank {self.rank}: unknown control tag {tag} from rank {source}"
             )
+
+    def _in_order(self, source: int, seq: int, kind: int, item: Any) -> None:
+        """Handle headers, fast-path frames and the final BYE in the sender's isend order
+        (``seq``), whichever communicator and thread brought them; early ones wait."""
+        held = self._held[source]
+        if seq != self._seq_from[source]:
+            held[seq] = (kind, item)
+            return
+        self._seq_from[source] = seq + 1
+        self._dispatch(source, seq, kind, item)
+        while held and self._seq_from[source] in held:
+            seq = self._seq_from[source]
+            kind, item = held.pop(seq)
+            self._seq_from[source] = seq + 1
+            self._dispatch(source, seq, kind, item)
+
+    def _dispatch(self, source: int, seq: int, kind: int, item: Any) -> None:
+        if kind == _FAST:
+            self._on_fast(source, seq, *item)
+        elif kind == _T_BYE:
+            self._on_bye(source)
+        else:
+            _, utag, path, region, skeleton, stubs, inline = item
+            self._on_header(_Incoming(source, utag, seq, path, region, skeleton, stubs, inline))
+
+    def _on_fast(self, source: int, seq: int, tag: int, buf: bytearray) -> None:
+        """A fast-path frame's turn: rebuild it and match it like any other message."""
+        try:
+            obj, nbytes = fastpath.decode(buf, self.rank)
+            error: BaseException | None = None
+        except Exception as exc:  # noqa: BLE001 - delivered to the waiter
+            obj, nbytes = None, 0
+            error = CommError(
+                f"smp-comm rank {self.rank}: cannot rebuild message from rank {source} "
+                f"(tag {tag}): {exc!r}"
+            )
+        with self._match_lock:
+            for i, h in enumerate(self._posted):
+                if (h.peer == ANY_SOURCE or h.peer == source) and (
+                    h.tag == ANY_TAG or h.tag == tag
+                ):
+                    del self._posted[i]
+                    break
+            else:
+                inc = _Incoming(source, tag, seq, "mpi", -1, b"", [], None)
+                inc.done, inc.result, inc.error = True, obj, error
+                self._unexpected.append(inc)
+                h = None
+            if error is None:
+                self._fast_count[2] += 1
+                self._fast_count[3] += nbytes
+        if h is not None:  # out of the posted list: no other thread completes it
+            if error is None:
+                h._complete(result=(obj, source, tag))
+            else:
+                h._complete(error=error)
 
     def _on_header(self, inc: _Incoming) -> None:
         with self._match_lock:
@@ -800,6 +957,7 @@ class Communicator:
         # Collective frees, same order on every rank.
         self._paths.close()
         self._dc.Free()
+        self._fc.Free()
         self._cc.Free()
 
     def _stop_threads(self) -> None:

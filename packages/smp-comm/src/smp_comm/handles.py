@@ -10,8 +10,8 @@ from smp_comm.errors import CommTimeoutError
 
 __all__ = ["Handle", "RecvHandle", "SendHandle"]
 
-# (event, timeout) -> whether the event got set; the communicator drives progress meanwhile.
-Waiter = Callable[[threading.Event, "float | None"], bool]
+# (handle, timeout) -> whether the handle completed; the communicator drives progress meanwhile.
+Waiter = Callable[["Handle", "float | None"], bool]
 
 
 class Handle:
@@ -23,7 +23,10 @@ class Handle:
         self.peer = peer
         self.tag = tag
         self._rank = rank
-        self._event = threading.Event()
+        # A plain flag, and an Event only once some thread has to sleep on it: creating an
+        # Event costs more than a whole small-message fast path send.
+        self._done = False
+        self._event: threading.Event | None = None
         self._result: Any = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()
@@ -32,21 +35,35 @@ class Handle:
     def _complete(self, result: Any = None, error: BaseException | None = None) -> bool:
         """Set the outcome once; later calls are ignored. Returns whether this call set it."""
         with self._lock:
-            if self._event.is_set():
+            if self._done:
                 return False
             self._result, self._error = result, error
-            self._event.set()
-            return True
+            self._done = True
+            event = self._event
+        if event is not None:
+            event.set()
+        return True
+
+    def _sleep(self, timeout: float | None) -> bool:
+        """Block (no polling) until completed or ``timeout`` passes; True if completed."""
+        with self._lock:
+            if self._done:
+                return True
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        return event.wait(timeout)
 
     def test(self) -> bool:
         """True when the operation has finished (successfully or not); never blocks."""
-        return self._event.is_set()
+        return self._done
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until done; raise its error, or :class:`CommTimeoutError` after ``timeout`` s."""
-        done = self._waiter(self._event, timeout) if self._waiter else self._event.wait(timeout)
-        if not done:
-            raise CommTimeoutError(self._timeout_text(timeout), self.peer, self.tag)
+        if not self._done:
+            done = self._waiter(self, timeout) if self._waiter else self._sleep(timeout)
+            if not done:
+                raise CommTimeoutError(self._timeout_text(timeout), self.peer, self.tag)
         if self._error is not None:
             raise self._error
         return self._result

@@ -1,26 +1,31 @@
 """Communicator settings: constructor keyword arguments, else environment variables.
 
-=============================  ==============================  ===========================
-setting (kwarg)                environment variable            default
-=============================  ==============================  ===========================
-``buffer_bytes``               ``SMP_COMM_BUFFER_BYTES``       128 MiB (host receive buffer
-                                                               per path, split among the
-                                                               peers that may write to it)
-``gpu_buffer_bytes``           ``SMP_COMM_GPU_BUFFER_BYTES``   256 MiB (CUDA receive buffer)
-``inline_bytes``               ``SMP_COMM_INLINE_BYTES``       16 KiB (smaller payloads ride
-                                                               inside the MPI header)
-``disable``                    ``SMP_COMM_DISABLE``            none; e.g. ``"shm,rma"``
-``node_id``                    ``SMP_COMM_NODE_ID``            real node (shared-memory
-                                                               domain); ``"{rank}"`` is
-                                                               replaced by the rank
-``shm_zero_copy``              ``SMP_COMM_SHM_ZERO_COPY``      1: shm receives are views of
-                                                               the receive buffer, freed
-                                                               when garbage collected; 0:
-                                                               copied out at once
-``close_timeout``              ``SMP_COMM_CLOSE_TIMEOUT``      60 s
-``poll_spin``                  ``SMP_COMM_POLL_SPIN``          0.002 s of busy polling after
-                                                               the last event, then sleeps
-=============================  ==============================  ===========================
+=============================  ==================================  ===========================
+setting (kwarg)                environment variable                default
+=============================  ==================================  ===========================
+``buffer_bytes``               ``SMP_COMM_BUFFER_BYTES``           128 MiB (host receive buffer
+                                                                   per path, split among the
+                                                                   peers that may write to it)
+``gpu_buffer_bytes``           ``SMP_COMM_GPU_BUFFER_BYTES``       256 MiB (CUDA receive buffer)
+``inline_bytes``               ``SMP_COMM_INLINE_BYTES``           16 KiB (smaller payloads ride
+                                                                   inside the MPI header)
+``small_message_bytes``        ``SMP_COMM_SMALL_MESSAGE_BYTES``    4 KiB: a lone CPU tensor or
+                                                                   array up to this size takes
+                                                                   the fast path (see
+                                                                   :mod:`smp_comm.fastpath`);
+                                                                   0 turns it off
+``disable``                    ``SMP_COMM_DISABLE``                none; e.g. ``"shm,rma"``
+``node_id``                    ``SMP_COMM_NODE_ID``                real node (shared-memory
+                                                                   domain); ``"{rank}"`` is
+                                                                   replaced by the rank
+``shm_zero_copy``              ``SMP_COMM_SHM_ZERO_COPY``          1: shm receives are views of
+                                                                   the receive buffer, freed
+                                                                   when garbage collected; 0:
+                                                                   copied out at once
+``close_timeout``              ``SMP_COMM_CLOSE_TIMEOUT``          60 s
+``poll_spin``                  ``SMP_COMM_POLL_SPIN``              0.002 s of busy polling after
+                                                                   the last event, then sleeps
+=============================  ==================================  ===========================
 
 Sizes accept a plain integer or a suffix ``K``, ``M``, ``G`` (powers of 1024).
 """
@@ -64,6 +69,7 @@ class CommSettings:
     buffer_bytes: int = 128 << 20
     gpu_buffer_bytes: int = 256 << 20
     inline_bytes: int = 16 << 10
+    small_message_bytes: int = 4 << 10
     disable: frozenset[str] = field(default_factory=frozenset)
     node_id: str | None = None
     shm_zero_copy: bool = True
@@ -77,6 +83,7 @@ class CommSettings:
         buffer_bytes: int | str | None = None,
         gpu_buffer_bytes: int | str | None = None,
         inline_bytes: int | str | None = None,
+        small_message_bytes: int | str | None = None,
         disable: str | set[str] | frozenset[str] | list[str] | tuple[str, ...] | None = None,
         node_id: str | int | None = None,
         shm_zero_copy: bool | None = None,
@@ -120,6 +127,9 @@ class CommSettings:
                 gpu_buffer_bytes, "SMP_COMM_GPU_BUFFER_BYTES", cls.gpu_buffer_bytes
             ),
             inline_bytes=size(inline_bytes, "SMP_COMM_INLINE_BYTES", cls.inline_bytes),
+            small_message_bytes=size(
+                small_message_bytes, "SMP_COMM_SMALL_MESSAGE_BYTES", cls.small_message_bytes
+            ),
             disable=frozenset(names),
             node_id=node,
             shm_zero_copy=bool(shm_zero_copy),
