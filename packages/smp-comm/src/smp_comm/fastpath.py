@@ -85,12 +85,11 @@ def encode(obj: Any, limit: int) -> tuple[Any, ...] | None:
     tp = type(obj)
     if tp is _TENSOR:
         code = _T_CODE.get(obj.dtype)
-        nbytes = obj.nbytes
+        if code is None or obj.layout is not _STRIDED or not obj.is_cpu:
+            return None
+        nbytes = obj.nbytes  # (sparse tensors raise here: hence the layout test first)
         if (
-            code is None
-            or nbytes > limit
-            or not obj.is_cpu
-            or obj.layout is not _STRIDED
+            nbytes > limit
             or obj.is_neg()
             or (code >= _T_COMPLEX and obj.is_conj())  # only complex tensors have the bit
             or obj.dim() > _MAX_NDIM

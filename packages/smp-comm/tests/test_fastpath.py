@@ -1,0 +1,123 @@
+"""The small-message fast path: frame encoding in-process, and real MPI traffic."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from smp_comm import fastpath
+from smp_comm.settings import CommSettings
+
+LIMIT = 4096
+
+
+def roundtrip(obj):
+    parts = fastpath.encode(obj, LIMIT)
+    assert parts is not None, f"{type(obj)} should take the fast path"
+    buf = bytearray(fastpath.frame(parts, 41))
+    assert fastpath.frame_seq(buf) == 41
+    got, nbytes = fastpath.decode(buf, rank=0)
+    assert nbytes == fastpath.payload_bytes(parts)
+    return got
+
+
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape
+    assert a.requires_grad == b.requires_grad
+    x, y = a.detach().contiguous(), b.detach().contiguous()
+    assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(256),
+        lambda: torch.randn(4, 8, 2),
+        lambda: torch.randn(5, 7).to(torch.bfloat16).requires_grad_(),
+        lambda: torch.randn(3, 3).requires_grad_(),
+        lambda: torch.randn(6, 4).t(),  # non-contiguous: sent contiguous
+        lambda: torch.randn(10)[1::3],
+        lambda: torch.empty(0, 3),
+        lambda: torch.tensor(3.25),  # 0-d
+        lambda: torch.randint(-(2**40), 2**40, (11,)),
+        lambda: torch.rand(9) > 0.5,
+        lambda: torch.randn(4, dtype=torch.complex128),
+        lambda: torch.randn(4).half(),
+        lambda: torch.randint(0, 255, (2, 2, 2, 2, 2), dtype=torch.uint8),
+    ],
+)
+def test_tensor_frames_roundtrip(make) -> None:
+    t = make()
+    got = roundtrip(t)
+    same_tensor(got, t)
+    assert got.is_contiguous()
+    if got.numel() and not got.requires_grad:  # writable memory of its own
+        flat = got.reshape(-1)
+        flat[0] = flat[-1]
+
+
+@pytest.mark.parametrize(
+    "arr",
+    [
+        np.arange(12, dtype=np.int64).reshape(3, 4),
+        np.random.default_rng(0).standard_normal(100).astype(np.float32),
+        np.zeros((0, 4), dtype=np.float16),
+        np.array(7, dtype=np.uint32),
+        np.arange(20, dtype=np.uint16)[::3],  # non-contiguous
+        np.array([True, False]),
+        np.ones(3, dtype=np.complex64),
+    ],
+)
+def test_array_frames_roundtrip(arr: np.ndarray) -> None:
+    got = roundtrip(arr)
+    assert type(got) is np.ndarray and got.dtype == arr.dtype and got.shape == arr.shape
+    assert got.tobytes() == np.ascontiguousarray(arr).tobytes()
+    assert got.flags.writeable
+
+
+def test_what_does_not_qualify() -> None:
+    assert fastpath.encode(torch.randn(LIMIT // 4 + 1), LIMIT) is None  # too big
+    assert fastpath.encode(torch.randn(LIMIT // 4), LIMIT) is not None  # exactly the limit
+    assert fastpath.encode(torch.nn.Parameter(torch.randn(3)), LIMIT) is None  # subclass
+    assert fastpath.encode(torch.randn(4, dtype=torch.complex64).conj(), LIMIT) is None
+    assert fastpath.encode(torch.randn(4).to_sparse(), LIMIT) is None
+    assert (
+        fastpath.encode(torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8), LIMIT)
+        is None
+    )
+    assert fastpath.encode(np.arange(4, dtype=">i4"), LIMIT) is None  # non-native byte order
+    assert fastpath.encode(np.array(["x", 1], dtype=object), LIMIT) is None
+    assert fastpath.encode([torch.randn(2)], LIMIT) is None  # structures take the general path
+    assert fastpath.encode({"a": 1}, LIMIT) is None
+
+
+def test_negative_bit_tensor_is_not_sent_raw() -> None:
+    z = torch.randn(3, dtype=torch.complex64)
+    imag = z.conj().imag  # a real tensor carrying the lazy negation bit
+    if imag.is_neg():
+        assert fastpath.encode(imag, LIMIT) is None
+
+
+def test_bytes_are_copied_at_encode() -> None:
+    t = torch.zeros(4)
+    parts = fastpath.encode(t, LIMIT)
+    t.fill_(5.0)  # the caller may reuse the tensor once isend returns
+    got, _ = fastpath.decode(bytearray(fastpath.frame(parts, 0)), rank=0)
+    assert torch.equal(got, torch.zeros(4))
+
+
+def test_small_message_setting(monkeypatch) -> None:
+    assert CommSettings.resolve(0).small_message_bytes == 4096
+    monkeypatch.setenv("SMP_COMM_SMALL_MESSAGE_BYTES", "8K")
+    assert CommSettings.resolve(0).small_message_bytes == 8192
+    assert CommSettings.resolve(0, small_message_bytes=0).small_message_bytes == 0
+    monkeypatch.setenv("SMP_COMM_SMALL_MESSAGE_BYTES", "lots")
+    with pytest.raises(ValueError, match="SMP_COMM_SMALL_MESSAGE_BYTES"):
+        CommSettings.resolve(0)
+
+
+def test_fast_path_traffic(mpi_script) -> None:
+    """Mixed fast/general traffic from several threads, ANY_SOURCE, first-posted-wins,
+    timeouts naming the peer, stats, ranks with the fast path off."""
+    out = mpi_script("fast_traffic.py", n=3, timeout=180)
+    assert out.count("OK fast_traffic") == 3, out
