@@ -177,7 +177,9 @@ def _slide(
             ends[left] = starts[right] = best_pos
 
 
-def refine(tree: NodeTree, own: Sequence[int], device: list[int], num_devices: int) -> list[int]:
+def refine(
+    tree: NodeTree, own: Sequence[int], device: list[int], num_devices: int, slack: float = 0.0
+) -> list[int]:
     """Move single nodes next to their tree neighbours without creating a new peak load.
 
     A node adjacent to cut tree edges moves to the device most of its neighbours (parent
@@ -190,6 +192,8 @@ def refine(tree: NodeTree, own: Sequence[int], device: list[int], num_devices: i
     load = [0] * num_devices
     for n, d in enumerate(device):
         load[d] += own[n]
+    # With slack, a move may raise the target up to this (else only to the source's old load).
+    slack_limit = int(max(load) * (1.0 + slack)) if slack > 0 else 0
     parent = tree.parent
     children = tree.children
     touched: set[int] = set()
@@ -214,7 +218,8 @@ def refine(tree: NodeTree, own: Sequence[int], device: list[int], num_devices: i
                 if v > score:
                     best, score = d, v
             cost = own[n]
-            if best != cur and score > mine and (cost == 0 or load[best] + cost <= load[cur]):
+            fits = load[best] + cost <= max(load[cur], slack_limit)
+            if best != cur and score > mine and (cost == 0 or fits):
                 load[cur] -= cost
                 load[best] += cost
                 device[n] = best

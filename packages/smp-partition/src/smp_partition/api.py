@@ -17,7 +17,9 @@ METHODS = ("default", "paper")
 MAX_DEVICES = 1 << 20
 
 
-def _check_args(graph: object, num_devices: object, alpha: object, method: object) -> None:
+def _check_args(
+    graph: object, num_devices: object, alpha: object, method: object, balance_slack: object = 0.0
+) -> None:
     if not isinstance(graph, ModuleGraph):
         raise PartitionError(f"graph must be a ModuleGraph, got {type(graph).__name__}")
     if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
@@ -34,6 +36,12 @@ def _check_args(graph: object, num_devices: object, alpha: object, method: objec
         raise PartitionError(f"alpha must be a number in [0, 1], got {alpha!r}")
     if method not in METHODS:
         raise PartitionError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
+    if (
+        isinstance(balance_slack, bool)
+        or not isinstance(balance_slack, (int, float))
+        or not 0.0 <= balance_slack <= 1.0
+    ):
+        raise PartitionError(f"balance_slack must be a number in [0, 1], got {balance_slack!r}")
 
 
 def _node_edges(graph: ModuleGraph, tree: NodeTree) -> list[tuple[int, int]]:
@@ -50,7 +58,11 @@ def _loads(node_cost: Sequence[float], node_device: Sequence[int], devices: int)
 
 
 def partition(
-    graph: ModuleGraph, num_devices: int, alpha: float = 1.0, method: str = "default"
+    graph: ModuleGraph,
+    num_devices: int,
+    alpha: float = 1.0,
+    method: str = "default",
+    balance_slack: float = 0.0,
 ) -> PartitionResult:
     """Assign every module of ``graph`` to one of ``num_devices`` pipeline devices.
 
@@ -58,14 +70,22 @@ def partition(
     runs the paper's Algorithms 1–3; ``"default"`` also tries an optimal contiguous split of
     the execution order and a local clean-up of cut edges, and returns the candidate with
     the smallest maximum load, then the fewest idle devices, then the fewest cut edges, so
-    it is never worse than ``"paper"`` on maximum load.
+    it is never worse than ``"paper"`` on maximum load (with ``balance_slack=0``).
+
+    ``balance_slack`` (default method only): max loads within ``(1 + balance_slack)`` of the
+    smallest one count as equal, so fewer idle devices and fewer cut edges (each one a
+    request round trip per microbatch in a pipeline) decide among them; the clean-up may
+    also move a node across a cut edge when the max load grows by at most that factor. (So
+    with slack, the max load may exceed ``"paper"``'s by at most that factor.)
     """
-    _check_args(graph, num_devices, alpha, method)
+    _check_args(graph, num_devices, alpha, method, balance_slack)
     with gc_paused():
-        return _partition(graph, num_devices, float(alpha), method)
+        return _partition(graph, num_devices, float(alpha), method, float(balance_slack))
 
 
-def _partition(graph: ModuleGraph, num_devices: int, alpha: float, method: str) -> PartitionResult:
+def _partition(
+    graph: ModuleGraph, num_devices: int, alpha: float, method: str, slack: float = 0.0
+) -> PartitionResult:
     tree = build_tree(graph)
     costs = compute_costs(graph, tree, alpha)
     own, sub = costs.node_own, costs.node_subtree
@@ -78,22 +98,26 @@ def _partition(graph: ModuleGraph, num_devices: int, alpha: float, method: str) 
         for shallow in (False, True):
             chain = chain_assign(tree, own, num_devices, shallow)
             candidates += [chain, refine(tree, own, chain, num_devices)]
+        if slack > 0:
+            candidates += [refine(tree, own, c, num_devices, slack) for c in list(candidates)]
 
     node_cost = [0.0] * len(tree)
     for m, n in enumerate(module_node):
         node_cost[n] += costs.module_cost[m]
     edges = _node_edges(graph, tree)
-    # Smallest max load first (it bounds pipeline throughput and per-device memory), then
-    # fewest idle devices (when the max is set by one big node, the others should still
-    # share the rest), then fewest cut edges (request rounds).
-    best: tuple[float, int, int] | None = None
-    chosen: list[int] = paper
+    scored = []
     for node_device in candidates:
         loads = _loads(node_cost, node_device, num_devices)
         cuts = sum(1 for a, b in edges if node_device[a] != node_device[b])
-        key = (max(loads), loads.count(0.0), cuts)
-        if best is None or key < best:
-            best, chosen = key, node_device
+        scored.append((max(loads), loads.count(0.0), cuts, node_device))
+    # Smallest max load first (it bounds pipeline throughput and per-device memory), then
+    # fewest idle devices (when the max is set by one big node, the others should still
+    # share the rest), then fewest cut edges (request rounds). With slack, max loads within
+    # it of the best count as equal.
+    best_max = min(m for m, _, _, _ in scored)
+    limit = best_max * (1.0 + slack)
+    eligible = [c for c in scored if c[0] <= limit]
+    chosen = min(eligible, key=lambda c: (c[1], c[2], c[0]) if slack > 0 else c[:3])[3]
     loads = _loads(node_cost, chosen, num_devices)
     module_device = [chosen[n] for n in module_node]
 

@@ -44,8 +44,7 @@ from smp_pipeline.schedule import Scheduler
 from smp_pipeline.state import execution_state
 from smp_pipeline.worker import DEVICE, Task, Worker, current_worker
 
-# Idle main loop: spin this long for a message, then test for one every tick.
-_SPIN_S = 2e-4
+# Idle main loop while device work is under way: test for a message every tick.
 _TICK_S = 5e-4
 
 # (pp rank, microbatch, module, phase, start, end): one EXECUTING span of a task.
@@ -161,15 +160,14 @@ class ExecutionServer:
     def _wait_message(self) -> dict[str, Any] | None:
         """Idle: wait for a message, or for device work to end (whichever comes first).
 
-        A short spin first (the communicator's waiter drives its progress), so a quick reply
-        costs no sleep; then ticks of 0.5 ms, each testing the receive, waking at once when
-        device work ends. No thread spins for long: with
-        more ranks than cores, a spinning rank takes the CPU from the rank that would answer.
+        Without device work under way, one blocking receive of up to 50 ms: the
+        communicator's waiter drives progress for a short spin, then sleeps while its tracker
+        thread polls (no thread here wakes every tick: with more ranks than cores, an idle
+        rank's polling takes CPU from the rank that would answer). With device work under
+        way, ticks of 0.5 ms test the receive and wake at once when the device work ends.
         """
         if not self._device_active:
-            msg = self._next_message(_SPIN_S)
-            if msg is not None:
-                return msg
+            return self._next_message(0.05)
         deadline = time.monotonic() + 0.05
         while time.monotonic() < deadline:
             msg = self._next_message(0)

@@ -51,6 +51,7 @@ def _marks(module: nn.Module, default: int) -> dict[str, int]:
 def static_assignment(module: nn.Module, pp: int, alpha: float) -> tuple[dict[str, int], Any]:
     """Partition from parameter counts only (definition order, no times): no forward needed."""
     from smp_partition import ModuleGraph, partition
+    from smp_pipeline.assignment import BALANCE_SLACK
 
     first_name = {id(p): n for n, p in module.named_parameters()}
     paths = {id(m): n for n, m in module.named_modules()}
@@ -72,7 +73,7 @@ def static_assignment(module: nn.Module, pp: int, alpha: float) -> tuple[dict[st
             }
         )
     graph = ModuleGraph.from_dict({"schema": "smp-partition/module-graph@1", "modules": modules})
-    result = partition(graph, num_devices=pp, alpha=alpha)
+    result = partition(graph, num_devices=pp, alpha=alpha, balance_slack=BALANCE_SLACK)
     return {str(k): int(v) for k, v in result.assignment.items()}, (graph, result)
 
 
@@ -261,10 +262,14 @@ class PipelineBinding:
         if s.rank == 0:
             if error is None:
                 from smp_partition import ModuleGraph, partition
+                from smp_pipeline.assignment import BALANCE_SLACK
 
                 try:
                     mgraph = ModuleGraph.from_dict(graph or {"modules": []})
-                    result = partition(mgraph, num_devices=cfg.pp, alpha=cfg.memory_weight)
+                    result = partition(
+                        mgraph, num_devices=cfg.pp, alpha=cfg.memory_weight,
+                        balance_slack=BALANCE_SLACK,
+                    )
                     self.partition_report = (mgraph, result)
                     found = {str(k): int(v) for k, v in result.assignment.items()}
                     payload = {"assignment": found}
