@@ -302,7 +302,7 @@ class Communicator:
             # Posted under the lock that numbered it: frames to one rank leave in sequence
             # order, and close() cannot number its BYE in between.
             buf = fastpath.frame(parts, seq)
-            req = self._fc.Isend([buf, MPI.BYTE], dest=dest, tag=tag)
+            req = self._fc.Isend(buf, dest, tag)  # (a bytes object: no datatype to parse)
             handle = SendHandle(dest, tag, self.rank, self._wait)
             counts = self._fast_count
             counts[0] += 1
@@ -644,7 +644,7 @@ class Communicator:
         st = self._fstatus
         source, tag = st.Get_source(), st.Get_tag()
         buf = bytearray(st.Get_count(MPI.BYTE))
-        msg.Recv([buf, MPI.BYTE])
+        msg.Recv(buf)
         seq = fastpath.frame_seq(buf)
         if seq == self._seq_from[source] and not self._held[source]:
             self._seq_from[source] = seq + 1  # its turn already: the common case, inlined

@@ -100,18 +100,20 @@ def encode(obj: Any, limit: int) -> tuple[Any, ...] | None:
             obj = obj.contiguous()
         # One C-level copy of the element bytes (cheaper than any numpy/torch route).
         data = ctypes.string_at(obj.data_ptr(), nbytes) if nbytes else b""
-        return (_HEADS[obj.dim()][0], _KIND_TORCH, code, grad, obj.dim(), *obj.shape, data)
+        return _HEADS[obj.dim()][0], (_KIND_TORCH, code, grad, obj.dim(), *obj.shape), data
     if tp is np.ndarray:
         code = _NP_CODE.get(obj.dtype)  # non-native byte order compares unequal: no code
         if code is None or obj.nbytes > limit or obj.ndim > _MAX_NDIM:
             return None
-        return (_HEADS[obj.ndim][0], _KIND_NUMPY, code, False, obj.ndim, *obj.shape, obj.tobytes())
+        fields = (_KIND_NUMPY, code, False, obj.ndim, *obj.shape)
+        return _HEADS[obj.ndim][0], fields, obj.tobytes()
     return None
 
 
 def frame(parts: tuple[Any, ...], seq: int) -> bytes:
     """The bytes to send for :func:`encode`'s ``parts``, numbered ``seq``."""
-    return parts[0].pack(seq, *parts[1:-1]) + parts[-1]
+    head, fields, data = parts
+    return head.pack(seq, *fields) + data
 
 
 def payload_bytes(parts: tuple[Any, ...]) -> int:
@@ -121,7 +123,7 @@ def payload_bytes(parts: tuple[Any, ...]) -> int:
 
 def frame_seq(buf: bytearray) -> int:
     """The sequence number of a received frame."""
-    return int(_SEQ.unpack_from(buf)[0])
+    return _SEQ.unpack_from(buf)[0]  # type: ignore[no-any-return]
 
 
 def decode(buf: bytearray, rank: int) -> tuple[Any, int]:
