@@ -2,16 +2,22 @@
 
 Run ``python benchmarks/bench_comm.py``: it starts ``mpiexec -n 2`` on itself and prints one
 line per measurement with the ratios. 64 MiB CPU tensors ping-pong (bandwidth counts both
-directions, best of 5 batches); 1 KiB round-trip latency (median of 2000 round trips,
-for each contender alike). smp-comm uses its default path (shm on one node)
-with default settings; extra lines show the copy-out receive mode and a longer poll_spin.
+directions, best of 5 batches); 1 KiB round-trip latency (median of 2000 round trips per
+contender, taken in interleaved blocks of 100 so that every contender sees the same load
+on a shared machine). smp-comm uses its default path (shm on one node) with default
+settings; extra lines show the copy-out receive mode and the small-message fast path's
+parts: ``floor`` is the least any Python fast path can do (encode one tensor into a frame,
+``Isend``, ``Improbe`` + ``Mrecv``, rebuild the tensor; no handles, matching, ordering or
+threads), ``general`` is smp-comm with the fast path off (``small_message_bytes=0``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import socket
 import statistics
+import struct
 import sys
 import time
 
@@ -38,14 +44,21 @@ def _best_of(fn, reps: int, rounds: int) -> float:
     return min(times)
 
 
-def _median_of(fn, rounds: int) -> float:
-    """Median seconds of one call of ``fn`` (latency: robust to scheduler stalls)."""
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _interleaved_medians(world, fns: dict, blocks: int, per_block: int) -> dict[str, float]:
+    """Median seconds of one call of each of ``fns``, timed in interleaved blocks (latency:
+    medians are robust to scheduler stalls; interleaving spreads load changes evenly)."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(blocks):
+        for name, fn in fns.items():
+            for _ in range(10):
+                fn()  # warm-up after switching contender
+            world.Barrier()
+            out = times[name]
+            for _ in range(per_block):
+                t0 = time.perf_counter()
+                fn()
+                out.append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def worker() -> None:
@@ -60,7 +73,8 @@ def worker() -> None:
     rank, peer = world.rank, 1 - world.rank
     comm = Communicator(world)
     copy_comm = Communicator(world, shm_zero_copy=False)  # receiver copies out of shm
-    spin_comm = Communicator(world, buffer_bytes="1M", poll_spin=0.05)  # waiters poll longer
+    general_comm = Communicator(world, buffer_bytes="1M", small_message_bytes=0)
+    floor_comm = world.Dup()
     big_t = torch.randn(BIG // 4)
     small_t = torch.randn(SMALL // 4)
     big_np = big_t.numpy()
@@ -84,6 +98,28 @@ def worker() -> None:
             c.irecv(source=peer, tag=1).wait(60)
             c.isend(t, dest=peer, tag=1).wait(60)
 
+    head = struct.Struct("<qBBBBq")  # a fast-path frame header for a 1-d tensor
+    st = MPI.Status()
+
+    def floor_send(t: torch.Tensor) -> None:
+        data = ctypes.string_at(t.data_ptr(), t.nbytes)
+        floor_comm.Isend(head.pack(0, 1, 8, 0, 1, t.numel()) + data, peer, 1).Wait()
+
+    def floor_recv() -> torch.Tensor:
+        while (msg := floor_comm.Improbe(peer, 1, st)) is None:
+            pass
+        buf = bytearray(st.Get_count(MPI.BYTE))
+        msg.Recv(buf)
+        return torch.frombuffer(buf, dtype=torch.float32, offset=head.size)
+
+    def floor_pingpong(t: torch.Tensor) -> None:
+        if rank == 0:
+            floor_send(t)
+            floor_recv()
+        else:
+            floor_recv()
+            floor_send(t)
+
     def gloo_pingpong(t: torch.Tensor, out: torch.Tensor) -> None:
         if rank == 0:
             dist.send(t, dst=peer)
@@ -102,30 +138,35 @@ def worker() -> None:
         ("smp_bw", lambda: smp_pingpong(big_t), 4),
         ("copy_bw", lambda: smp_pingpong(big_t, copy_comm), 4),
         ("gloo_bw", lambda: gloo_pingpong(big_t, out_big), 4),
-        ("mpi_lat", lambda: mpi_pingpong(small_np, recv_small), 2000),
-        ("smp_lat", lambda: smp_pingpong(small_t), 2000),
-        ("spin_lat", lambda: smp_pingpong(small_t, spin_comm), 2000),
-        ("gloo_lat", lambda: gloo_pingpong(small_t, out_small), 2000),
     ):
-        for _ in range(3 if name.endswith("_bw") else 100):
+        for _ in range(3):
             fn()  # warm-up
         world.Barrier()
-        if name.endswith("_bw"):
-            results[name] = _best_of(fn, reps=5, rounds=rounds)
-        else:
-            results[name] = _median_of(fn, rounds=rounds)
+        results[name] = _best_of(fn, reps=5, rounds=rounds)
         world.Barrier()
-    stats = comm.stats()
+    big_stats = comm.stats()
+    latency = {
+        "mpi": lambda: mpi_pingpong(small_np, recv_small),
+        "floor": lambda: floor_pingpong(small_t),
+        "smp": lambda: smp_pingpong(small_t),
+        "general": lambda: smp_pingpong(small_t, general_comm),
+        "gloo": lambda: gloo_pingpong(small_t, out_small),
+    }
+    for k, v in _interleaved_medians(world, latency, blocks=20, per_block=100).items():
+        results[f"{k}_lat"] = v
+    world.Barrier()
+    fast = comm.stats()["mpi"]["fast_sent"]
     copy_shm = copy_comm.stats()["shm"]["messages_sent"]
     comm.close()
     copy_comm.close()
-    spin_comm.close()
+    general_comm.close()
+    floor_comm.Free()
     dist.destroy_process_group()
     if rank == 0:
         gbs = {k: 2 * BIG / results[f"{k}_bw"] / 1e9 for k in ("mpi", "smp", "copy", "gloo")}
-        us = {k: results[f"{k}_lat"] * 1e6 for k in ("mpi", "smp", "spin", "gloo")}
+        us = {k: results[f"{k}_lat"] * 1e6 for k in latency}
         print(
-            f"comm bandwidth 64MiB (shm path, {stats['shm']['messages_sent']} shm msgs): "
+            f"comm bandwidth 64MiB (shm path, {big_stats['shm']['messages_sent']} shm msgs): "
             f"smp_comm {gbs['smp']:.2f} GB/s | mpi4py {gbs['mpi']:.2f} GB/s | gloo {gbs['gloo']:.2f} GB/s"
             f" | smp/mpi {gbs['smp'] / gbs['mpi']:.2f}x (target >=1.0) | smp/gloo {gbs['smp'] / gbs['gloo']:.2f}x (target >=1.5)"
         )
@@ -135,13 +176,15 @@ def worker() -> None:
             f" | smp/gloo {gbs['copy'] / gbs['gloo']:.2f}x"
         )
         print(
-            f"comm latency 1KiB round trip (median): smp_comm {us['smp']:.1f} us | mpi4py {us['mpi']:.1f} us"
-            f" | gloo {us['gloo']:.1f} us | smp/mpi {us['smp'] / us['mpi']:.2f}x (target <=3)"
-            f" | smp/gloo {us['smp'] / us['gloo']:.2f}x"
+            f"comm latency 1KiB round trip (median, fast path, {fast} fast msgs sent): "
+            f"smp_comm {us['smp']:.1f} us | mpi4py {us['mpi']:.1f} us | gloo {us['gloo']:.1f} us"
+            f" | smp/mpi {us['smp'] / us['mpi']:.2f}x (target <=3) | smp/gloo {us['smp'] / us['gloo']:.2f}x"
         )
         print(
-            f"comm latency 1KiB round trip, poll_spin=0.05: smp_comm {us['spin']:.1f} us"
-            f" | smp/mpi {us['spin'] / us['mpi']:.2f}x | smp/gloo {us['spin'] / us['gloo']:.2f}x"
+            f"comm latency 1KiB round trip, parts: python floor {us['floor']:.1f} us"
+            f" (floor/mpi {us['floor'] / us['mpi']:.2f}x, smp/floor {us['smp'] / us['floor']:.2f}x)"
+            f" | fast path off (small_message_bytes=0) {us['general']:.1f} us"
+            f" (general/mpi {us['general'] / us['mpi']:.2f}x)"
         )
 
 

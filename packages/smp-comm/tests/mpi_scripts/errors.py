@@ -41,6 +41,8 @@ def main() -> None:
 
     # Bad arguments fail at the call, naming the rank or tag.
     expect(ValueError, lambda: comm.isend(1, dest=2), "dest=2")
+    expect(ValueError, lambda: comm.isend(np.ones(2), dest=2), "dest=2")  # fast path
+    expect(ValueError, lambda: comm.isend(np.ones(2), dest=peer, tag=-3), "tag")
     expect(ValueError, lambda: comm.irecv(source=5), "source=5")
     expect(ValueError, lambda: comm.isend(1, dest=peer, tag=-3), "tag")
     expect(CommError, lambda: comm.isend(lambda: 0, dest=peer, tag=1), f"rank {peer}", "tag 1")
@@ -80,12 +82,14 @@ def main() -> None:
         err = expect(PeerClosedError, lambda: pending.wait(timeout=30), "rank 1")
         assert err.peer == 1
         expect(PeerClosedError, lambda: comm.isend(1, dest=1).wait(5), "rank 1")
+        expect(PeerClosedError, lambda: comm.isend(np.ones(2), dest=1).wait(5), "rank 1", "tag 0")
         expect(PeerClosedError, lambda: comm.irecv(source=1).wait(5), "rank 1")
         expect(CommError, lambda: comm.irecv(ANY_SOURCE).wait(5), "closed")
         comm.close()
     comm.close()  # idempotent
     assert comm.closed
     expect(CommClosedError, lambda: comm.isend(1, dest=peer), "closed")
+    expect(CommClosedError, lambda: comm.isend(np.ones(2), dest=peer), "closed")
     expect(CommClosedError, lambda: comm.irecv(), "closed")
     assert not own_shm_files()
     sub.Free()
