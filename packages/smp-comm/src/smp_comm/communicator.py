@@ -797,8 +797,9 @@ class Communicator:
                 self._unexpected.append(inc)
                 h = None
             if error is None:
-                self._fast_count[2] += 1
-                self._fast_count[3] += nbytes
+                counts = self._fast_count
+                counts[2] += 1
+                counts[3] += nbytes
         if h is not None:  # out of the posted list: no other thread completes it
             if error is None:
                 h._complete(result=(obj, source, tag))

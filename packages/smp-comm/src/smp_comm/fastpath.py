@@ -87,11 +87,12 @@ def encode(obj: Any, limit: int) -> tuple[Any, ...] | None:
         if code is None or obj.layout is not _STRIDED or not obj.is_cpu:
             return None
         nbytes = obj.nbytes  # (sparse tensors raise here: hence the layout test first)
+        ndim = obj.dim()
         if (
             nbytes > limit
+            or ndim > _MAX_NDIM
             or obj.is_neg()
             or (code >= _T_COMPLEX and obj.is_conj())  # only complex tensors have the bit
-            or obj.dim() > _MAX_NDIM
         ):
             return None
         grad = obj.requires_grad
@@ -99,7 +100,7 @@ def encode(obj: Any, limit: int) -> tuple[Any, ...] | None:
             obj = obj.contiguous()
         # One C-level copy of the element bytes (cheaper than any numpy/torch route).
         data = ctypes.string_at(obj.data_ptr(), nbytes) if nbytes else b""
-        return _HEADS[obj.dim()][0], (_KIND_TORCH, code, grad, obj.dim(), *obj.shape), data
+        return _HEADS[ndim][0], (_KIND_TORCH, code, grad, ndim, *obj.shape), data
     if tp is np.ndarray:
         code = _NP_CODE.get(obj.dtype)  # non-native byte order compares unequal: no code
         if code is None or obj.nbytes > limit or obj.ndim > _MAX_NDIM:
