@@ -706,7 +706,11 @@ class Communicator:
                     # completes our handle if our message is there).
                     continue
                 try:
-                    if self._spin_fast(handle) or self._poll_once():
+                    if self._spin_fast(handle):
+                        if handle._done:
+                            break  # (straight back: the common case, latency-critical)
+                        spin_until = time.monotonic() + self.settings.poll_spin
+                    elif self._poll_once():
                         spin_until = time.monotonic() + self.settings.poll_spin
                 except Exception as exc:
                     raise self._fail_all(exc) from exc
