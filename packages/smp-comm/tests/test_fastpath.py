@@ -123,3 +123,23 @@ def test_fast_path_traffic(mpi_script) -> None:
     timeouts naming the peer, stats, ranks with the fast path off."""
     out = mpi_script("fast_traffic.py", n=3, timeout=180)
     assert out.count("OK fast_traffic") == 3, out
+
+
+def test_fast_path_self_send_and_order_with_general_path() -> None:
+    """In one process: lone tensors take the fast path, and a fast message sent after a
+    general one with the same tag is received after it."""
+    from mpi4py import MPI
+    from smp_comm import Communicator
+
+    with Communicator(MPI.COMM_SELF) as comm:
+        big = torch.randn(LIMIT)  # 4 * LIMIT bytes: general path
+        small = torch.arange(6, dtype=torch.int16).reshape(2, 3)
+        h1 = comm.isend(big, dest=0, tag=3)
+        h2 = comm.isend(small, dest=0, tag=3)
+        first, _, _ = comm.irecv(0, 3).wait(timeout=30)
+        second, src, tag = comm.irecv(0, 3).wait(timeout=30)
+        h1.wait(timeout=30)
+        h2.wait(timeout=30)
+        assert torch.equal(first, big) and torch.equal(second, small) and (src, tag) == (0, 3)
+        stats = comm.stats()["mpi"]
+        assert stats["fast_sent"] == 1 and stats["fast_received"] == 1, stats
