@@ -9,7 +9,8 @@ commonest small message — one CPU tensor or numpy array of at most ``small_mes
     | zero padding to a multiple of 16 bytes | the raw element bytes
 
 sent with one ``Isend`` on a communicator of its own, with the user's tag as the MPI tag,
-from the calling thread (an eager send: it has left this rank when ``isend`` returns). The
+from the calling thread (small frames go out eagerly: the send is usually complete when
+``isend`` returns; otherwise the tracker completes it). The
 receiver takes it with a matched probe (``Improbe`` + ``Mrecv``: whoever probes a message
 owns it, so the tracker and any waiting thread may all look) into a ``bytearray`` that
 becomes the storage of the received tensor (no copy). ``seq`` is the same per-destination
