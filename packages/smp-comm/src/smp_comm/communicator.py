@@ -273,6 +273,11 @@ class Communicator:
             inline = [bytes(s) for s in packed.sources]
             self._post_header(op, (seq, tag, "mpi", -1, packed.skeleton, packed.stubs, inline), [])
             return handle
+        if not any(gpu) and packed.nbytes <= self.settings.caller_copy_bytes:
+            # Moderate CPU payload: route, and copy into shared memory, here; two thread
+            # hand-offs (router, copier) cost more than copying up to a MiB.
+            self._route(op, inline=True)
+            return handle
         if any(gpu):
             # The payload may still be being computed on the caller's stream: record an
             # event there so the copying threads wait for it (and not for later work).
@@ -538,7 +543,8 @@ class Communicator:
                 with self._working_lock:
                     self._working[i] -= 1
 
-    def _route(self, op: _Send) -> None:
+    def _route(self, op: _Send, inline: bool = False) -> None:
+        """Choose the path (router thread; or the sending thread itself when ``inline``)."""
         packed = op.packed
         assert packed is not None
         gpu = packed.on_gpu()
@@ -547,15 +553,21 @@ class Communicator:
             region = self._paths.reserve(path, op.dest, packed.region_bytes)
             if region is not None:
                 op.path, op.region = path, region
-                self._enqueue(1, self._direct_q, op)
+                if inline and path == "shm":
+                    self._direct_send(op, inline=True)
+                else:  # one copier thread per window: MPI passive-target RMA from several
+                    self._enqueue(1, self._direct_q, op)  # threads at once is not safe
                 return
         if candidates:
             with self._stats_lock:
                 self._fallbacks += 1
         op.path = "mpi"
-        self._enqueue(2, self._requester_q, op)
+        if inline:
+            self._mpi_send(op)
+        else:
+            self._enqueue(2, self._requester_q, op)
 
-    def _direct_send(self, op: _Send) -> None:
+    def _direct_send(self, op: _Send, inline: bool = False) -> None:
         assert op.packed is not None
         if op.cuda_event is not None:
             op.cuda_event.synchronize()
@@ -566,7 +578,10 @@ class Communicator:
             op.path, op.region = "mpi", -1
             with self._stats_lock:
                 self._fallbacks += 1
-            self._enqueue(2, self._requester_q, op)
+            if inline:
+                self._mpi_send(op)
+            else:
+                self._enqueue(2, self._requester_q, op)
             return
         p = op.packed
         header = (op.msg_id, op.tag, op.path, op.region, p.skeleton, p.stubs, None)
@@ -843,8 +858,12 @@ class Communicator:
                     if s.nbytes
                 ]
             self._track(reqs, lambda: self._to_postproc(inc))
-        elif inc.path == "mpi":
-            self._finish(inc)  # inline payload: cheap, no thread hand-off
+        elif inc.path == "mpi" or (
+            inc.path == "shm" and sum(st.nbytes for st in inc.stubs) <= self.settings.caller_copy_bytes
+        ):
+            # An inline payload, or a moderate one in shared memory: rebuild it on this
+            # (probing) thread; a hand-off to the post-processing thread costs more.
+            self._finish(inc)
         else:
             self._to_postproc(inc)
 

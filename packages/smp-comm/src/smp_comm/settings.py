@@ -14,6 +14,12 @@ setting (kwarg)                environment variable                default
                                                                    the fast path (see
                                                                    :mod:`smp_comm.fastpath`);
                                                                    0 turns it off
+``caller_copy_bytes``          ``SMP_COMM_CALLER_COPY_BYTES``      1 MiB: CPU payloads up to this
+                                                                   size are routed and copied on
+                                                                   the sending thread, and
+                                                                   rebuilt on the thread that
+                                                                   probes them (no hand-off to
+                                                                   the router/copy/post threads)
 ``disable``                    ``SMP_COMM_DISABLE``                none; e.g. ``"shm,rma"``
 ``node_id``                    ``SMP_COMM_NODE_ID``                real node (shared-memory
                                                                    domain); ``"{rank}"`` is
@@ -70,6 +76,7 @@ class CommSettings:
     gpu_buffer_bytes: int = 256 << 20
     inline_bytes: int = 16 << 10
     small_message_bytes: int = 4 << 10
+    caller_copy_bytes: int = 1 << 20
     disable: frozenset[str] = field(default_factory=frozenset)
     node_id: str | None = None
     shm_zero_copy: bool = True
@@ -84,6 +91,7 @@ class CommSettings:
         gpu_buffer_bytes: int | str | None = None,
         inline_bytes: int | str | None = None,
         small_message_bytes: int | str | None = None,
+        caller_copy_bytes: int | str | None = None,
         disable: str | set[str] | frozenset[str] | list[str] | tuple[str, ...] | None = None,
         node_id: str | int | None = None,
         shm_zero_copy: bool | None = None,
@@ -129,6 +137,9 @@ class CommSettings:
             inline_bytes=size(inline_bytes, "SMP_COMM_INLINE_BYTES", cls.inline_bytes),
             small_message_bytes=size(
                 small_message_bytes, "SMP_COMM_SMALL_MESSAGE_BYTES", cls.small_message_bytes
+            ),
+            caller_copy_bytes=size(
+                caller_copy_bytes, "SMP_COMM_CALLER_COPY_BYTES", cls.caller_copy_bytes
             ),
             disable=frozenset(names),
             node_id=node,
