@@ -30,8 +30,9 @@ Two modes, chosen per remote call:
   microbatch's ``backward(loss)`` returns).
 
 Gradient contributions are linear, so several partial segments over a shared upstream graph
-sum to the full gradient, provided the graph is retained (``retain_graph=True``) until the
-microbatch's backward completes; then every record of the microbatch is dropped, freeing the
+sum to the full gradient, provided the graph is retained (``retain_graph=True``, only in
+contexts that made a segment-mode call or answer one: joined runs free the graph as they go)
+until the microbatch's backward completes; then every record of the microbatch is dropped, freeing the
 graph. A boundary may fire more than once (two segments reaching it through different paths);
 each firing is its own request, and each response carries only the gradient accumulated since
 the previous response (input leaves' ``.grad`` is reset after being sent). The price: local
@@ -58,6 +59,9 @@ class Context:
         self.step = step
         self.mb = mb
         self.pending = 0  # nested backward requests sent and not yet answered
+        # A remote call made in this context uses segment mode: backward may run through this
+        # context's graph more than once, so it must be retained (joined mode frees it).
+        self.segment_calls = False
 
 
 class RootContext(Context):

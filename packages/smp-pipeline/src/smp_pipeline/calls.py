@@ -96,6 +96,8 @@ def call_remote(
         call.joined = self.backward_mode == "joined" or (
             self.backward_mode == "auto" and all(outs[i].device.type == "cpu" for i in idx)
         )
+        if not call.joined:
+            ctx.segment_calls = True
         attached = attach_boundary(call, [outs[i] for i in idx])
         for i, t in zip(idx, attached):
             outs[i] = t
@@ -155,6 +157,7 @@ def backward_through(
             "path": call.path,
             "step": call.step,
             "mb": call.mb,
+            "joined": True,  # answered once: the owner may free its graph as it runs
             "grads": pack(grads, False),
         },
     )
@@ -193,15 +196,21 @@ def send_backward_request(self: ExecutionServer, call: OutgoingCall, grads: list
         },
     )
 
-def segment(self: ExecutionServer, tensors: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-    """One backward segment (never blocks: remote boundaries only send)."""
+def segment(
+    self: ExecutionServer, tensors: list[torch.Tensor], grads: list[torch.Tensor], retain: bool = True
+) -> None:
+    """One engine run of backward (a segment; in joined mode the context's only one).
+
+    ``retain=False`` frees the graph as the engine goes (joined mode, no segment-mode call
+    in the context: nothing will run through it again).
+    """
     if not tensors:
         return
     task = self.current
     assert task is not None
     task.in_segment = True
     try:
-        torch.autograd.backward(tensors, grads, retain_graph=True)
+        torch.autograd.backward(tensors, grads, retain_graph=retain)
     finally:
         task.in_segment = False
 
@@ -211,7 +220,8 @@ def run_callee_segment(self: ExecutionServer, task: Task) -> None:
     assert isinstance(rec, IncomingCall)
     grads = unflatten(msg["grads"]["skeleton"], msg["grads"]["tensors"])
     pairs = [(o, g) for o, g in zip(rec.outputs, grads) if g is not None]
-    self.segment([o for o, _ in pairs], [g for _, g in pairs])
+    retain = rec.segment_calls or not msg.get("joined", False)
+    self.segment([o for o, _ in pairs], [g for _, g in pairs], retain)
     self.maybe_complete(rec)
 
 def run_caller_segment(self: ExecutionServer, task: Task) -> None:

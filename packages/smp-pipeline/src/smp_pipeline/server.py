@@ -593,7 +593,7 @@ class ExecutionServer:
             assert self.scheduler is not None
             self.scheduler.ready_for_backward(root.mb)
             task.worker.wait(("admit", root.step, root.mb))
-        self.segment(tensors, grads)
+        self.segment(tensors, grads, retain=root.segment_calls)
         if root.pending:
             task.worker.wait(("bwd_done", root.step, root.mb))
 
