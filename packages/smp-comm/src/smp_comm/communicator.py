@@ -689,7 +689,7 @@ class Communicator:
                 self._wake.clear()
                 sleep = 0.0
 
-    def _wait(self, handle: Handle, timeout: float | None) -> bool:
+    def _wait(self, handle: Handle, timeout: float | None, spin: float | None = None) -> bool:
         """Block until ``handle`` completes or ``timeout`` passes; True if it completed.
 
         For up to ``poll_spin`` seconds after the last event the waiting thread drives MPI
@@ -702,7 +702,8 @@ class Communicator:
             return True
         now = time.monotonic()
         deadline = None if timeout is None else now + timeout
-        spin_until = now + self.settings.poll_spin
+        spin_s = self.settings.poll_spin if spin is None else min(spin, self.settings.poll_spin)
+        spin_until = now + spin_s
         self._spinners.append(None)
         try:
             while not handle._done:
@@ -724,9 +725,9 @@ class Communicator:
                     if self._spin_fast(handle):
                         if handle._done:
                             break  # (straight back: the common case, latency-critical)
-                        spin_until = time.monotonic() + self.settings.poll_spin
+                        spin_until = time.monotonic() + spin_s
                     elif self._poll_once():
-                        spin_until = time.monotonic() + self.settings.poll_spin
+                        spin_until = time.monotonic() + spin_s
                 except Exception as exc:
                     raise self._fail_all(exc) from exc
                 finally:

@@ -11,7 +11,7 @@ from smp_comm.errors import CommTimeoutError
 __all__ = ["Handle", "RecvHandle", "SendHandle"]
 
 # (handle, timeout) -> whether the handle completed; the communicator drives progress meanwhile.
-Waiter = Callable[["Handle", "float | None"], bool]
+Waiter = Callable[["Handle", "float | None", "float | None"], bool]
 
 
 class Handle:
@@ -58,10 +58,15 @@ class Handle:
         """True when the operation has finished (successfully or not); never blocks."""
         return self._done
 
-    def wait(self, timeout: float | None = None) -> Any:
-        """Block until done; raise its error, or :class:`CommTimeoutError` after ``timeout`` s."""
+    def wait(self, timeout: float | None = None, spin: float | None = None) -> Any:
+        """Block until done; raise its error, or :class:`CommTimeoutError` after ``timeout`` s.
+
+        ``spin``: at most this many seconds of driving progress on this thread before
+        sleeping (default: the communicator's ``poll_spin``). A thread that waits for long
+        idle stretches (a server loop) spins less, leaving the CPU to the ranks at work.
+        """
         if not self._done:
-            done = self._waiter(self, timeout) if self._waiter else self._sleep(timeout)
+            done = self._waiter(self, timeout, spin) if self._waiter else self._sleep(timeout)
             if not done:
                 raise CommTimeoutError(self._timeout_text(timeout), self.peer, self.tag)
         if self._error is not None:

@@ -44,7 +44,9 @@ from smp_pipeline.schedule import Scheduler
 from smp_pipeline.state import execution_state
 from smp_pipeline.worker import DEVICE, Task, Worker, current_worker
 
-# Idle main loop while device work is under way: test for a message every tick.
+# Idle main loop: drive the communicator for at most this long before sleeping on the
+# receive; while device work is under way, test for a message every tick instead.
+_SPIN_S = 2e-4
 _TICK_S = 5e-4
 
 # (pp rank, microbatch, module, phase, start, end): one EXECUTING span of a task.
@@ -128,7 +130,7 @@ class ExecutionServer:
 
 
     # ------------------------------------------------------------------ transport
-    def _next_message(self, timeout: float) -> dict[str, Any] | None:
+    def _next_message(self, timeout: float, spin: float | None = None) -> dict[str, Any] | None:
         """The next message (waiting up to ``timeout`` seconds), or None.
 
         The main thread receives directly (no receiver thread: one thread hop less per
@@ -145,7 +147,7 @@ class ExecutionServer:
                     return None
                 obj, _, _ = handle.wait()
             else:
-                obj, _, _ = handle.wait(timeout=timeout)
+                obj, _, _ = handle.wait(timeout=timeout, spin=spin)
         except CommTimeoutError:
             return None
         except Exception as exc:  # the communicator broke: fail every rank we can reach
@@ -160,14 +162,14 @@ class ExecutionServer:
     def _wait_message(self) -> dict[str, Any] | None:
         """Idle: wait for a message, or for device work to end (whichever comes first).
 
-        Without device work under way, one blocking receive of up to 50 ms: the
-        communicator's waiter drives progress for a short spin, then sleeps while its tracker
-        thread polls (no thread here wakes every tick: with more ranks than cores, an idle
+        Without device work under way, one blocking receive of up to 50 ms: this thread drives
+        the communicator's progress for a short spin (0.2 ms, not the communicator's default),
+        then sleeps while its tracker thread polls (no thread here wakes every tick: with more ranks than cores, an idle
         rank's polling takes CPU from the rank that would answer). With device work under
         way, ticks of 0.5 ms test the receive and wake at once when the device work ends.
         """
         if not self._device_active:
-            return self._next_message(0.05)
+            return self._next_message(0.05, spin=_SPIN_S)
         deadline = time.monotonic() + 0.05
         while time.monotonic() < deadline:
             msg = self._next_message(0)
