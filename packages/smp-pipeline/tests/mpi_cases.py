@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -356,6 +357,13 @@ def suite_failures(comm):
         print(f"ERROR-OK rank {rank} after {time.monotonic() - t0:.1f}s", flush=True)
     else:
         raise AssertionError("no error raised")
+    # close() after the abort resumes workers still waiting for answers: none stays blocked.
+    rt.close()
+    deadline = time.monotonic() + 5
+    while any(t.name.startswith("smp-pipeline-worker") for t in threading.enumerate()):
+        assert time.monotonic() < deadline, [t.name for t in threading.enumerate()]
+        time.sleep(0.05)
+    print(f"CLOSE-OK rank {rank}", flush=True)
     model = Wrap(Sleepy())
     rt = PipelineRuntime(model, comm, rank, size, assignment={"inner": last}, timeout_s=1.5, tag=next_tag())
     t0 = time.monotonic()

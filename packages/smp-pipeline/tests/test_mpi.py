@@ -49,6 +49,7 @@ def test_errors_and_timeouts_reach_every_rank() -> None:
     for rank in (0, 1):
         assert f"ERROR-OK rank {rank}" in out, out
         assert f"TIMEOUT-OK rank {rank}" in out, out
+        assert f"CLOSE-OK rank {rank}" in out, out
     assert "waited more than 1.5s for the forward of module 'inner' (microbatch 0)" in out
 
 

@@ -684,6 +684,23 @@ class ExecutionServer:
             except Exception:
                 pass
             self._recv = None
+        # Workers still blocked after an aborted step (a remote call or a joined backward
+        # waiting for an answer) hold their tasks' graphs: resume them so they raise, end
+        # their task and go idle, rather than block for the life of the process.
+        stuck = list(self.waiting.values()) + [w for w, _ in self.ready]
+        if stuck and self.abort_msg is None:
+            self.abort_msg = {
+                "kind": M.ABORT,
+                "error": "error",
+                "text": f"pp rank {self.pp_rank}: the runtime was closed during a step",
+                "src": self.pp_rank,
+                "comm_rank": self._comm_rank,
+            }
+        self.waiting.clear()
+        self.ready.clear()
+        for w in stuck:
+            w.give_token()
+            self._main_sem.acquire(timeout=1)
         for w in self.idle:
             w.give_token()  # an idle worker given the token while shutting down exits
             self._main_sem.acquire(timeout=1)
