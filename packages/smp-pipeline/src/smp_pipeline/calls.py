@@ -133,6 +133,25 @@ def backward_through(
 ) -> list[torch.Tensor | None]:
     """Joined mode, from :class:`RemoteBoundary.backward`: send the output gradients, wait
     (token given back) for the owner's input gradients and return them."""
+    task = _backward_task(self, call)
+    if all(g is None for g in grads):
+        return [None] * len(call.inputs)
+    assert task.worker is not None
+    msg = task.worker.wait(_post_backward_request(self, call, grads, joined=True))
+    return list(unflatten(msg["grads"]["skeleton"], msg["grads"]["tensors"]))
+
+
+def send_backward_request(self: ExecutionServer, call: OutgoingCall, grads: list[torch.Tensor | None]) -> None:
+    """Segment mode, from :class:`RemoteBoundary.backward`: send, count, never wait."""
+    _backward_task(self, call)
+    if all(g is None for g in grads):
+        return
+    call.parent.pending += 1
+    _post_backward_request(self, call, grads, joined=False)
+
+
+def _backward_task(self: ExecutionServer, call: OutgoingCall) -> Task:
+    """The task running the current backward segment (a boundary fired outside one is an error)."""
     task = self.current
     if task is None or not task.in_segment or task.worker is None:
         raise PipelineError(
@@ -140,11 +159,16 @@ def backward_through(
             "pipeline's backward: call runtime.backward(loss) in the step function, "
             "not loss.backward()"
         )
-    if all(g is None for g in grads):
-        return [None] * len(call.inputs)
+    return task
+
+
+def _post_backward_request(
+    self: ExecutionServer, call: OutgoingCall, grads: list[torch.Tensor | None], joined: bool
+) -> tuple[str, CallKey, int]:
+    """Send a backward request for ``call``; returns the key its response is awaited under."""
     req = next(self._bwd_reqs)
-    wait_key = ("bwd", call.key, req)
-    self.outstanding[wait_key] = (
+    key = ("bwd", call.key, req)
+    self.outstanding[key] = (
         time.monotonic(),
         f"the backward of module '{call.path}' (microbatch {call.mb}) on pp rank {call.dest}",
     )
@@ -157,44 +181,12 @@ def backward_through(
             "path": call.path,
             "step": call.step,
             "mb": call.mb,
-            "joined": True,  # answered once: the owner may free its graph as it runs
+            "joined": joined,  # joined: answered once, so the owner may free its graph
             "grads": pack(grads, False),
         },
     )
-    msg = task.worker.wait(wait_key)
-    input_grads = unflatten(msg["grads"]["skeleton"], msg["grads"]["tensors"])
-    return list(input_grads)
+    return key
 
-
-def send_backward_request(self: ExecutionServer, call: OutgoingCall, grads: list[torch.Tensor | None]) -> None:
-    """Segment mode, from :class:`RemoteBoundary.backward`: send, count, never wait."""
-    task = self.current
-    if task is None or not task.in_segment:
-        raise PipelineError(
-            f"the gradient of remote module '{call.path}' was requested outside the "
-            "pipeline's backward: call runtime.backward(loss) in the step function, "
-            "not loss.backward()"
-        )
-    if all(g is None for g in grads):
-        return
-    call.parent.pending += 1
-    req = next(self._bwd_reqs)
-    self.outstanding[("bwd", call.key, req)] = (
-        time.monotonic(),
-        f"the backward of module '{call.path}' (microbatch {call.mb}) on pp rank {call.dest}",
-    )
-    self.send(
-        call.dest,
-        {
-            "kind": M.BWD_REQ,
-            "key": call.key,
-            "req": req,
-            "path": call.path,
-            "step": call.step,
-            "mb": call.mb,
-            "grads": pack(grads, False),
-        },
-    )
 
 def segment(
     self: ExecutionServer, tensors: list[torch.Tensor], grads: list[torch.Tensor], retain: bool = True
