@@ -7,6 +7,7 @@ from __future__ import annotations
 from conftest import launch, ok_cases
 
 EXPECTED = [
+    "tp-dropout-checkpointing-tp2",
     "fp16-loss-scaling",
     "bf16-autocast",
     "delayed-init-pp1",
@@ -21,3 +22,10 @@ EXPECTED = [
 def test_features_2_ranks() -> None:
     out = launch("features.py", 2, timeout=240)
     assert ok_cases(out) == EXPECTED, out
+
+
+def test_tp_dropout_checkpointing_in_pipeline_stages() -> None:
+    """pp=2 x tp=2: a checkpointed tensor-parallel block recomputed on its stage draws the
+    forward's dropout masks (smp-tp's streams replayed), so gradients equal no checkpointing."""
+    out = launch("features.py", 4, "pp2tp2", timeout=240)
+    assert ok_cases(out) == ["tp-dropout-checkpointing-pp2tp2"], out

@@ -1,6 +1,7 @@
 """Module-server pipeline runtime for arbitrary PyTorch module hierarchies."""
 
 from smp_pipeline.__about__ import __version__
+from smp_pipeline.checkpointing import add_checkpoint_context
 from smp_pipeline.errors import (
     PipelineConfigError,
     PipelineError,
@@ -24,6 +25,7 @@ __all__ = [
     "PipelineTimeoutError",
     "Scheduler",
     "__version__",
+    "add_checkpoint_context",
     "device_work",
     "plot_timeline",
     "split_microbatches",

@@ -12,12 +12,15 @@ Strategies (set per module path):
   checkpointed one by one on their owner (the request carries the checkpointing flag).
 
 Recomputation uses ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, which restores
-the RNG state and works with the retained graphs of several backward segments.
+torch's default RNG state and works with the retained graphs of several backward segments.
+Random streams of other libraries (e.g. smp-tp's tensor-parallel dropout generators) join in
+through :func:`add_checkpoint_context`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +32,34 @@ from smp_pipeline.errors import PipelineConfigError
 from smp_pipeline.trace import canonical_modules
 
 STRATEGIES = ("module", "each", "contiguous")
+
+# ``context_fn``s (see torch.utils.checkpoint) every recomputation runs under, in order.
+_CONTEXTS: list[Callable[[], tuple[Any, Any]]] = []
+
+
+def add_checkpoint_context(context_fn: Callable[[], tuple[Any, Any]]) -> None:
+    """Run every checkpointed forward and recomputation under ``context_fn()``'s two context
+    managers (as ``torch.utils.checkpoint``'s ``context_fn``), e.g. to replay a library's
+    own random streams. Adding the same function twice has no further effect."""
+    if context_fn not in _CONTEXTS:
+        _CONTEXTS.append(context_fn)
+
+
+def _context() -> tuple[Any, Any]:
+    pairs = [fn() for fn in _CONTEXTS]
+
+    @contextlib.contextmanager
+    def enter(which: int) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for pair in pairs:
+                stack.enter_context(pair[which])
+            yield
+
+    return enter(0), enter(1)
+
+
+def _checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=_context, **kwargs)
 
 
 @dataclass
@@ -139,7 +170,7 @@ def grouped_sequential_forward(
             g = grouped.get(i)
             if g is not None:
                 if torch.is_grad_enabled():
-                    x = checkpoint(run_group(g), x, use_reentrant=False)
+                    x = _checkpoint(run_group(g), x)
                 else:
                     x = run_group(g)(x)
                 i = g[-1] + 1
@@ -155,4 +186,4 @@ def run_checkpointed(call: Callable[..., Any], args: tuple[Any, ...], kwargs: di
     """Run ``call(*args, **kwargs)`` under non-reentrant checkpointing (when grad is on)."""
     if not torch.is_grad_enabled():
         return call(*args, **kwargs)
-    return checkpoint(call, *args, use_reentrant=False, **kwargs)
+    return _checkpoint(call, *args, **kwargs)

@@ -122,6 +122,14 @@ def set_activation_checkpointing(
     )
 
 
+def carry_marks(old: nn.Module, new: nn.Module) -> None:
+    """Copy the smp marks (stage, activation checkpointing) of ``old`` onto ``new``, which
+    replaces it (e.g. a tensor-parallel layer); ``new``'s own marks win."""
+    for attr in (_PARTITION_ATTR, _CHECKPOINT_ATTR):
+        if attr in old.__dict__ and attr not in new.__dict__:
+            object.__setattr__(new, attr, old.__dict__[attr])
+
+
 def get_checkpoint_mark(module: nn.Module) -> dict[str, Any] | None:
     """The checkpointing options set on a module, or ``None``."""
     return module.__dict__.get(_CHECKPOINT_ATTR)

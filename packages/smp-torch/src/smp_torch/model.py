@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from smp_tp import checkpoint_context as tp_checkpoint_context
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from smp_torch import tp_glue
 from smp_torch.annotations import get_checkpoint_mark
@@ -107,6 +108,12 @@ def _checkpoint_groups(children: list[nn.Module], strategy: str) -> list[list[nn
     return [children[i : i + n] for i in range(0, len(children), n)]
 
 
+def _rng_context(preserve_rng_state: bool) -> Any:
+    """Recomputation replays smp-tp's tensor-parallel dropout streams too (torch restores
+    only its default generators), unless the user asked not to preserve RNG state."""
+    return tp_checkpoint_context if preserve_rng_state else noop_context_fn
+
+
 def apply_activation_checkpointing(root: nn.Module) -> int:
     """Wrap the forward of every module marked by ``set_activation_checkpointing``.
 
@@ -116,7 +123,9 @@ def apply_activation_checkpointing(root: nn.Module) -> int:
     count = 0
     for module in root.modules():
         opts = get_checkpoint_mark(module)
-        if opts is None or "forward" in module.__dict__:
+        # Wrapped once (a marker, not "forward in __dict__": smp-tp's Hugging Face adapters
+        # give replaced layers an instance-level forward, which must be wrapped too).
+        if opts is None or module.__dict__.get("_smp_checkpointed", False):
             continue
         keep_rng = bool(opts["preserve_rng_state"])
         if isinstance(module, nn.Sequential):
@@ -135,10 +144,12 @@ def apply_activation_checkpointing(root: nn.Module) -> int:
                         return out
 
                     inputs = tuple(x) if _pack else (x,)
-                    x = checkpoint(run, *inputs, use_reentrant=False, preserve_rng_state=_rng)
+                    x = checkpoint(run, *inputs, use_reentrant=False, preserve_rng_state=_rng,
+                                   context_fn=_rng_context(_rng))
                 return x
 
             module.forward = seq_forward  # type: ignore[method-assign]
+            module.__dict__["_smp_checkpointed"] = True
         else:
             original = module.forward
 
@@ -146,10 +157,12 @@ def apply_activation_checkpointing(root: nn.Module) -> int:
                 *args: Any, _orig: Any = original, _rng: bool = keep_rng, **kwargs: Any
             ) -> Any:
                 return checkpoint(
-                    _orig, *args, use_reentrant=False, preserve_rng_state=_rng, **kwargs
+                    _orig, *args, use_reentrant=False, preserve_rng_state=_rng,
+                    context_fn=_rng_context(_rng), **kwargs,
                 )
 
             module.forward = forward  # type: ignore[method-assign]
+            module.__dict__["_smp_checkpointed"] = True
         count += 1
     return count
 

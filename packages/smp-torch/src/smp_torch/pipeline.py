@@ -171,6 +171,12 @@ class PipelineBinding:
                 # order the program order (correct, but without pipelining overlap).
                 active = 1
                 self.ordering = "serial"
+        # Recomputations on every stage replay smp-tp's dropout streams too (torch restores
+        # only its own generators).
+        from smp_pipeline import add_checkpoint_context
+        from smp_tp import checkpoint_context as tp_checkpoint_context
+
+        add_checkpoint_context(tp_checkpoint_context)
         self.runtime = PipelineRuntime(
             module,
             self.comm,

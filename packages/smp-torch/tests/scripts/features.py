@@ -175,8 +175,59 @@ def sequential_checkpointing(strategy: str) -> None:
     ok(f"sequential-checkpointing-{strategy}")
 
 
+def tp_dropout_checkpointing(config: dict, label: str) -> None:
+    """Activation checkpointing with dropout inside tensor-parallel layers: recomputation
+    must replay smp-tp's dropout streams, so gradients equal the run without checkpointing."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    results = []
+    for ckpt in (False, True):
+        cfg = smp.init(config)
+        torch.manual_seed(0)
+        hf = GPT2LMHeadModel(GPT2Config(
+            n_layer=2, n_embd=16, n_head=2, vocab_size=models.VOCAB, n_positions=models.SEQ,
+            resid_pdrop=0.3, embd_pdrop=0.0, attn_pdrop=0.3, use_cache=False))
+        smp.set_tensor_parallelism(hf)
+        if cfg.pp > 1:  # one fixed partition for both runs (masks depend on the executing rank)
+            smp.set_partition(hf.transformer.h[1], 1)
+            smp.set_partition(hf.transformer.ln_f, 1)
+        if ckpt:
+            for block in hf.transformer.h:
+                smp.set_activation_checkpointing(block)
+        model = smp.DistributedModel(hf)
+        model.train()
+
+        @smp.step
+        def step(x: torch.Tensor, y: torch.Tensor, model=model) -> torch.Tensor:  # type: ignore[no-untyped-def]
+            loss = model(input_ids=x, labels=y).loss
+            model.backward(loss)
+            return loss
+
+        x, y = models.global_batch(0, 4)
+        losses = step(local_slice(x, cfg), local_slice(y, cfg))
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        # Whole-model view: the two runs may place modules on different stages (a
+        # checkpointed block is kept whole), and tensor-parallel shards are per rank.
+        merged = {}
+        for r, part in enumerate(smp.allgather(grads)):
+            merged.update({(n, r if cfg.tp > 1 else 0): g for n, g in part.items()})
+        results.append(([float(v) for v in smp.allgather(losses.outputs)[0]], merged))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert loss_a == loss_b, (label, loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys() and grads_a, label
+    for n in grads_a:
+        torch.testing.assert_close(grads_b[n], grads_a[n], rtol=1e-6, atol=1e-7,
+                                   msg=f"{label}: {n}")
+    ok(f"tp-dropout-checkpointing-{label}")
+
+
 def main() -> None:
     torch.set_num_threads(1)
+    if sys.argv[1:] == ["pp2tp2"]:  # 4 ranks: recomputation inside pipeline stages
+        tp_dropout_checkpointing({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2,
+                                  "microbatches": 1, "auto_partition": False}, "pp2tp2")
+        return
+    tp_dropout_checkpointing({"tensor_parallel_degree": 2, "microbatches": 2}, "tp2")
     fp16_loss_scaling()
     bf16_close_to_fp32()
     delayed_init(1)

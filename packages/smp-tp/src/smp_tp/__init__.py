@@ -41,7 +41,14 @@ from smp_tp.params import (
     param_spec,
     parameter_creation_scope,
 )
-from smp_tp.random import get_generator, set_tensor_parallel_seed, tp_dropout
+from smp_tp.random import (
+    checkpoint_context,
+    get_generator,
+    get_rng_state,
+    set_rng_state,
+    set_tensor_parallel_seed,
+    tp_dropout,
+)
 from smp_tp.registry import (
     is_tensor_parallel_enabled,
     set_tensor_parallelism,
@@ -72,4 +79,5 @@ __all__ = [
     # settings and randomness
     "TPConfig", "tp_config", "current_config", "set_default_config",
     "set_tensor_parallel_seed", "get_generator", "tp_dropout", "tp_rank", "tp_size",
+    "get_rng_state", "set_rng_state", "checkpoint_context",
 ]
