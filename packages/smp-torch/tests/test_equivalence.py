@@ -109,6 +109,19 @@ def test_pipeline_and_tensor_parallel_4_ranks() -> None:
     assert ok_cases(out) == [c["name"] for c in PPTP4_CASES], out
 
 
+PPTP8_CASES = [
+    _case("pp4-tp2", pipeline_parallel_degree=4, tensor_parallel_degree=2, microbatches=4),
+    _case("pp2-tp2-dp2", pipeline_parallel_degree=2, tensor_parallel_degree=2, microbatches=2),
+]
+
+
+@pytest.mark.skipif(not HAS_TP, reason="smp_tp not installed")
+def test_three_dimensions_8_ranks() -> None:
+    """pp=4 x tp=2 and pp=2 x tp=2 x dp=2 on 8 processes (oversubscribed 2-core CI: ~40 s)."""
+    out = launch("equivalence.py", 8, PPTP8_CASES, timeout=400)
+    assert ok_cases(out) == [c["name"] for c in PPTP8_CASES], out
+
+
 # A Hugging Face GPT-2 (built from a config): smp-tp's built-in GPT-2 mapping replaces its
 # blocks, the partitioner keeps each replaced block whole. SGD: Adam turns the float noise of
 # GPT-2's (mathematically zero) key-bias gradients into visible differences.
