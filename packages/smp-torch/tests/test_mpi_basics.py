@@ -42,9 +42,9 @@ def test_uncaught_bad_config_fails_fast_on_both_ranks() -> None:
     assert "ConfigError: smp config key 'pipeline_parallel_degree'" in str(info.value)
 
 
-@pytest.mark.parametrize(("tp", "pp"), [("1", "2"), ("2", "2"), ("1", "1")])
+@pytest.mark.parametrize(("tp", "pp"), [("1", "2"), ("2", "2"), ("1", "1"), ("2", "1")])
 def test_failure_in_one_pipeline_raises_on_every_rank(tp: str, pp: str) -> None:
-    """4 ranks (pp=2 x dp=2, pp=2 x tp=2, dp=4): the step function raises in one pipeline
+    """4 ranks (pp=2 x dp=2, pp=2 x tp=2, dp=4, tp=2 x dp=2): the step function raises in one pipeline
     (one rank with dp=4) only; every rank of the job must raise (nobody waits in a
     collective), well within the timeout."""
     start = time.monotonic()

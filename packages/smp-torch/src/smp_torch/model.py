@@ -206,6 +206,8 @@ class DistributedModel(nn.Module):
         self._optimizers: list[Any] = []
         self._bucket_bytes = bucket_bytes
         self._reducer: GradReducer | None = None
+        # pp = 1 with tensor parallelism: failure notices between ranks (smp_torch.watch).
+        self._watch: Any = None
 
         self._orig_param_names = [n for n, _ in module.named_parameters(remove_duplicate=False)]
         has_meta = any(t.is_meta for t in [*module.parameters(), *module.buffers()])
@@ -230,6 +232,10 @@ class DistributedModel(nn.Module):
                 )
                 self.module.to(self._device)
             apply_activation_checkpointing(self.module)
+            if cfg.tp > 1:
+                from smp_torch.watch import StepWatch
+
+                self._watch = StepWatch(s.mpi_comms["world"])
         if self._pipeline is None:
             self._reducer = self._build_reducer(bucket_bytes)
         else:
@@ -403,6 +409,8 @@ class DistributedModel(nn.Module):
                 # Only pp rank 0 sees model.backward calls with a pipeline: always reduce.
                 self._reducer.finish()
             return results
+        if self._watch is not None:
+            return self._run_watched_step(fn, microbatches)
         results = []
         error: BaseException | None = None
         try:
@@ -435,6 +443,47 @@ class DistributedModel(nn.Module):
             self._reducer.finish()
         else:
             self._reducer.disarm()
+        return results
+
+    def _run_watched_step(
+        self, fn: Callable[..., Any], microbatches: list[tuple[tuple[Any, ...], dict[str, Any]]]
+    ) -> list[Any]:
+        """pp = 1 with tensor parallelism: the step runs on a helper thread while this thread
+        watches for another rank's failure (see :mod:`smp_torch.watch`), so an exception on
+        one rank raises on every rank instead of leaving its peers in a collective."""
+        from smp_torch.watch import StepFailedElsewhere
+
+        assert self._watch is not None
+        cfg = self._cfg
+        results: list[Any] = []
+
+        def run_all() -> None:
+            for i, (args, kwargs) in enumerate(microbatches):
+                self._microbatch = i
+                if i == len(microbatches) - 1 and self._reducer is not None:
+                    self._reducer.arm()
+                with autocast_context(cfg.fp16, cfg.bf16, self._device):
+                    results.append(fn(*args, **kwargs))
+
+        try:
+            self._watch.run(run_all)
+            backward_ran = self._watch.agree(self._backward_calls)
+        except StepFailedElsewhere:
+            if self._reducer is not None:
+                self._reducer.disarm()
+            raise
+        except BaseException as exc:
+            if self._reducer is not None:
+                self._reducer.disarm()
+            self._watch.notify(exc)
+            raise
+        finally:
+            self._in_step = False
+        if self._reducer is not None:
+            if backward_ran:
+                self._reducer.finish()
+            else:
+                self._reducer.disarm()
         return results
 
     # -- state -----------------------------------------------------------------------------
