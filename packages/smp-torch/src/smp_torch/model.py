@@ -399,7 +399,6 @@ class DistributedModel(nn.Module):
             raise SMPError("@smp.step functions cannot be nested")
         self._in_step = True
         self._backward_calls = 0
-        cfg = self._cfg
         if self._pipeline is not None:
             try:
                 results = self._pipeline.run_step(fn, microbatches)
@@ -411,15 +410,10 @@ class DistributedModel(nn.Module):
             return results
         if self._watch is not None:
             return self._run_watched_step(fn, microbatches)
-        results = []
+        results: list[Any] = []
         error: BaseException | None = None
         try:
-            for i, (args, kwargs) in enumerate(microbatches):
-                self._microbatch = i
-                if i == len(microbatches) - 1 and self._reducer is not None:
-                    self._reducer.arm()
-                with autocast_context(cfg.fp16, cfg.bf16, self._device):
-                    results.append(fn(*args, **kwargs))
+            self._run_microbatches(fn, microbatches, results)
         except BaseException as exc:  # noqa: BLE001 - shared with the other ranks below
             error = exc
         finally:
@@ -445,6 +439,22 @@ class DistributedModel(nn.Module):
             self._reducer.disarm()
         return results
 
+    def _run_microbatches(
+        self,
+        fn: Callable[..., Any],
+        microbatches: list[tuple[tuple[Any, ...], dict[str, Any]]],
+        results: list[Any],
+    ) -> None:
+        """Run ``fn`` per microbatch into ``results``, arming the gradient reduction for the
+        last one (pp = 1)."""
+        cfg = self._cfg
+        for i, (args, kwargs) in enumerate(microbatches):
+            self._microbatch = i
+            if i == len(microbatches) - 1 and self._reducer is not None:
+                self._reducer.arm()
+            with autocast_context(cfg.fp16, cfg.bf16, self._device):
+                results.append(fn(*args, **kwargs))
+
     def _run_watched_step(
         self, fn: Callable[..., Any], microbatches: list[tuple[tuple[Any, ...], dict[str, Any]]]
     ) -> list[Any]:
@@ -454,19 +464,9 @@ class DistributedModel(nn.Module):
         from smp_torch.watch import StepFailedElsewhere
 
         assert self._watch is not None
-        cfg = self._cfg
         results: list[Any] = []
-
-        def run_all() -> None:
-            for i, (args, kwargs) in enumerate(microbatches):
-                self._microbatch = i
-                if i == len(microbatches) - 1 and self._reducer is not None:
-                    self._reducer.arm()
-                with autocast_context(cfg.fp16, cfg.bf16, self._device):
-                    results.append(fn(*args, **kwargs))
-
         try:
-            self._watch.run(run_all)
+            self._watch.run(lambda: self._run_microbatches(fn, microbatches, results))
             backward_ran = self._watch.agree(self._backward_calls)
         except StepFailedElsewhere:
             if self._reducer is not None:
