@@ -401,13 +401,13 @@ class DistributedModel(nn.Module):
         self._backward_calls = 0
         if self._pipeline is not None:
             try:
-                results = self._pipeline.run_step(fn, microbatches)
+                outputs: list[Any] = self._pipeline.run_step(fn, microbatches)
             finally:
                 self._in_step = False
             if self._reducer is not None:
                 # Only pp rank 0 sees model.backward calls with a pipeline: always reduce.
                 self._reducer.finish()
-            return results
+            return outputs
         if self._watch is not None:
             return self._run_watched_step(fn, microbatches)
         results: list[Any] = []
