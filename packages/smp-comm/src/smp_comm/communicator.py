@@ -558,10 +558,15 @@ class Communicator:
                 else:  # one copier thread per window: MPI passive-target RMA from several
                     self._enqueue(1, self._direct_q, op)  # threads at once is not safe
                 return
-        if candidates:
+        self._fall_back_to_mpi(op, inline, counted=bool(candidates))
+
+    def _fall_back_to_mpi(self, op: _Send, inline: bool, counted: bool = True) -> None:
+        """Send ``op`` over MPI: from this thread when ``inline``, else via the requester
+        thread. ``counted``: a direct path was possible, so this is a fallback in stats()."""
+        if counted:
             with self._stats_lock:
                 self._fallbacks += 1
-        op.path = "mpi"
+        op.path, op.region = "mpi", -1
         if inline:
             self._mpi_send(op)
         else:
@@ -575,13 +580,7 @@ class Communicator:
             self._paths.write(op.path, op.dest, op.region, op.packed)
         except Exception:  # noqa: BLE001 - the MPI path still delivers it
             self._paths.release(op.path, op.dest, op.region)
-            op.path, op.region = "mpi", -1
-            with self._stats_lock:
-                self._fallbacks += 1
-            if inline:
-                self._mpi_send(op)
-            else:
-                self._enqueue(2, self._requester_q, op)
+            self._fall_back_to_mpi(op, inline)
             return
         p = op.packed
         header = (op.msg_id, op.tag, op.path, op.region, p.skeleton, p.stubs, None)

@@ -164,9 +164,10 @@ class ExecutionServer:
 
         Without device work under way, one blocking receive of up to 50 ms: this thread drives
         the communicator's progress for a short spin (0.2 ms, not the communicator's default),
-        then sleeps while its tracker thread polls (no thread here wakes every tick: with more ranks than cores, an idle
-        rank's polling takes CPU from the rank that would answer). With device work under
-        way, ticks of 0.5 ms test the receive and wake at once when the device work ends.
+        then sleeps while its tracker thread polls (no thread here wakes every tick: with more
+        ranks than cores, an idle rank's polling takes CPU from the rank that would answer).
+        With device work under way, ticks of 0.5 ms test the receive and wake at once when the
+        device work ends.
         """
         if not self._device_active:
             return self._next_message(0.05, spin=_SPIN_S)
@@ -323,13 +324,7 @@ class ExecutionServer:
     def abort(self, error: str, text: str) -> None:
         """Tell every pipeline rank (and ``abort_ranks``) to raise, then raise here."""
         if self.abort_msg is None:
-            msg = {
-                "kind": M.ABORT,
-                "error": error,
-                "text": text,
-                "src": self.pp_rank,
-                "comm_rank": self._comm_rank,
-            }
+            msg = self._abort_message(error, text)
             self.abort_msg = msg
             targets = [self.comm_ranks[r] for r in range(self.pp_size) if r != self.pp_rank]
             targets += [r for r in self.abort_ranks if r not in targets and r != self._comm_rank]
@@ -345,6 +340,15 @@ class ExecutionServer:
                 except Exception:
                     pass
         self.raise_if_aborted()
+
+    def _abort_message(self, error: str, text: str) -> dict[str, Any]:
+        return {
+            "kind": M.ABORT,
+            "error": error,
+            "text": text,
+            "src": self.pp_rank,
+            "comm_rank": self._comm_rank,
+        }
 
     def _fail(self) -> None:
         assert self.failure is not None
@@ -501,7 +505,7 @@ class ExecutionServer:
     def _starts_task(self, msg: dict[str, Any]) -> bool:
         """Whether handling ``msg`` starts a task (else it only wakes a waiting worker)."""
         if msg["kind"] == M.BWD_RESP:
-            return ("bwd", tuple(msg["key"]), msg["req"]) not in self.waiting
+            return _backward_wait_key(msg) not in self.waiting
         return msg["kind"] in _TASK_KINDS
 
     def _handle(self, msg: dict[str, Any]) -> None:
@@ -536,7 +540,7 @@ class ExecutionServer:
             self._start(task)
         elif kind == M.BWD_RESP:
             key = tuple(msg["key"])
-            wait_key = ("bwd", key, msg["req"])
+            wait_key = _backward_wait_key(msg)
             self.outstanding.pop(wait_key, None)
             if wait_key in self.waiting:  # joined mode: resume the waiting backward
                 self._wake(wait_key, msg)
@@ -689,13 +693,9 @@ class ExecutionServer:
         # their task and go idle, rather than block for the life of the process.
         stuck = list(self.waiting.values()) + [w for w, _ in self.ready]
         if stuck and self.abort_msg is None:
-            self.abort_msg = {
-                "kind": M.ABORT,
-                "error": "error",
-                "text": f"pp rank {self.pp_rank}: the runtime was closed during a step",
-                "src": self.pp_rank,
-                "comm_rank": self._comm_rank,
-            }
+            self.abort_msg = self._abort_message(
+                "error", f"pp rank {self.pp_rank}: the runtime was closed during a step"
+            )
         self.waiting.clear()
         self.ready.clear()
         for w in stuck:
@@ -717,6 +717,12 @@ _CLASS = {
     M.BWD_REQ: 2,  # backward before new forward work, as in 1F1B
     M.FWD_REQ: 3,
 }
+
+
+def _backward_wait_key(msg: dict[str, Any]) -> tuple[Any, ...]:
+    """The key a backward response is awaited (and tracked as outstanding) under; the same
+    one :func:`smp_pipeline.calls._post_backward_request` registers."""
+    return ("bwd", tuple(msg["key"]), msg["req"])
 
 
 def _priority(msg: dict[str, Any]) -> tuple[int, int, int]:

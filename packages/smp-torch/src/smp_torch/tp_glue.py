@@ -28,14 +28,14 @@ def parallelize(
         seed_fn(state().config.tensor_parallel_seed)
     from smp_torch.annotations import carry_marks
 
-    marks = {name: m for name, m in module.named_modules()}
+    before = dict(module.named_modules())
     out = tp.parallelize(
         module, tp_group=tp_group, prescaled_batch=prescaled_batch, optimize=optimize
     )
     # A replaced module keeps what the user marked on the original (activation
     # checkpointing, pipeline stage): the marks live on the module objects.
     for name, new in out.named_modules():
-        old_module = marks.get(name)
+        old_module = before.get(name)
         if old_module is not None and old_module is not new:
             carry_marks(old_module, new)
     return out
