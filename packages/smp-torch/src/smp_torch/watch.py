@@ -87,7 +87,9 @@ class StepWatch:
         send = array.array("q", [value])
         recv = array.array("q", [0])
         request = self.comm.Iallreduce(send, recv, op=MPI.MAX)
+        pause = 5e-5  # usually done within microseconds: back off from short pauses
         while not request.Test():
             self.check()
-            time.sleep(_POLL_S)
+            time.sleep(pause)
+            pause = min(_POLL_S, pause * 2)
         return int(recv[0])
