@@ -121,6 +121,22 @@ def own_shm_files() -> list[str]:
     return glob.glob(f"/dev/shm/smp-comm-{os.getpid()}-*")
 
 
+def guarded_by(errors: list[BaseException]):  # type: ignore[no-untyped-def]
+    """Decorator for thread bodies: an exception is appended to ``errors`` (the main thread
+    raises the first one after joining) instead of dying silently with its thread."""
+
+    def guarded(fn):  # type: ignore[no-untyped-def]
+        def run(*a):  # type: ignore[no-untyped-def]
+            try:
+                fn(*a)
+            except BaseException as exc:  # reported by the main thread
+                errors.append(exc)
+
+        return run
+
+    return guarded
+
+
 def main_guard(fn) -> None:
     """Run ``fn``; on any failure print the traceback and abort the whole MPI job."""
     from mpi4py import MPI

@@ -10,7 +10,7 @@ import sys
 import threading
 
 from mpi4py import MPI
-from payloads import check, main_guard, make, own_shm_files
+from payloads import check, guarded_by, main_guard, make, own_shm_files
 from smp_comm import ANY_SOURCE, ANY_TAG, Communicator
 
 MODE = sys.argv[1]
@@ -42,14 +42,7 @@ def main() -> None:
     errors: list[BaseException] = []
     kept: list = []  # every received object, checked again once all traffic is done
 
-    def guarded(fn):
-        def run(*a):
-            try:
-                fn(*a)
-            except BaseException as exc:  # reported by the main thread
-                errors.append(exc)
-
-        return run
+    guarded = guarded_by(errors)
 
     # Tags: thread k sends tags k*100 + i. Tags < 200 are received by exact (source, tag)
     # receives, tags >= 200 by ANY_SOURCE receives on that tag.
