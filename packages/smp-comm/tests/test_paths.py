@@ -16,3 +16,9 @@ def test_600mib_message_and_full_buffer_fallback(mpi_script) -> None:
 def test_numpy_only_without_torch(mpi_script) -> None:
     out = mpi_script("notorch.py", n=2, timeout=120)
     assert out.count("OK notorch") == 2, out
+
+
+def test_doorbells_wake_sleeping_trackers(mpi_script) -> None:
+    out = mpi_script("doorbell.py", n=3, timeout=120)
+    for r in range(3):
+        assert f"rank {r} OK doorbell" in out, out

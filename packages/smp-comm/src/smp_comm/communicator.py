@@ -40,6 +40,7 @@ import atexit
 import queue
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,7 +49,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from smp_comm import fastpath
+from smp_comm import doorbell, fastpath
+from smp_comm.doorbell import Doorbells
 from smp_comm.errors import CommClosedError, CommError, PeerClosedError
 from smp_comm.handles import Handle, RecvHandle, SendHandle
 from smp_comm.paths import DirectPaths
@@ -75,6 +77,8 @@ _FAST = 0  # a fast-path frame waiting for its turn in its sender's order
 # Fast-path probes a waiting thread makes between two full progress rounds: a round costs
 # about as much as 10 probes, and the probes are what finds a small message soonest.
 _SPIN_PROBES = 32
+# Idle rounds before a tracker with doorbells sleeps on its bell: its sleeps go 20, 40, 80 us.
+_DEEP_AFTER_S = 8e-5
 _STOP = object()  # queue sentinel
 
 
@@ -141,6 +145,7 @@ class Communicator:
         shm_zero_copy: bool | None = None,
         close_timeout: float | None = None,
         poll_spin: float | None = None,
+        doorbell: bool | None = None,
     ) -> None:
         base = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
@@ -163,6 +168,7 @@ class Communicator:
             shm_zero_copy=shm_zero_copy,
             close_timeout=close_timeout,
             poll_spin=poll_spin,
+            doorbell=doorbell,
         )
         # Collective set-up, in the same order on every rank: private communicators for
         # control messages, for MPI-path payloads and for fast-path frames (always created
@@ -178,6 +184,8 @@ class Communicator:
         self._fast_count = [0, 0, 0, 0]
         self._tag_ub: int = int(self._cc.Get_attr(MPI.TAG_UB))  # type: ignore[arg-type]
         self._paths = DirectPaths(self._cc, self.settings)
+        self._bell = self._open_doorbells()
+        self._deep = False  # the tracker sleeps on its doorbell (not polling)
 
         self._closing = False
         self._closed = False
@@ -207,7 +215,7 @@ class Communicator:
         self._requester_q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._track_q: queue.SimpleQueue[_Tracked] = queue.SimpleQueue()
         self._post_q: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._wake = threading.Event()  # nudges the tracker out of its idle sleep
+        self._wake = threading.Event()  # nudges the tracker out of its idle sleep (_nudge)
         self._progress_lock = threading.Lock()  # one thread at a time runs _poll_once
         self._active: list[_Tracked] = []  # outstanding MPI requests (under _progress_lock)
         self._free_q: queue.SimpleQueue[tuple[str, int, int]] = queue.SimpleQueue()
@@ -314,8 +322,11 @@ class Communicator:
             counts[1] += len(parts[-1])
             if req.Test():  # eager: a small frame has usually left already
                 handle._done = True  # nobody else holds the handle yet
+                if self._bell is not None:
+                    self._bell.ring(dest)
                 return handle
             self._open_sends.add(handle)
+        self._ring(dest)
         self._track([req], lambda: self._fast_sent(handle, buf))
         return handle
 
@@ -479,6 +490,29 @@ class Communicator:
             s[f"messages_{direction}"] += 1
             s[f"bytes_{direction}"] += nbytes
 
+    def _open_doorbells(self) -> Doorbells | None:
+        """Doorbells when the setting allows and every rank shares this host (collective)."""
+        want = self.settings.doorbell and doorbell.available()
+        one_host = len(set(self._paths.node_of)) == 1
+        if not self._cc.allreduce(bool(want and one_host), op=MPI.LAND):
+            return None
+        try:
+            return Doorbells(self._cc)
+        except OSError as exc:  # raised on every rank alike: all poll instead
+            warnings.warn(f"smp-comm rank {self.rank}: {exc}; polling", RuntimeWarning, stacklevel=3)
+            return None
+
+    def _nudge(self) -> None:
+        """Wake the tracker: local work for it (or a waiter handing progress back)."""
+        self._wake.set()
+        if self._bell is not None:
+            self._bell.nudge()
+
+    def _ring(self, dest: int) -> None:
+        """After posting a message to ``dest``: wake its tracker if it sleeps."""
+        if self._bell is not None:
+            self._bell.ring(dest)
+
     def _thread(self, name: str, loop: Callable[[], None]) -> threading.Thread:
         return threading.Thread(target=self._guard(loop), name=f"smp-comm-{name}", daemon=True)
 
@@ -517,14 +551,18 @@ class Communicator:
             self._open_sends.discard(op.handle)
 
     def _track(self, requests: list[MPI.Request], on_done: Callable[[], None]) -> None:
-        # No wake-up: the tracker polls within 1 ms anyway, and a thread waiting on the
-        # handle polls at once (waking the tracker would only contend for the GIL).
+        # No Event wake-up: a polling tracker polls within 1 ms anyway, and a thread waiting
+        # on the handle polls at once (waking the tracker would only contend for the GIL).
+        # A tracker asleep on its doorbell is woken (a flag read when it is not).
         self._track_q.put(_Tracked(requests, on_done))
+        if self._bell is not None:
+            self._bell.nudge()
 
     def _post_header(self, op: _Send, header: tuple[Any, ...], extra: list[MPI.Request]) -> None:
         """Send the header (and any payload requests already posted) and track them all."""
         assert op.packed is not None
         req = self._cc.isend(header, dest=op.dest, tag=_T_HEADER)
+        self._ring(op.dest)
         nbytes = op.packed.nbytes
         reqs = [req, *extra]
         if not extra and MPI.Request.Testall(reqs):
@@ -619,6 +657,7 @@ class Communicator:
             if self._drained:
                 continue  # the peers stopped listening for FREEs (close() is under way)
             req = self._cc.isend((path, region), dest=source, tag=_T_FREE)
+            self._ring(source)
             self._active.append(_Tracked([req], _nothing))
             busy = True
         if self._active:
@@ -671,6 +710,7 @@ class Communicator:
         # the others (CPython hands the GIL over only on request). Threads blocked in
         # wait() spin instead, briefly; the tracker sleeps between rounds, 20 us doubling
         # up to 1 ms while idle, and local work wakes it at once.
+        # With doorbells, after a few idle rounds it sleeps until a sender rings instead.
         sleep = 0.0
         while not (self._tracker_stop.is_set() and not self._active):
             if self._spinners:
@@ -684,9 +724,24 @@ class Communicator:
                 sleep = 0.0
                 continue
             sleep = min(1e-3, max(2e-5, sleep * 2))
-            if self._wake.wait(sleep):
+            if self._bell is not None and sleep >= _DEEP_AFTER_S:
+                self._deep = True
+                try:
+                    self._bell.sleep(self._busy_before_sleep)
+                finally:
+                    self._deep = False
                 self._wake.clear()
                 sleep = 0.0
+            elif self._wake.wait(sleep):
+                self._wake.clear()
+                sleep = 0.0
+
+    def _busy_before_sleep(self) -> bool:
+        """The tracker's last look before sleeping on its doorbell (its flag is set)."""
+        if self._wake.is_set() or self._spinners or self._tracker_stop.is_set():
+            return True
+        with self._progress_lock:
+            return self._poll_once() or bool(self._active)
 
     def _wait(self, handle: Handle, timeout: float | None, spin: float | None = None) -> bool:
         """Block until ``handle`` completes or ``timeout`` passes; True if it completed.
@@ -704,6 +759,8 @@ class Communicator:
         spin_s = self.settings.poll_spin if spin is None else min(spin, self.settings.poll_spin)
         spin_until = now + spin_s
         self._spinners.append(None)
+        if self._deep:  # this thread polls now: its tracker need not sleep through rings
+            self._nudge()
         try:
             while not handle._done:
                 now = time.monotonic()
@@ -735,7 +792,7 @@ class Communicator:
             self._spinners.pop()
         if handle._done:
             return True
-        self._wake.set()  # hand progress back to the tracker thread
+        self._nudge()  # hand progress back to the tracker thread
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         return handle._sleep(left)
 
@@ -919,7 +976,7 @@ class Communicator:
         # The region goes back to its sender (a FREE message) once copied out or, for
         # zero-copy views, once the last view is garbage collected. The callback holds no
         # reference to the message, so it cannot keep those views alive.
-        release = _Once(self._free_q, self._wake, (inc.path, inc.source, inc.region))
+        release = _Once(self._free_q, self._nudge, (inc.path, inc.source, inc.region))
         try:
             return self._paths.read(inc.path, inc.region, inc.stubs, release)
         except BaseException:
@@ -953,6 +1010,8 @@ class Communicator:
                 for r in everyone:
                     self._seq_to[r] += 1
             self._track([self._cc.isend(q, dest=r, tag=_T_BYE) for r, q in byes], _nothing)
+            for r in everyone:
+                self._ring(r)
             wait_for(
                 lambda: self._bye_from == everyone,
                 lambda: f"ranks {sorted(everyone - self._bye_from)} to call close()",
@@ -962,6 +1021,8 @@ class Communicator:
             with self._progress_lock:  # no FREE may follow DRAINED on the wire
                 self._drained = True
                 reqs = [self._cc.isend(None, dest=r, tag=_T_DRAINED) for r in everyone]
+            for r in everyone:
+                self._ring(r)
             self._track(reqs, _nothing)
             wait_for(
                 lambda: self._drained_from == everyone,
@@ -983,6 +1044,8 @@ class Communicator:
         self._dc.Free()
         self._fc.Free()
         self._cc.Free()
+        if self._bell is not None:
+            self._bell.close()
 
     def _stop_threads(self) -> None:
         for q in (self._router_q, self._direct_q, self._requester_q, self._post_q):
@@ -991,7 +1054,7 @@ class Communicator:
             if t.name != "smp-comm-tracker":
                 t.join()
         self._tracker_stop.set()
-        self._wake.set()
+        self._nudge()
         for t in self._threads:
             t.join()
 
@@ -1007,7 +1070,7 @@ def _nothing() -> None:
 class _Once:
     """Queue ``item`` on the first call only (a region is freed exactly once)."""
 
-    def __init__(self, q: queue.SimpleQueue[Any], wake: threading.Event, item: Any) -> None:
+    def __init__(self, q: queue.SimpleQueue[Any], wake: Callable[[], None], item: Any) -> None:
         self._q, self._wake, self._item = q, wake, item
         self._lock = threading.Lock()
         self._done = False
@@ -1018,7 +1081,7 @@ class _Once:
                 return
             self._done = True
         self._q.put(self._item)
-        self._wake.set()
+        self._wake()
 
 
 _LIVE: weakref.WeakSet[Communicator] = weakref.WeakSet()

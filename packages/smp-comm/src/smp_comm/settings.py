@@ -31,6 +31,11 @@ setting (kwarg)                environment variable                default
 ``close_timeout``              ``SMP_COMM_CLOSE_TIMEOUT``          60 s
 ``poll_spin``                  ``SMP_COMM_POLL_SPIN``              0.002 s of busy polling after
                                                                    the last event, then sleeps
+``doorbell``                   ``SMP_COMM_DOORBELL``               1: when all ranks share one
+                                                                   Linux host, an idle tracker
+                                                                   sleeps until a sender wakes
+                                                                   it (:mod:`smp_comm.doorbell`);
+                                                                   0: it polls every 1 ms
 =============================  ==================================  ===========================
 
 Sizes accept a plain integer or a suffix ``K``, ``M``, ``G`` (powers of 1024).
@@ -82,6 +87,7 @@ class CommSettings:
     shm_zero_copy: bool = True
     close_timeout: float = 60.0
     poll_spin: float = 0.002
+    doorbell: bool = True
 
     @classmethod
     def resolve(
@@ -97,6 +103,7 @@ class CommSettings:
         shm_zero_copy: bool | None = None,
         close_timeout: float | None = None,
         poll_spin: float | None = None,
+        doorbell: bool | None = None,
     ) -> CommSettings:
         """Keyword arguments win over ``SMP_COMM_*`` environment variables, which win over defaults."""
         env = os.environ
@@ -125,10 +132,9 @@ class CommSettings:
         )
         ps = poll_spin if poll_spin is not None else float(env.get("SMP_COMM_POLL_SPIN", 0.002))
         if shm_zero_copy is None:
-            raw_zc = env.get("SMP_COMM_SHM_ZERO_COPY", "1").strip().lower()
-            if raw_zc not in ("0", "1", "true", "false", "yes", "no"):
-                raise ValueError(f"smp-comm setting SMP_COMM_SHM_ZERO_COPY={raw_zc!r}: use 0 or 1")
-            shm_zero_copy = raw_zc in ("1", "true", "yes")
+            shm_zero_copy = _flag(env, "SMP_COMM_SHM_ZERO_COPY")
+        if doorbell is None:
+            doorbell = _flag(env, "SMP_COMM_DOORBELL")
         return cls(
             buffer_bytes=size(buffer_bytes, "SMP_COMM_BUFFER_BYTES", cls.buffer_bytes),
             gpu_buffer_bytes=size(
@@ -146,4 +152,12 @@ class CommSettings:
             shm_zero_copy=bool(shm_zero_copy),
             close_timeout=ct,
             poll_spin=ps,
+            doorbell=bool(doorbell),
         )
+
+
+def _flag(env: os._Environ[str], var: str) -> bool:
+    raw = env.get(var, "1").strip().lower()
+    if raw not in ("0", "1", "true", "false", "yes", "no"):
+        raise ValueError(f"smp-comm setting {var}={raw!r}: use 0 or 1")
+    return raw in ("1", "true", "yes")

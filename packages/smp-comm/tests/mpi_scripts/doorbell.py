@@ -1,0 +1,63 @@
+"""Doorbells: idle trackers sleep on them, senders ring them, and traffic still arrives.
+
+Every receive here waits with ``spin=0``, so no receiving thread polls: each message is
+found by the receiver's tracker, which sleeps on its doorbell while idle. Rank 0 checks that
+it rang sleeping peers; the peers check that their trackers slept. The same traffic then
+runs with doorbells off (by setting, and when ranks pretend to sit on different hosts).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import smp_comm
+import torch
+from mpi4py import MPI
+from payloads import main_guard
+
+
+def exchange(comm: smp_comm.Communicator, rounds: int) -> None:
+    rank, size = comm.rank, comm.size
+    for i in range(rounds):
+        time.sleep(0.03)  # idle: the trackers go to sleep
+        if rank == 0:
+            for dest in range(1, size):
+                small = torch.full((16,), float(i * 10 + dest))
+                big = np.full(50_000, i + dest, dtype=np.int64)  # general path (shm)
+                comm.isend({"small": small, "big": big}, dest=dest, tag=i).wait(timeout=10)
+                comm.isend(small, dest=dest, tag=1000 + i).wait(timeout=10)  # fast path
+            for src in range(1, size):
+                back, _, _ = comm.irecv(src, tag=2000 + i).wait(timeout=10, spin=0)
+                assert int(back.sum()) == 16 * (i * 10 + src), (i, src, back)
+        else:
+            msg, _, _ = comm.irecv(0, tag=i).wait(timeout=10, spin=0)
+            assert torch.equal(msg["small"], torch.full((16,), float(i * 10 + rank)))
+            assert (msg["big"] == i + rank).all()
+            small, _, _ = comm.irecv(0, tag=1000 + i).wait(timeout=10, spin=0)
+            assert float(small[0]) == i * 10 + rank
+            comm.isend(small.to(torch.int64), dest=0, tag=2000 + i).wait(timeout=10)
+
+
+def main() -> None:
+    world = MPI.COMM_WORLD
+    rank = world.rank
+    with smp_comm.Communicator(world) as comm:
+        bell = comm._bell
+        assert bell is not None, "one host, default settings: doorbells expected"
+        exchange(comm, rounds=6)
+        world.Barrier()
+        rings, sleeps = bell.rings, bell.sleeps
+    if rank == 0:
+        assert rings > 0, f"rank 0 never rang a sleeping peer (rings={rings})"
+    else:
+        assert sleeps > 0, f"rank {rank}'s tracker never slept on its doorbell"
+    for kwargs in ({"doorbell": False}, {"node_id": "{rank}"}):
+        with smp_comm.Communicator(world, **kwargs) as comm:
+            assert comm._bell is None, kwargs
+            exchange(comm, rounds=2)
+    print(f"rank {rank} OK doorbell (rings {rings}, sleeps {sleeps})", flush=True)
+
+
+if __name__ == "__main__":
+    main_guard(main)
