@@ -31,6 +31,7 @@ class Handle:
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._waiter = waiter
+        self._callbacks: list[Callable[[Handle], None]] | None = None
 
     def _complete(self, result: Any = None, error: BaseException | None = None) -> bool:
         """Set the outcome once; later calls are ignored. Returns whether this call set it."""
@@ -40,9 +41,28 @@ class Handle:
             self._result, self._error = result, error
             self._done = True
             event = self._event
+            callbacks, self._callbacks = self._callbacks, None
         if event is not None:
             event.set()
+        if callbacks:
+            for fn in callbacks:
+                fn(self)
         return True
+
+    def add_done_callback(self, fn: Callable[[Handle], None]) -> None:
+        """Call ``fn(handle)`` once the operation finishes (at once if it has).
+
+        ``fn`` runs on whichever thread completes the handle (often a backend thread): keep
+        it short and non-blocking, e.g. setting an event that a loop waits on, so one thread
+        can sleep until either a message arrives or something else happens.
+        """
+        with self._lock:
+            if not self._done:
+                if self._callbacks is None:
+                    self._callbacks = []
+                self._callbacks.append(fn)
+                return
+        fn(self)
 
     def _sleep(self, timeout: float | None) -> bool:
         """Block (no polling) until completed or ``timeout`` passes; True if completed."""

@@ -17,7 +17,7 @@ the leader announced, it raises instead of guessing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 OrderItem = tuple[int, int, str, int]  # (step, microbatch, kind, index within the microbatch)
@@ -44,6 +44,7 @@ class OrderChannel:
         self._seq = 0
         self._sends: list[Any] = []
         self._recv: Any = None
+        self._watched: Any = None  # the receive handle given a wake-up callback
         self._buffer: dict[int, OrderItem] = {}
         self._next = 0
 
@@ -76,6 +77,13 @@ class OrderChannel:
         """The next task the leader started, if it has been announced."""
         self._drain()
         return self._buffer.get(self._next)
+
+    def wake_on_arrival(self, fn: Callable[[Any], None]) -> None:
+        """Call ``fn`` when the next announcement arrives (so a follower can sleep)."""
+        self._drain()
+        if self._recv is not self._watched:
+            self._watched = self._recv
+            self._recv.add_done_callback(fn)
 
     def pop(self) -> None:
         """Mark the item returned by :meth:`peek` as started here."""

@@ -45,9 +45,8 @@ from smp_pipeline.state import execution_state
 from smp_pipeline.worker import DEVICE, Task, Worker, current_worker
 
 # Idle main loop: drive the communicator for at most this long before sleeping on the
-# receive; while device work is under way, test for a message every tick instead.
+# receive. While device work is under way it sleeps until a message or the device's end.
 _SPIN_S = 2e-4
-_TICK_S = 5e-4
 
 # (pp rank, microbatch, module, phase, start, end): one EXECUTING span of a task.
 TimelineEvent = tuple[int, int, str, str, float, float]
@@ -122,7 +121,10 @@ class ExecutionServer:
         self._returning: queue.SimpleQueue[tuple[Worker, Task, float, float]] = queue.SimpleQueue()
         self._device_active = 0
         self._device_lock = threading.Lock()
-        self._device_done = threading.Event()  # set when device work ends (wakes the main loop)
+        # Wakes the main loop: set when device work ends or a message arrives (a callback on
+        # the posted receive), so the loop sleeps instead of polling for either.
+        self._wakeup = threading.Event()
+        self._watched: Any = None  # the receive handle that sets _wakeup
         # Tensor-parallel ordering: grants per (step, microbatch), and the channel.
         self.order = order
         self._grants: dict[tuple[int, int], int] = {}
@@ -166,20 +168,29 @@ class ExecutionServer:
         the communicator's progress for a short spin (0.2 ms, not the communicator's default),
         then sleeps while its tracker thread polls (no thread here wakes every tick: with more
         ranks than cores, an idle rank's polling takes CPU from the rank that would answer).
-        With device work under way, ticks of 0.5 ms test the receive and wake at once when the
-        device work ends.
+        With device work under way, it sleeps (up to 50 ms) until a message arrives or the
+        device work ends, whichever comes first.
         """
         if not self._device_active:
             return self._next_message(0.05, spin=_SPIN_S)
-        deadline = time.monotonic() + 0.05
-        while time.monotonic() < deadline:
-            msg = self._next_message(0)
-            if msg is not None or not self._returning.empty():
-                return msg
-            if self._device_done.wait(_TICK_S):
-                self._device_done.clear()
-                return None
-        return None
+        return self._sleep_for_message(0.05)
+
+    def _sleep_for_message(self, timeout: float) -> dict[str, Any] | None:
+        """Sleep until a message arrives or device work ends (or ``timeout``); the message
+        if one did."""
+        msg = self._next_message(0)
+        if msg is not None or not self._returning.empty():
+            return msg
+        handle = self._recv
+        if handle is not self._watched:
+            self._watched = handle
+            handle.add_done_callback(self._wake_main)
+        if self._wakeup.wait(timeout):
+            self._wakeup.clear()
+        return self._next_message(0)
+
+    def _wake_main(self, _handle: Any) -> None:
+        self._wakeup.set()
 
     def _pick_message(self) -> dict[str, Any] | None:
         """The arrived message to serve first (see :func:`_priority`), or None."""
@@ -303,7 +314,7 @@ class ExecutionServer:
                 end = time.time()
         finally:
             self._returning.put((worker, task, start, end))
-            self._device_done.set()
+            self._wakeup.set()
             worker.wait_resume()
 
     # ------------------------------------------------------------------ failures
@@ -463,11 +474,10 @@ class ExecutionServer:
             if want is not None and self._grant_follower(want):
                 self.order.pop()
                 continue
-            arrived = self._next_message(0)
+            self.order.wake_on_arrival(self._wake_main)
+            arrived = self._sleep_for_message(0.05)
             if arrived is not None:
                 self.inbox.append(arrived)
-            elif self._device_done.wait(0.0005):
-                self._device_done.clear()
 
     def _grant_follower(self, want: tuple[int, int, str, int]) -> bool:
         """Start the task the leader announced, if it is ready here."""
