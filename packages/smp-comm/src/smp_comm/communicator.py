@@ -77,8 +77,6 @@ _FAST = 0  # a fast-path frame waiting for its turn in its sender's order
 # Fast-path probes a waiting thread makes between two full progress rounds: a round costs
 # about as much as 10 probes, and the probes are what finds a small message soonest.
 _SPIN_PROBES = 32
-# Idle rounds before a tracker with doorbells sleeps on its bell: its sleeps go 20, 40, 80 us.
-_DEEP_AFTER_S = 8e-5
 _STOP = object()  # queue sentinel
 
 
@@ -656,8 +654,9 @@ class Communicator:
             path, source, region = self._free_q.get()
             if self._drained:
                 continue  # the peers stopped listening for FREEs (close() is under way)
+            # No ring: the sender needs the room back only when it next sends, and its
+            # tracker (or a thread waiting for our reply) reads the FREE when it next polls.
             req = self._cc.isend((path, region), dest=source, tag=_T_FREE)
-            self._ring(source)
             self._active.append(_Tracked([req], _nothing))
             busy = True
         if self._active:
@@ -710,7 +709,8 @@ class Communicator:
         # the others (CPython hands the GIL over only on request). Threads blocked in
         # wait() spin instead, briefly; the tracker sleeps between rounds, 20 us doubling
         # up to 1 ms while idle, and local work wakes it at once.
-        # With doorbells, after a few idle rounds it sleeps until a sender rings instead.
+        # With doorbells, the first round that finds nothing sleeps until a sender rings
+        # (a pipeline rank is idle between messages: fewer wake-ups, each one useful).
         sleep = 0.0
         while not (self._tracker_stop.is_set() and not self._active):
             if self._spinners:
@@ -723,16 +723,16 @@ class Communicator:
             if busy:
                 sleep = 0.0
                 continue
-            sleep = min(1e-3, max(2e-5, sleep * 2))
-            if self._bell is not None and sleep >= _DEEP_AFTER_S:
+            if self._bell is not None and not self._active:  # (requests in flight: poll)
                 self._deep = True
                 try:
                     self._bell.sleep(self._busy_before_sleep)
                 finally:
                     self._deep = False
                 self._wake.clear()
-                sleep = 0.0
-            elif self._wake.wait(sleep):
+                continue
+            sleep = min(1e-3, max(2e-5, sleep * 2))
+            if self._wake.wait(sleep):
                 self._wake.clear()
                 sleep = 0.0
 
