@@ -16,6 +16,9 @@ few steps after a warm-up:
   hand into the same two halves (embeddings + 4 blocks | 4 blocks + head; the head gets its
   own copy of the tied embedding, which does not change the work).
 
+Multi-process runs are launched with ``mpiexec -bind-to core`` (``BENCH_GPT_BIND=""`` turns
+it off), the same for smp and torch.distributed.pipelining.
+
 Two shapes: the headline (8 blocks of width 128, 64-character windows; 3 rounds) and a
 wider, longer one (width 256, 128 characters; 1 round). Runs alternate (per run the median
 step; best run of each kind) so that other load on the machine affects every kind alike.
@@ -44,6 +47,7 @@ _SHAPE = os.environ.get("BENCH_GPT_SHAPE", SHAPES[0])
 DIM, LAYERS, HEADS, SEQ, BATCH, MB = (int(v) for v in _SHAPE.split(","))
 WARMUP, STEPS = 2, 6
 ROUNDS = int(os.environ.get("BENCH_GPT_ROUNDS", "3"))
+BIND = os.environ.get("BENCH_GPT_BIND", "core")  # "" launches without binding
 
 
 def _setup():  # type: ignore[no-untyped-def]
@@ -183,7 +187,11 @@ def _launch(kind: str, nprocs: int, shape: str) -> float:
     else:
         local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
         mpiexec = local if os.access(local, os.X_OK) else "mpiexec"
-        cmd = [mpiexec, "-n", str(nprocs), sys.executable, __file__, "--worker", kind]
+        # Each process bound to a core of its own (the usual HPC launch, MPICH's
+        # -bind-to core), for every contender alike: threads then stop migrating between
+        # the cores, whose caches the two processes' compute would otherwise share.
+        bind = ["-bind-to", BIND] if BIND else []
+        cmd = [mpiexec, *bind, "-n", str(nprocs), sys.executable, __file__, "--worker", kind]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise SystemExit(f"bench_gpt: {kind} failed:\n{out.stdout}\n{out.stderr}")
@@ -214,7 +222,7 @@ def _compare(shape: str, rounds: int) -> None:
     smp_all = best["smp_active"]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
-        f"bench_gpt (load avg {load:.1f} on {os.cpu_count()} cores): GPT {layers}x{dim}, batch "
+        f"bench_gpt (load avg {load:.1f} on {os.cpu_count()} cores, bind {BIND or 'none'}): GPT {layers}x{dim}, batch "
         f"{batch}x{seq}, {mb} microbatches, 1 thread/process: "
         f"one process {one:,.0f} tok/s; smp pp=2 {smp_rate:,.0f} tok/s "
         f"({smp_rate / one:.2f}x one process, target >=1.6x, ideal {2 * mb / (mb + 1):.2f}x); "

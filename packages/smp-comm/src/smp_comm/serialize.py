@@ -148,6 +148,10 @@ _NUMPY_DTYPES = (
 )
 
 
+# Types that never hold tensor bytes of their own (containers are looked into by pickle).
+_PLAIN = frozenset({str, int, float, bool, type(None), bytes, tuple, list, dict})
+
+
 class _Pickler(pickle.Pickler):
     def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
@@ -158,6 +162,9 @@ class _Pickler(pickle.Pickler):
         self._keep: list[Any] = []  # keeps id()s unique while pickling
 
     def persistent_id(self, obj: Any) -> int | None:
+        # Called for every object pickled (each key, int, string): plain types leave first.
+        if type(obj) in _PLAIN:
+            return None
         make: Callable[[Any, int, int], tuple[TensorStub, Any]]
         if isinstance(obj, np.ndarray):
             if obj.dtype.hasobject or obj.dtype.itemsize == 0:
