@@ -25,6 +25,7 @@ import select
 import socket
 import sys
 import uuid
+from collections.abc import Callable
 
 from mpi4py import MPI
 
@@ -97,14 +98,14 @@ class Doorbells:
             return False  # full queue: a ring is pending anyway; gone peer: nothing to wake
         return True
 
-    def sleep(self, recheck_busy: object, timeout: float = _MAX_SLEEP_S) -> None:
+    def sleep(self, recheck_busy: Callable[[], bool], timeout: float = _MAX_SLEEP_S) -> None:
         """Mark this rank asleep, run ``recheck_busy()`` (one progress round: True if it found
         work) and, if it found none, block until rung or ``timeout`` passes."""
         self._flags[self._me] = 1
         try:
             # The flag store is published before the re-check reads MPI's queues: mpi4py drops
             # the GIL around each MPI call, and that mutex operation is a full memory barrier.
-            if recheck_busy():  # type: ignore[operator]
+            if recheck_busy():
                 return
             self.sleeps += 1
             select.select([self._sock], [], [], timeout)
