@@ -16,7 +16,7 @@ import threading
 import numpy as np
 import torch
 from mpi4py import MPI
-from payloads import guarded_by, main_guard
+from payloads import guarded_by, main_guard, run_threads
 from smp_comm import ANY_SOURCE, ANY_TAG, CommTimeoutError, Communicator
 
 THREADS = 3
@@ -112,12 +112,7 @@ def main() -> None:
     threads += [
         threading.Thread(target=receiver, args=(p, k)) for p in peers for k in range(THREADS)
     ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    run_threads(threads, errors)
 
     # ANY_SOURCE: every peer sends a stream on tag 50; one thread receives them all with
     # ANY_SOURCE and checks per-source order.

@@ -137,6 +137,17 @@ def guarded_by(errors: list[BaseException]):  # type: ignore[no-untyped-def]
     return guarded
 
 
+def run_threads(threads: list, errors: list[BaseException]) -> None:  # type: ignore[type-arg]
+    """Start and join ``threads`` (bodies wrapped by :func:`guarded_by`), then raise the first
+    error any of them recorded."""
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
 def main_guard(fn) -> None:
     """Run ``fn``; on any failure print the traceback and abort the whole MPI job."""
     from mpi4py import MPI

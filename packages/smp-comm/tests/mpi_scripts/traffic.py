@@ -10,7 +10,7 @@ import sys
 import threading
 
 from mpi4py import MPI
-from payloads import check, guarded_by, main_guard, make, own_shm_files
+from payloads import check, guarded_by, main_guard, make, own_shm_files, run_threads
 from smp_comm import ANY_SOURCE, ANY_TAG, Communicator
 
 MODE = sys.argv[1]
@@ -85,12 +85,7 @@ def main() -> None:
     threads += [
         threading.Thread(target=any_source_receiver, args=(200 + i,)) for i in range(PER_THREAD)
     ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    run_threads(threads, errors)
     # Received tensors may be views of the receive buffer: they must still hold their
     # bytes after all later traffic (no region is reused while a view is alive).
     for obj, src, t in kept:
