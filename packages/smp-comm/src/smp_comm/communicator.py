@@ -49,8 +49,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from smp_comm import doorbell, fastpath
-from smp_comm.doorbell import Doorbells
+from smp_comm import fastpath
+from smp_comm.doorbell import Doorbells, doorbells_available
 from smp_comm.errors import CommClosedError, CommError, PeerClosedError
 from smp_comm.handles import Handle, RecvHandle, SendHandle
 from smp_comm.paths import DirectPaths
@@ -318,14 +318,14 @@ class Communicator:
             counts = self._fast_count
             counts[0] += 1
             counts[1] += len(parts[-1])
-            if req.Test():  # eager: a small frame has usually left already
+            sent = req.Test()  # eager: a small frame has usually left already
+            if sent:
                 handle._done = True  # nobody else holds the handle yet
-                if self._bell is not None:
-                    self._bell.ring(dest)
-                return handle
-            self._open_sends.add(handle)
+            else:
+                self._open_sends.add(handle)
         self._ring(dest)
-        self._track([req], lambda: self._fast_sent(handle, buf))
+        if not sent:
+            self._track([req], lambda: self._fast_sent(handle, buf))
         return handle
 
     def _fast_sent(self, handle: SendHandle, buf: bytes) -> None:
@@ -490,7 +490,7 @@ class Communicator:
 
     def _open_doorbells(self) -> Doorbells | None:
         """Doorbells when the setting allows and every rank shares this host (collective)."""
-        want = self.settings.doorbell and doorbell.available()
+        want = self.settings.doorbell and doorbells_available()
         one_host = len(set(self._paths.node_of)) == 1
         if not self._cc.allreduce(bool(want and one_host), op=MPI.LAND):
             return None

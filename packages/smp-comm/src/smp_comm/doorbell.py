@@ -29,13 +29,13 @@ from collections.abc import Callable
 
 from mpi4py import MPI
 
-__all__ = ["Doorbells", "available"]
+__all__ = ["Doorbells", "doorbells_available"]
 
 _LINE = 64  # one cache line per rank: flags of different ranks never share a line
 _MAX_SLEEP_S = 0.01
 
 
-def available() -> bool:
+def doorbells_available() -> bool:
     """Doorbells need Linux (abstract-namespace sockets) and a shared-memory directory."""
     return sys.platform.startswith("linux") and os.path.isdir("/dev/shm")
 

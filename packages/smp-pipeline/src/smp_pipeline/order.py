@@ -44,7 +44,9 @@ class OrderChannel:
         self._seq = 0
         self._sends: list[Any] = []
         self._recv: Any = None
-        self._watched: Any = None  # the receive handle given a wake-up callback
+        # Called (on a communicator thread) when an announcement arrives: lets a follower's
+        # main loop sleep until the leader's next task instead of polling for it.
+        self.on_arrival: Callable[[Any], None] | None = None
         self._buffer: dict[int, OrderItem] = {}
         self._next = 0
 
@@ -67,6 +69,8 @@ class OrderChannel:
         while True:
             if self._recv is None:
                 self._recv = self.comm.irecv(source=self.leader, tag=self.tag)
+                if self.on_arrival is not None:
+                    self._recv.add_done_callback(self.on_arrival)
             if not self._recv.test():
                 return
             (seq, item), _, _ = self._recv.wait()
@@ -77,13 +81,6 @@ class OrderChannel:
         """The next task the leader started, if it has been announced."""
         self._drain()
         return self._buffer.get(self._next)
-
-    def wake_on_arrival(self, fn: Callable[[Any], None]) -> None:
-        """Call ``fn`` when the next announcement arrives (so a follower can sleep)."""
-        self._drain()
-        if self._recv is not self._watched:
-            self._watched = self._recv
-            self._recv.add_done_callback(fn)
 
     def pop(self) -> None:
         """Mark the item returned by :meth:`peek` as started here."""

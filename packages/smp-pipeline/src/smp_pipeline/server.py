@@ -124,9 +124,11 @@ class ExecutionServer:
         # Wakes the main loop: set when device work ends or a message arrives (a callback on
         # the posted receive), so the loop sleeps instead of polling for either.
         self._wakeup = threading.Event()
-        self._watched: Any = None  # the receive handle that sets _wakeup
-        # Tensor-parallel ordering: grants per (step, microbatch), and the channel.
+        # Tensor-parallel ordering: grants per (step, microbatch), and the channel (whose
+        # announcements also wake a sleeping follower).
         self.order = order
+        if order is not None:
+            order.on_arrival = self._wake_main
         self._grants: dict[tuple[int, int], int] = {}
         self.follower_start: Callable[[int, str], None] | None = None
 
@@ -140,9 +142,7 @@ class ExecutionServer:
         """
         if self.inbox:
             return self.inbox.popleft()
-        if self._recv is None:
-            self._recv = self.comm.irecv(source=ANY_SOURCE, tag=self.tag)
-        handle = self._recv
+        handle = self._posted_receive()
         try:
             if timeout <= 0:
                 if not handle.test():
@@ -181,16 +181,20 @@ class ExecutionServer:
         msg = self._next_message(0)
         if msg is not None or not self._returning.empty():
             return msg
-        handle = self._recv
-        if handle is not self._watched:
-            self._watched = handle
-            handle.add_done_callback(self._wake_main)
+        # Set by an arrival or a device end since the last sleep: then one quick turn more.
         if self._wakeup.wait(timeout):
             self._wakeup.clear()
         return self._next_message(0)
 
     def _wake_main(self, _handle: Any) -> None:
         self._wakeup.set()
+
+    def _posted_receive(self) -> Any:
+        """The receive for the next message, posted if need be; its arrival wakes the loop."""
+        if self._recv is None:
+            self._recv = self.comm.irecv(source=ANY_SOURCE, tag=self.tag)
+            self._recv.add_done_callback(self._wake_main)
+        return self._recv
 
     def _pick_message(self) -> dict[str, Any] | None:
         """The arrived message to serve first (see :func:`_priority`), or None."""
@@ -205,12 +209,11 @@ class ExecutionServer:
     def _poll_abort(self) -> None:
         """Move every arrived message into the inbox, noting an abort."""
         while True:
-            if self._recv is None:
-                self._recv = self.comm.irecv(source=ANY_SOURCE, tag=self.tag)
-            if not self._recv.test():
+            handle = self._posted_receive()
+            if not handle.test():
                 return
             try:
-                obj, _, _ = self._recv.wait()
+                obj, _, _ = handle.wait()
             except Exception as exc:
                 self._recv = None
                 self.abort("error", f"pp rank {self.pp_rank}: receiving failed: {exc!r}")
@@ -474,7 +477,6 @@ class ExecutionServer:
             if want is not None and self._grant_follower(want):
                 self.order.pop()
                 continue
-            self.order.wake_on_arrival(self._wake_main)
             arrived = self._sleep_for_message(0.05)
             if arrived is not None:
                 self.inbox.append(arrived)
