@@ -11,12 +11,14 @@ from smp_comm.testing import run_mpi
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 
 
-def launch(script: str, nprocs: int, *args: Any, timeout: float = 180.0) -> str:
+def launch(
+    script: str, nprocs: int, *args: Any, timeout: float = 180.0, launcher_args: tuple[str, ...] = ()
+) -> str:
     """Run ``scripts/<script>`` on ``nprocs`` ranks; JSON-encode non-string arguments."""
     argv = [os.path.join(SCRIPTS, script)]
     argv += [a if isinstance(a, str) else json.dumps(a) for a in args]
     env = {"OMP_NUM_THREADS": "1", "SMP_CONFIG": ""}
-    return run_mpi(argv, nprocs, timeout=timeout, env=env)
+    return run_mpi(argv, nprocs, timeout=timeout, env=env, launcher_args=launcher_args)
 
 
 def ok_cases(out: str) -> list[str]:

@@ -38,13 +38,18 @@ def run_mpi(
     timeout: float = 120.0,
     env: Mapping[str, str] | None = None,
     cwd: str | None = None,
+    launcher_args: Sequence[str] = (),
 ) -> str:
-    """Run ``mpiexec -n nprocs python *args``; return the combined output of all ranks.
+    """Run ``mpiexec [launcher_args] -n nprocs python *args``; return the combined output of
+    all ranks.
 
+    ``launcher_args`` go to ``mpiexec`` itself, e.g. Hydra's ``-disable-auto-cleanup`` for a
+    job whose ranks end with ``os._exit`` (without it, the first such exit makes the launcher
+    kill the others, and the job's status depends on which exit it saw first).
     Raises :class:`MPIRunError` (with the output) on a non-zero exit or after ``timeout``
     seconds, having killed every process of the job.
     """
-    cmd = [mpiexec_path(), "-n", str(nprocs), sys.executable, *args]
+    cmd = [mpiexec_path(), *launcher_args, "-n", str(nprocs), sys.executable, *args]
     full_env = dict(os.environ)
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env["PYTHONUNBUFFERED"] = "1"

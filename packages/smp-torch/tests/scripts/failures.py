@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import torch
 
@@ -48,10 +47,9 @@ def main() -> None:
     except Exception as exc:  # noqa: BLE001
         first_line = str(exc).splitlines()[0][:120] if str(exc) else ""
         print(f"\nRANK {smp.rank()} RAISED {type(exc).__name__}: {first_line}", flush=True)
-        # Skip the orderly shutdown (peers are gone), but only after a grace period: MPICH's
-        # launcher kills the remaining ranks once one exits without MPI_Finalize, which would
-        # cut off a peer that is raising the same error a moment later.
-        time.sleep(3)
+        # Skip the orderly shutdown (smp's threads may still be blocked). The test launches
+        # with Hydra's -disable-auto-cleanup, so this exit does not cut off a peer that is
+        # raising the same error a moment later.
         os._exit(0)
     print(f"RANK {smp.rank()} NO ERROR", flush=True)
 
