@@ -1088,8 +1088,8 @@ _LIVE: weakref.WeakSet[Communicator] = weakref.WeakSet()
 
 
 @atexit.register
-def _close_at_exit() -> None:
-    """A Communicator left open is closed before mpi4py finalizes MPI (atexit runs LIFO)."""
+def close_live_communicators() -> None:
+    """At exit: a Communicator left open is closed before mpi4py finalizes MPI."""
     for comm in list(_LIVE):
         try:
             comm.close(timeout=10.0)

@@ -10,7 +10,7 @@ from smp_pipeline.errors import (
 )
 from smp_pipeline.microbatch import split_microbatches
 from smp_pipeline.order import OrderChannel
-from smp_pipeline.runtime import PipelineRuntime
+from smp_pipeline.runtime import PipelineRuntime, shutdown_runtimes
 from smp_pipeline.schedule import Scheduler
 from smp_pipeline.server import device_work
 from smp_pipeline.trace import static_graph_dict, trace, trace_dict
@@ -28,6 +28,7 @@ __all__ = [
     "add_checkpoint_context",
     "device_work",
     "plot_timeline",
+    "shutdown_runtimes",
     "split_microbatches",
     "static_graph_dict",
     "to_chrome_trace",

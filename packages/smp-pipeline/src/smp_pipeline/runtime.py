@@ -9,11 +9,14 @@ driver announces the end of the step.
 
 from __future__ import annotations
 
+import atexit
 import functools
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
+from smp_comm.shutdown import wait_for_threads_at_exit
 from torch import nn
 
 from smp_pipeline.assignment import auto_assignment, resolve_assignment
@@ -95,7 +98,9 @@ class PipelineRuntime:
         self.pp_size = pp_size
         self.comm_ranks = list(comm_ranks) if comm_ranks is not None else list(range(pp_size))
         if len(self.comm_ranks) != pp_size:
-            raise PipelineConfigError(f"comm_ranks has {len(self.comm_ranks)} entries, pp_size is {pp_size}")
+            raise PipelineConfigError(
+                f"comm_ranks has {len(self.comm_ranks)} entries, pp_size is {pp_size}"
+            )
         self.alpha = alpha
         self.schedule = schedule
         self.active_microbatches = active_microbatches or pp_size + 2
@@ -122,6 +127,7 @@ class PipelineRuntime:
             backward_mode=backward_mode,
         )
         self.order_channel = order_channel
+        _LIVE.add(self)  # closed at exit, and its threads checked (even once closed)
         if assignment is not None:
             self.set_assignment(assignment)
 
@@ -177,7 +183,10 @@ class PipelineRuntime:
                             with torch.no_grad():
                                 run()
                         graph = trace_dict(
-                            self.module, args, dict(kwargs or {}), run=run,
+                            self.module,
+                            args,
+                            dict(kwargs or {}),
+                            run=run,
                             device=self.trace_device if step_fn is None else None,
                         )
                 finally:
@@ -296,7 +305,9 @@ class PipelineRuntime:
             return x
         m = self._modules.get(path)
         if m is None or self.assignment is None or self.assignment[path] != self.pp_rank:
-            raise PipelineError(f"pp rank {self.pp_rank} was asked to run module '{path}', which it does not own")
+            raise PipelineError(
+                f"pp rank {self.pp_rank} was asked to run module '{path}', which it does not own"
+            )
         call = functools.partial(type(m)._call_impl, m)
         if checkpoint:
             return run_checkpointed(call, args, kwargs)
@@ -330,7 +341,9 @@ class PipelineRuntime:
         m = num_microbatches
         mbs = []
         if self.is_driver:
-            mbs = split_microbatches(step_fn, tuple(args), kwargs, m, non_split_inputs, input_split_axes)
+            mbs = split_microbatches(
+                step_fn, tuple(args), kwargs, m, non_split_inputs, input_split_axes
+            )
         if self.assignment is None:
             if self.is_driver:
                 self.partition(step_fn, *mbs[0])
@@ -368,9 +381,7 @@ class PipelineRuntime:
         else:
             gs = list(grad_tensors)
         scale = 1.0 / self._num_microbatches
-        grads = [
-            torch.full_like(t, scale) if g is None else g * scale for t, g in zip(ts, gs)
-        ]
+        grads = [torch.full_like(t, scale) if g is None else g * scale for t, g in zip(ts, gs)]
         self.server.backward(ts, grads)
 
     # ------------------------------------------------------------------ parameters and state
@@ -407,7 +418,9 @@ class PipelineRuntime:
         by_alias = getattr(self, "_alias_cache", None)
         if by_alias is None:
             canon = canonical_modules(self.module)
-            by_alias = {n: canon[id(m)] for n, m in self.module.named_modules(remove_duplicate=False)}
+            by_alias = {
+                n: canon[id(m)] for n, m in self.module.named_modules(remove_duplicate=False)
+            }
             self._alias_cache = by_alias
         return by_alias[alias]
 
@@ -462,7 +475,9 @@ class PipelineRuntime:
         """This rank's recorded spans ``(rank, mb, module, phase, start, end)``."""
         return list(self.server.events)
 
-    def write_timeline(self, json_path: str | None = None, png_path: str | None = None) -> list[Any] | None:
+    def write_timeline(
+        self, json_path: str | None = None, png_path: str | None = None
+    ) -> list[Any] | None:
         """Collective: gather every rank's events to pp rank 0 and write JSON and/or PNG."""
         parts = self._gather(self.timeline_events(), 0)
         if parts is None:
@@ -478,7 +493,10 @@ class PipelineRuntime:
     def _bcast(self, obj: Any) -> Any:
         tag = self.tag + 1
         if self.is_driver:
-            hs = [self.comm.isend(obj, dest=self.comm_ranks[r], tag=tag) for r in range(1, self.pp_size)]
+            hs = [
+                self.comm.isend(obj, dest=self.comm_ranks[r], tag=tag)
+                for r in range(1, self.pp_size)
+            ]
             for h in hs:
                 h.wait(timeout=self.timeout_s)
             return obj
@@ -495,7 +513,9 @@ class PipelineRuntime:
             if r == dst:
                 out.append(obj)
             else:
-                got, _, _ = self.comm.irecv(source=self.comm_ranks[r], tag=tag).wait(timeout=self.timeout_s)
+                got, _, _ = self.comm.irecv(source=self.comm_ranks[r], tag=tag).wait(
+                    timeout=self.timeout_s
+                )
                 out.append(got)
         return out
 
@@ -509,3 +529,29 @@ class PipelineRuntime:
         self.server.close()
         if self.order_channel is not None:
             self.order_channel.close()
+
+    def threads(self) -> list[Any]:
+        """The server's worker threads (for an orderly process exit)."""
+        return self.server.threads()
+
+
+_LIVE: weakref.WeakSet[PipelineRuntime] = weakref.WeakSet()
+
+
+@atexit.register
+def shutdown_runtimes() -> None:
+    """Close every runtime of this process and check that their workers ended.
+
+    Runs at exit, before the communicators close (atexit runs LIFO and this module imports
+    smp_comm first). A worker still blocked in a collective after a failed step would abort
+    the process during interpreter finalization: it is waited for first (see
+    :mod:`smp_comm.shutdown`).
+    """
+    threads = []
+    for runtime in list(_LIVE):
+        try:
+            runtime.close()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+        threads += runtime.threads()
+    wait_for_threads_at_exit(threads, "smp-pipeline")

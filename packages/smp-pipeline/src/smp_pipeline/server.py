@@ -70,7 +70,9 @@ class ExecutionServer:
         backward_mode: str = "auto",
     ) -> None:
         if backward_mode not in ("auto", "joined", "segments"):
-            raise PipelineError(f"backward_mode must be 'auto', 'joined' or 'segments', got {backward_mode!r}")
+            raise PipelineError(
+                f"backward_mode must be 'auto', 'joined' or 'segments', got {backward_mode!r}"
+            )
         # Cross-rank autograd (boundary.py): "auto" joins where gradients are CPU tensors.
         self.backward_mode = backward_mode
         self.comm = comm
@@ -131,7 +133,6 @@ class ExecutionServer:
             order.on_arrival = self._wake_main
         self._grants: dict[tuple[int, int], int] = {}
         self.follower_start: Callable[[int, str], None] | None = None
-
 
     # ------------------------------------------------------------------ transport
     def _next_message(self, timeout: float, spin: float | None = None) -> dict[str, Any] | None:
@@ -369,10 +370,7 @@ class ExecutionServer:
         task, exc, tb = self.failure
         if isinstance(exc, PipelineError) and self.abort_msg is not None:
             self.raise_if_aborted()
-        text = (
-            f"pp rank {self.pp_rank}: {type(exc).__name__}: {exc} during {task.describe()}\n"
-            f"{tb}"
-        )
+        text = f"pp rank {self.pp_rank}: {type(exc).__name__}: {exc} during {task.describe()}\n{tb}"
         try:
             self.abort("error", text)
         except PipelineRemoteError as err:
@@ -559,7 +557,9 @@ class ExecutionServer:
                 return
             call = self.outgoing[key]  # type: ignore[index]
             label = call.parent.path if isinstance(call.parent, IncomingCall) else "<step>"
-            task = Task(self._run_caller_segment, call.mb, label, "backward", call.parent, call.step)
+            task = Task(
+                self._run_caller_segment, call.mb, label, "backward", call.parent, call.step
+            )
             task.payload = (call, msg)  # type: ignore[attr-defined]
             self._start(task)
         elif kind == M.MB_DONE:
@@ -690,6 +690,10 @@ class ExecutionServer:
         return unflatten(msg["outputs"]["skeleton"], msg["outputs"]["tensors"])
 
     # ------------------------------------------------------------------ shutdown
+    def threads(self) -> list[threading.Thread]:
+        """The worker threads this server started (alive or not)."""
+        return [w.thread for w in self.workers]
+
     def close(self) -> None:
         if self.shutting_down:
             return

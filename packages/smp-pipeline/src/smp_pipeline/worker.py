@@ -73,6 +73,10 @@ class Worker:
         )
         self._thread.start()
 
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
     # called by the main loop ------------------------------------------------------------
     def give_token(self) -> None:
         self.state = EXECUTING

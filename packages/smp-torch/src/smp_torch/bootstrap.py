@@ -33,8 +33,10 @@ def _host_address(all_hosts: list[str], rank0_host: str) -> str:
         return rank0_host
 
 
-def init_torch_distributed(mpi_comm: Any, timeout_s: float) -> None:
-    """Initialise the default ``torch.distributed`` group over the ranks of ``mpi_comm``."""
+def init_torch_distributed(mpi_comm: Any, timeout_s: float) -> bool:
+    """Initialise the default ``torch.distributed`` group over the ranks of ``mpi_comm``.
+
+    Returns whether this call created it (False when it was already initialised)."""
     rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
     if dist.is_initialized():
         if dist.get_world_size() != size or dist.get_rank() != rank:
@@ -42,7 +44,7 @@ def init_torch_distributed(mpi_comm: Any, timeout_s: float) -> None:
                 f"torch.distributed is already initialised with rank {dist.get_rank()} of "
                 f"{dist.get_world_size()}, but MPI says rank {rank} of {size}"
             )
-        return
+        return False
     timeout = timedelta(seconds=max(timeout_s, 30.0))
     hosts = mpi_comm.allgather(socket.gethostname())
     store = None
@@ -59,3 +61,4 @@ def init_torch_distributed(mpi_comm: Any, timeout_s: float) -> None:
     dist.init_process_group(
         backend=default_backend(), store=store, rank=rank, world_size=size, timeout=timeout
     )
+    return True

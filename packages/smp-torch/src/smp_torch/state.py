@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -103,6 +104,31 @@ def _close_previous() -> None:
     _STATE = None
 
 
+_EXIT_REGISTERED = False
+
+
+def _register_exit() -> None:
+    # Registered after every smp import, so it runs before their own exit handlers (LIFO).
+    global _EXIT_REGISTERED
+    _EXIT_REGISTERED = True
+    atexit.register(_shutdown)
+
+
+def _shutdown() -> None:
+    """At exit: end smp's threads, then release the process groups smp created.
+
+    The groups are destroyed while the interpreter is fully alive, once no smp thread is
+    inside one of their collectives (see :mod:`smp_comm.shutdown`)."""
+    from smp_pipeline import shutdown_runtimes
+
+    from smp_torch.watch import wait_for_step_threads
+
+    shutdown_runtimes()
+    wait_for_step_threads()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def init(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> SMPConfig:
     """Initialise smp: validate ``config``, start ``torch.distributed``, build the groups.
 
@@ -119,7 +145,8 @@ def init(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> SM
     cfg = parse_config(config, size)
     _close_previous()
     rank = world.Get_rank()
-    init_torch_distributed(world, cfg.timeout_s)
+    if init_torch_distributed(world, cfg.timeout_s) and not _EXIT_REGISTERED:
+        _register_exit()
 
     node = world.Split_type(mpi.COMM_TYPE_SHARED, key=rank)
     local_rank, local_size = node.Get_rank(), node.Get_size()

@@ -9,23 +9,36 @@ raises sends a notice to every other rank and raises at once; every other rank r
 waiting for the outcome. (The pipeline runtime has its own abort messages for pp > 1.)
 
 After such a failure the blocked helper thread stays blocked and the job's collectives are
-unusable: the error is for ending the job cleanly, not for carrying on.
+unusable: the error is for ending the job cleanly, not for carrying on. At exit, a helper
+thread still blocked is waited for (the collective fails once the peers' processes end)
+before the interpreter finalizes, which would otherwise abort the process (see
+:mod:`smp_comm.shutdown`).
 """
 
 from __future__ import annotations
 
 import array
+import atexit
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from mpi4py import MPI
+from smp_comm.shutdown import wait_for_threads_at_exit
 
 from smp_torch.errors import SMPError
 
 _NOTICE_TAG = 7
 _POLL_S = 2e-3
+# Step threads that have not ended (a step that raised elsewhere leaves one blocked).
+_RUNNING: set[threading.Thread] = set()
+
+
+@atexit.register
+def wait_for_step_threads() -> None:
+    """At exit: wait until no step thread is blocked any more (see the module docstring)."""
+    wait_for_threads_at_exit(list(_RUNNING), "smp-torch")
 
 
 class StepFailedElsewhere(SMPError):
@@ -50,8 +63,11 @@ class StepWatch:
                 fn()
             except BaseException as exc:  # noqa: BLE001 - handed to the calling thread
                 box["error"] = exc
+            finally:
+                _RUNNING.discard(threading.current_thread())
 
         thread = threading.Thread(target=target, name="smp-torch-step", daemon=True)
+        _RUNNING.add(thread)
         thread.start()
         while thread.is_alive():
             thread.join(_POLL_S)
@@ -65,7 +81,9 @@ class StepWatch:
         status = MPI.Status()
         if self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=_NOTICE_TAG, status=status):
             notice = self.comm.recv(source=status.Get_source(), tag=_NOTICE_TAG)
-            raise StepFailedElsewhere(f"the step failed on rank {notice['rank']}: {notice['error']}")
+            raise StepFailedElsewhere(
+                f"the step failed on rank {notice['rank']}: {notice['error']}"
+            )
 
     def notify(self, error: BaseException) -> None:
         """Tell every other rank that this rank's step raised ``error`` (waits up to 5 s for
@@ -73,7 +91,9 @@ class StepWatch:
         text = f"{type(error).__name__}: {error}".splitlines()[0][:500]
         notice = {"rank": self.rank, "error": text}
         requests = [
-            self.comm.isend(notice, dest=r, tag=_NOTICE_TAG) for r in range(self.size) if r != self.rank
+            self.comm.isend(notice, dest=r, tag=_NOTICE_TAG)
+            for r in range(self.size)
+            if r != self.rank
         ]
         deadline = time.monotonic() + 5.0
         while requests and time.monotonic() < deadline:
