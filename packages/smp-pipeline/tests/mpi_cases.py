@@ -179,6 +179,30 @@ def suite_pp2(comm):
     run_case(comm, "seqrun-ckpt", models.seq_model, data(), seq_assign, 4,
              checkpointing={"2": None, "4": None})
 
+    # Preemption: pp rank 1's forward span (children 1-3, 30 ms each) is still running when
+    # pp rank 0's backward request for the previous microbatch arrives; the forward yields
+    # at the next child, serves the backward, resumes, and results stay exact.
+    class Slow(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            time.sleep(0.03)
+            return self.inner(x)
+
+    def slow_seq():
+        net = models.seq_model()
+        for i in (1, 2, 3):
+            net[i] = Slow(net[i])
+        return net
+
+    rt = run_case(comm, "seqrun-preempt", slow_seq, data(), {"1": 1, "2": 1, "3": 1}, 4, steps=1)
+    yields = comm_allgather(rt.server.yields)
+    assert yields[1] > 0, f"pp rank 1's forwards never yielded: {yields}"
+    if comm.rank == 0:
+        print(f"CASE-OK seqrun-preempt-yields {yields}", flush=True)
+
     def tied_step(model, rt):
         def step(ids, target):
             logits = model(ids)

@@ -27,7 +27,8 @@ def test_pp2_equivalence() -> None:
     assert "SUITE-OK pp2" in out, out
     cases = _cases(out)
     for name in ("chain-simple-m8", "chain-interleaved-m1", "chain-custom", "chain-auto-meta", "tied-ckpt-group_2",
-                 "seqrun-simple", "seqrun-interleaved", "seqrun-ckpt",
+                 "seqrun-simple", "seqrun-interleaved", "seqrun-ckpt", "seqrun-preempt",
+                 "seqrun-preempt-yields",
                  "reuse-interleaved", "branch-simple", "gpt2-auto", "t5-auto", "t5-manual",
                  "state-and-timeline", "chain-segments", "reuse-segments", "tied-segments",
                  "gpt2-segments", "diamond-joined", "diamond-segments"):

@@ -217,8 +217,31 @@ class PipelineRuntime:
                 empty = torch.empty(0, dtype=p.dtype, device=p.device)
                 m._parameters[name] = nn.Parameter(empty, requires_grad=p.requires_grad)
 
+    def _install_yield_points(self) -> None:
+        """A forward pre-hook on each owned child of a sequential container (a transformer
+        block, say): the server's yield point, where a long forward lets a newly arrived
+        response or backward request go first (see ExecutionServer.yield_point)."""
+        for handle in getattr(self, "_yield_hooks", []):
+            handle.remove()
+        self._yield_hooks: list[Any] = []
+        if not self.server.preemption:
+            return
+        assert self.assignment is not None
+        hook = self._yield_hook
+        for path, m in self._modules.items():
+            if not isinstance(m, (nn.Sequential, nn.ModuleList)):
+                continue
+            for name, child in m.named_children():
+                child_path = f"{path}.{name}" if path else name
+                if self.assignment.get(child_path) == self.pp_rank:
+                    self._yield_hooks.append(child.register_forward_pre_hook(hook))
+
+    def _yield_hook(self, _module: nn.Module, _args: Any) -> None:
+        self.server.yield_point()
+
     def _install_dispatch(self) -> None:
         assert self.assignment is not None
+        self._install_yield_points()
         for path, m in self._modules.items():
             owner = self.assignment[path]
             if owner != self.pp_rank:

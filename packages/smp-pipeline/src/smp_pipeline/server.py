@@ -23,7 +23,7 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -131,6 +131,13 @@ class ExecutionServer:
         self.order = order
         if order is not None:
             order.on_arrival = self._wake_main
+        # Preemption at yield points (see yield_point): set when a message that unblocks
+        # other work arrives while a forward task runs; workers that gave the token back.
+        # Off under tensor-parallel ordering (followers could not yield at the same points).
+        self.preemption = order is None
+        self._preempt = False
+        self.yields = 0  # forwards that gave the token back at a yield point
+        self.yielded: collections.deque[Worker] = collections.deque()
         self._grants: dict[tuple[int, int], int] = {}
         self.follower_start: Callable[[int, str], None] | None = None
 
@@ -187,8 +194,36 @@ class ExecutionServer:
             self._wakeup.clear()
         return self._next_message(0)
 
-    def _wake_main(self, _handle: Any) -> None:
+    def _wake_main(self, handle: Any) -> None:
         self._wakeup.set()
+        task = self.current
+        if self.preemption and task is not None and task.phase == "forward":
+            result = getattr(handle, "_result", None)
+            obj = result[0] if isinstance(result, tuple) and result else None
+            if isinstance(obj, dict) and obj.get("kind") in _PREEMPTING:
+                self._preempt = True
+
+    def yield_point(self) -> None:
+        """Called before each block of a forward (children of owned sequential containers):
+        if a message arrived that another rank's work waits on (see ``_PREEMPTING``), the
+        running forward gives the token back, the main loop serves such messages, and the
+        forward resumes right after (before any other work). A flag test otherwise."""
+        if not self._preempt:
+            return
+        self._preempt = False
+        worker = current_worker()
+        task = self.current
+        if (
+            worker is None
+            or worker.server is not self
+            or task is None
+            or task.worker is not worker
+            or task.phase != "forward"
+            or task.in_segment
+        ):
+            return
+        self.yields += 1
+        worker.yield_token()
 
     def _posted_receive(self) -> Any:
         """The receive for the next message, posted if need be; its arrival wakes the loop."""
@@ -197,12 +232,20 @@ class ExecutionServer:
             self._recv.add_done_callback(self._wake_main)
         return self._recv
 
-    def _pick_message(self) -> dict[str, Any] | None:
-        """The arrived message to serve first (see :func:`_priority`), or None."""
+    def _pick_message(self, only: frozenset[str] | None = None) -> dict[str, Any] | None:
+        """The arrived message to serve first (see :func:`_priority`), or None. With
+        ``only``: among messages of those kinds and control messages only."""
         self._poll_abort()
         if not self.inbox:
             return None
-        best = min(range(len(self.inbox)), key=lambda i: _priority(self.inbox[i]))
+        candidates: Sequence[int] = range(len(self.inbox))
+        if only is not None:
+            candidates = [
+                i for i, m in enumerate(self.inbox) if m["kind"] in only or _CLASS.get(m["kind"], 0) == 0
+            ]
+            if not candidates:
+                return None
+        best = min(candidates, key=lambda i: _priority(self.inbox[i]))
         msg = self.inbox[best]
         del self.inbox[best]
         return msg
@@ -424,6 +467,15 @@ class ExecutionServer:
                 worker, value = self.ready.popleft()
                 worker.value = value
                 self._switch(worker)
+                continue
+            if self.yielded:
+                # A forward gave the token back at a yield point: serve the arrived messages
+                # that unblock work (not new forward requests), then resume it.
+                msg = self._pick_message(only=_PREEMPTING)
+                if msg is not None:
+                    self._handle(msg)
+                else:
+                    self._switch(self.yielded.popleft())
                 continue
             # Scheduled top-level work before queued requests: the schedule's own bound
             # (active microbatches) keeps the pipeline full without flooding it.
@@ -707,13 +759,14 @@ class ExecutionServer:
         # Workers still blocked after an aborted step (a remote call or a joined backward
         # waiting for an answer) hold their tasks' graphs: resume them so they raise, end
         # their task and go idle, rather than block for the life of the process.
-        stuck = list(self.waiting.values()) + [w for w, _ in self.ready]
+        stuck = list(self.waiting.values()) + [w for w, _ in self.ready] + list(self.yielded)
         if stuck and self.abort_msg is None:
             self.abort_msg = self._abort_message(
                 "error", f"pp rank {self.pp_rank}: the runtime was closed during a step"
             )
         self.waiting.clear()
         self.ready.clear()
+        self.yielded.clear()
         for w in stuck:
             w.give_token()
             self._main_sem.acquire(timeout=1)
@@ -733,6 +786,14 @@ _CLASS = {
     M.BWD_REQ: 2,  # backward before new forward work, as in 1F1B
     M.FWD_REQ: 3,
 }
+
+
+# Arrivals that make a running forward yield (see ExecutionServer.yield_point): work another
+# rank waits for. A forward response resumes a pending caller (on the driver: the loss, then
+# the backward request the next stage waits for); a backward request's answer goes back to
+# the rank that sent it. (A backward response is not: on the first stage it only continues
+# local backward, while the forward it would delay feeds the next stage.)
+_PREEMPTING = frozenset((M.FWD_RESP, M.BWD_REQ))
 
 
 def _backward_wait_key(msg: dict[str, Any]) -> tuple[Any, ...]:

@@ -107,6 +107,15 @@ class Worker:
         self.state = EXECUTING
         self.server.raise_if_aborted()
 
+    def yield_token(self) -> None:
+        """Give the token back mid-task; the main loop resumes us (see yield_point)."""
+        self.state = PENDING
+        self.server.yielded.append(self)
+        self.server.token_returned()
+        self._sem.acquire()
+        self.state = EXECUTING
+        self.server.raise_if_aborted()
+
     def wait(self, key: Any) -> Any:
         """Go PENDING until the main loop resumes us with the value for ``key``."""
         self.state = PENDING
