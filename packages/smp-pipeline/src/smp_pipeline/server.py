@@ -198,8 +198,10 @@ class ExecutionServer:
         self._wakeup.set()
         task = self.current
         if self.preemption and task is not None and task.phase == "forward":
-            result = getattr(handle, "_result", None)
-            obj = result[0] if isinstance(result, tuple) and result else None
+            try:
+                obj = handle.wait(0)[0]  # done: returns at once (a failed receive raises)
+            except Exception:  # noqa: BLE001 - the main loop reports it when it takes it
+                return
             if isinstance(obj, dict) and obj.get("kind") in _PREEMPTING:
                 self._preempt = True
 
