@@ -109,19 +109,20 @@ class Worker:
 
     def yield_token(self) -> None:
         """Give the token back mid-task; the main loop resumes us (see yield_point)."""
-        self.state = PENDING
         self.server.yielded.append(self)
-        self.server.token_returned()
-        self._sem.acquire()
-        self.state = EXECUTING
-        self.server.raise_if_aborted()
+        self._park()
 
     def wait(self, key: Any) -> Any:
         """Go PENDING until the main loop resumes us with the value for ``key``."""
-        self.state = PENDING
         self.server.register_wait(key, self)
+        self._park()
+        value, self.value = self.value, None
+        return value
+
+    def _park(self) -> None:
+        """PENDING: give the token back and block until the main loop hands it over again
+        (``give_token`` sets EXECUTING); raise if the step was aborted meanwhile."""
+        self.state = PENDING
         self.server.token_returned()
         self._sem.acquire()
         self.server.raise_if_aborted()
-        value, self.value = self.value, None
-        return value
