@@ -85,6 +85,25 @@ def test_schedules() -> None:
         Scheduler("gpipe", 1, 1)
 
 
+def test_next_backward_only_for_interleaved() -> None:
+    """What may start before a preempted forward resumes: a ready backward, never a forward,
+    and only where the policy would start that backward next anyway."""
+    inter = Scheduler("interleaved", 3, 3)
+    assert inter.next_backward() is None  # nothing ready: no forward either
+    assert inter.next_action() == (0, "forward") and inter.next_action() == (1, "forward")
+    inter.ready_for_backward(1)
+    assert inter.next_backward() == (1, "backward")
+    assert inter.next_backward() is None
+    simple = Scheduler("simple", 2, 2)
+    simple.next_action()
+    simple.ready_for_backward(0)
+    assert simple.next_backward() is None  # simple: backwards wait for the forwards
+    custom = Scheduler([(0, "forward"), (1, "forward"), (0, "backward"), (1, "backward")], 2, 2)
+    custom.next_action()
+    custom.ready_for_backward(0)
+    assert custom.next_backward() is None  # custom: the listed order only
+
+
 def test_active_bound() -> None:
     s = Scheduler("interleaved", 4, 2)
     assert s.next_action() == (0, "forward") and s.next_action() == (1, "forward")

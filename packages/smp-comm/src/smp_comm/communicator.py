@@ -92,6 +92,7 @@ class _Send:
     packed: Packed | None = None
     path: str = "mpi"
     region: int = -1
+    wake: bool = True  # ring the destination's doorbell (isend's ``wake``)
 
 
 @dataclass
@@ -217,6 +218,7 @@ class Communicator:
         self._progress_lock = threading.Lock()  # one thread at a time runs _poll_once
         self._active: list[_Tracked] = []  # outstanding MPI requests (under _progress_lock)
         self._free_q: queue.SimpleQueue[tuple[str, int, int]] = queue.SimpleQueue()
+        self._free_lock = threading.Lock()  # FREEs sent directly vs close()'s DRAINED
         self._status = MPI.Status()
         self._working = [0, 0, 0, 0]  # queued items: router, direct, requester, postproc
         self._working_lock = threading.Lock()
@@ -239,17 +241,22 @@ class Communicator:
 
     # ------------------------------------------------------------------ public API
 
-    def isend(self, obj: Any, dest: int, tag: int = 0) -> SendHandle:
+    def isend(self, obj: Any, dest: int, tag: int = 0, *, wake: bool = True) -> SendHandle:
         """Start sending ``obj`` (any picklable structure of tensors/arrays) to ``dest``.
 
         Returns at once. The tensors in ``obj`` must not be modified until the handle's
         ``wait()`` returns (as with ``MPI_Isend``).
+
+        ``wake=False``: do not ring ``dest``'s doorbell. For a message nobody waits for at
+        once (a hint, a clean-up note): ``dest`` takes it at its next progress round (a
+        thread waiting there, its next rung message, or its tracker's idle timeout,
+        at most 10 ms), and its compute is not interrupted for it.
         """
         if self._fast_limit and type(tag) is int and 0 <= tag <= self._tag_ub:
             # Fast path first: every check below costs, and a small message feels each one.
             parts = fastpath.encode(obj, self._fast_limit)
             if parts is not None:
-                return self._fast_send(parts, dest, tag)
+                return self._fast_send(parts, dest, tag, wake)
         self._check_open()
         self._check_rank(dest, "dest")
         if not isinstance(tag, int) or tag < 0:
@@ -272,7 +279,7 @@ class Communicator:
             # whichever thread posts them (MPI's non-overtaking rule).
             seq = self._seq_to[dest]
             self._seq_to[dest] = seq + 1
-        op = _Send(handle, dest, tag, seq, packed=packed)
+        op = _Send(handle, dest, tag, seq, packed=packed, wake=wake)
         gpu = packed.on_gpu()
         if not any(gpu) and packed.nbytes <= self.settings.inline_bytes:
             # Fast lane: a small payload rides inside the header, posted from this thread.
@@ -292,7 +299,7 @@ class Communicator:
         self._enqueue(0, self._router_q, op)
         return handle
 
-    def _fast_send(self, parts: tuple[Any, ...], dest: int, tag: int) -> SendHandle:
+    def _fast_send(self, parts: tuple[Any, ...], dest: int, tag: int, wake: bool) -> SendHandle:
         """Send a fast-path frame from the calling thread (see :mod:`smp_comm.fastpath`).
 
         Ordered for latency: the frame leaves first, the handle is made afterwards.
@@ -323,7 +330,8 @@ class Communicator:
                 handle._done = True  # nobody else holds the handle yet
             else:
                 self._open_sends.add(handle)
-        self._ring(dest)
+        if wake:
+            self._ring(dest)
         if not sent:
             self._track([req], lambda: self._fast_sent(handle, buf))
         return handle
@@ -560,7 +568,8 @@ class Communicator:
         """Send the header (and any payload requests already posted) and track them all."""
         assert op.packed is not None
         req = self._cc.isend(header, dest=op.dest, tag=_T_HEADER)
-        self._ring(op.dest)
+        if op.wake:
+            self._ring(op.dest)
         nbytes = op.packed.nbytes
         reqs = [req, *extra]
         if not extra and MPI.Request.Testall(reqs):
@@ -654,10 +663,9 @@ class Communicator:
             path, source, region = self._free_q.get()
             if self._drained:
                 continue  # the peers stopped listening for FREEs (close() is under way)
-            # No ring: the sender needs the room back only when it next sends, and its
-            # tracker (or a thread waiting for our reply) reads the FREE when it next polls.
             req = self._cc.isend((path, region), dest=source, tag=_T_FREE)
-            self._active.append(_Tracked([req], _nothing))
+            if not req.Test():
+                self._active.append(_Tracked([req], _nothing))
             busy = True
         if self._active:
             still = []
@@ -976,12 +984,37 @@ class Communicator:
         # The region goes back to its sender (a FREE message) once copied out or, for
         # zero-copy views, once the last view is garbage collected. The callback holds no
         # reference to the message, so it cannot keep those views alive.
-        release = _Once(self._free_q, self._nudge, (inc.path, inc.source, inc.region))
+        release = _Once(self._send_free, (inc.path, inc.source, inc.region))
         try:
             return self._paths.read(inc.path, inc.region, inc.stubs, release)
         except BaseException:
             release()
             raise
+
+    def _send_free(self, item: tuple[str, int, int]) -> None:
+        """Give a received region back to its sender: a FREE message, posted by the thread
+        that let go of the region (often a worker dropping the last view mid-compute).
+
+        Posted here, not by the tracker: waking a sleeping tracker costs the rank's compute
+        thread far more than the post (on a shared core every wake-up preempts it). No ring:
+        the sender needs the room back only when it next sends, and reads the FREE when it
+        next polls. Should this thread hold the lock already (a finalizer run by a garbage
+        collection inside a send), the FREE goes through the tracker's queue instead.
+        """
+        if not self._free_lock.acquire(blocking=False):
+            self._free_q.put(item)
+            self._nudge()
+            return
+        try:
+            if self._drained or self._closed:
+                return  # the peers stopped listening for FREEs (close() is under way)
+            path, source, region = item
+            req = self._cc.isend((path, region), dest=source, tag=_T_FREE)
+            if req.Test():  # a tiny message: eager, complete at once
+                return
+        finally:
+            self._free_lock.release()
+        self._track([req], _nothing)
 
     # ------------------------------------------------------------------ close
 
@@ -1018,7 +1051,8 @@ class Communicator:
             )
             # 3. DRAINED: every payload for us has arrived and every FREE has been sent.
             wait_for(lambda: self._inflight_recv == 0, lambda: "incoming payloads")
-            with self._progress_lock:  # no FREE may follow DRAINED on the wire
+            # No FREE may follow DRAINED on the wire: FREEs go out under one of these locks.
+            with self._progress_lock, self._free_lock:
                 self._drained = True
                 reqs = [self._cc.isend(None, dest=r, tag=_T_DRAINED) for r in everyone]
             for r in everyone:
@@ -1068,10 +1102,10 @@ def _nothing() -> None:
 
 
 class _Once:
-    """Queue ``item`` on the first call only (a region is freed exactly once)."""
+    """Call ``fn(item)`` on the first call only (a region is freed exactly once)."""
 
-    def __init__(self, q: queue.SimpleQueue[Any], wake: Callable[[], None], item: Any) -> None:
-        self._q, self._wake, self._item = q, wake, item
+    def __init__(self, fn: Callable[[Any], None], item: Any) -> None:
+        self._fn, self._item = fn, item
         self._lock = threading.Lock()
         self._done = False
 
@@ -1080,8 +1114,7 @@ class _Once:
             if self._done:
                 return
             self._done = True
-        self._q.put(self._item)
-        self._wake()
+        self._fn(self._item)
 
 
 _LIVE: weakref.WeakSet[Communicator] = weakref.WeakSet()

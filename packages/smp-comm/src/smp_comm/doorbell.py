@@ -32,7 +32,7 @@ from mpi4py import MPI
 __all__ = ["Doorbells", "doorbells_available"]
 
 _LINE = 64  # one cache line per rank: flags of different ranks never share a line
-_MAX_SLEEP_S = 0.01
+_MAX_SLEEP_S = 0.05
 
 
 def doorbells_available() -> bool:

@@ -39,6 +39,27 @@ def exchange(comm: smp_comm.Communicator, rounds: int) -> None:
             comm.isend(small.to(torch.int64), dest=0, tag=2000 + i).wait(timeout=10)
 
 
+def quiet_notes(comm: smp_comm.Communicator, rounds: int) -> None:
+    """``isend(..., wake=False)`` rings no doorbell, and the message still arrives."""
+    rank, size = comm.rank, comm.size
+    bell = comm._bell
+    assert bell is not None
+    for i in range(rounds):
+        time.sleep(0.03)  # idle: the trackers go to sleep
+        if rank == 0:
+            rings = bell.rings
+            for dest in range(1, size):
+                note = {"note": i, "big": np.full(50_000, i, dtype=np.int64)}  # shm path
+                comm.isend(note, dest=dest, tag=3000 + i, wake=False).wait(timeout=10)
+                comm.isend(torch.full((4,), float(i)), dest, 4000 + i, wake=False).wait(timeout=10)
+            assert bell.rings == rings, f"wake=False rang {bell.rings - rings} doorbells"
+        else:
+            note, _, _ = comm.irecv(0, tag=3000 + i).wait(timeout=10, spin=0)
+            assert note["note"] == i and (note["big"] == i).all(), note
+            small, _, _ = comm.irecv(0, tag=4000 + i).wait(timeout=10, spin=0)
+            assert float(small[0]) == i, small
+
+
 def main() -> None:
     world = MPI.COMM_WORLD
     rank = world.rank
@@ -48,6 +69,8 @@ def main() -> None:
         exchange(comm, rounds=6)
         world.Barrier()
         rings, sleeps = bell.rings, bell.sleeps
+        quiet_notes(comm, rounds=3)
+        world.Barrier()
     if rank == 0:
         assert rings > 0, f"rank 0 never rang a sleeping peer (rings={rings})"
     else:

@@ -96,6 +96,14 @@ class Scheduler:
             return self._start_backward(min(self.ready))
         return None
 
+    def next_backward(self) -> tuple[int, Phase] | None:
+        """A backward to start now, before a preempted forward resumes, or None: what
+        ``next_action`` would start, if that is a backward (``interleaved`` only: the other
+        policies keep their order)."""
+        if self.kind == "interleaved" and self.ready:
+            return self._start_backward(self.ready[0])
+        return None
+
     def _start_forward(self) -> tuple[int, Phase]:
         mb = self.next_forward
         self.next_forward += 1

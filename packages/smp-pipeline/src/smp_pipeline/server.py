@@ -133,8 +133,9 @@ class ExecutionServer:
             order.on_arrival = self._wake_main
         # Preemption at yield points (see yield_point): set when a message that unblocks
         # other work arrives while a forward task runs; workers that gave the token back.
-        # Off under tensor-parallel ordering (followers could not yield at the same points).
-        self.preemption = order is None
+        # Off under tensor-parallel ordering (followers could not yield at the same points),
+        # and on a single stage (no other rank waits).
+        self.preemption = order is None and self.pp_size > 1
         self._preempt = False
         self.yields = 0  # forwards that gave the token back at a yield point
         self.yielded: collections.deque[Worker] = collections.deque()
@@ -167,6 +168,9 @@ class ExecutionServer:
         self._recv = None
         if obj.get("kind") == M.ABORT and self.abort_msg is None:
             self.abort_msg = obj
+        # The next receive goes up at once: the task this message starts can then be
+        # preempted by what arrives while it runs (the receive's callback flags it).
+        self._posted_receive()
         return obj
 
     def _wait_message(self) -> dict[str, Any] | None:
@@ -269,16 +273,23 @@ class ExecutionServer:
                 self.abort_msg = obj
             self.inbox.append(obj)
 
-    def send(self, pp_dest: int, msg: dict[str, Any]) -> None:
+    def send(self, pp_dest: int, msg: dict[str, Any], wake: bool = True) -> None:
+        """Send ``msg`` to pipeline rank ``pp_dest``. ``wake=False`` for a note nobody waits
+        on (see smp-comm's ``isend``): it does not interrupt the receiver's compute."""
         msg["src"] = self.pp_rank
-        self._sends.append(self.comm.isend(msg, dest=self.comm_ranks[pp_dest], tag=self.tag))
+        dest = self.comm_ranks[pp_dest]
+        if wake:
+            handle = self.comm.isend(msg, dest=dest, tag=self.tag)
+        else:
+            handle = self.comm.isend(msg, dest=dest, tag=self.tag, wake=False)
+        self._sends.append(handle)
         if len(self._sends) > 512:  # long steps: forget completed sends as we go
             self._sends = [h for h in self._sends if not h.test()]
 
-    def send_all(self, msg: dict[str, Any]) -> None:
+    def send_all(self, msg: dict[str, Any], wake: bool = True) -> None:
         for r in range(self.pp_size):
             if r != self.pp_rank:
-                self.send(r, dict(msg))
+                self.send(r, dict(msg), wake)
 
     def flush_sends(self) -> None:
         handles, self._sends = self._sends, []
@@ -332,6 +343,9 @@ class ExecutionServer:
             if self.abort_msg is not None:  # a stalled task here: others gave up on us
                 self.raise_if_aborted()
         self.current = None
+        # A flag the task did not act on (it set no yield point after the arrival) is stale:
+        # this loop serves the message now; left set, it would stop the next forward for nothing.
+        self._preempt = False
         if self.record_timeline:
             self.events.append((self.pp_rank, task.mb, task.module, task.phase, start, time.time()))
         self._last_progress = time.monotonic()
@@ -440,8 +454,10 @@ class ExecutionServer:
             )
 
     # ------------------------------------------------------------------ serving
-    def serve(self, until: Callable[[], bool], hook: Callable[[], bool] | None = None) -> None:
-        """Run the main loop until ``until()``; ``hook()`` starts scheduled work (driver).
+    def serve(self, until: Callable[[], bool], hook: Callable[[bool], bool] | None = None) -> None:
+        """Run the main loop until ``until()``; ``hook(urgent)`` starts scheduled work
+        (driver): True if it started a task. ``urgent``: only a backward, which may go before
+        a preempted forward resumes.
 
         Any unexpected error of the loop itself is broadcast as an abort, so the other ranks
         raise too instead of waiting for this one.
@@ -458,7 +474,7 @@ class ExecutionServer:
                     raise err from exc
             raise
 
-    def _serve(self, until: Callable[[], bool], hook: Callable[[], bool] | None) -> None:
+    def _serve(self, until: Callable[[], bool], hook: Callable[[bool], bool] | None) -> None:
         if self.order is not None and not self.order.is_leader:
             self._serve_follower(until)
             return
@@ -476,12 +492,20 @@ class ExecutionServer:
                 msg = self._pick_message(only=_PREEMPTING)
                 if msg is not None:
                     self._handle(msg)
-                else:
+                elif hook is None or not hook(True):
+                    # (A backward the schedule would start now goes first too: it sends the
+                    # next stage the backward request it waits for.)
                     self._switch(self.yielded.popleft())
                 continue
             # Scheduled top-level work before queued requests: the schedule's own bound
-            # (active microbatches) keeps the pipeline full without flooding it.
-            if hook is not None and hook():
+            # (active microbatches) keeps the pipeline full without flooding it. Except the
+            # messages a new forward would yield to at its first block anyway.
+            if self.preemption and hook is not None:
+                msg = self._pick_message(only=_PREEMPTING)
+                if msg is not None:
+                    self._handle(msg)
+                    continue
+            if hook is not None and hook(False):
                 continue
             msg = self._pick_message()
             if msg is not None:
@@ -689,7 +713,9 @@ class ExecutionServer:
                 out = step_fn(*args, **kwargs)
             outputs[task.mb] = M.detach_all(out)
             scheduler.completed_microbatch(task.mb)
-            self.send_all({"kind": M.MB_DONE, "step": step, "mb": task.mb})
+            # A clean-up note (the records it frees go at the step's end anyway): the
+            # other ranks take it with their next message, not mid-compute.
+            self.send_all({"kind": M.MB_DONE, "step": step, "mb": task.mb}, wake=False)
             self.drop_microbatch(step, task.mb)
 
         def start(mb: int, phase: str) -> None:
@@ -706,8 +732,8 @@ class ExecutionServer:
                 worker.grant_kind = "admit"
                 self._wake(("admit", step, mb), None)
 
-        def start_next() -> bool:
-            action = scheduler.next_action()
+        def start_next(urgent: bool) -> bool:
+            action = scheduler.next_backward() if urgent else scheduler.next_action()
             if action is None:
                 return False
             start(*action)
