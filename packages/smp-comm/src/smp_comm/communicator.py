@@ -250,7 +250,7 @@ class Communicator:
         ``wake=False``: do not ring ``dest``'s doorbell. For a message nobody waits for at
         once (a hint, a clean-up note): ``dest`` takes it at its next progress round (a
         thread waiting there, its next rung message, or its tracker's idle timeout,
-        at most 10 ms), and its compute is not interrupted for it.
+        at most 50 ms), and its compute is not interrupted for it.
         """
         if self._fast_limit and type(tag) is int and 0 <= tag <= self._tag_ub:
             # Fast path first: every check below costs, and a small message feels each one.
@@ -663,8 +663,8 @@ class Communicator:
             path, source, region = self._free_q.get()
             if self._drained:
                 continue  # the peers stopped listening for FREEs (close() is under way)
-            req = self._cc.isend((path, region), dest=source, tag=_T_FREE)
-            if not req.Test():
+            req = self._post_free(path, source, region)
+            if req is not None:
                 self._active.append(_Tracked([req], _nothing))
             busy = True
         if self._active:
@@ -998,8 +998,9 @@ class Communicator:
         Posted here, not by the tracker: waking a sleeping tracker costs the rank's compute
         thread far more than the post (on a shared core every wake-up preempts it). No ring:
         the sender needs the room back only when it next sends, and reads the FREE when it
-        next polls. Should this thread hold the lock already (a finalizer run by a garbage
-        collection inside a send), the FREE goes through the tracker's queue instead.
+        next polls. If the lock is taken (by close(), or by this very thread: a finalizer
+        run by a garbage collection inside a send), the FREE goes through the tracker's
+        queue instead.
         """
         if not self._free_lock.acquire(blocking=False):
             self._free_q.put(item)
@@ -1008,13 +1009,17 @@ class Communicator:
         try:
             if self._drained or self._closed:
                 return  # the peers stopped listening for FREEs (close() is under way)
-            path, source, region = item
-            req = self._cc.isend((path, region), dest=source, tag=_T_FREE)
-            if req.Test():  # a tiny message: eager, complete at once
-                return
+            req = self._post_free(*item)
         finally:
             self._free_lock.release()
-        self._track([req], _nothing)
+        if req is not None:
+            self._track([req], _nothing)
+
+    def _post_free(self, path: str, source: int, region: int) -> MPI.Request | None:
+        """Post a FREE; the request if it is still in flight (a tiny message usually
+        leaves at once, eagerly: then nobody has to poll for it)."""
+        req = self._cc.isend((path, region), dest=source, tag=_T_FREE)
+        return None if req.Test() else req
 
     # ------------------------------------------------------------------ close
 

@@ -84,8 +84,9 @@ class Scheduler:
             return self._next_custom()
         can_forward = self.next_forward < self.m and len(self.in_flight) < self.active
         if self.kind == "interleaved":
-            if self.ready:
-                return self._start_backward(self.ready[0])
+            backward = self.next_backward()
+            if backward is not None:
+                return backward
             if can_forward:
                 return self._start_forward()
             return None

@@ -278,7 +278,7 @@ class ExecutionServer:
         on (see smp-comm's ``isend``): it does not interrupt the receiver's compute."""
         msg["src"] = self.pp_rank
         dest = self.comm_ranks[pp_dest]
-        if wake:
+        if wake:  # (the keyword only when needed: any communicator with isend() works)
             handle = self.comm.isend(msg, dest=dest, tag=self.tag)
         else:
             handle = self.comm.isend(msg, dest=dest, tag=self.tag, wake=False)
