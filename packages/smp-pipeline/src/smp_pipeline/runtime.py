@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -553,7 +554,7 @@ class PipelineRuntime:
         if self.order_channel is not None:
             self.order_channel.close()
 
-    def threads(self) -> list[Any]:
+    def threads(self) -> list[threading.Thread]:
         """The server's worker threads (for an orderly process exit)."""
         return self.server.threads()
 

@@ -75,6 +75,7 @@ class Worker:
 
     @property
     def thread(self) -> threading.Thread:
+        """The thread this worker runs tasks on (checked at process exit)."""
         return self._thread
 
     # called by the main loop ------------------------------------------------------------
