@@ -8,7 +8,9 @@ on a shared machine). smp-comm uses its default path (shm on one node) with defa
 settings; extra lines show the copy-out receive mode and the small-message fast path's
 parts: ``floor`` is the least any Python fast path can do (encode one tensor into a frame,
 ``Isend``, ``Improbe`` + ``Mrecv``, rebuild the tensor; no handles, matching, ordering or
-threads), ``general`` is smp-comm with the fast path off (``small_message_bytes=0``).
+threads); ``lane`` is the same done by the compiled fast path's two calls
+(:mod:`smp_comm.compiled`), so ``smp - lane`` is what smp-comm's Python logic costs;
+``general`` is smp-comm with the fast path off (``small_message_bytes=0``).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def worker() -> None:
     import torch
     import torch.distributed as dist
     from mpi4py import MPI
-    from smp_comm import Communicator
+    from smp_comm import Communicator, compiled
 
     torch.set_num_threads(1)
     world = MPI.COMM_WORLD
@@ -120,6 +122,24 @@ def worker() -> None:
             floor_recv()
             floor_send(t)
 
+    lane = compiled.load()  # the compiled fast path's calls alone, if it builds here
+
+    def lane_send(t: torch.Tensor) -> None:
+        lane.send(floor_comm.handle, t, 1 << 20, 0, peer, 1)
+
+    def lane_recv() -> torch.Tensor:
+        while (got := lane.take(floor_comm.handle, 8, rank)) is None:
+            pass
+        return got[3]
+
+    def lane_pingpong(t: torch.Tensor) -> None:
+        if rank == 0:
+            lane_send(t)
+            lane_recv()
+        else:
+            lane_recv()
+            lane_send(t)
+
     def gloo_pingpong(t: torch.Tensor, out: torch.Tensor) -> None:
         if rank == 0:
             dist.send(t, dst=peer)
@@ -148,6 +168,7 @@ def worker() -> None:
     latency = {
         "mpi": lambda: mpi_pingpong(small_np, recv_small),
         "floor": lambda: floor_pingpong(small_t),
+        **({"lane": lambda: lane_pingpong(small_t)} if lane is not None else {}),
         "smp": lambda: smp_pingpong(small_t),
         "general": lambda: smp_pingpong(small_t, general_comm),
         "gloo": lambda: gloo_pingpong(small_t, out_small),
@@ -176,14 +197,19 @@ def worker() -> None:
             f" | smp/gloo {gbs['copy'] / gbs['gloo']:.2f}x"
         )
         print(
-            f"comm latency 1KiB round trip (median, fast path, {fast} fast msgs sent): "
+            f"comm latency 1KiB round trip (median, {comm.fast_path} fast path, {fast} fast msgs sent): "
             f"smp_comm {us['smp']:.1f} us | mpi4py {us['mpi']:.1f} us | gloo {us['gloo']:.1f} us"
             f" | smp/mpi {us['smp'] / us['mpi']:.2f}x (target <=3) | smp/gloo {us['smp'] / us['gloo']:.2f}x"
         )
         print(
             f"comm latency 1KiB round trip, parts: python floor {us['floor']:.1f} us"
             f" (floor/mpi {us['floor'] / us['mpi']:.2f}x, smp/floor {us['smp'] / us['floor']:.2f}x)"
-            f" | fast path off (small_message_bytes=0) {us['general']:.1f} us"
+            + (
+                f" | compiled calls alone {us['lane']:.1f} us (lane/mpi {us['lane'] / us['mpi']:.2f}x)"
+                if "lane" in us
+                else f" | compiled fast path unavailable: {compiled.why_not()}"
+            )
+            + f" | fast path off (small_message_bytes=0) {us['general']:.1f} us"
             f" (general/mpi {us['general'] / us['mpi']:.2f}x)"
         )
 

@@ -118,10 +118,13 @@ def test_small_message_setting(monkeypatch) -> None:
         CommSettings.resolve(0)
 
 
-def test_fast_path_traffic(mpi_script) -> None:
+@pytest.mark.parametrize("kind", ["compiled", "python"])
+def test_fast_path_traffic(mpi_script, kind: str) -> None:
     """Mixed fast/general traffic from several threads, ANY_SOURCE, first-posted-wins,
-    timeouts naming the peer, stats, ranks with the fast path off."""
-    out = mpi_script("fast_traffic.py", n=3, timeout=180)
+    timeouts naming the peer, stats, ranks with the fast path off, ranks mixing the
+    compiled and the Python fast path; the main communicator's fast path is ``kind``."""
+    env = {"EXPECT_FAST_PATH": kind, "SMP_COMM_COMPILED": "1" if kind == "compiled" else "0"}
+    out = mpi_script("fast_traffic.py", n=3, timeout=180, env=env)
     assert out.count("OK fast_traffic") == 3, out
 
 

@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from smp_comm import compiled as _compiled
 from smp_comm import fastpath
 from smp_comm.doorbell import Doorbells, doorbells_available
 from smp_comm.errors import CommClosedError, CommError, PeerClosedError
@@ -77,6 +78,7 @@ _FAST = 0  # a fast-path frame waiting for its turn in its sender's order
 # Fast-path probes a waiting thread makes between two full progress rounds: a round costs
 # about as much as 10 probes, and the probes are what finds a small message soonest.
 _SPIN_PROBES = 32
+_LANE_PROBES = 8  # probes per call into the compiled fast path, which drops the GIL for them
 _STOP = object()  # queue sentinel
 
 
@@ -145,6 +147,7 @@ class Communicator:
         close_timeout: float | None = None,
         poll_spin: float | None = None,
         doorbell: bool | None = None,
+        compiled: bool | None = None,
     ) -> None:
         base = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
@@ -168,6 +171,7 @@ class Communicator:
             close_timeout=close_timeout,
             poll_spin=poll_spin,
             doorbell=doorbell,
+            compiled=compiled,
         )
         # Collective set-up, in the same order on every rank: private communicators for
         # control messages, for MPI-path payloads and for fast-path frames (always created
@@ -178,6 +182,10 @@ class Communicator:
         self._fc: MPI.Intracomm = base.Dup()  # type: ignore[assignment]
         self._fast_limit = self.settings.small_message_bytes
         self._fstatus = MPI.Status()
+        # The compiled fast path (smp_comm.compiled), or None: the Python one. Either end
+        # may use either: both send the same frames.
+        self._lane = _compiled.load() if self._fast_limit and self.settings.compiled else None
+        self._fc_handle: int = self._fc.handle
         # Fast-path messages and bytes sent, received; under _match_lock, which both ends
         # of the fast path hold anyway (a second lock per message costs latency).
         self._fast_count = [0, 0, 0, 0]
@@ -254,9 +262,14 @@ class Communicator:
         """
         if self._fast_limit and type(tag) is int and 0 <= tag <= self._tag_ub:
             # Fast path first: every check below costs, and a small message feels each one.
-            parts = fastpath.encode(obj, self._fast_limit)
-            if parts is not None:
-                return self._fast_send(parts, dest, tag, wake)
+            if self._lane is not None:
+                handle = self._lane_send(obj, dest, tag, wake)
+                if handle is not None:
+                    return handle
+            else:
+                parts = fastpath.encode(obj, self._fast_limit)
+                if parts is not None:
+                    return self._fast_send(parts, dest, tag, wake)
         self._check_open()
         self._check_rank(dest, "dest")
         if not isinstance(tag, int) or tag < 0:
@@ -297,6 +310,42 @@ class Communicator:
             op.cuda_event = torch.cuda.Event()
             op.cuda_event.record()
         self._enqueue(0, self._router_q, op)
+        return handle
+
+    def _lane_send(self, obj: Any, dest: int, tag: int, wake: bool) -> SendHandle | None:
+        """:meth:`_fast_send` by the compiled fast path, which encodes and posts ``obj`` in
+        one call under the lock; ``None`` (nothing sent) if ``obj`` does not qualify."""
+        if self._closing or self._fatal is not None:
+            self._check_open()
+        if type(dest) is not int or not 0 <= dest < self.size:
+            self._check_rank(dest, "dest")
+        with self._match_lock:
+            if self._closing:  # checked under the lock close() takes to number its BYEs
+                raise CommClosedError(f"smp-comm rank {self.rank}: the Communicator is closed")
+            if dest in self._bye_from:
+                handle = SendHandle(dest, tag, self.rank, self._wait)
+                handle._complete(error=self._peer_closed(dest, f"send (tag {tag})"))
+                return handle
+            seq = self._seq_to[dest]
+            sent = self._lane.send(self._fc_handle, obj, self._fast_limit, seq, dest, tag)  # type: ignore[union-attr]
+            if sent is None:
+                return None  # not a fast-path object: seq stays unused
+            self._seq_to[dest] = seq + 1
+            handle = SendHandle(dest, tag, self.rank, self._wait)
+            counts = self._fast_count
+            counts[0] += 1
+            if type(sent) is int:
+                counts[1] += sent
+                handle._done = True  # nobody else holds the handle yet
+            else:
+                pending, frame, nbytes = sent
+                counts[1] += nbytes
+                self._open_sends.add(handle)
+        if wake:
+            self._ring(dest)
+        if type(sent) is not int:
+            req = MPI.Request.fromhandle(pending)
+            self._track([req], lambda: self._fast_sent(handle, frame))
         return handle
 
     def _fast_send(self, parts: tuple[Any, ...], dest: int, tag: int, wake: bool) -> SendHandle:
@@ -366,6 +415,16 @@ class Communicator:
                 return handle
             self._posted.append(handle)
         return handle
+
+    @property
+    def fast_path(self) -> str:
+        """How this rank sends and takes small-message fast-path frames: ``"compiled"``
+        (:mod:`smp_comm.compiled`), ``"python"`` (it could not be built, or
+        ``compiled=False``: :func:`smp_comm.compiled.why_not` says why) or ``"off"``
+        (``small_message_bytes=0``)."""
+        if not self._fast_limit:
+            return "off"
+        return "python" if self._lane is None else "compiled"
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Messages and payload bytes per path: ``{"mpi": {...}, "shm": ..., "cuda_ipc": ...,
@@ -691,6 +750,12 @@ class Communicator:
 
     def _take_fast(self) -> bool:
         """Receive one fast-path frame if one has arrived (caller holds ``_progress_lock``)."""
+        if self._lane is not None:
+            got = self._lane.take(self._fc_handle, 1, self.rank)
+            if got is None:
+                return False
+            self._on_taken(*got)
+            return True
         msg = self._fc.Improbe(ANY_SOURCE, ANY_TAG, self._fstatus)
         if msg is None:
             return False
@@ -705,12 +770,16 @@ class Communicator:
         source, tag = st.Get_source(), st.Get_tag()
         buf = bytearray(st.Get_count(MPI.BYTE))
         msg.Recv(buf)
-        seq = fastpath.frame_seq(buf)
+        self._on_taken(source, tag, fastpath.frame_seq(buf), buf, -1)
+
+    def _on_taken(self, source: int, tag: int, seq: int, obj: Any, nbytes: int) -> None:
+        """Order a received frame (caller holds ``_progress_lock``): ``obj`` is its object
+        and ``nbytes`` its payload, or ``obj`` is the frame itself and ``nbytes`` -1."""
         if seq == self._seq_from[source] and not self._held[source]:
             self._seq_from[source] = seq + 1  # its turn already: the common case, inlined
-            self._on_fast(source, seq, tag, buf)
+            self._on_fast(source, seq, tag, obj, nbytes)
         else:
-            self._in_order(source, seq, _FAST, (tag, buf))
+            self._in_order(source, seq, _FAST, (tag, obj, nbytes))
 
     def _tracker_loop(self) -> None:
         # No busy spinning here: a thread that keeps dropping and retaking the GIL starves
@@ -807,6 +876,22 @@ class Communicator:
     def _spin_fast(self, handle: Handle) -> bool:
         """Probe for fast-path frames until one arrives (True) or ``_SPIN_PROBES`` probes
         found none (False); the caller holds ``_progress_lock``."""
+        lane = self._lane
+        if lane is not None:  # probes in C, _LANE_PROBES at a time with the GIL released
+            comm, rank = self._fc_handle, self.rank
+            for _ in range(_SPIN_PROBES // _LANE_PROBES):
+                got = lane.take(comm, _LANE_PROBES, rank)
+                if got is not None:
+                    source, tag, seq, obj, nbytes = got
+                    if seq == self._seq_from[source] and not self._held[source]:
+                        self._seq_from[source] = seq + 1  # its turn: _on_taken, inlined
+                        self._on_fast(source, seq, tag, obj, nbytes)
+                    else:
+                        self._in_order(source, seq, _FAST, (tag, obj, nbytes))
+                    return True
+                if handle._done:
+                    return False
+            return False
         probe, st = self._fc.Improbe, self._fstatus
         for _ in range(_SPIN_PROBES):
             msg = probe(ANY_SOURCE, ANY_TAG, st)
@@ -857,17 +942,19 @@ class Communicator:
             _, utag, path, region, skeleton, stubs, inline = item
             self._on_header(_Incoming(source, utag, seq, path, region, skeleton, stubs, inline))
 
-    def _on_fast(self, source: int, seq: int, tag: int, buf: bytearray) -> None:
-        """A fast-path frame's turn: rebuild it and match it like any other message."""
-        try:
-            obj, nbytes = fastpath.decode(buf, self.rank)
-            error: BaseException | None = None
-        except Exception as exc:  # noqa: BLE001 - delivered to the waiter
-            obj, nbytes = None, 0
-            error = CommError(
-                f"smp-comm rank {self.rank}: cannot rebuild message from rank {source} "
-                f"(tag {tag}): {exc!r}"
-            )
+    def _on_fast(self, source: int, seq: int, tag: int, obj: Any, nbytes: int) -> None:
+        """A fast-path frame's turn: match it like any other message. ``obj`` is the frame
+        itself while ``nbytes`` is -1 (not rebuilt yet, or the compiled path failed to)."""
+        error: BaseException | None = None
+        if nbytes < 0:
+            try:
+                obj, nbytes = fastpath.decode(obj, self.rank)
+            except Exception as exc:  # noqa: BLE001 - delivered to the waiter
+                obj, nbytes = None, 0
+                error = CommError(
+                    f"smp-comm rank {self.rank}: cannot rebuild message from rank {source} "
+                    f"(tag {tag}): {exc!r}"
+                )
         with self._match_lock:
             for i, h in enumerate(self._posted):
                 if (h.peer == ANY_SOURCE or h.peer == source) and (
@@ -886,7 +973,7 @@ class Communicator:
                 counts[3] += nbytes
         if h is not None:  # out of the posted list: no other thread completes it
             if error is None:
-                h._complete(result=(obj, source, tag))
+                h._complete((obj, source, tag))
             else:
                 h._complete(error=error)
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from smp_comm.serialize import torch
 
-__all__ = ["decode", "encode", "frame", "frame_seq", "payload_bytes"]
+__all__ = ["configure_compiled", "decode", "encode", "frame", "frame_seq", "payload_bytes"]
 
 _ALIGN = 16  # the payload offset; a multiple of every element size
 _FIXED = struct.Struct("<qBBBB")  # seq, kind, dtype code, requires_grad, ndim
@@ -109,6 +109,18 @@ def encode(obj: Any, limit: int) -> tuple[Any, ...] | None:
         fields = (_KIND_NUMPY, code, False, obj.ndim, *obj.shape)
         return _HEADS[obj.ndim][0], fields, obj.tobytes()
     return None
+
+
+def configure_compiled(module: Any) -> None:
+    """Give the compiled fast path (:mod:`smp_comm.compiled`) this module's dtype tables, so
+    both encode the same frames."""
+    module.configure(_TENSOR, _STRIDED, dict(_T_CODE), _T_COMPLEX if _T_CODE else 1 << 30,
+                     np.ndarray, dict(_NP_CODE))  # fmt: skip
+    if torch is not None:
+        grads = tuple(c for d, c in _T_CODE.items() if d.is_floating_point or d.is_complex)
+        module.configure_decode(torch.frombuffer, _T_DTYPES, grads, decode)
+    else:  # pragma: no cover - exercised by the no-torch test in a subprocess
+        module.configure_decode(None, (), (), decode)
 
 
 def frame(parts: tuple[Any, ...], seq: int) -> bytes:

@@ -36,6 +36,11 @@ setting (kwarg)                environment variable                default
                                                                    sleeps until a sender wakes
                                                                    it (:mod:`smp_comm.doorbell`);
                                                                    0: it polls every 1 ms
+``compiled``                   ``SMP_COMM_COMPILED``               1: the small-message fast path
+                                                                   runs in C, built on first use
+                                                                   (:mod:`smp_comm.compiled`;
+                                                                   Python if it cannot be
+                                                                   built); 0: Python only
 =============================  ==================================  ===========================
 
 Sizes accept a plain integer or a suffix ``K``, ``M``, ``G`` (powers of 1024).
@@ -88,6 +93,7 @@ class CommSettings:
     close_timeout: float = 60.0
     poll_spin: float = 0.002
     doorbell: bool = True
+    compiled: bool = True
 
     @classmethod
     def resolve(
@@ -104,6 +110,7 @@ class CommSettings:
         close_timeout: float | None = None,
         poll_spin: float | None = None,
         doorbell: bool | None = None,
+        compiled: bool | None = None,
     ) -> CommSettings:
         """Keyword arguments win over ``SMP_COMM_*`` environment variables, which win over defaults."""
         env = os.environ
@@ -135,6 +142,8 @@ class CommSettings:
             shm_zero_copy = _flag(env, "SMP_COMM_SHM_ZERO_COPY")
         if doorbell is None:
             doorbell = _flag(env, "SMP_COMM_DOORBELL")
+        if compiled is None:
+            compiled = _flag(env, "SMP_COMM_COMPILED")
         return cls(
             buffer_bytes=size(buffer_bytes, "SMP_COMM_BUFFER_BYTES", cls.buffer_bytes),
             gpu_buffer_bytes=size(
@@ -153,6 +162,7 @@ class CommSettings:
             close_timeout=ct,
             poll_spin=ps,
             doorbell=bool(doorbell),
+            compiled=bool(compiled),
         )
 
 

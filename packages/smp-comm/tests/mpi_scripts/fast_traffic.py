@@ -5,11 +5,15 @@ mixing fast-path messages (lone small tensors/arrays of many kinds) with general
 (large tensors through shm, small structures, tensors just over the limit). Receivers check
 every message byte for byte and that each stream arrives in the order it was sent.
 Then: ANY_SOURCE streams, first-posted-wins across fast and general messages, a timeout
-that names the peer and tag, stats, and a communicator whose fast path is off on one rank.
+that names the peer and tag, stats, a communicator whose fast path is off on one rank, and
+one whose fast path is compiled on rank 0 only (frames are the same either way).
+
+``EXPECT_FAST_PATH`` (compiled / python) names the fast path the main communicator must use.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 
@@ -73,6 +77,11 @@ def main() -> None:
     world = MPI.COMM_WORLD
     comm = Communicator(world, small_message_bytes=LIMIT)
     rank, size = comm.rank, comm.size
+    expect = os.environ.get("EXPECT_FAST_PATH")
+    if expect:
+        from smp_comm import compiled
+
+        assert comm.fast_path == expect, (comm.fast_path, compiled.why_not())
     peers = [p for p in range(size) if p != rank]
     errors: list[BaseException] = []
     fast_per_thread = [0] * THREADS
@@ -178,6 +187,20 @@ def main() -> None:
     st = off.stats()["mpi"]
     assert st["fast_sent"] == (0 if rank == 0 else len(peers)), st
     off.close()
+
+    # Compiled on rank 0, Python elsewhere: every kind of message both ways, in order.
+    mixed = Communicator(world, small_message_bytes=LIMIT, compiled=rank == 0)
+    assert mixed.fast_path in (("compiled", "python") if rank == 0 else ("python",)), mixed.fast_path
+    hs = [mixed.isend(make(rank, p, 9, i)[0], dest=p, tag=9) for i in range(30) for p in peers]
+    for i in range(30):
+        for p in peers:
+            got, _, _ = mixed.irecv(source=p, tag=9).wait(timeout=30)
+            same(got, make(p, rank, 9, i)[0], f"mixed {p}->{rank} #{i}")
+    for h in hs:
+        h.wait(timeout=30)
+    kinds = world.allgather(mixed.fast_path)
+    assert expect != "compiled" or kinds == ["compiled"] + ["python"] * (size - 1), kinds
+    mixed.close()
     print(f"rank {rank} OK fast_traffic {stats}")
 
 
