@@ -161,3 +161,12 @@ def test_cache_is_reused(lane, tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(compiled, "_state", {})
     assert compiled.load() is not None
     assert list(tmp_path.rglob("_fastlane*")) == built and built[0].stat().st_mtime_ns == stamp
+
+
+def test_huge_shapes_do_not_overflow(lane) -> None:
+    """A view with a zero dimension after huge ones: 0 bytes, like the Python encoder."""
+    t = torch.empty(0).as_strided((2**31, 2**31, 0), (0, 0, 1))
+    parts = fastpath.encode(t, LIMIT)
+    assert parts is not None and lane.encode(t, LIMIT) == fastpath.frame(parts, 0)
+    big = torch.empty(1).as_strided((2**31, 2**31), (0, 0))  # 2**64 bytes as a dense tensor
+    assert lane.encode(big, LIMIT) is None

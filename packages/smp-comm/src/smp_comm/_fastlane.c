@@ -123,7 +123,8 @@ static PyObject *new_frame(int kind, long code, int grad, PyObject *shape, Py_ss
     return frame;
 }
 
-/* Product of a shape tuple's entries times itemsize; -1 on error (exception set). */
+/* Product of a shape tuple's entries times itemsize, saturating at PY_SSIZE_T_MAX (a later
+ * zero still gives 0); -1 on error (exception set). */
 static Py_ssize_t shape_bytes(PyObject *shape, Py_ssize_t itemsize) {
     Py_ssize_t n = itemsize;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(shape); i++) {
@@ -132,7 +133,7 @@ static Py_ssize_t shape_bytes(PyObject *shape, Py_ssize_t itemsize) {
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "negative dimension");
             return -1;
         }
-        n *= d;
+        n = (d != 0 && n > PY_SSIZE_T_MAX / d) ? PY_SSIZE_T_MAX : n * d;
     }
     return n;
 }
@@ -253,7 +254,10 @@ static PyObject *post_frame(MPI_Comm comm, PyObject *frame, int64_t seq, int des
     if (rc != MPI_SUCCESS) return mpi_error(rc, "MPI_Isend");
     int done = 0;
     rc = MPI_Test(&req, &done, MPI_STATUS_IGNORE);
-    if (rc != MPI_SUCCESS) return mpi_error(rc, "MPI_Test");
+    if (rc != MPI_SUCCESS) {
+        Py_INCREF(frame); /* MPI may still read it: leaked rather than freed under it */
+        return mpi_error(rc, "MPI_Test");
+    }
     if (done) Py_RETURN_NONE;
     return PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)(intptr_t)req);
 }
