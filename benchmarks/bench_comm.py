@@ -114,13 +114,13 @@ def worker() -> None:
         msg.Recv(buf)
         return torch.frombuffer(buf, dtype=torch.float32, offset=head.size)
 
-    def floor_pingpong(t: torch.Tensor) -> None:
+    def pingpong(send, recv, t: torch.Tensor) -> None:
         if rank == 0:
-            floor_send(t)
-            floor_recv()
+            send(t)
+            recv()
         else:
-            floor_recv()
-            floor_send(t)
+            recv()
+            send(t)
 
     lane = compiled.load()  # the compiled fast path's calls alone, if it builds here
 
@@ -131,14 +131,6 @@ def worker() -> None:
         while (got := lane.take(floor_comm.handle, 8, rank)) is None:
             pass
         return got[3]
-
-    def lane_pingpong(t: torch.Tensor) -> None:
-        if rank == 0:
-            lane_send(t)
-            lane_recv()
-        else:
-            lane_recv()
-            lane_send(t)
 
     def gloo_pingpong(t: torch.Tensor, out: torch.Tensor) -> None:
         if rank == 0:
@@ -167,8 +159,8 @@ def worker() -> None:
     big_stats = comm.stats()
     latency = {
         "mpi": lambda: mpi_pingpong(small_np, recv_small),
-        "floor": lambda: floor_pingpong(small_t),
-        **({"lane": lambda: lane_pingpong(small_t)} if lane is not None else {}),
+        "floor": lambda: pingpong(floor_send, floor_recv, small_t),
+        **({"lane": lambda: pingpong(lane_send, lane_recv, small_t)} if lane is not None else {}),
         "smp": lambda: smp_pingpong(small_t),
         "general": lambda: smp_pingpong(small_t, general_comm),
         "gloo": lambda: gloo_pingpong(small_t, out_small),

@@ -138,17 +138,22 @@ static Py_ssize_t shape_bytes(PyObject *shape, Py_ssize_t itemsize) {
     return n;
 }
 
+/* 1 and *code set: obj.dtype has a code in `codes`; 0: it has none; -1: error. */
+static int dtype_code(PyObject *obj, PyObject *codes, long *code) {
+    PyObject *dtype = PyObject_GetAttr(obj, s_dtype);
+    if (!dtype) return -1;
+    PyObject *code_obj = PyDict_GetItemWithError(codes, dtype); /* borrowed */
+    Py_DECREF(dtype);
+    if (!code_obj) return PyErr_Occurred() ? -1 : 0;
+    *code = PyLong_AsLong(code_obj);
+    return 1;
+}
+
 static PyObject *encode_tensor(PyObject *obj, Py_ssize_t limit) {
     PyObject *frame = NULL, *shape = NULL, *contig = NULL, *ptr_obj = NULL;
-    PyObject *dtype = PyObject_GetAttr(obj, s_dtype);
-    if (!dtype) return NULL;
-    PyObject *code_obj = PyDict_GetItemWithError(t_codes, dtype); /* borrowed */
-    Py_DECREF(dtype);
-    if (!code_obj) {
-        if (PyErr_Occurred()) return NULL;
-        Py_RETURN_NONE;
-    }
-    long code = PyLong_AsLong(code_obj);
+    long code;
+    int found = dtype_code(obj, t_codes, &code);
+    if (found <= 0) return found < 0 ? NULL : Py_NewRef(Py_None);
     PyObject *layout = PyObject_GetAttr(obj, s_layout);
     if (!layout) return NULL;
     int is_strided = layout == strided;
@@ -198,15 +203,9 @@ fail:
 }
 
 static PyObject *encode_array(PyObject *obj, Py_ssize_t limit) {
-    PyObject *dtype = PyObject_GetAttr(obj, s_dtype);
-    if (!dtype) return NULL;
-    PyObject *code_obj = PyDict_GetItemWithError(np_codes, dtype); /* borrowed */
-    Py_DECREF(dtype);
-    if (!code_obj) {
-        if (PyErr_Occurred()) return NULL;
-        Py_RETURN_NONE;
-    }
-    long code = PyLong_AsLong(code_obj);
+    long code;
+    int found = dtype_code(obj, np_codes, &code);
+    if (found <= 0) return found < 0 ? NULL : Py_NewRef(Py_None);
     PyObject *shape = PyObject_GetAttr(obj, s_shape);
     if (!shape) return NULL;
     if (!PyTuple_Check(shape) || PyTuple_GET_SIZE(shape) > MAX_NDIM) {

@@ -262,14 +262,11 @@ class Communicator:
         """
         if self._fast_limit and type(tag) is int and 0 <= tag <= self._tag_ub:
             # Fast path first: every check below costs, and a small message feels each one.
-            if self._lane is not None:
-                handle = self._lane_send(obj, dest, tag, wake)
+            item = obj if self._lane is not None else fastpath.encode(obj, self._fast_limit)
+            if item is not None:
+                handle = self._fast_send(item, dest, tag, wake)
                 if handle is not None:
                     return handle
-            else:
-                parts = fastpath.encode(obj, self._fast_limit)
-                if parts is not None:
-                    return self._fast_send(parts, dest, tag, wake)
         self._check_open()
         self._check_rank(dest, "dest")
         if not isinstance(tag, int) or tag < 0:
@@ -312,13 +309,19 @@ class Communicator:
         self._enqueue(0, self._router_q, op)
         return handle
 
-    def _lane_send(self, obj: Any, dest: int, tag: int, wake: bool) -> SendHandle | None:
-        """:meth:`_fast_send` by the compiled fast path, which encodes and posts ``obj`` in
-        one call under the lock; ``None`` (nothing sent) if ``obj`` does not qualify."""
+    def _fast_send(self, item: Any, dest: int, tag: int, wake: bool) -> SendHandle | None:
+        """Send a fast-path frame from the calling thread (see :mod:`smp_comm.fastpath`).
+
+        ``item``: the object itself when the compiled fast path is in use (it encodes and
+        posts in one call under the lock, and ``None`` is returned, nothing sent, if the
+        object does not qualify), else :func:`fastpath.encode`'s parts. Ordered for
+        latency: the frame leaves first, the handle is made afterwards.
+        """
         if self._closing or self._fatal is not None:
             self._check_open()
         if type(dest) is not int or not 0 <= dest < self.size:
             self._check_rank(dest, "dest")
+        lane = self._lane
         with self._match_lock:
             if self._closing:  # checked under the lock close() takes to number its BYEs
                 raise CommClosedError(f"smp-comm rank {self.rank}: the Communicator is closed")
@@ -326,10 +329,19 @@ class Communicator:
                 handle = SendHandle(dest, tag, self.rank, self._wait)
                 handle._complete(error=self._peer_closed(dest, f"send (tag {tag})"))
                 return handle
+            # Posted under the lock that numbers it: frames to one rank leave in sequence
+            # order, and close() cannot number its BYE in between. ``sent``: the payload
+            # bytes if the frame has left (small frames go out eagerly), else
+            # (request, frame, payload bytes), the frame kept alive until MPI is done.
             seq = self._seq_to[dest]
-            sent = self._lane.send(self._fc_handle, obj, self._fast_limit, seq, dest, tag)  # type: ignore[union-attr]
-            if sent is None:
-                return None  # not a fast-path object: seq stays unused
+            if lane is not None:
+                sent = lane.send(self._fc_handle, item, self._fast_limit, seq, dest, tag)
+                if sent is None:
+                    return None  # not a fast-path object: seq stays unused
+            else:
+                buf = fastpath.frame(item, seq)
+                req = self._fc.Isend(buf, dest, tag)  # (a bytes object: no datatype to parse)
+                sent = len(item[-1]) if req.Test() else (req, buf, len(item[-1]))
             self._seq_to[dest] = seq + 1
             handle = SendHandle(dest, tag, self.rank, self._wait)
             counts = self._fast_count
@@ -344,45 +356,8 @@ class Communicator:
         if wake:
             self._ring(dest)
         if type(sent) is not int:
-            req = MPI.Request.fromhandle(pending)
+            req = pending if lane is None else MPI.Request.fromhandle(pending)
             self._track([req], lambda: self._fast_sent(handle, frame))
-        return handle
-
-    def _fast_send(self, parts: tuple[Any, ...], dest: int, tag: int, wake: bool) -> SendHandle:
-        """Send a fast-path frame from the calling thread (see :mod:`smp_comm.fastpath`).
-
-        Ordered for latency: the frame leaves first, the handle is made afterwards.
-        """
-        if self._closing or self._fatal is not None:
-            self._check_open()
-        if type(dest) is not int or not 0 <= dest < self.size:
-            self._check_rank(dest, "dest")
-        with self._match_lock:
-            if self._closing:  # checked under the lock close() takes to number its BYEs
-                raise CommClosedError(f"smp-comm rank {self.rank}: the Communicator is closed")
-            if dest in self._bye_from:
-                handle = SendHandle(dest, tag, self.rank, self._wait)
-                handle._complete(error=self._peer_closed(dest, f"send (tag {tag})"))
-                return handle
-            seq = self._seq_to[dest]
-            self._seq_to[dest] = seq + 1
-            # Posted under the lock that numbered it: frames to one rank leave in sequence
-            # order, and close() cannot number its BYE in between.
-            buf = fastpath.frame(parts, seq)
-            req = self._fc.Isend(buf, dest, tag)  # (a bytes object: no datatype to parse)
-            handle = SendHandle(dest, tag, self.rank, self._wait)
-            counts = self._fast_count
-            counts[0] += 1
-            counts[1] += len(parts[-1])
-            sent = req.Test()  # eager: a small frame has usually left already
-            if sent:
-                handle._done = True  # nobody else holds the handle yet
-            else:
-                self._open_sends.add(handle)
-        if wake:
-            self._ring(dest)
-        if not sent:
-            self._track([req], lambda: self._fast_sent(handle, buf))
         return handle
 
     def _fast_sent(self, handle: SendHandle, buf: bytes) -> None:
