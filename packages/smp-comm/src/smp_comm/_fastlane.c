@@ -3,9 +3,10 @@
  * Optional: smp_comm.compiled builds this file on first use against the MPI library that
  * mpi4py has loaded, and falls back to the pure-Python fast path if it cannot. It does the
  * byte-level work of one fast-path message in one call each way, without the Python
- * interpreter's per-step costs: encode (a tensor's checks, header and element copy),
- * post (MPI_Isend + MPI_Test) and take (probe loop with the GIL released, MPI_Mrecv into a
- * new bytearray). Python keeps every decision: matching, ordering, handles, errors.
+ * interpreter's per-step costs: send (a tensor's checks, header and element copy,
+ * MPI_Isend + MPI_Test) and take (probe loop with the GIL released, MPI_Mrecv into a new
+ * bytearray, the tensor rebuilt over it). encode and decode are exported on their own for
+ * the tests and the benchmark. Python keeps every decision: matching, ordering, handles.
  *
  * It must produce exactly the frames fastpath.encode/frame do: the tests compare them.
  */
@@ -261,22 +262,6 @@ static PyObject *post_frame(MPI_Comm comm, PyObject *frame, int64_t seq, int des
     return PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)(intptr_t)req);
 }
 
-/* post(comm, frame, seq, dest, tag) -> None if sent, else the pending MPI_Request handle.
- * Writes seq into the frame (a bytes object encode() made and nobody else holds yet). */
-static PyObject *post(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    MPI_Comm comm;
-    if (nargs != 5 || !PyBytes_CheckExact(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "post(comm, frame: bytes, seq, dest, tag)");
-        return NULL;
-    }
-    if (!as_comm(args[0], &comm)) return NULL;
-    int64_t seq = (int64_t)PyLong_AsLongLong(args[2]);
-    int dest = (int)PyLong_AsLong(args[3]);
-    int tag = (int)PyLong_AsLong(args[4]);
-    if (PyErr_Occurred()) return NULL;
-    return post_frame(comm, args[1], seq, dest, tag);
-}
-
 /* send(comm, obj, limit, seq, dest, tag): encode and post in one call. None if obj does
  * not qualify; else its payload bytes if the frame has left, or (request, frame, payload
  * bytes) if it is still pending (the frame must live until the request completes). */
@@ -423,7 +408,6 @@ static PyMethodDef methods[] = {
     {"decode", (PyCFunction)(void (*)(void))decode, METH_FASTCALL, "Rebuild a frame's object."},
     {"configure", configure, METH_VARARGS, "Set the tensor/array types and dtype code tables."},
     {"encode", (PyCFunction)(void (*)(void))encode, METH_FASTCALL, "Frame bytes of obj, or None."},
-    {"post", (PyCFunction)(void (*)(void))post, METH_FASTCALL, "Isend a frame; pending request."},
     {"take", (PyCFunction)(void (*)(void))take, METH_FASTCALL, "Probe, receive, decode a frame."},
     {"send", (PyCFunction)(void (*)(void))send, METH_FASTCALL, "Encode and post; or None."},
     {NULL, NULL, 0, NULL},

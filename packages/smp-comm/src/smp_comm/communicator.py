@@ -857,12 +857,7 @@ class Communicator:
             for _ in range(_SPIN_PROBES // _LANE_PROBES):
                 got = lane.take(comm, _LANE_PROBES, rank)
                 if got is not None:
-                    source, tag, seq, obj, nbytes = got
-                    if seq == self._seq_from[source] and not self._held[source]:
-                        self._seq_from[source] = seq + 1  # its turn: _on_taken, inlined
-                        self._on_fast(source, seq, tag, obj, nbytes)
-                    else:
-                        self._in_order(source, seq, _FAST, (tag, obj, nbytes))
+                    self._on_taken(*got)
                     return True
                 if handle._done:
                     return False
