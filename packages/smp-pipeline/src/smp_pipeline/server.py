@@ -42,7 +42,7 @@ from smp_pipeline.messages import pack, unflatten
 from smp_pipeline.order import OrderChannel
 from smp_pipeline.schedule import Scheduler
 from smp_pipeline.state import execution_state
-from smp_pipeline.worker import DEVICE, Task, Worker, current_worker
+from smp_pipeline.worker import DEVICE, Baton, Task, Worker, current_worker
 
 # Idle main loop: drive the communicator for at most this long before sleeping on the
 # receive. While device work is under way it sleeps until a message or the device's end.
@@ -95,7 +95,7 @@ class ExecutionServer:
         self.inbox: collections.deque[dict[str, Any]] = collections.deque()
         self._recv: Any = None  # the posted receive for the next message
         self.ready: collections.deque[tuple[Worker, Any]] = collections.deque()
-        self._main_sem = threading.Semaphore(0)
+        self._main_sem = Baton()
         self.workers: list[Worker] = []
         self.idle: list[Worker] = []
         self.waiting: dict[Any, Worker] = {}
@@ -125,7 +125,7 @@ class ExecutionServer:
         self._device_lock = threading.Lock()
         # Wakes the main loop: set when device work ends or a message arrives (a callback on
         # the posted receive), so the loop sleeps instead of polling for either.
-        self._wakeup = threading.Event()
+        self._wakeup = Baton()  # released = set
         # Tensor-parallel ordering: grants per (step, microbatch), and the channel (whose
         # announcements also wake a sleeping follower).
         self.order = order
@@ -194,12 +194,11 @@ class ExecutionServer:
         if msg is not None or not self._returning.empty():
             return msg
         # Set by an arrival or a device end since the last sleep: then one quick turn more.
-        if self._wakeup.wait(timeout):
-            self._wakeup.clear()
+        self._wakeup.acquire(timeout=timeout)  # taking it clears it
         return self._next_message(0)
 
     def _wake_main(self, handle: Any) -> None:
-        self._wakeup.set()
+        self._wakeup.release()
         task = self.current
         if self.preemption and task is not None and task.phase == "forward":
             try:
@@ -377,7 +376,7 @@ class ExecutionServer:
                 end = time.time()
         finally:
             self._returning.put((worker, task, start, end))
-            self._wakeup.set()
+            self._wakeup.release()
             worker.wait_resume()
 
     # ------------------------------------------------------------------ failures

@@ -41,9 +41,18 @@ def autocast_state() -> list[tuple[str, str]]:
     return state
 
 
+def execution_state(grad_enabled: bool, autocast: list[tuple[str, str]]) -> contextlib.AbstractContextManager[Any]:
+    """Enter the requester's grad mode and autocast contexts (a context manager).
+
+    Without autocast (the common case) just the grad mode: one object instead of a
+    generator and an exit stack, on a path every request takes."""
+    if not autocast:
+        return torch.set_grad_enabled(grad_enabled)
+    return _full_state(grad_enabled, autocast)
+
+
 @contextlib.contextmanager
-def execution_state(grad_enabled: bool, autocast: list[tuple[str, str]]) -> Iterator[None]:
-    """Enter the requester's grad mode and autocast contexts."""
+def _full_state(grad_enabled: bool, autocast: list[tuple[str, str]]) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.set_grad_enabled(grad_enabled))
         for dev, dtype in autocast:

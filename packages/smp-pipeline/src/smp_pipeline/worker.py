@@ -10,6 +10,7 @@ only to switch between microbatches cheaply, never for parallel computation.
 
 from __future__ import annotations
 
+import _thread
 import threading
 import traceback
 from collections.abc import Callable
@@ -30,6 +31,33 @@ _local = threading.local()
 def current_worker() -> Worker | None:
     """The worker running on this thread, if any."""
     return getattr(_local, "worker", None)
+
+
+class Baton:
+    """A binary semaphore on a raw lock, for handing the token between threads.
+
+    ``threading.Semaphore`` runs some twenty lines of Python per call (a ``Condition``); a
+    rank hands the token over several times per task, right after compute has evicted the
+    interpreter's working set from the caches, where each such line costs. Here both calls
+    are one C call. A release while already released is absorbed (only the shutdown path,
+    after a timed-out wait, can do that).
+    """
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = _thread.allocate_lock()
+        self._lock.acquire()
+
+    def release(self) -> None:
+        try:
+            self._lock.release()
+        except RuntimeError:  # already released: the waiter has not taken it yet
+            pass
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        """Take the baton (waiting up to ``timeout`` seconds, forever if -1); True if taken."""
+        return self._lock.acquire(blocking, timeout)
 
 
 class Task:
@@ -67,7 +95,7 @@ class Worker:
         self.task: Task | None = None
         self.value: Any = None  # what the main loop hands over when resuming a PENDING worker
         self.grant_kind = "task"  # how the next token grant is announced to TP followers
-        self._sem = threading.Semaphore(0)
+        self._sem = Baton()
         self._thread = threading.Thread(
             target=self._loop, name=f"smp-pipeline-worker-{index}", daemon=True
         )
