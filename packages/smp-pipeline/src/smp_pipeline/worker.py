@@ -39,8 +39,9 @@ class Baton:
     ``threading.Semaphore`` runs some twenty lines of Python per call (a ``Condition``); a
     rank hands the token over several times per task, right after compute has evicted the
     interpreter's working set from the caches, where each such line costs. Here both calls
-    are one C call. A release while already released is absorbed (only the shutdown path,
-    after a timed-out wait, can do that).
+    are one C call. Releasing a baton that is already released is absorbed, like setting a
+    set ``threading.Event``: the main loop's wake-up baton is released by every arrival, and
+    the shutdown path may release a token after a timed-out wait.
     """
 
     __slots__ = ("_lock",)
