@@ -4,10 +4,14 @@
 Run: python benchmarks/bench_gpt.py      (spawns the workers itself; ~4-5 minutes)
 
 Every process uses one thread (``torch.set_num_threads(1)``), so two processes have twice the
-compute of one. Four runs train the same GPT (examples/gpt/model.py, global batch 32) for a
+compute of one. Five runs train the same GPT (examples/gpt/model.py, global batch 32) for a
 few steps after a warm-up:
 
 - one process, plain PyTorch on the whole batch;
+- one process accumulating gradients over the same 8 microbatches: what splitting the batch
+  costs by itself (on a small model, mostly PyTorch's per-operator overhead, paid 8 times).
+  With it the run prints the *ceiling* of a two-stage 1F1B pipeline: twice this rate, less
+  the bubble (8/9), i.e. what a perfectly balanced pipeline with no overhead would reach;
 - smp, ``pipeline_parallel_degree=2`` on 2 processes, 8 microbatches, automatic partition,
   with the default ``active_microbatches`` (pp + 2 = 4) and with all 8 in flight (a config
   key a user tunes for throughput: more microbatches in flight hide request latency at the
@@ -22,8 +26,8 @@ it off), the same for smp and torch.distributed.pipelining.
 Two shapes: the headline (8 blocks of width 128, 64-character windows; 3 rounds) and a
 wider, longer one (width 256, 128 characters; 1 round). Runs alternate (per run the median
 step; best run of each kind) so that other load on the machine affects every kind alike.
-Prints one line per shape: tokens/s of each and the ratios to one process (ideal 2x, less
-the bubble (p-1)/(m+p-1) = 1/9) and to torch.distributed.pipelining.
+Prints one line per shape: tokens/s of each, the ratios to one process, the share of the
+ceiling smp reaches, and the ratio to torch.distributed.pipelining.
 """
 
 from __future__ import annotations
@@ -66,7 +70,9 @@ def _rate(times: list[float]) -> float:
     return BATCH * SEQ / statistics.median(times)
 
 
-def single() -> dict:
+def single(microbatches: int = 1) -> dict:
+    """One process; with ``microbatches`` > 1 it accumulates gradients over that many equal
+    slices of the batch (the work a pipeline does, without the pipeline)."""
     torch, corpus, model = _setup()
     from model import lm_loss
 
@@ -76,7 +82,8 @@ def single() -> dict:
         x, y = corpus.batch(step, BATCH, SEQ)
         t0 = time.perf_counter()
         opt.zero_grad()
-        lm_loss(model(x), y).backward()
+        for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches)):
+            (lm_loss(model(xs), ys) / microbatches).backward()
         opt.step()
         if step >= WARMUP:
             times.append(time.perf_counter() - t0)
@@ -202,8 +209,13 @@ def _launch(kind: str, nprocs: int, shape: str) -> float:
 def main() -> None:
     if "--worker" in sys.argv:
         kind = sys.argv[sys.argv.index("--worker") + 1]
-        result = {"single": single, "smp": smp_pp2, "smp_active": lambda: smp_pp2(MB),
-                  "torchpp": torch_pipelining}[kind]()
+        result = {
+            "single": single,
+            "accum": lambda: single(MB),
+            "smp": smp_pp2,
+            "smp_active": lambda: smp_pp2(MB),
+            "torchpp": torch_pipelining,
+        }[kind]()
         if result.get("rank", 0) == 0:  # one line per run: ranks' lines could interleave
             print("RESULT " + json.dumps(result), flush=True)
         return
@@ -214,18 +226,25 @@ def main() -> None:
 def _compare(shape: str, rounds: int) -> None:
     dim, layers, _, seq, batch, mb = (int(v) for v in shape.split(","))
     # Interleaved rounds, best of each: other load on the machine hits every kind alike.
-    best = {"single": 0.0, "smp": 0.0, "smp_active": 0.0, "torchpp": 0.0}
+    kinds = (("single", 1), ("accum", 1), ("smp", 2), ("smp_active", 2), ("torchpp", 2))
+    best = {kind: 0.0 for kind, _ in kinds}
     for _ in range(rounds):
-        for kind, n in (("single", 1), ("smp", 2), ("smp_active", 2), ("torchpp", 2)):
+        for kind, n in kinds:
             best[kind] = max(best[kind], _launch(kind, n, shape))
     one, smp_rate, tpp = best["single"], best["smp"], best["torchpp"]
     smp_all = best["smp_active"]
+    # What splitting the batch costs by itself (per-op overhead of smaller tensors), and the
+    # ratio a perfectly balanced 1F1B pipeline with no overhead at all would reach.
+    accum = best["accum"]
+    ceiling = 2 * mb / (mb + 1) * accum / one
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
         f"bench_gpt (load avg {load:.1f} on {os.cpu_count()} cores, bind {BIND or 'none'}): GPT {layers}x{dim}, batch "
         f"{batch}x{seq}, {mb} microbatches, 1 thread/process: "
         f"one process {one:,.0f} tok/s; smp pp=2 {smp_rate:,.0f} tok/s "
-        f"({smp_rate / one:.2f}x one process, target >=1.6x, ideal {2 * mb / (mb + 1):.2f}x); "
+        f"({smp_rate / one:.2f}x one process, target >=1.6x; {smp_rate / one / ceiling:.0%} of the "
+        f"ceiling {ceiling:.2f}x = 2 x {mb}/{mb + 1} (bubble) x {accum / one:.2f} (one process "
+        f"accumulating {mb} microbatches: {accum:,.0f} tok/s)); "
         f"smp active_microbatches={mb} {smp_all:,.0f} tok/s ({smp_all / one:.2f}x); "
         f"torch.distributed.pipelining 1F1B {tpp:,.0f} tok/s ({tpp / one:.2f}x one process; "
         f"smp/torch {smp_rate / tpp:.2f}x, {smp_all / tpp:.2f}x)",
