@@ -1,7 +1,7 @@
 """End-to-end: the GPT example pipelined over 2 CPU processes vs one process, and vs
 ``torch.distributed.pipelining`` on the same model.
 
-Run: python benchmarks/bench_gpt.py      (spawns the workers itself; ~4-5 minutes)
+Run: python benchmarks/bench_gpt.py      (spawns the workers itself; ~6-7 minutes)
 
 Every process uses one thread (``torch.set_num_threads(1)``), so two processes have twice the
 compute of one. Five runs train the same GPT (examples/gpt/model.py, global batch 32) for a
@@ -27,7 +27,7 @@ Two shapes: the headline (8 blocks of width 128, 64-character windows; 3 rounds)
 wider, longer one (width 256, 128 characters; 1 round). Runs alternate (per run the median
 step; best run of each kind) so that other load on the machine affects every kind alike.
 Prints one line per shape: tokens/s of each, the ratios to one process, the share of the
-ceiling smp reaches, and the ratio to torch.distributed.pipelining.
+ceiling each pipeline reaches, and smp's ratio to torch.distributed.pipelining.
 """
 
 from __future__ import annotations
@@ -246,7 +246,8 @@ def _compare(shape: str, rounds: int) -> None:
         f"ceiling {ceiling:.2f}x = 2 x {mb}/{mb + 1} (bubble) x {accum / one:.2f} (one process "
         f"accumulating {mb} microbatches: {accum:,.0f} tok/s)); "
         f"smp active_microbatches={mb} {smp_all:,.0f} tok/s ({smp_all / one:.2f}x); "
-        f"torch.distributed.pipelining 1F1B {tpp:,.0f} tok/s ({tpp / one:.2f}x one process; "
+        f"torch.distributed.pipelining 1F1B {tpp:,.0f} tok/s ({tpp / one:.2f}x one process, "
+        f"{tpp / one / ceiling:.0%} of the ceiling; "
         f"smp/torch {smp_rate / tpp:.2f}x, {smp_all / tpp:.2f}x)",
         flush=True,
     )
