@@ -85,9 +85,10 @@ def tests(session: nox.Session, package: str) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff over the whole tree."""
-    session.install("ruff")
+    """ruff over the whole tree, then the import contracts in ``.importlinter``."""
+    session.install("ruff", "import-linter>=2.1")
     session.run("ruff", "check", ".")
+    session.run("python", "tools/check_imports.py")
 
 
 @nox.session
