@@ -32,11 +32,11 @@ from typing import Any
 
 import numpy as np
 
-from smp_comm.wire import ANY_SOURCE, ANY_TAG
 from smp_comm.errors import CommClosedError, CommError, PeerClosedError
 from smp_comm.handles import RecvHandle, SendHandle
 from smp_comm.serialize import finish_tensor, from_blobs, pack, unpack
 from smp_comm.settings import PATHS
+from smp_comm.wire import ANY_SOURCE, ANY_TAG
 
 __all__ = ["LoopbackCommunicator", "LoopbackWorld"]
 
