@@ -148,6 +148,14 @@ def run_threads(threads: list, errors: list[BaseException]) -> None:  # type: ig
         raise errors[0]
 
 
+def case_ok(case: str) -> None:
+    """Report that ``case`` passed on this rank: ``rank R CASE-OK case`` (the tests make one
+    pytest item per case from these lines, see tests/conftest.py)."""
+    from mpi4py import MPI
+
+    print(f"rank {MPI.COMM_WORLD.rank} CASE-OK {case}", flush=True)
+
+
 def main_guard(fn) -> None:
     """Run ``fn``; on any failure print the traceback and abort the whole MPI job."""
     from mpi4py import MPI
