@@ -1,7 +1,7 @@
 """Shared helpers: run a script of ``tests/mpi_scripts`` under mpiexec, once per job.
 
 A script runs several cases in one job (starting MPI jobs is what the suite's time goes
-to) and prints ``rank R CASE-OK case`` after each. The tests make one pytest item per
+to) and prints ``rank R CASE-OK [case]`` after each. The tests make one pytest item per
 case: :func:`mpi_job` launches a job the first time any of its items asks and caches the
 outcome for the others, and :func:`assert_case` fails an item, naming its case, unless
 every rank reported the case and the job as a whole succeeded (a failed or hung job fails
@@ -62,13 +62,14 @@ def mpi_job() -> Callable[..., Job]:
 
 
 def assert_case(job: Job, case: str, ranks: Sequence[int]) -> None:
-    """Fail unless every rank of ``ranks`` printed ``CASE-OK case`` and the job succeeded;
+    """Fail unless every rank of ``ranks`` printed ``CASE-OK [case]`` and the job succeeded;
     the message names the case and shows its lines, then the job's whole output."""
-    lines = {line.strip() for line in job.output.splitlines()}
-    missing = [r for r in ranks if f"rank {r} CASE-OK {case}" not in lines]
+    # Searched in the whole output, not line by line: the launcher may splice two ranks'
+    # lines together (it interleaves their output write by write).
+    missing = [r for r in ranks if f"rank {r} CASE-OK [{case}]" not in job.output]
     if not missing and job.failure is None:
         return
-    mine = [line for line in job.output.splitlines() if case in line]
+    mine = [line for line in job.output.splitlines() if f"[{case}]" in line]
     if missing:
         why = f"case {case!r}: ranks {missing} did not report it"
     else:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from conftest import Job
 
-OUT = "rank 0 CASE-OK alpha\nrank 1 CASE-OK alpha\nrank 0 CASE-OK beta\nrank 0 CASE-OK beta-2\n"
+# Two ranks' lines spliced together, as the launcher may print them.
+OUT = "rank 0 CASE-OK [alpha]rank 1 CASE-OK [alpha]\n\nrank 0 CASE-OK [beta]\nrank 1 CASE-OK [beta-2]\n"
 
 
 def test_reported_on_every_rank_passes(assert_case) -> None:
@@ -16,7 +17,7 @@ def test_missing_rank_fails_naming_case_and_rank(assert_case) -> None:
     with pytest.raises(pytest.fail.Exception) as info:
         assert_case(Job(OUT, None), "beta", range(2))
     text = str(info.value)
-    assert "case 'beta': ranks [1]" in text and "rank 0 CASE-OK beta" in text and OUT in text
+    assert "case 'beta': ranks [1]" in text and "rank 0 CASE-OK [beta]" in text and OUT in text
 
 
 def test_case_name_is_matched_whole(assert_case) -> None:
