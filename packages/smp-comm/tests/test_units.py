@@ -139,3 +139,17 @@ def test_constructor_settings_and_overrides(monkeypatch) -> None:
         h = comm.irecv(0, 1)
         comm.isend([torch.ones(300)], dest=0, tag=1).wait(10)  # > inline_bytes: not inline
         assert torch.equal(h.wait(10)[0][0], torch.ones(300))
+
+
+def test_wire_header_is_a_plain_tuple_read_as_typed() -> None:
+    import pickle
+
+    from smp_comm.wire import Header
+
+    packed = pack({"x": np.arange(3)})
+    wire = (5, 7, "mpi", -1, packed.skeleton, packed.stubs, [b"abc"])
+    body = pickle.loads(pickle.dumps(wire, protocol=pickle.HIGHEST_PROTOCOL))
+    assert type(body) is tuple  # what travels: no class reference in the pickle
+    h = Header.of(body)
+    assert (h.msg_id, h.tag, h.path, h.region, h.inline) == (5, 7, "mpi", -1, [b"abc"])
+    assert h.skeleton is body[4] and h.stubs == packed.stubs and h == body

@@ -28,6 +28,7 @@ import mpi4py itself; the wildcards are the real ones, :data:`smp_comm.ANY_SOURC
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,7 @@ from smp_comm.errors import CommClosedError, CommError, PeerClosedError
 from smp_comm.handles import RecvHandle, SendHandle
 from smp_comm.serialize import finish_tensor, from_blobs, pack, unpack
 from smp_comm.settings import PATHS
+from smp_comm.state import FastCounts
 from smp_comm.wire import ANY_SOURCE, ANY_TAG
 
 __all__ = ["LoopbackCommunicator", "LoopbackWorld"]
@@ -59,8 +61,7 @@ class _Mailbox:
         self.unexpected: list[_Message] = []
         self.closed = False
         self.bye_from: set[int] = set()  # ranks that closed (they send nothing more)
-        self.sent = [0, 0]  # messages, payload bytes
-        self.received = [0, 0]
+        self.counts = FastCounts()  # every message counts as "mpi" here
 
 
 def _accepts(h: RecvHandle, source: int, tag: int) -> bool:
@@ -143,11 +144,11 @@ class LoopbackCommunicator:
                     break
             else:
                 box.unexpected.append(_Message(copy, self.rank, tag))
-            box.received[0] += 1
-            box.received[1] += nbytes
+            box.counts.received += 1
+            box.counts.received_bytes += nbytes
         with self._box.lock:
-            self._box.sent[0] += 1
-            self._box.sent[1] += nbytes
+            self._box.counts.sent += 1
+            self._box.counts.sent_bytes += nbytes
         handle._complete()
         if match is not None:  # out of the posted list: no other thread completes it
             match._complete((copy, self.rank, tag))
@@ -182,17 +183,17 @@ class LoopbackCommunicator:
     def stats(self) -> dict[str, dict[str, int]]:
         """The real ``stats()``'s shape; every message counts as ``"mpi"``."""
         with self._box.lock:
-            sent, received = list(self._box.sent), list(self._box.received)
+            c = replace(self._box.counts)
         out: dict[str, dict[str, int]] = {}
         for p in PATHS:
-            s, r = (sent, received) if p == "mpi" else ([0, 0], [0, 0])
+            m = c if p == "mpi" else FastCounts()
             out[p] = {
-                "messages_sent": s[0],
-                "bytes_sent": s[1],
-                "messages_received": r[0],
-                "bytes_received": r[1],
-                "messages": s[0] + r[0],
-                "bytes": s[1] + r[1],
+                "messages_sent": m.sent,
+                "bytes_sent": m.sent_bytes,
+                "messages_received": m.received,
+                "bytes_received": m.received_bytes,
+                "messages": m.sent + m.received,
+                "bytes": m.sent_bytes + m.received_bytes,
             }
         out["mpi"].update(fallbacks=0, fast_sent=0, fast_received=0)
         return out

@@ -36,8 +36,9 @@ class Lifecycle:
 
 @dataclass(slots=True)
 class FastCounts:
-    """Fast-path messages and payload bytes. Guarded by the matching table's lock, which
-    both ends of the fast path hold anyway (a lock of its own costs latency per message)."""
+    """Messages and payload bytes sent and received. A Communicator's count its fast-path
+    messages under the matching table's lock, which both ends of the fast path hold anyway
+    (a lock of its own costs latency per message)."""
 
     sent: int = 0
     sent_bytes: int = 0
