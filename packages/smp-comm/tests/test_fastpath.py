@@ -118,14 +118,27 @@ def test_small_message_setting(monkeypatch) -> None:
         CommSettings.resolve(0)
 
 
+FAST_TRAFFIC_CASES = [
+    "threaded-streams",
+    "any-source",
+    "first-posted-wins",
+    "timeout-names-peer",
+    "stats",
+    "fast-path-off-on-one-rank",
+    "compiled-and-python",
+]
+
+
+@pytest.mark.parametrize("case", FAST_TRAFFIC_CASES)
 @pytest.mark.parametrize("kind", ["compiled", "python"])
-def test_fast_path_traffic(mpi_script, kind: str) -> None:
+def test_fast_path_traffic(mpi_job, assert_case, kind: str, case: str) -> None:
     """Mixed fast/general traffic from several threads, ANY_SOURCE, first-posted-wins,
     timeouts naming the peer, stats, ranks with the fast path off, ranks mixing the
-    compiled and the Python fast path; the main communicator's fast path is ``kind``."""
+    compiled and the Python fast path; the main communicator's fast path is ``kind``.
+    One job per ``kind``, one item per case."""
     env = {"EXPECT_FAST_PATH": kind, "SMP_COMM_COMPILED": "1" if kind == "compiled" else "0"}
-    out = mpi_script("fast_traffic.py", n=3, timeout=180, env=env)
-    assert out.count("OK fast_traffic") == 3, out
+    job = mpi_job("fast_traffic.py", n=3, timeout=180, env=env)
+    assert_case(job, case, range(3))
 
 
 def test_fast_path_self_send_and_order_with_general_path() -> None:

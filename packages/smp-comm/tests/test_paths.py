@@ -1,24 +1,43 @@
-"""Real MPI jobs: errors, big messages, full buffers, no torch (see tests/mpi_scripts)."""
+"""Real MPI jobs: errors, big messages, full buffers, no torch (see tests/mpi_scripts).
+
+Each script runs once; each of its cases is its own pytest item (see conftest.py)."""
 
 from __future__ import annotations
 
+import pytest
 
-def test_errors_name_the_peer_on_subcommunicators(mpi_script) -> None:
-    out = mpi_script("errors.py", n=4, timeout=120)
-    assert out.count("OK errors") == 4, out
+ERRORS = [
+    "bad-arguments",
+    "timeout-and-cancel",
+    "self-send",
+    "late-arrival",
+    "peer-closed",
+    "closed-errors",
+]
+BUFFERS = ["600mib-message", "held-views-fallback", "copy-out", "order-across-paths"]
+NOTORCH = ["shm", "shm-disabled", "shm-too-big"]
+DOORBELL = ["rings-and-sleeps", "doorbell-off", "own-nodes"]
 
 
-def test_600mib_message_and_full_buffer_fallback(mpi_script) -> None:
-    out = mpi_script("buffers.py", n=2, timeout=240)
-    assert out.count("OK buffers") == 2, out
+@pytest.mark.parametrize("case", ERRORS)
+def test_errors_name_the_peer_on_subcommunicators(mpi_job, assert_case, case: str) -> None:
+    job = mpi_job("errors.py", n=4, timeout=120)
+    assert_case(job, case, range(4))
 
 
-def test_numpy_only_without_torch(mpi_script) -> None:
-    out = mpi_script("notorch.py", n=2, timeout=120)
-    assert out.count("OK notorch") == 2, out
+@pytest.mark.parametrize("case", BUFFERS)
+def test_600mib_message_and_full_buffer_fallback(mpi_job, assert_case, case: str) -> None:
+    job = mpi_job("buffers.py", n=2, timeout=240)
+    assert_case(job, case, range(2))
 
 
-def test_doorbells_wake_sleeping_trackers(mpi_script) -> None:
-    out = mpi_script("doorbell.py", n=3, timeout=120)
-    for r in range(3):
-        assert f"rank {r} OK doorbell" in out, out
+@pytest.mark.parametrize("case", NOTORCH)
+def test_numpy_only_without_torch(mpi_job, assert_case, case: str) -> None:
+    job = mpi_job("notorch.py", n=2, timeout=120)
+    assert_case(job, case, range(2))
+
+
+@pytest.mark.parametrize("case", DOORBELL)
+def test_doorbells_wake_sleeping_trackers(mpi_job, assert_case, case: str) -> None:
+    job = mpi_job("doorbell.py", n=3, timeout=120)
+    assert_case(job, case, range(3))

@@ -116,3 +116,40 @@ def test_self_send_on_comm_self() -> None:
         assert torch.equal(obj["x"], torch.arange(5000.0)) and (src, tag) == (0, 3)
         assert comm.path_to(0) == "mpi"
     assert comm.closed
+
+
+def test_constructor_settings_and_overrides(monkeypatch) -> None:
+    """Every CommSettings field is a keyword (caller_copy_bytes too); unknown ones are named;
+    ``settings=`` is a starting point that the keywords override."""
+    from mpi4py import MPI
+    from smp_comm import Communicator
+
+    with pytest.raises(TypeError, match="'buffer_byte'"):
+        Communicator(MPI.COMM_SELF, buffer_byte="1M")
+    monkeypatch.setenv("SMP_COMM_INLINE_BYTES", "2K")
+    with Communicator(MPI.COMM_SELF, caller_copy_bytes="64K", doorbell=False) as comm:
+        assert comm.settings.caller_copy_bytes == 64 << 10
+        assert comm.settings.inline_bytes == 2 << 10  # the environment still applies
+        assert not comm.settings.doorbell
+    base = CommSettings(inline_bytes=100, poll_spin=0.0)
+    with Communicator(MPI.COMM_SELF, base, caller_copy_bytes=None, poll_spin=0.001) as comm:
+        assert comm.settings.inline_bytes == 100  # from base, not the environment
+        assert comm.settings.caller_copy_bytes == base.caller_copy_bytes  # None: not overridden
+        assert comm.settings.poll_spin == 0.001
+        h = comm.irecv(0, 1)
+        comm.isend([torch.ones(300)], dest=0, tag=1).wait(10)  # > inline_bytes: not inline
+        assert torch.equal(h.wait(10)[0][0], torch.ones(300))
+
+
+def test_wire_header_is_a_plain_tuple_read_as_typed() -> None:
+    import pickle
+
+    from smp_comm.wire import Header
+
+    packed = pack({"x": np.arange(3)})
+    wire = (5, 7, "mpi", -1, packed.skeleton, packed.stubs, [b"abc"])
+    body = pickle.loads(pickle.dumps(wire, protocol=pickle.HIGHEST_PROTOCOL))
+    assert type(body) is tuple  # what travels: no class reference in the pickle
+    h = Header.of(body)
+    assert (h.msg_id, h.tag, h.path, h.region, h.inline) == (5, 7, "mpi", -1, [b"abc"])
+    assert h.skeleton is body[4] and h.stubs == packed.stubs and h == body

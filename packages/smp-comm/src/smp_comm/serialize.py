@@ -96,8 +96,8 @@ def _torch_bytes(t: Any, idx: int, offset: int) -> tuple[TensorStub, Any]:
     if not src.is_contiguous():
         src = src.contiguous()  # non-contiguous -> one contiguous copy
     if src.device.type == "cpu" and src.dtype in _NUMPY_DTYPES:
-        # numpy reshapes and reinterprets bytes several times faster than torch views,
-        # which small messages feel.
+        # numpy reshapes and reinterprets bytes faster than torch views, which small
+        # messages feel (PERF-NOTES.md).
         flat: Any = src.numpy().reshape(-1).view(np.uint8)
         device = "cpu"
     else:

@@ -3,6 +3,9 @@
 ``run_mpi`` starts ``mpiexec -n N python ARGS`` with a hard timeout. When the job hangs or
 fails, it kills the whole process group and raises with every rank's output, so a broken
 distributed test fails fast and says why instead of hanging CI.
+
+``LoopbackWorld`` (from :mod:`smp_comm.loopback`) runs ranks as threads of one process,
+for tests of code built on the communicator that need no MPI job.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
-__all__ = ["MPIRunError", "mpiexec_path", "run_mpi"]
+from smp_comm.loopback import LoopbackCommunicator, LoopbackWorld
+
+__all__ = ["LoopbackCommunicator", "LoopbackWorld", "MPIRunError", "mpiexec_path", "run_mpi"]
 
 
 class MPIRunError(AssertionError):

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import torch
 from mpi4py import MPI
-from payloads import main_guard
+from payloads import case_ok, main_guard
 from smp_comm import ANY_TAG, Communicator
 
 BIG = 600 << 20
@@ -53,6 +53,7 @@ def main() -> None:
         assert comm.stats()["mpi"]["bytes_received"] == BIG
     comm.close()
     gc.collect()
+    case_ok("600mib-message")
 
     # 2. Held views fill a 1 MiB buffer; the fallback takes over; dropping them frees it.
     comm = Communicator(world, buffer_bytes="1M")
@@ -85,6 +86,7 @@ def main() -> None:
             assert torch.equal(obj, torch.ones(size // 4))
             del obj
     comm.close()
+    case_ok("held-views-fallback")
 
     # 3. Copy-out mode frees each region at once: 6 messages all take shm.
     comm = Communicator(world, buffer_bytes="1M", shm_zero_copy=False)
@@ -101,6 +103,7 @@ def main() -> None:
             held.append(t)
             comm.isend(None, dest=0, tag=i).wait(timeout=30)
     comm.close()
+    case_ok("copy-out")
 
     # 4. Per-sender order holds across paths, with the buffer overflowing on the way.
     comm = Communicator(world, buffer_bytes="2M")
@@ -119,6 +122,7 @@ def main() -> None:
             (j, a), _, _ = comm.irecv(0, 5).wait(timeout=60)
             assert j == i and a.size == n // 8 and (a.size == 0 or (a[0] == i and a[-1] == i)), i
     comm.close()
+    case_ok("order-across-paths")
     print(f"rank {rank} OK buffers")
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import smp_comm
 import torch
 from mpi4py import MPI
-from payloads import main_guard
+from payloads import case_ok, main_guard
 
 
 def exchange(comm: smp_comm.Communicator, rounds: int) -> None:
@@ -75,10 +75,12 @@ def main() -> None:
         assert rings > 0, f"rank 0 never rang a sleeping peer (rings={rings})"
     else:
         assert sleeps > 0, f"rank {rank}'s tracker never slept on its doorbell"
-    for kwargs in ({"doorbell": False}, {"node_id": "{rank}"}):
+    case_ok("rings-and-sleeps")
+    for case, kwargs in (("doorbell-off", {"doorbell": False}), ("own-nodes", {"node_id": "{rank}"})):
         with smp_comm.Communicator(world, **kwargs) as comm:
             assert comm._bell is None, kwargs
             exchange(comm, rounds=2)
+        case_ok(case)
     print(f"rank {rank} OK doorbell (rings {rings}, sleeps {sleeps})", flush=True)
 
 

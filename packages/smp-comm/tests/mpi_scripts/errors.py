@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 from mpi4py import MPI
-from payloads import main_guard, own_shm_files
+from payloads import case_ok, main_guard, own_shm_files
 from smp_comm import (
     ANY_SOURCE,
     ANY_TAG,
@@ -46,6 +46,7 @@ def main() -> None:
     expect(ValueError, lambda: comm.irecv(source=5), "source=5")
     expect(ValueError, lambda: comm.isend(1, dest=peer, tag=-3), "tag")
     expect(CommError, lambda: comm.isend(lambda: 0, dest=peer, tag=1), f"rank {peer}", "tag 1")
+    case_ok("bad-arguments")
 
     # A timeout is prompt and names the peer and tag; the receive stays posted until
     # cancelled, so the later message for that tag goes to the next receive.
@@ -59,11 +60,13 @@ def main() -> None:
     anything = comm.irecv(ANY_SOURCE, ANY_TAG)
     expect(CommTimeoutError, lambda: anything.wait(0.05), "any rank", "any tag")
     assert anything.cancel()
+    case_ok("timeout-and-cancel")
 
     # Sending to oneself works too.
     comm.isend({"me": np.ones(3)}, dest=rank, tag=9).wait(10)
     obj, src, tag = comm.irecv(rank, 9).wait(10)
     assert np.array_equal(obj["me"], np.ones(3)) and (src, tag) == (rank, 9)
+    case_ok("self-send")
 
     # A message that does arrive after a timed-out wait is still delivered to that handle.
     h2 = comm.irecv(source=peer, tag=43)
@@ -72,6 +75,7 @@ def main() -> None:
     comm.isend(np.arange(5), dest=peer, tag=43).wait(10)
     obj, src, tag = h2.wait(10)
     assert np.array_equal(obj, np.arange(5)) and (src, tag) == (peer, 43)
+    case_ok("late-arrival")
 
     # Peer closes while we wait for it: the wait fails naming that rank, not a hang.
     sub.Barrier()
@@ -88,10 +92,12 @@ def main() -> None:
         comm.close()
     comm.close()  # idempotent
     assert comm.closed
+    case_ok("peer-closed")
     expect(CommClosedError, lambda: comm.isend(1, dest=peer), "closed")
     expect(CommClosedError, lambda: comm.isend(np.ones(2), dest=peer), "closed")
     expect(CommClosedError, lambda: comm.irecv(), "closed")
     assert not own_shm_files()
+    case_ok("closed-errors")
     sub.Free()
     print(f"rank {world.rank} OK errors")
 

@@ -20,7 +20,7 @@ import threading
 import numpy as np
 import torch
 from mpi4py import MPI
-from payloads import guarded_by, main_guard, run_threads
+from payloads import case_ok, guarded_by, main_guard, run_threads
 from smp_comm import ANY_SOURCE, ANY_TAG, CommTimeoutError, Communicator
 
 THREADS = 3
@@ -122,6 +122,7 @@ def main() -> None:
         threading.Thread(target=receiver, args=(p, k)) for p in peers for k in range(THREADS)
     ]
     run_threads(threads, errors)
+    case_ok("threaded-streams")
 
     # ANY_SOURCE: every peer sends a stream on tag 50; one thread receives them all with
     # ANY_SOURCE and checks per-source order.
@@ -136,6 +137,7 @@ def main() -> None:
         seen[src] += 1
     for h in sends:
         h.wait(timeout=60)
+    case_ok("any-source")
 
     # First posted receive wins, fast and general messages alike, in send order.
     world.Barrier()
@@ -155,6 +157,7 @@ def main() -> None:
             comm.isend(obj, dest=1, tag=tag).wait(timeout=30)
     else:
         world.Barrier()
+    case_ok("first-posted-wins")
 
     # A receive nobody sends to times out naming the peer and the tag, then is withdrawn.
     peer = (rank + 1) % size
@@ -167,6 +170,7 @@ def main() -> None:
     else:
         raise AssertionError("expected CommTimeoutError")
     assert h.cancel()
+    case_ok("timeout-names-peer")
 
     stats = comm.stats()["mpi"]
     assert stats["fast_sent"] == sum(fast_per_thread) + 20 * len(peers) + (rank == 0) * 2, stats
@@ -175,6 +179,7 @@ def main() -> None:
     # then turns the expected CommTimeoutError into PeerClosedError).
     world.Barrier()
     comm.close()
+    case_ok("stats")
 
     # Fast path off on rank 0 only: everything still arrives (frames are probed anyway).
     off = Communicator(world, small_message_bytes=0 if rank == 0 else LIMIT)
@@ -187,6 +192,7 @@ def main() -> None:
     st = off.stats()["mpi"]
     assert st["fast_sent"] == (0 if rank == 0 else len(peers)), st
     off.close()
+    case_ok("fast-path-off-on-one-rank")
 
     # Compiled on rank 0, Python elsewhere: every kind of message both ways, in order.
     mixed = Communicator(world, small_message_bytes=LIMIT, compiled=rank == 0)
@@ -201,6 +207,7 @@ def main() -> None:
     kinds = world.allgather(mixed.fast_path)
     assert expect != "compiled" or kinds == ["compiled"] + ["python"] * (size - 1), kinds
     mixed.close()
+    case_ok("compiled-and-python")
     print(f"rank {rank} OK fast_traffic {stats}")
 
 

@@ -10,7 +10,7 @@ sys.modules["torch"] = None  # makes every `import torch` raise ImportError
 import numpy as np  # noqa: E402
 import smp_comm  # noqa: E402
 from mpi4py import MPI  # noqa: E402
-from payloads import check, main_guard, make  # noqa: E402
+from payloads import case_ok, check, main_guard, make  # noqa: E402
 from smp_comm import serialize  # noqa: E402
 
 
@@ -19,12 +19,12 @@ def main() -> None:
     world = MPI.COMM_WORLD
     rank, peer = world.rank, 1 - world.rank
     configs = (
-        ({}, "shm"),
-        ({"disable": "shm"}, "mpi"),
+        ("shm", {}, "shm"),
+        ("shm-disabled", {"disable": "shm"}, "mpi"),
         # More than /dev/shm holds: a warning, then the MPI path (never SIGBUS later).
-        ({"buffer_bytes": "100000G"}, "mpi"),
+        ("shm-too-big", {"buffer_bytes": "100000G"}, "mpi"),
     )
-    for kwargs, path in configs:
+    for case, kwargs, path in configs:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             comm = smp_comm.Communicator(world, **kwargs)
@@ -39,6 +39,7 @@ def main() -> None:
             h.wait(timeout=60)
         assert comm.stats()[path]["messages_received"] == 4, comm.stats()
         comm.close()
+        case_ok(case)
     assert "torch" not in sys.modules or sys.modules["torch"] is None
     print(f"rank {rank} OK notorch")
 

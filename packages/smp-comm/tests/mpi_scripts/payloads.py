@@ -148,6 +148,18 @@ def run_threads(threads: list, errors: list[BaseException]) -> None:  # type: ig
         raise errors[0]
 
 
+def case_ok(case: str) -> None:
+    """Report that ``case`` passed on this rank: ``rank R CASE-OK [case]`` (the tests make
+    one pytest item per case from these lines, see tests/conftest.py). One write: the
+    launcher interleaves the ranks' output write by write."""
+    import sys
+
+    from mpi4py import MPI
+
+    sys.stdout.write(f"rank {MPI.COMM_WORLD.rank} CASE-OK [{case}]\n")
+    sys.stdout.flush()
+
+
 def main_guard(fn) -> None:
     """Run ``fn``; on any failure print the traceback and abort the whole MPI job."""
     from mpi4py import MPI

@@ -10,7 +10,7 @@ import sys
 import threading
 
 from mpi4py import MPI
-from payloads import check, guarded_by, main_guard, make, own_shm_files, run_threads
+from payloads import case_ok, check, guarded_by, main_guard, make, own_shm_files, run_threads
 from smp_comm import ANY_SOURCE, ANY_TAG, Communicator
 
 MODE = sys.argv[1]
@@ -86,11 +86,13 @@ def main() -> None:
         threading.Thread(target=any_source_receiver, args=(200 + i,)) for i in range(PER_THREAD)
     ]
     run_threads(threads, errors)
+    case_ok("threaded-traffic")
     # Received tensors may be views of the receive buffer: they must still hold their
     # bytes after all later traffic (no region is reused while a view is alive).
     for obj, src, t in kept:
         check(obj, src, rank, t)
     kept.clear()
+    case_ok("views-survive")
 
     # Matching semantics: the first posted receive that accepts a message gets it.
     world.Barrier()
@@ -110,6 +112,7 @@ def main() -> None:
             comm.isend(obj, dest=1, tag=tag).wait(timeout=30)
     else:
         world.Barrier()
+    case_ok("first-posted-wins")
 
     stats = comm.stats()
     sent = THREADS * PER_THREAD * len(peers)
@@ -133,9 +136,11 @@ def main() -> None:
         assert stats["rma"]["messages_sent"] == per_peer * len(other_node), stats
         assert stats["shm"]["messages_sent"] == per_peer * len(same_node), stats
     assert stats["cuda_ipc"]["messages"] == 0
+    case_ok("path-stats")
     comm.close()
     comm.close()  # idempotent
     assert not own_shm_files(), own_shm_files()
+    case_ok("close")
     print(f"rank {rank} OK {MODE} {stats}")
 
 

@@ -1,0 +1,206 @@
+"""The receive side of the general path: payloads in, objects rebuilt, regions freed.
+
+On a header's turn the polling thread matches it (:class:`~smp_comm.matching.MatchingTable`)
+and posts the payload ``Irecv``\\ s of an MPI-path message; the ``postproc`` thread
+(CommPostprocessing, D2D recv) copies payloads out of the receive buffer (or hands out
+views of it), has the region freed (a ``FREE`` message back to the sender) and rebuilds
+the object. Small payloads are rebuilt on the polling thread itself.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from smp_comm.errors import CommError
+from smp_comm.matching import Incoming, MatchingTable
+from smp_comm.paths import DirectPaths
+from smp_comm.progress import Progress
+from smp_comm.serialize import finish_tensor, from_blobs, new_buffers, unpack
+from smp_comm.settings import CommSettings
+from smp_comm.state import STOP, Backlog, Lifecycle, PathStats, nothing, start_thread
+from smp_comm.wire import T_DRAINED, T_FREE, Header
+
+__all__ = ["Receiver"]
+
+
+class Receiver:
+    """Rebuilds incoming general-path messages and gives their regions back; owns the
+    postproc thread. ``_free_lock`` orders FREEs against DRAINED: no FREE may follow this
+    rank's DRAINED on the wire (it guards ``_drained``)."""
+
+    def __init__(
+        self,
+        rank: int,
+        cc: MPI.Intracomm,
+        dc: MPI.Intracomm,
+        tag_ub: int,
+        settings: CommSettings,
+        paths: DirectPaths,
+        table: MatchingTable,
+        progress: Progress,
+        backlog: Backlog,
+        stats: PathStats,
+        life: Lifecycle,
+    ) -> None:
+        self.rank = rank
+        self._cc, self._dc, self._tag_ub = cc, dc, tag_ub
+        self._caller_copy_bytes = settings.caller_copy_bytes
+        self._paths, self._table, self._progress = paths, table, progress
+        self._backlog, self._stats, self._life = backlog, stats, life
+        self._post_q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._free_lock = threading.Lock()
+        self._drained = False  # set once this rank sends no more FREEs
+        self._thread: threading.Thread | None = None
+        progress.attach(self.on_header, self._post_queued_free)
+
+    def start(self) -> None:
+        """Start the postproc thread."""
+        b = self._backlog
+        self._thread = start_thread(
+            "postproc",
+            lambda: b.serve(b.POSTPROC, self._post_q, self._finish),
+            self._table.fail_all,
+        )
+
+    def stop(self) -> None:
+        """Let the postproc thread finish its queue, then join it."""
+        self._post_q.put(STOP)
+        if self._thread is not None:
+            self._thread.join()
+
+    def on_header(self, source: int, seq: int, h: Header) -> None:
+        """A header's turn (polling thread): match it, then receive or rebuild its payload."""
+        inc = Incoming(source, h.tag, seq, h.path, h.region, h.skeleton, h.stubs, h.inline)
+        self._table.on_header(inc)
+        if inc.path == "mpi" and inc.inline is None:
+            try:
+                inc.finals, inc.views = new_buffers(inc.stubs, self.rank)
+            except Exception as exc:  # noqa: BLE001 - e.g. torch missing here
+                inc.finals, inc.views = [], []
+                inc.error = CommError(str(exc))
+            data_tag = inc.msg_id % (self._tag_ub + 1)
+            if inc.error is None:
+                reqs = [
+                    self._dc.Irecv([v, MPI.BYTE], source=inc.source, tag=data_tag)
+                    for v in inc.views
+                    if v.size
+                ]
+            else:  # still drain the payload so the sender completes
+                reqs = [
+                    self._dc.Irecv(
+                        [np.empty(s.nbytes, np.uint8), MPI.BYTE], source=inc.source, tag=data_tag
+                    )
+                    for s in inc.stubs
+                    if s.nbytes
+                ]
+            self._progress.track(reqs, lambda: self._to_postproc(inc))
+        elif inc.path == "mpi" or (
+            inc.path == "shm" and sum(st.nbytes for st in inc.stubs) <= self._caller_copy_bytes
+        ):
+            # An inline payload, or a moderate one in shared memory: rebuild it on this
+            # (probing) thread; a hand-off to the post-processing thread costs more.
+            self._finish(inc)
+        else:
+            self._to_postproc(inc)
+
+    def stop_frees(self, ranks: Iterable[int]) -> list[MPI.Request]:
+        """Send DRAINED to ``ranks``: no FREE follows it (the caller holds the progress
+        lock, under which the tracker sends queued FREEs)."""
+        with self._free_lock:
+            self._drained = True
+            return [self._cc.isend(None, dest=r, tag=T_DRAINED) for r in ranks]
+
+    # ------------------------------------------------------------------ helpers
+
+    def _to_postproc(self, inc: Incoming) -> None:
+        self._backlog.put(Backlog.POSTPROC, self._post_q, inc)
+
+    def _finish(self, inc: Incoming) -> None:
+        try:
+            if inc.error is None:
+                values = self._payload(inc)
+                values = [finish_tensor(s, v) for s, v in zip(inc.stubs, values)]
+                inc.result = unpack(inc.skeleton, values)
+                self._stats.count(inc.path, "received", sum(s.nbytes for s in inc.stubs))
+        except Exception as exc:  # noqa: BLE001 - delivered to the waiter
+            inc.error = CommError(
+                f"smp-comm rank {self.rank}: cannot rebuild message from rank {inc.source} "
+                f"(tag {inc.tag}): {exc!r}"
+            )
+        self._table.finished(inc)
+
+    def _payload(self, inc: Incoming) -> list[Any]:
+        if inc.path == "mpi":
+            if inc.inline is None:
+                return inc.finals
+            return from_blobs(inc.stubs, inc.inline, self.rank)
+        # The region goes back to its sender (a FREE message) once copied out or, for
+        # zero-copy views, once the last view is garbage collected. The callback holds no
+        # reference to the message, so it cannot keep those views alive.
+        release = _Once(self._send_free, (inc.path, inc.source, inc.region))
+        try:
+            return self._paths.read(inc.path, inc.region, inc.stubs, release)
+        except BaseException:
+            release()
+            raise
+
+    def _send_free(self, item: tuple[str, int, int]) -> None:
+        """Give a received region back to its sender: a FREE message, posted by the thread
+        that let go of the region (often a worker dropping the last view mid-compute).
+
+        Posted here, not by the tracker: waking a sleeping tracker costs the rank's compute
+        thread far more than the post (on a shared core every wake-up preempts it). No ring:
+        the sender needs the room back only when it next sends, and reads the FREE when it
+        next polls. If the lock is taken (by close(), or by this very thread: a finalizer
+        run by a garbage collection inside a send), the FREE goes through the tracker's
+        queue instead.
+        """
+        if not self._free_lock.acquire(blocking=False):
+            self._progress.free_q.put(item)
+            self._progress.nudge()
+            return
+        try:
+            if self._drained or self._life.closed:
+                return  # the peers stopped listening for FREEs (close() is under way)
+            req = self._post_free(*item)
+        finally:
+            self._free_lock.release()
+        if req is not None:
+            self._progress.track([req], nothing)
+
+    def _post_queued_free(
+        self, path: str, source: int, region: int
+    ) -> tuple[bool, MPI.Request | None]:
+        """A FREE the tracker sends (it holds the progress lock, so close() cannot send
+        DRAINED meanwhile): whether it was sent, and its request if still in flight."""
+        if self._drained:
+            return False, None  # the peers stopped listening for FREEs (close() is under way)
+        return True, self._post_free(path, source, region)
+
+    def _post_free(self, path: str, source: int, region: int) -> MPI.Request | None:
+        """Post a FREE; the request if it is still in flight (a tiny message usually
+        leaves at once, eagerly: then nobody has to poll for it)."""
+        req = self._cc.isend((path, region), dest=source, tag=T_FREE)
+        return None if req.Test() else req
+
+
+class _Once:
+    """Call ``fn(item)`` on the first call only (a region is freed exactly once)."""
+
+    def __init__(self, fn: Callable[[Any], None], item: Any) -> None:
+        self._fn, self._item = fn, item
+        self._lock = threading.Lock()
+        self._done = False
+
+    def __call__(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+        self._fn(self._item)

@@ -1,0 +1,176 @@
+"""The send side of the general path: the router, direct and requester threads.
+
+``router``     (CommInitiator) picks the path and, for a direct path, reserves room in
+               the destination's persistent buffer (else: the MPI fallback);
+``direct``     (D2D send) copies the payload into the reserved region (shm memcpy, RMA
+               ``Put``, CUDA IPC copy), then posts the header;
+``requester``  (CommPreprocessing + CommRequester) stages GPU tensors to host and posts the
+               header and payload ``Isend``\\ s of the MPI path.
+
+A moderate CPU payload skips the hand-offs: the sending thread routes and copies it itself
+(``route(op, inline=True)``).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from smp_comm.handles import SendHandle
+from smp_comm.matching import MatchingTable
+from smp_comm.paths import DirectPaths
+from smp_comm.progress import Progress
+from smp_comm.serialize import Packed
+from smp_comm.state import STOP, Backlog, PathStats, start_thread
+from smp_comm.wire import T_HEADER, WireHeader
+
+__all__ = ["Outgoing", "Sender"]
+
+
+@dataclass
+class Outgoing:
+    """An outgoing general-path message as it moves between threads."""
+
+    handle: SendHandle
+    dest: int
+    tag: int
+    msg_id: int  # per-destination sequence number (also the payload's MPI tag)
+    cuda_event: Any = None
+    packed: Packed | None = None
+    path: str = "mpi"
+    region: int = -1
+    wake: bool = True  # ring the destination's doorbell (isend's ``wake``)
+
+
+class Sender:
+    """Routes and posts general-path messages; owns the router, direct and requester
+    threads and their queues. No lock of its own: the queues are thread-safe, the buffers'
+    reservations are :class:`~smp_comm.paths.DirectPaths`' and the counts the
+    :class:`~smp_comm.state.Backlog`'s and :class:`~smp_comm.state.PathStats`'."""
+
+    def __init__(
+        self,
+        cc: MPI.Intracomm,
+        dc: MPI.Intracomm,
+        tag_ub: int,
+        paths: DirectPaths,
+        table: MatchingTable,
+        progress: Progress,
+        backlog: Backlog,
+        stats: PathStats,
+    ) -> None:
+        self._cc, self._dc, self._tag_ub = cc, dc, tag_ub
+        self._paths, self._table, self._progress = paths, table, progress
+        self._backlog, self._stats = backlog, stats
+        self._router_q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._direct_q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._requester_q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        """Start the three threads."""
+        b, fail = self._backlog, self._table.fail_all
+        self._threads = [
+            start_thread("router", lambda: b.serve(b.ROUTER, self._router_q, self.route), fail),
+            start_thread(
+                "direct", lambda: b.serve(b.DIRECT, self._direct_q, self._direct_send), fail
+            ),
+            start_thread(
+                "requester", lambda: b.serve(b.REQUESTER, self._requester_q, self._mpi_send), fail
+            ),
+        ]
+
+    def stop(self) -> None:
+        """Let each thread finish its queue, then join it."""
+        for q in (self._router_q, self._direct_q, self._requester_q):
+            q.put(STOP)
+        for t in self._threads:
+            t.join()
+
+    def submit(self, op: Outgoing) -> None:
+        """Hand ``op`` to the router thread."""
+        self._backlog.put(Backlog.ROUTER, self._router_q, op)
+
+    def route(self, op: Outgoing, inline: bool = False) -> None:
+        """Choose the path (router thread; or the sending thread itself when ``inline``)."""
+        packed = op.packed
+        assert packed is not None
+        gpu = packed.on_gpu()
+        candidates = self._paths.candidates(op.dest, all_gpu=all(gpu), any_gpu=any(gpu))
+        for path in candidates:
+            region = self._paths.reserve(path, op.dest, packed.region_bytes)
+            if region is not None:
+                op.path, op.region = path, region
+                if inline and path == "shm":
+                    self._direct_send(op, inline=True)
+                else:  # one copier thread per window: MPI passive-target RMA from
+                    # several threads at once is not safe
+                    self._backlog.put(Backlog.DIRECT, self._direct_q, op)
+                return
+        self._fall_back_to_mpi(op, inline, counted=bool(candidates))
+
+    def post_header(self, op: Outgoing, header: WireHeader, extra: list[MPI.Request]) -> None:
+        """Send the header (and any payload requests already posted) and track them all."""
+        assert op.packed is not None
+        req = self._cc.isend(header, dest=op.dest, tag=T_HEADER)
+        if op.wake:
+            self._progress.ring(op.dest)
+        nbytes = op.packed.nbytes
+        reqs = [req, *extra]
+        if not extra and MPI.Request.Testall(reqs):
+            self._sent(op, nbytes)  # a small header usually leaves at once (eager)
+            return
+        self._progress.track(reqs, lambda: self._sent(op, nbytes))
+
+    # ------------------------------------------------------------------ helpers
+
+    def _sent(self, op: Outgoing, nbytes: int) -> None:
+        self._stats.count(op.path, "sent", nbytes)
+        self._table.send_done(op.handle)
+
+    def _fall_back_to_mpi(self, op: Outgoing, inline: bool, counted: bool = True) -> None:
+        """Send ``op`` over MPI: from this thread when ``inline``, else via the requester
+        thread. ``counted``: a direct path was possible, so this is a fallback in stats()."""
+        if counted:
+            self._stats.fallback()
+        op.path, op.region = "mpi", -1
+        if inline:
+            self._mpi_send(op)
+        else:
+            self._backlog.put(Backlog.REQUESTER, self._requester_q, op)
+
+    def _direct_send(self, op: Outgoing, inline: bool = False) -> None:
+        assert op.packed is not None
+        if op.cuda_event is not None:
+            op.cuda_event.synchronize()
+        try:
+            self._paths.write(op.path, op.dest, op.region, op.packed)
+        except Exception:  # noqa: BLE001 - the MPI path still delivers it
+            self._paths.release(op.path, op.dest, op.region)
+            self._fall_back_to_mpi(op, inline)
+            return
+        p = op.packed
+        self.post_header(op, (op.msg_id, op.tag, op.path, op.region, p.skeleton, p.stubs, None), [])
+
+    def _mpi_send(self, op: Outgoing) -> None:
+        p = op.packed
+        assert p is not None
+        if any(p.on_gpu()):
+            if op.cuda_event is not None:
+                op.cuda_event.synchronize()
+            # Host staging (CommPreprocessing): MPI reads host memory only.
+            p.sources = [s.cpu().numpy() if not isinstance(s, np.ndarray) else s for s in p.sources]
+        header: WireHeader = (op.msg_id, op.tag, "mpi", -1, p.skeleton, p.stubs, None)
+        data_tag = op.msg_id % (self._tag_ub + 1)
+        # Header first, then payloads: the receiver posts matching Irecvs on the header.
+        reqs = [
+            self._dc.Isend([src, MPI.BYTE], dest=op.dest, tag=data_tag)
+            for src in p.sources
+            if src.size
+        ]
+        self.post_header(op, header, reqs)
