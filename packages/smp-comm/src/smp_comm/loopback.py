@@ -20,9 +20,10 @@ receive's callbacks run on the thread of the ``isend`` that completed it.
 
 Differences: a send completes inside ``isend`` (the copy is taken there); ``close()`` is
 local (it does not wait for the other ranks to close); ``wake`` and ``spin`` are accepted
-and have no effect; ``stats()`` counts everything under ``"mpi"``. This module does not
-import mpi4py itself; the wildcards are the real ones, :data:`smp_comm.ANY_SOURCE` and
-:data:`smp_comm.ANY_TAG`.
+and have no effect; ``stats()`` counts everything under ``"mpi"``. It needs no MPI job and
+makes no MPI call, but ``import smp_comm`` still imports mpi4py (which initializes MPI as a
+singleton process): the wildcards are the real :data:`smp_comm.ANY_SOURCE` and
+:data:`smp_comm.ANY_TAG`, whose values depend on the MPI library.
 """
 
 from __future__ import annotations

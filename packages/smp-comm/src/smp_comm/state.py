@@ -36,7 +36,7 @@ class Lifecycle:
 
 @dataclass(slots=True)
 class FastCounts:
-    """Messages and payload bytes sent and received. A Communicator's count its fast-path
+    """Messages and payload bytes sent and received. A Communicator counts its fast-path
     messages under the matching table's lock, which both ends of the fast path hold anyway
     (a lock of its own costs latency per message)."""
 
