@@ -129,7 +129,7 @@ def m(name: str, children: list[str] | None = None, **extra: Any) -> dict[str, A
 
 BAD: list[tuple[str, dict[str, Any], str]] = [
     ("schema", {"schema": "other@1", "modules": [m("")]}, "unknown schema 'other@1'"),
-    ("no schema", {"modules": [m("")]}, "unknown schema None"),
+    ("no schema", {"modules": [m("")]}, "missing key 'schema'"),
     ("duplicate", graph_dict(m("", ["a"]), m("a"), m("a")), "duplicate module name 'a'"),
     ("child", graph_dict(m("", ["a"]), m("a", ["ghost"])), "module 'a' lists child 'ghost'"),
     ("cycle", graph_dict(m("", ["a"]), m("a", ["b"]), m("b", ["a"])), "cycle in children at module 'a'"),

@@ -115,7 +115,7 @@ def test_python_dash_m_and_no_heavy_imports(graph_file: Path) -> None:
         [sys.executable, "-m", "smp_partition", str(graph_file), "-d", "-1"],
         capture_output=True, text=True,
     )  # fmt: skip
-    assert bad.returncode == 2 and "num_devices" in bad.stderr
+    assert bad.returncode == 2 and "--devices" in bad.stderr
 
 
 def test_unwritable_output_exit_2(

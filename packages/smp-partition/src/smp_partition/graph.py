@@ -19,6 +19,12 @@ from smp_partition.errors import GraphError
 
 SCHEMA = "smp-partition/module-graph@1"
 ROOT = ""
+MAX_VALUE = (1 << 63) - 1
+"""Largest parameter size, ``activation_bytes`` or ``forward_ms`` accepted. Sizes are int64
+in torch; and below this bound, totals over any number of modules stay finite floats, so
+the cost model never meets an overflow, ``inf`` or ``nan``."""
+
+_SHOW_MAX = 80  # characters of a user value quoted in an error message
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +56,42 @@ class Module:
         }
 
 
+def _show(value: object, limit: int = _SHOW_MAX) -> str:
+    """A short one-line rendering of a value read from the input, for error messages."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        # repr() of an int over 4300 digits raises, and a long one helps nobody.
+        return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"
+    if value is None or isinstance(value, (str, int, float)):
+        text = repr(value)  # repr escapes newlines: the message stays on one line
+        return text if len(text) <= limit else text[: limit - 3] + "..."
+    if isinstance(value, (list, tuple)):
+        return f"a list of length {len(value)}"
+    if isinstance(value, Mapping):
+        return f"an object of {len(value)} key(s)"
+    return f"a {type(value).__name__}"
+
+
 def _label(name: str) -> str:
-    return repr(name) if name else "'' (the root)"
+    return _show(name, 2 * _SHOW_MAX) if name else "'' (the root)"
+
+
+def _is_text(text: str) -> bool:
+    """Whether ``text`` can be written out as UTF-8.
+
+    JSON's ``\\ud800`` escapes yield lone surrogates, which no output format can encode.
+    """
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _path_label(path: str | os.PathLike[str]) -> str:
+    text = os.fspath(path)
+    return text if text.isprintable() else repr(text)
 
 
 def _check_number(value: object, what: str, module: str, allow_none: bool = False) -> None:
@@ -59,11 +99,16 @@ def _check_number(value: object, what: str, module: str, allow_none: bool = Fals
         return
     # bool is an int subclass; True as a size is always a mistake.
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise GraphError(f"module {_label(module)}: {what} must be a number, got {value!r}")
-    if not math.isfinite(value):
+        raise GraphError(f"module {_label(module)}: {what} must be a number, got {_show(value)}")
+    # math.isfinite(int) converts to float, which overflows for huge ints: ints are finite.
+    if isinstance(value, float) and not math.isfinite(value):
         raise GraphError(f"module {_label(module)}: {what} must be finite, got {value!r}")
     if value < 0:
-        raise GraphError(f"module {_label(module)}: {what} is negative ({value!r})")
+        raise GraphError(f"module {_label(module)}: {what} is negative ({_show(value)})")
+    if value > MAX_VALUE:
+        raise GraphError(
+            f"module {_label(module)}: {what} is too large ({_show(value)}; at most 2**63 - 1)"
+        )
 
 
 class ModuleGraph:
@@ -91,7 +136,15 @@ class ModuleGraph:
             if not isinstance(m, Module):
                 raise GraphError(f"modules[{i}] is not a Module ({type(m).__name__})")
             if not isinstance(m.name, str):
-                raise GraphError(f"modules[{i}]: name must be a string, got {m.name!r}")
+                raise GraphError(f"modules[{i}]: name must be a string, got {_show(m.name)}")
+            if not _is_text(m.name):
+                raise GraphError(
+                    f"modules[{i}]: name {_label(m.name)} is not valid Unicode (lone surrogate)"
+                )
+            if not isinstance(m.type, str) or not _is_text(m.type):
+                raise GraphError(
+                    f"module {_label(m.name)}: type must be a Unicode string, got {_show(m.type)}"
+                )
             if m.name in index:
                 raise GraphError(f"duplicate module name {_label(m.name)}")
             index[m.name] = i
@@ -108,12 +161,18 @@ class ModuleGraph:
         out: list[tuple[int, ...]] = []
         for m in self._modules:
             names = m.children
+            # A str is iterable too: "abc" would silently mean children "a", "b", "c".
+            if type(names) is not tuple and not isinstance(names, (list, tuple)):
+                raise GraphError(
+                    f"module {_label(m.name)}: children must be a sequence of module names, "
+                    f"got {_show(names)}"
+                )
             try:
                 kids = tuple([index[c] for c in names])
-            except (KeyError, TypeError):
+            except (KeyError, TypeError):  # TypeError: an unhashable child entry
                 bad = next(c for c in names if not isinstance(c, str) or c not in index)
                 raise GraphError(
-                    f"module {_label(m.name)} lists child {bad!r} that is not a module"
+                    f"module {_label(m.name)} lists child {_show(bad)} that is not a module"
                 ) from None
             if len(kids) > 1 and len(set(kids)) != len(kids):
                 # A module called twice lists its child twice: one tree edge is enough.
@@ -126,16 +185,18 @@ class ModuleGraph:
         for m in self._modules:
             params = m.params
             if not isinstance(params, Mapping):
-                raise GraphError(f"module {_label(m.name)}: params must be a mapping")
+                raise GraphError(
+                    f"module {_label(m.name)}: params must be a mapping, got {_show(params)}"
+                )
             for key, numel in params.items():
-                # Fast path: a str key and a non-negative plain int (bool is excluded).
-                if type(numel) is not int or numel < 0 or type(key) is not str:
+                # Fast path: a str key and a plain int in range (bool is excluded).
+                if type(numel) is not int or not 0 <= numel <= MAX_VALUE or type(key) is not str:
                     self._bad_param(m, key, numel)
                 first = sizes.setdefault(key, numel)
                 if first != numel:
                     owner = next(o for o in self._modules if key in o.params)
                     raise GraphError(
-                        f"module {_label(m.name)}: shared parameter {key!r} has size {numel} "
+                        f"module {_label(m.name)}: shared parameter {_show(key)} has size {numel} "
                         f"but {first} in module {_label(owner.name)}"
                     )
             act, fwd = m.activation_bytes, m.forward_ms
@@ -147,15 +208,14 @@ class ModuleGraph:
     @staticmethod
     def _bad_param(m: Module, key: object, numel: object) -> None:
         if not isinstance(key, str):
-            raise GraphError(f"module {_label(m.name)}: parameter key {key!r} is not a string")
+            raise GraphError(f"module {_label(m.name)}: parameter key {_show(key)} is not a string")
+        what = f"module {_label(m.name)}: parameter {_show(key)}"
         if isinstance(numel, bool) or not isinstance(numel, int):
-            raise GraphError(
-                f"module {_label(m.name)}: parameter {key!r} size must be an integer, got {numel!r}"
-            )
+            raise GraphError(f"{what} size must be an integer, got {_show(numel)}")
         if numel < 0:
-            raise GraphError(
-                f"module {_label(m.name)}: parameter {key!r} has a negative size ({numel})"
-            )
+            raise GraphError(f"{what} has a negative size ({_show(numel)})")
+        if numel > MAX_VALUE:
+            raise GraphError(f"{what} size is too large ({_show(numel)}; at most 2**63 - 1)")
 
     def _check_acyclic_and_reachable(self) -> None:
         # Iterative DFS with three colours (0 new, 1 on the stack, 2 done); the stack is the
@@ -229,15 +289,23 @@ class ModuleGraph:
     # ------------------------------------------------------------------ (de)serialisation
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModuleGraph:
-        """Parse the ``smp-partition/module-graph@1`` dict (as loaded from JSON)."""
+        """Parse the ``smp-partition/module-graph@1`` dict (as loaded from JSON).
+
+        Raises :class:`~smp_partition.errors.GraphError` naming the key or module at fault.
+        Keys the schema does not define are ignored (a newer producer may add some).
+        """
         if not isinstance(data, Mapping):
-            raise GraphError(f"a module graph must be a JSON object, got {type(data).__name__}")
-        schema = data.get("schema")
+            raise GraphError(f"a module graph must be a JSON object, got {_show(data)}")
+        if "schema" not in data:
+            raise GraphError(f"missing key 'schema' (expected {SCHEMA!r})")
+        schema = data["schema"]
         if schema != SCHEMA:
-            raise GraphError(f"unknown schema {schema!r} (expected {SCHEMA!r})")
-        raw = data.get("modules")
+            raise GraphError(f"unknown schema {_show(schema)} (expected {SCHEMA!r})")
+        if "modules" not in data:
+            raise GraphError("missing key 'modules' (a list of module objects)")
+        raw = data["modules"]
         if not isinstance(raw, list):
-            raise GraphError("'modules' must be a list of module objects")
+            raise GraphError(f"'modules' must be a list of module objects, got {_show(raw)}")
         with gc_paused():
             return cls(cls._parse_modules(raw))
 
@@ -246,19 +314,34 @@ class ModuleGraph:
         modules: list[Module] = []
         for i, entry in enumerate(raw):
             if not isinstance(entry, Mapping):
-                raise GraphError(f"modules[{i}] must be an object, got {type(entry).__name__}")
-            name = entry.get("name")
+                raise GraphError(f"modules[{i}] must be an object, got {_show(entry)}")
+            if "name" not in entry:
+                raise GraphError(f"modules[{i}]: missing key 'name'")
+            name = entry["name"]
             if not isinstance(name, str):
-                raise GraphError(f"modules[{i}]: 'name' must be a string, got {name!r}")
+                raise GraphError(f"modules[{i}]: 'name' must be a string, got {_show(name)}")
             children = entry.get("children", [])
-            if not isinstance(children, list) or not all(isinstance(c, str) for c in children):
-                raise GraphError(f"module {_label(name)}: 'children' must be a list of names")
+            if not isinstance(children, list):
+                raise GraphError(
+                    f"module {_label(name)}: 'children' must be a list of names, "
+                    f"got {_show(children)}"
+                )
+            for j, child in enumerate(children):
+                if not isinstance(child, str):
+                    raise GraphError(
+                        f"module {_label(name)}: 'children'[{j}] must be a module name, "
+                        f"got {_show(child)}"
+                    )
             params = entry.get("params", {})
             if not isinstance(params, Mapping):
-                raise GraphError(f"module {_label(name)}: 'params' must be an object")
+                raise GraphError(
+                    f"module {_label(name)}: 'params' must be an object, got {_show(params)}"
+                )
             type_ = entry.get("type", "")
             if not isinstance(type_, str):
-                raise GraphError(f"module {_label(name)}: 'type' must be a string")
+                raise GraphError(
+                    f"module {_label(name)}: 'type' must be a string, got {_show(type_)}"
+                )
             act = entry.get("activation_bytes", 0)
             fwd = entry.get("forward_ms")
             _check_number(act, "activation_bytes", name, allow_none=True)
@@ -277,14 +360,37 @@ class ModuleGraph:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> ModuleGraph:
-        """Read and validate a module-graph JSON file."""
+        """Read and validate a module-graph JSON file (UTF-8).
+
+        Every problem with the file, from a missing file or bytes that are not UTF-8 to
+        JSON nested too deeply to parse, is a :class:`~smp_partition.errors.GraphError`
+        whose message starts with the path.
+        """
+        where = _path_label(path)
         try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except json.JSONDecodeError as e:
-            raise GraphError(f"{os.fspath(path)}: invalid JSON: {e}") from None
+            with open(path, "rb") as f:
+                blob = f.read()
         except OSError as e:
-            raise GraphError(f"{os.fspath(path)}: {e.strerror or e}") from None
+            raise GraphError(f"{where}: {e.strerror or e}") from None
+        try:
+            # Decoded here rather than by json: json.loads(bytes) would also accept UTF-16
+            # and UTF-32, and a text-mode reader reports decode errors per chunk.
+            text = blob.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise GraphError(
+                f"{where}: not UTF-8 text ({e.reason}, byte 0x{blob[e.start]:02x} at offset "
+                f"{e.start})"
+            ) from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise GraphError(f"{where}: invalid JSON: {e}") from None
+        except RecursionError:
+            # The decoder recurses per nesting level; a graph never nests more than 4 deep.
+            raise GraphError(f"{where}: invalid JSON: nested too deeply") from None
+        except ValueError as e:
+            # int() refuses numbers over sys.get_int_max_str_digits() digits.
+            raise GraphError(f"{where}: invalid JSON: {str(e).split(';')[0]}") from None
         return cls.from_dict(data)
 
     def to_dict(self) -> dict[str, Any]:
