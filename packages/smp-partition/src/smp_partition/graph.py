@@ -91,7 +91,7 @@ def _is_text(text: str) -> bool:
 
 def _path_label(path: str | os.PathLike[str]) -> str:
     text = os.fspath(path)
-    return text if text.isprintable() else repr(text)
+    return text if text and text.isprintable() else repr(text)
 
 
 def _check_number(value: object, what: str, module: str, allow_none: bool = False) -> None:
@@ -143,7 +143,7 @@ class ModuleGraph:
                 )
             if not isinstance(m.type, str) or not _is_text(m.type):
                 raise GraphError(
-                    f"module {_label(m.name)}: type must be a Unicode string, got {_show(m.type)}"
+                    f"module {_label(m.name)}: 'type' must be a Unicode string, got {_show(m.type)}"
                 )
             if m.name in index:
                 raise GraphError(f"duplicate module name {_label(m.name)}")
@@ -240,7 +240,10 @@ class ModuleGraph:
                     stack.append(child)
                 elif state == 1:
                     path = stack[stack.index(child) :] + [child]
-                    cycle = " -> ".join(repr(self._modules[i].name) for i in path)
+                    names = [_show(self._modules[i].name) for i in path]
+                    if len(names) > 9:  # a 10,000-module cycle is not a one-line message
+                        names[4:-4] = [f"... ({len(names) - 8} more)"]
+                    cycle = " -> ".join(names)
                     raise GraphError(
                         f"cycle in children at module {_label(self._modules[child].name)}: {cycle}"
                     )
