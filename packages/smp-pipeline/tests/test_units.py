@@ -8,7 +8,7 @@ import pytest
 import torch
 from smp_pipeline import PipelineConfigError, Scheduler, split_microbatches, trace_dict
 from smp_pipeline.messages import flatten, pack, unflatten, unpack_leaves
-from smp_pipeline.tracing import to_chrome_trace
+from smp_pipeline.timeline import to_chrome_trace
 from torch import nn
 
 

@@ -14,7 +14,7 @@ from smp_pipeline.partition import static_graph_dict, trace, trace_dict
 from smp_pipeline.runtime import PipelineRuntime, shutdown_runtimes
 from smp_pipeline.schedule import Scheduler
 from smp_pipeline.server import device_work
-from smp_pipeline.tracing import plot_timeline, to_chrome_trace, write_chrome_trace
+from smp_pipeline.timeline import plot_timeline, to_chrome_trace, write_chrome_trace
 
 __all__ = [
     "OrderChannel",

@@ -25,8 +25,8 @@ from smp_pipeline.boundary import (
     attach_boundary,
 )
 from smp_pipeline.errors import PipelineError
+from smp_pipeline.execution_state import capture, execution_state
 from smp_pipeline.messages import flatten, pack, unflatten, unpack_leaves
-from smp_pipeline.state import capture, execution_state
 from smp_pipeline.worker import Task
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -27,13 +27,13 @@ from smp_pipeline.checkpointing import (
     run_checkpointed,
 )
 from smp_pipeline.errors import PipelineConfigError, PipelineError
+from smp_pipeline.execution_state import capture
 from smp_pipeline.microbatch import split_microbatches
 from smp_pipeline.order import OrderChannel
 from smp_pipeline.partition import canonical_modules, partition_model, resolve_assignment
 from smp_pipeline.schedule import Scheduler, ScheduleSpec
 from smp_pipeline.server import ExecutionServer
-from smp_pipeline.state import capture
-from smp_pipeline.tracing import plot_timeline, write_chrome_trace
+from smp_pipeline.timeline import plot_timeline, write_chrome_trace
 
 DEFAULT_TAG = 7301  # the runtime uses this tag and the next one on the communicator
 

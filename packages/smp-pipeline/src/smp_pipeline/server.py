@@ -38,10 +38,10 @@ from smp_pipeline.boundary import (
     RootContext,
 )
 from smp_pipeline.errors import PipelineError, PipelineRemoteError, PipelineTimeoutError
+from smp_pipeline.execution_state import execution_state
 from smp_pipeline.messages import pack, unflatten
 from smp_pipeline.order import OrderChannel
 from smp_pipeline.schedule import Scheduler
-from smp_pipeline.state import execution_state
 from smp_pipeline.worker import DEVICE, Baton, Task, Worker, current_worker
 
 # Idle main loop: drive the communicator for at most this long before sleeping on the
