@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from smp_pipeline.errors import PipelineConfigError
-from smp_pipeline.trace import canonical_modules
+from smp_pipeline.partition import canonical_modules
 
 STRATEGIES = ("module", "each", "contiguous")
 
