@@ -22,7 +22,7 @@ from mpi4py import MPI
 from smp_torch.config import SMPConfig
 from smp_torch.errors import SMPError
 from smp_torch.topology import Coord, Topology
-from smp_torch.watch import StepWatch
+from smp_torch.watch import StepFailedElsewhere, StepWatch
 
 __all__ = ["GROUP_KINDS", "SMPContext", "StepOutcome", "create_context"]
 
@@ -78,7 +78,9 @@ class SMPContext:
         """
         error = outcome.error
         if error is not None and outcome.watched:
-            self.watch.notify(error)
+            # A failure learnt from another rank's notice is not announced again.
+            if not isinstance(error, StepFailedElsewhere):
+                self.watch.notify(error)
             raise error
         if self.size == 1:
             if error is not None:
