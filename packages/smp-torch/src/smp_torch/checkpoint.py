@@ -34,6 +34,8 @@ import torch
 
 from smp_torch.comm import CommGroup, allgather, barrier
 from smp_torch.errors import SMPError
+from smp_torch.model import current_model
+from smp_torch.optimizer import current_optimizer
 from smp_torch.state import state
 
 __all__ = ["save_checkpoint", "resume_from_checkpoint", "CheckpointError"]
@@ -98,9 +100,6 @@ def save_checkpoint(
     ``model``/``optimizer`` default to the current ``smp.DistributedModel`` /
     ``smp.DistributedOptimizer``. Returns the checkpoint directory.
     """
-    from smp_torch.model import current_model
-    from smp_torch.optimizer import current_optimizer
-
     _check_tag(tag)
     s = state()
     model = model if model is not None else current_model()
@@ -126,7 +125,7 @@ def save_checkpoint(
                 s.groups["tp"].index(s.rank) == 0 and s.groups["rdp"].index(s.rank) == 0
             )
             if partial:
-                model_sd = model._stage_full_state()
+                model_sd = model.stage_full_state()
                 opt_sd = optimizer.state_dict_stage() if optimizer is not None else None
                 if writer_of_stage:
                     name = f"model_pp{pp_rank}.pt"
@@ -232,9 +231,6 @@ def resume_from_checkpoint(
 ) -> Any:
     """Load ``path/tag`` (default: the latest) into the model and optimizer; return the
     saved ``user_content``. Works on any pipeline / tensor-parallel layout."""
-    from smp_torch.model import current_model
-    from smp_torch.optimizer import current_optimizer
-
     model = model if model is not None else current_model()
     if optimizer is None and load_optimizer:
         optimizer = current_optimizer()
