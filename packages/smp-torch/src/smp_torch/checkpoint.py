@@ -33,10 +33,10 @@ from typing import Any
 import torch
 
 from smp_torch.comm import CommGroup, allgather, barrier
+from smp_torch.config import SMPConfig
 from smp_torch.errors import SMPError
 from smp_torch.model import current_model
 from smp_torch.optimizer import current_optimizer
-from smp_torch.state import state
 
 __all__ = ["save_checkpoint", "resume_from_checkpoint", "CheckpointError"]
 
@@ -72,8 +72,7 @@ def _atomic_text(text: str, path: str) -> None:
     os.replace(tmp, path)
 
 
-def _layout() -> dict[str, Any]:
-    cfg = state().config
+def _layout(cfg: SMPConfig) -> dict[str, Any]:
     return {
         "pipeline_parallel_degree": cfg.pp,
         "tensor_parallel_degree": cfg.tp,
@@ -101,8 +100,8 @@ def save_checkpoint(
     ``smp.DistributedOptimizer``. Returns the checkpoint directory.
     """
     _check_tag(tag)
-    s = state()
     model = model if model is not None else current_model()
+    s = model.context
     if optimizer is None:
         optimizer = current_optimizer()
     final = os.path.join(path, tag)
@@ -162,7 +161,7 @@ def save_checkpoint(
                 "format": FORMAT,
                 "tag": tag,
                 "partial": partial,
-                "layout": _layout(),
+                "layout": _layout(s.config),
                 "files": entries,
                 "torch": torch.__version__,
             }
