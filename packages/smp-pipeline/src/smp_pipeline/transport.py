@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, cast
 
 from smp_comm import ANY_SOURCE, CommTimeoutError
+from smp_comm.shutdown import note_failed_step
 
 from smp_pipeline.errors import PipelineError, PipelineRemoteError, PipelineTimeoutError
 from smp_pipeline.protocol import Abort, Message, from_wire, priority, to_wire
@@ -227,6 +228,7 @@ class Transport:
         msg = self.abort_msg
         if msg is None:
             return
+        note_failed_step()  # exit waits for collectives this step left (smp_comm.shutdown)
         text = msg.text
         if msg.comm_rank != self.comm_rank:
             text = (

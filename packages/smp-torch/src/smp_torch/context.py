@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
+from smp_comm.shutdown import note_failed_step
 
 from smp_torch.config import SMPConfig
 from smp_torch.errors import SMPError
@@ -77,6 +78,8 @@ class SMPContext:
         the others raise from their own ``agree`` (or while blocked in the step).
         """
         error = outcome.error
+        if error is not None:
+            note_failed_step()  # exit waits for collectives this step left (smp_comm.shutdown)
         if error is not None and outcome.watched:
             # A failure learnt from another rank's notice is not announced again.
             if not isinstance(error, StepFailedElsewhere):
@@ -88,6 +91,7 @@ class SMPContext:
             return outcome.backward_calls > 0
         failed, calls = self.watch.allreduce_max([int(error is not None), outcome.backward_calls])
         if failed:
+            note_failed_step()
             # Only on failure: the reports themselves, so every rank can name the culprit.
             report = None if error is None else f"rank {self.rank}: {type(error).__name__}: {error}"
             failures = [r for r in self.watch.comm.allgather(report) if r]

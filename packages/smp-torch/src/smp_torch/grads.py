@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from smp_comm.shutdown import abandon_collective
 
 __all__ = ["GradSpec", "GradReducer"]
 
@@ -135,6 +136,10 @@ class GradReducer:
         backward, or failed)."""
         with self._lock:
             self._armed = False
+            for b in self._buckets:
+                if b.handle is not None:
+                    # A peer may never join it: smp_comm's exit protocol keeps and awaits it.
+                    abandon_collective(b.handle)
             self._reset()
 
     def _reset(self) -> None:
