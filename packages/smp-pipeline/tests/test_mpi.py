@@ -1,9 +1,17 @@
-"""Multi-process equivalence and failure tests (each launch runs many cases; see mpi_cases.py)."""
+"""Multi-process equivalence and failure tests (each launch runs many cases; see mpi_cases.py).
+
+One ``mpiexec`` job per suite, launched once per test session by a module-scoped fixture and
+cached (its output, or the exception it ended with); each expected line of a suite is its own
+test item, so a failure names its case. A suite whose job fails (non-zero exit, timeout) fails
+every one of its items, with the job's output.
+"""
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 
@@ -15,53 +23,110 @@ SCRIPT = os.path.join(HERE, "mpi_cases.py")
 ENV = {"OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
 
 
+@dataclass(frozen=True)
+class Suite:
+    nprocs: int
+    timeout: float  # of the job (each item's pytest timeout is above it)
+    env: dict[str, str]
+
+
+SUITES = {
+    # pp=2: both schedules, 1-8 microbatches, custom schedule, checkpointing, tied weights,
+    # module reuse, control flow, kwargs/dataclasses, GPT-2 and T5, grad/autocast state.
+    "pp2": Suite(2, 220, ENV),
+    "pp4": Suite(4, 220, ENV),
+    "failures": Suite(2, 100, ENV),
+    # pp=2 x tp=2: collectives inside stage modules stay matched across pipelines.
+    "tp": Suite(4, 160, {**ENV, "MASTER_PORT": str(29000 + os.getpid() % 2000)}),
+}
+
+PP2_CASES = [
+    "chain-simple-m8", "chain-interleaved-m1", "chain-custom", "chain-auto-meta",
+    "tied-ckpt-group_2", "seqrun-simple", "seqrun-interleaved", "seqrun-ckpt",
+    "seqrun-preempt", "seqrun-preempt-yields", "reuse-interleaved", "branch-simple",
+    "gpt2-auto", "t5-auto", "t5-manual", "state-and-timeline", "chain-segments",
+    "reuse-segments", "tied-segments", "gpt2-segments", "diamond-joined", "diamond-segments",
+]  # fmt: skip
+PP4_CASES = [
+    "chain4-simple-m3", "chain4-interleaved-m8", "reuse4", "device4-simple",
+    "device4-interleaved", "branch4", "gpt2-4-auto", "t5-4-auto", "branch4-segments",
+]  # fmt: skip
+TP_CASES = ["tp-interleaved-m4", "tp-simple-m4", "tp-interleaved-m8"]
+
+
 def _cases(out: str) -> list[str]:
     return re.findall(r"^CASE-OK (\S+)", out, flags=re.M)
 
 
-@pytest.mark.timeout(240)
-def test_pp2_equivalence() -> None:
-    """pp=2: both schedules, 1-8 microbatches, custom schedule, checkpointing, tied weights,
-    module reuse, control flow, kwargs/dataclasses, GPT-2 and T5, grad/autocast state."""
-    out = run_mpi([SCRIPT, "pp2"], 2, timeout=220, env=ENV)
-    assert "SUITE-OK pp2" in out, out
-    cases = _cases(out)
-    for name in ("chain-simple-m8", "chain-interleaved-m1", "chain-custom", "chain-auto-meta", "tied-ckpt-group_2",
-                 "seqrun-simple", "seqrun-interleaved", "seqrun-ckpt", "seqrun-preempt",
-                 "seqrun-preempt-yields",
-                 "reuse-interleaved", "branch-simple", "gpt2-auto", "t5-auto", "t5-manual",
-                 "state-and-timeline", "chain-segments", "reuse-segments", "tied-segments",
-                 "gpt2-segments", "diamond-joined", "diamond-segments"):
-        assert name in cases, (name, out)
+_OUTPUTS: dict[str, str | Exception] = {}
+
+
+@pytest.fixture(scope="module")
+def suite_output() -> Callable[[str], str]:
+    """``suite_output(name)``: the output of suite ``name``'s job, launched on first use."""
+
+    def get(name: str) -> str:
+        if name not in _OUTPUTS:
+            s = SUITES[name]
+            try:
+                _OUTPUTS[name] = run_mpi([SCRIPT, name], s.nprocs, timeout=s.timeout, env=s.env)
+            except Exception as exc:  # noqa: BLE001 - every item of the suite reports it
+                _OUTPUTS[name] = exc
+        got = _OUTPUTS[name]
+        if isinstance(got, Exception):
+            pytest.fail(f"the {name} suite's job failed: {got}", pytrace=False)
+        return got
+
+    return get
 
 
 @pytest.mark.timeout(240)
-def test_pp4_equivalence() -> None:
-    out = run_mpi([SCRIPT, "pp4"], 4, timeout=220, env=ENV)
-    assert "SUITE-OK pp4" in out, out
-    assert {"chain4-simple-m3", "chain4-interleaved-m8", "reuse4",
-            "device4-simple", "device4-interleaved", "branch4", "gpt2-4-auto",
-            "t5-4-auto", "branch4-segments"} <= set(_cases(out)), out
+@pytest.mark.parametrize("case", [*PP2_CASES, "SUITE-OK"])
+def test_pp2_equivalence(suite_output: Callable[[str], str], case: str) -> None:
+    out = suite_output("pp2")
+    if case == "SUITE-OK":
+        assert "SUITE-OK pp2" in out, out
+    else:
+        assert case in _cases(out), (case, out)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", [*PP4_CASES, "SUITE-OK"])
+def test_pp4_equivalence(suite_output: Callable[[str], str], case: str) -> None:
+    out = suite_output("pp4")
+    if case == "SUITE-OK":
+        assert "SUITE-OK pp4" in out, out
+    else:
+        assert case in _cases(out), (case, out)
 
 
 @pytest.mark.timeout(120)
-def test_errors_and_timeouts_reach_every_rank() -> None:
-    out = run_mpi([SCRIPT, "failures"], 2, timeout=100, env=ENV)
-    for rank in (0, 1):
-        assert f"ERROR-OK rank {rank}" in out, out
-        assert f"TIMEOUT-OK rank {rank}" in out, out
-        assert f"CLOSE-OK rank {rank}" in out, out
-    assert "waited more than 1.5s for the forward of module 'inner' (microbatch 0)" in out
+@pytest.mark.parametrize(
+    "line",
+    [
+        *(f"{what}-OK rank {rank}" for what in ("ERROR", "TIMEOUT", "CLOSE") for rank in (0, 1)),
+        "waited more than 1.5s for the forward of module 'inner' (microbatch 0)",
+    ],
+)
+def test_errors_and_timeouts_reach_every_rank(
+    suite_output: Callable[[str], str], line: str
+) -> None:
+    out = suite_output("failures")
+    assert line in out, (line, out)
 
 
 @pytest.mark.timeout(180)
-def test_tensor_parallel_order_channel() -> None:
-    """pp=2 x tp=2: collectives inside stage modules stay matched across pipelines."""
-    port = str(29000 + os.getpid() % 2000)
-    out = run_mpi([SCRIPT, "tp"], 4, timeout=160, env={**ENV, "MASTER_PORT": port})
-    assert {"tp-interleaved-m4", "tp-simple-m4", "tp-interleaved-m8"} <= set(_cases(out)), out
-    for rank in range(4):  # an exception in one pipeline reaches the other one too
-        assert f"TP-ABORT-OK rank {rank}" in out, out
-    # ... and the ranks then exit normally (status 0: run_mpi raises otherwise), although a
-    # worker is still blocked inside the all_reduce the failing rank never joined.
-    assert "SUITE-OK tp" in out, out
+@pytest.mark.parametrize(
+    "case", [*TP_CASES, *(f"TP-ABORT-OK rank {rank}" for rank in range(4)), "SUITE-OK"]
+)
+def test_tensor_parallel_order_channel(suite_output: Callable[[str], str], case: str) -> None:
+    """An exception in one pipeline reaches the other one too (TP-ABORT-OK), and the ranks
+    then exit normally (SUITE-OK; status 0, else the launch fails every item), although a
+    worker is still blocked inside the all_reduce the failing rank never joined."""
+    out = suite_output("tp")
+    if case.startswith("tp-"):
+        assert case in _cases(out), (case, out)
+    elif case == "SUITE-OK":
+        assert "SUITE-OK tp" in out, out
+    else:
+        assert case in out, (case, out)

@@ -1,23 +1,30 @@
-"""Process exit while a helper thread is still inside a native blocking call.
+"""Process exit after a failed step, while torch or smp threads may still be inside a
+native blocking call.
 
-CPython 3.11–3.13 stop a daemon thread that tries to take the GIL after finalization began
-by calling ``pthread_exit``. If that thread was in C++ code that released the GIL (a
-``torch.distributed`` collective's ``wait``, say), the forced unwind crosses a ``noexcept``
-frame and the C++ runtime aborts the whole process ("terminate called without an active
+CPython 3.11–3.13 stop a thread that tries to take the GIL after finalization began by
+calling ``pthread_exit``. If that thread is in C++ code (a ``torch.distributed`` collective's
+``wait``, or gloo's own worker thread dropping the last reference to a finished collective,
+which releases the tensors' Python objects), the forced unwind crosses a ``noexcept`` frame
+and the C++ runtime aborts the whole process ("terminate called without an active
 exception", exit status 6), after the user's program has already finished.
 
-A thread is left in such a call only after a failed step: a peer that raised never joined
-the collective. Gloo releases the call only when the peer's *process* ends (destroying or
-aborting the group on the peer does not close its connections), and a peer that exits
-normally first waits in ``MPI_Finalize`` for every rank, this one included. So, at exit,
-with a thread still blocked after a short wait:
+A collective is left unfinished only after a failed step: a peer that raised never joined
+it. Gloo releases it when the peer's process ends or the peer destroys its groups, and a
+peer that exits normally first waits in ``MPI_Finalize`` for every rank, this one included.
+So, at exit, after a failed step:
 
-1. close the live communicators and finalize MPI here, which lets the exiting peers
-   finish and end their processes;
-2. wait again: their ends release the blocked call, the thread ends, and the interpreter
+1. collectives given up on (:func:`abandon_collective`) are waited for, each on a thread of
+   its own, together with the threads the caller names;
+2. if a thread is still blocked after a short wait: close the live communicators and
+   finalize MPI here, which lets the exiting peers finish and end their processes; wait
+   again: their ends release the blocked call, the thread ends, and the interpreter
    finalizes normally (mpi4py sees MPI already finalized);
-3. if a thread is still blocked after that (a peer that keeps running), leave at once
-   with the status Python would have used, without interpreter finalization.
+3. if a thread is still blocked after that (a peer that keeps running), leave at once with
+   the status Python would have used, without interpreter finalization;
+4. otherwise pause briefly (:data:`SETTLE_S`) once, so gloo's worker threads drop the
+   collectives that have just ended while the interpreter can still give them the GIL.
+   (Reproduced: pp=1 x tp=2, one rank raising; without the pause about one exit in four on a
+   loaded 2-core machine aborted in ``~AsyncAlltoallWork`` on a ``pt_gloo_runloop`` thread.)
 """
 
 from __future__ import annotations
@@ -27,13 +34,69 @@ import sys
 import threading
 import time
 from collections.abc import Iterable
+from typing import Any
 
-__all__ = ["exit_status", "wait_for_threads_at_exit"]
+__all__ = [
+    "SETTLE_S",
+    "abandon_collective",
+    "exit_status",
+    "note_failed_step",
+    "wait_for_threads_at_exit",
+]
 
 # Seconds to wait for blocked threads: before finalizing MPI (a peer's exit may already have
 # released them), and after (the peers leave MPI_Finalize together with this rank).
 _BEFORE_FINALIZE_S = 1.0
 _AFTER_FINALIZE_S = 3.0
+# Seconds to pause at exit after a failed step, once every blocked call has ended (point 4).
+SETTLE_S = 0.5
+
+_failed_step = False
+# Collectives (objects with ``wait()``) a failed step left unfinished. Held until the
+# interpreter ends, so their last reference is not dropped on one of gloo's threads.
+_abandoned: list[Any] = []
+_abandoned_waited = 0
+
+
+def note_failed_step() -> None:
+    """Record that a step failed in this process: exit then follows the module's protocol."""
+    global _failed_step
+    _failed_step = True
+
+
+def abandon_collective(work: Any) -> None:
+    """Hand over an asynchronous collective (anything with ``wait()``) a failed step will not
+    wait for: it is kept alive and waited for at exit (see the module docstring)."""
+    note_failed_step()
+    _abandoned.append(work)
+
+
+def _wait_quietly(work: Any) -> None:
+    try:
+        work.wait()
+    except Exception:  # noqa: BLE001 - a peer that failed fails the collective: expected
+        pass
+
+
+def _abandoned_waiters() -> list[threading.Thread]:
+    """One started thread per abandoned collective not yet waited for."""
+    global _abandoned_waited
+    fresh = _abandoned[_abandoned_waited:]
+    _abandoned_waited = len(_abandoned)
+    waiters = [
+        threading.Thread(target=_wait_quietly, args=(w,), name="smp-abandoned-collective", daemon=True)
+        for w in fresh
+    ]
+    for t in waiters:
+        t.start()
+    return waiters
+
+
+def _settle() -> None:
+    global _failed_step
+    if _failed_step:
+        _failed_step = False
+        time.sleep(SETTLE_S)
 
 
 def exit_status() -> int:
@@ -69,8 +132,10 @@ def wait_for_threads_at_exit(threads: Iterable[threading.Thread], who: str) -> N
     """From an exit handler: make sure none of ``threads`` is alive when the interpreter
     finalizes (see the module docstring). Returns normally once they have all ended;
     otherwise ends the process with :func:`exit_status`."""
-    pending = _join([t for t in threads if t is not threading.current_thread()], _BEFORE_FINALIZE_S)
+    waited = [t for t in threads if t is not threading.current_thread()] + _abandoned_waiters()
+    pending = _join(waited, _BEFORE_FINALIZE_S)
     if not pending:
+        _settle()
         return
     names = ", ".join(t.name for t in pending)
     sys.stderr.write(
@@ -81,6 +146,7 @@ def wait_for_threads_at_exit(threads: Iterable[threading.Thread], who: str) -> N
     _finalize_mpi()
     pending = _join(pending, _AFTER_FINALIZE_S)
     if not pending:
+        _settle()
         return
     status = exit_status()
     try:

@@ -11,10 +11,17 @@ Strategies (set per module path):
   the container's owner is recomputed as one unit; children of a group that live elsewhere are
   checkpointed one by one on their owner (the request carries the checkpointing flag).
 
+So ``"contiguous"`` means one thing at every pipeline degree: the maximal runs of consecutive
+children on one rank; with one rank (:func:`checkpoint_in_place`) that is all the children.
+
 Recomputation uses ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, which restores
 torch's default RNG state and works with the retained graphs of several backward segments.
 Random streams of other libraries (e.g. smp-tp's tensor-parallel dropout generators) join in
 through :func:`add_checkpoint_context`.
+
+The same implementation serves a model without a pipeline: :func:`checkpoint_in_place` plans
+with every module on one rank and wraps the forwards in place (per-module
+:class:`CheckpointOptions` add ``preserve_rng_state`` and ``pack_args_as_tuple``).
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from smp_pipeline.errors import PipelineConfigError
-from smp_pipeline.trace import canonical_modules
+from smp_pipeline.partition import canonical_modules
 
 STRATEGIES = ("module", "each", "contiguous")
 
@@ -58,8 +65,36 @@ def _context() -> tuple[Any, Any]:
     return enter(0), enter(1)
 
 
-def _checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    return checkpoint(fn, *args, use_reentrant=False, context_fn=_context, **kwargs)
+def _no_context() -> tuple[Any, Any]:
+    return contextlib.nullcontext(), contextlib.nullcontext()
+
+
+def _checkpoint(
+    fn: Callable[..., Any], *args: Any, preserve_rng_state: bool = True, **kwargs: Any
+) -> Any:
+    # Without RNG preservation the registered contexts (random streams) are skipped too.
+    return checkpoint(
+        fn,
+        *args,
+        use_reentrant=False,
+        preserve_rng_state=preserve_rng_state,
+        context_fn=_context if preserve_rng_state else _no_context,
+        **kwargs,
+    )
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """Per-module options of :func:`checkpoint_in_place` (defaults: what the runtime uses).
+
+    Attributes:
+        preserve_rng_state: replay random streams in recomputation (dropout masks match).
+        pack_args_as_tuple: for ``nn.Sequential`` groups, pass the group's input to its
+            first child as one tuple (and unpack a tuple output) instead of one argument.
+    """
+
+    preserve_rng_state: bool = True
+    pack_args_as_tuple: bool = False
 
 
 @dataclass
@@ -150,14 +185,16 @@ def plan_checkpointing(
 
 
 def grouped_sequential_forward(
-    seq: nn.Sequential, groups: list[list[int]]
+    seq: nn.Sequential, groups: list[list[int]], options: CheckpointOptions | None = None
 ) -> Callable[[Any], Any]:
     """A forward for ``seq`` that checkpoints each group of ``groups`` as one unit."""
     grouped = {g[0]: g for g in groups}
     children = list(seq)
+    opts = options or CheckpointOptions()
 
-    def run_group(g: list[int]) -> Callable[[Any], Any]:
-        def fn(x: Any) -> Any:
+    def run_group(g: list[int]) -> Callable[..., Any]:
+        def fn(*inputs: Any) -> Any:
+            x: Any = tuple(inputs) if opts.pack_args_as_tuple else inputs[0]
             for i in g:
                 x = children[i](x)
             return x
@@ -169,10 +206,13 @@ def grouped_sequential_forward(
         while i < len(children):
             g = grouped.get(i)
             if g is not None:
+                inputs = tuple(x) if opts.pack_args_as_tuple else (x,)
                 if torch.is_grad_enabled():
-                    x = _checkpoint(run_group(g), x)
+                    x = _checkpoint(
+                        run_group(g), *inputs, preserve_rng_state=opts.preserve_rng_state
+                    )
                 else:
-                    x = run_group(g)(x)
+                    x = run_group(g)(*inputs)
                 i = g[-1] + 1
             else:
                 x = children[i](x)
@@ -182,8 +222,61 @@ def grouped_sequential_forward(
     return forward
 
 
-def run_checkpointed(call: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def run_checkpointed(
+    call: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    preserve_rng_state: bool = True,
+) -> Any:
     """Run ``call(*args, **kwargs)`` under non-reentrant checkpointing (when grad is on)."""
     if not torch.is_grad_enabled():
         return call(*args, **kwargs)
-    return _checkpoint(call, *args, **kwargs)
+    return _checkpoint(call, *args, preserve_rng_state=preserve_rng_state, **kwargs)
+
+
+_WRAPPED = "_smp_checkpointed"
+
+
+def checkpoint_in_place(
+    root: nn.Module,
+    config: Mapping[str, str | None],
+    options: Mapping[str, CheckpointOptions] | None = None,
+) -> CheckpointPlan:
+    """Checkpoint a model that runs on one rank: plan as :func:`plan_checkpointing` does with
+    every module on rank 0, then wrap the forwards of the planned modules in place.
+
+    ``config`` is ``{module path: strategy}`` as for the runtime; ``options`` gives per-path
+    :class:`CheckpointOptions`. A module already wrapped is left alone. Returns the plan.
+    """
+    opts = dict(options or {})
+    assignment = {path: 0 for path in canonical_modules(root).values()}
+    plan = plan_checkpointing(root, config, assignment)
+    canon = canonical_modules(root)
+    by_path = {canon[id(m)]: m for m in root.modules()}
+    by_alias = dict(root.named_modules(remove_duplicate=False))
+    owner_opts = {canon[id(by_alias[p])]: o for p, o in opts.items() if p in by_alias}
+    for path in sorted(plan.modules):
+        m = by_path[path]
+        # A marker, not "forward in __dict__": some libraries give modules an instance-level
+        # forward, which must be wrapped too.
+        if m.__dict__.get(_WRAPPED, False):
+            continue
+        o = owner_opts.get(path, CheckpointOptions())
+        original = m.forward
+
+        def forward(
+            *args: Any, _orig: Any = original, _rng: bool = o.preserve_rng_state, **kwargs: Any
+        ) -> Any:
+            return run_checkpointed(_orig, args, kwargs, preserve_rng_state=_rng)
+
+        m.forward = forward  # type: ignore[method-assign]
+        m.__dict__[_WRAPPED] = True
+    for path, groups in plan.groups.items():
+        seq = by_path[path]
+        if seq.__dict__.get(_WRAPPED, False):
+            continue
+        seq.forward = grouped_sequential_forward(  # type: ignore[method-assign]
+            seq, groups, owner_opts.get(path)
+        )
+        seq.__dict__[_WRAPPED] = True
+    return plan

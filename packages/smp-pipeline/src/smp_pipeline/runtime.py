@@ -20,7 +20,6 @@ import torch
 from smp_comm.shutdown import wait_for_threads_at_exit
 from torch import nn
 
-from smp_pipeline.assignment import auto_assignment, resolve_assignment
 from smp_pipeline.checkpointing import (
     CheckpointPlan,
     grouped_sequential_forward,
@@ -28,13 +27,13 @@ from smp_pipeline.checkpointing import (
     run_checkpointed,
 )
 from smp_pipeline.errors import PipelineConfigError, PipelineError
+from smp_pipeline.execution_state import capture
 from smp_pipeline.microbatch import split_microbatches
 from smp_pipeline.order import OrderChannel
+from smp_pipeline.partition import canonical_modules, partition_model, resolve_assignment
 from smp_pipeline.schedule import Scheduler, ScheduleSpec
 from smp_pipeline.server import ExecutionServer
-from smp_pipeline.state import capture
-from smp_pipeline.trace import canonical_modules, static_graph_dict, trace_dict
-from smp_pipeline.tracing import plot_timeline, write_chrome_trace
+from smp_pipeline.timeline import plot_timeline, write_chrome_trace
 
 DEFAULT_TAG = 7301  # the runtime uses this tag and the next one on the communicator
 
@@ -162,48 +161,35 @@ class PipelineRuntime:
     ) -> dict[str, int]:
         """Collective: trace on pp rank 0, partition with smp_partition, apply everywhere.
 
-        Without ``step_fn`` the model itself is traced as ``module(*args, **kwargs)``.
+        Without ``step_fn`` the model itself is traced as ``module(*args, **kwargs)``
+        (on ``trace_device`` if set). See :func:`smp_pipeline.partition.partition_model`.
         """
-        assignment: dict[str, int] | None = None
-        if self.is_driver:
-            try:
-                run = None
-                if step_fn is not None:
-                    fn = step_fn
+        kw = dict(kwargs or {})
+        run = None
+        if step_fn is not None:
+            fn = step_fn
 
-                    def run() -> Any:
-                        return fn(*args, **dict(kwargs or {}))
+            def run() -> Any:
+                return fn(*args, **kw)
 
-                self._tracing = True
-                try:
-                    if self.trace_device == "meta" and step_fn is not None:
-                        # The step function uses the real model: do not run it at all.
-                        graph = static_graph_dict(self.module)
-                    else:
-                        if run is not None:  # warm-up: first calls are slow (lazy init)
-                            with torch.no_grad():
-                                run()
-                        graph = trace_dict(
-                            self.module,
-                            args,
-                            dict(kwargs or {}),
-                            run=run,
-                            device=self.trace_device if step_fn is None else None,
-                        )
-                finally:
-                    self._tracing = False
-                assignment = auto_assignment(graph, self.pp_size, self.alpha)
-            except Exception as exc:
-                self._bcast({"error": f"pp rank 0 failed to partition: {exc!r}"})
-                raise
-            self._bcast({"assignment": assignment})
-        else:
-            got = self._bcast(None)
-            if "error" in got:
-                raise PipelineError(got["error"])
-            assignment = got["assignment"]
-        assert assignment is not None
-        self.set_assignment(assignment)
+        self._tracing = True
+        try:
+            outcome = partition_model(
+                self.module,
+                self.pp_size,
+                self._bcast,
+                root=self.is_driver,
+                run=run,
+                args=args,
+                kwargs=kw,
+                # The step function uses the real model: with a meta trace, run nothing.
+                static=self.trace_device == "meta" and step_fn is not None,
+                trace_device=self.trace_device,
+                alpha=self.alpha,
+            )
+        finally:
+            self._tracing = False
+        self.set_assignment(outcome.assignment)
         return dict(self.assignment or {})
 
     def _free_remote_parameters(self) -> None:
@@ -362,20 +348,57 @@ class PipelineRuntime:
         partitioning, step where only pp rank 0's are used).
         """
         self.server.raise_if_aborted()
-        m = num_microbatches
-        mbs = []
+        mbs: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
         if self.is_driver:
             mbs = split_microbatches(
-                step_fn, tuple(args), kwargs, m, non_split_inputs, input_split_axes
+                step_fn, tuple(args), kwargs, num_microbatches, non_split_inputs, input_split_axes
             )
+        return self.run_microbatches(
+            step_fn,
+            mbs,
+            schedule=schedule,
+            active_microbatches=active_microbatches,
+            outputs_to_all=outputs_to_all,
+        )
+
+    def run_microbatches(
+        self,
+        step_fn: Callable[..., Any],
+        microbatches: Sequence[tuple[tuple[Any, ...], Mapping[str, Any]]],
+        *,
+        schedule: ScheduleSpec | None = None,
+        active_microbatches: int | None = None,
+        outputs_to_all: bool = True,
+    ) -> list[Any]:
+        """Collective over the pipeline ranks: one step over microbatches the caller split.
+
+        On pp rank 0, ``step_fn(*args, **kwargs)`` runs once per ``(args, kwargs)`` entry of
+        ``microbatches``, in the order the schedule gives; inside it call the model as usual
+        and :meth:`backward` on the loss. The other ranks serve requests; their
+        ``microbatches`` are ignored (pass ``[]``), except that before the model is
+        partitioned pp rank 0 traces ``step_fn`` on its first microbatch.
+
+        The runtime is the only place the 1/m gradient factor is applied: :meth:`backward`
+        scales gradients by ``1 / len(microbatches)`` (m as given on pp rank 0), so a caller
+        must not scale its loss by the number of microbatches itself.
+
+        Returns the per-microbatch outputs (tensors detached) on every rank, or on the other
+        ranks a list of None with ``outputs_to_all=False``. :meth:`run_step` is this after
+        splitting a batch with :func:`smp_pipeline.split_microbatches`.
+        """
+        self.server.raise_if_aborted()
+        mbs = [(tuple(a), dict(k)) for a, k in microbatches]
+        if self.is_driver and not mbs:
+            raise PipelineConfigError("run_microbatches needs at least one microbatch")
         if self.assignment is None:
             if self.is_driver:
                 self.partition(step_fn, *mbs[0])
             else:
                 self.partition()
-        self._num_microbatches = m
         if not self.is_driver:
             return self.server.follow_step()
+        m = len(mbs)
+        self._num_microbatches = m
         scheduler = Scheduler(
             schedule if schedule is not None else self.schedule,
             m,
@@ -390,7 +413,8 @@ class PipelineRuntime:
     ) -> None:
         """Backward of a microbatch's loss, inside the step function.
 
-        Gradients are scaled by ``1 / num_microbatches`` so that, with a mean loss per
+        Gradients are scaled by ``1 / m`` (m: the step's number of microbatches; the runtime
+        is the only owner of this factor) so that, with a mean loss per
         microbatch (equal microbatch sizes), the accumulated gradient equals one process's
         gradient of the mean loss over the whole batch. Returns once every rank has finished
         this microbatch's backward. During the tracing pass it does nothing.

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import smp_tp
+
 from smp_torch import nn
 from smp_torch.__about__ import __version__
 from smp_torch.annotations import (
@@ -60,8 +62,7 @@ DP_GROUP = CommGroup.DP_GROUP
 RDP_GROUP = CommGroup.RDP_GROUP
 MP_GROUP = CommGroup.MP_GROUP
 
-# Re-exported from smp_tp on first use, so importing smp_torch never depends on smp_tp's
-# import-time state.
+# Re-exported from smp_tp, looked up on use (always what the installed smp_tp provides).
 _FROM_TP = (
     "tensor_parallelism",
     "set_tensor_parallelism",
@@ -72,8 +73,6 @@ _FROM_TP = (
 
 def __getattr__(name: str) -> Any:
     if name in _FROM_TP:
-        import smp_tp
-
         return getattr(smp_tp, name)
     raise AttributeError(f"module 'smp_torch' has no attribute {name!r}")
 

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from smp_pipeline.checkpointing import CheckpointOptions
 from torch import nn
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "get_partition_mark",
     "set_activation_checkpointing",
     "get_checkpoint_mark",
+    "checkpoint_options",
     "delay_param_initialization",
 ]
 
@@ -133,6 +135,26 @@ def carry_marks(old: nn.Module, new: nn.Module) -> None:
 def get_checkpoint_mark(module: nn.Module) -> dict[str, Any] | None:
     """The checkpointing options set on a module, or ``None``."""
     return module.__dict__.get(_CHECKPOINT_ATTR)
+
+
+def checkpoint_options(
+    root: nn.Module,
+) -> tuple[dict[str, str | None], dict[str, CheckpointOptions]]:
+    """The checkpointing marks under ``root`` in smp-pipeline's terms: ``{path: strategy}``
+    (None: the module itself; a strategy for ``nn.Sequential`` containers) and the
+    per-path options. One translation for every pipeline degree."""
+    config: dict[str, str | None] = {}
+    options: dict[str, CheckpointOptions] = {}
+    for name, m in root.named_modules():
+        opts = get_checkpoint_mark(m)
+        if opts is None:
+            continue
+        config[name] = opts["strategy"] if isinstance(m, nn.Sequential) else None
+        options[name] = CheckpointOptions(
+            preserve_rng_state=bool(opts["preserve_rng_state"]),
+            pack_args_as_tuple=bool(opts["pack_args_as_tuple"]),
+        )
+    return config, options
 
 
 @contextlib.contextmanager

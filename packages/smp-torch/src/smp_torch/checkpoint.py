@@ -33,8 +33,10 @@ from typing import Any
 import torch
 
 from smp_torch.comm import CommGroup, allgather, barrier
+from smp_torch.config import SMPConfig
 from smp_torch.errors import SMPError
-from smp_torch.state import state
+from smp_torch.model import current_model
+from smp_torch.optimizer import current_optimizer
 
 __all__ = ["save_checkpoint", "resume_from_checkpoint", "CheckpointError"]
 
@@ -70,8 +72,7 @@ def _atomic_text(text: str, path: str) -> None:
     os.replace(tmp, path)
 
 
-def _layout() -> dict[str, Any]:
-    cfg = state().config
+def _layout(cfg: SMPConfig) -> dict[str, Any]:
     return {
         "pipeline_parallel_degree": cfg.pp,
         "tensor_parallel_degree": cfg.tp,
@@ -98,12 +99,9 @@ def save_checkpoint(
     ``model``/``optimizer`` default to the current ``smp.DistributedModel`` /
     ``smp.DistributedOptimizer``. Returns the checkpoint directory.
     """
-    from smp_torch.model import current_model
-    from smp_torch.optimizer import current_optimizer
-
     _check_tag(tag)
-    s = state()
     model = model if model is not None else current_model()
+    s = model.context
     if optimizer is None:
         optimizer = current_optimizer()
     final = os.path.join(path, tag)
@@ -126,7 +124,7 @@ def save_checkpoint(
                 s.groups["tp"].index(s.rank) == 0 and s.groups["rdp"].index(s.rank) == 0
             )
             if partial:
-                model_sd = model._stage_full_state()
+                model_sd = model.stage_full_state()
                 opt_sd = optimizer.state_dict_stage() if optimizer is not None else None
                 if writer_of_stage:
                     name = f"model_pp{pp_rank}.pt"
@@ -163,7 +161,7 @@ def save_checkpoint(
                 "format": FORMAT,
                 "tag": tag,
                 "partial": partial,
-                "layout": _layout(),
+                "layout": _layout(s.config),
                 "files": entries,
                 "torch": torch.__version__,
             }
@@ -232,9 +230,6 @@ def resume_from_checkpoint(
 ) -> Any:
     """Load ``path/tag`` (default: the latest) into the model and optimizer; return the
     saved ``user_content``. Works on any pipeline / tensor-parallel layout."""
-    from smp_torch.model import current_model
-    from smp_torch.optimizer import current_optimizer
-
     model = model if model is not None else current_model()
     if optimizer is None and load_optimizer:
         optimizer = current_optimizer()

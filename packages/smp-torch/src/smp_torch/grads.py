@@ -1,4 +1,4 @@
-"""Data-parallel gradient reduction, bucketed and overlapped with backward.
+"""Data-parallel gradient reduction: an explicit phase of every step, overlapped with backward.
 
 Each parameter is averaged over its own group: tensor-parallel shards over the reduced
 data-parallel group (the ranks holding the same shard), everything else over the whole
@@ -6,14 +6,27 @@ data-parallel group. Each parameter also has its own divisor, chosen by the mode
 the reduced gradient equals the single-process gradient of the mean loss over the global
 batch.
 
-Buckets are launched strictly in a fixed order (the reverse of registration order, which is
-roughly the order backward produces gradients), so every rank issues the same sequence of
-collectives on every group even though gradients become ready at slightly different times.
-While *armed* (during the last backward of a step) a bucket is all-reduced asynchronously as
-soon as all of its gradients have been accumulated; :meth:`GradReducer.finish` launches the
-rest and waits. A small flag per parameter travels with each bucket so that a gradient that is
-``None`` on every rank stays ``None`` (the optimizer then skips it exactly as it would
-in one process).
+The phase, at every pipeline degree:
+
+- :meth:`GradReducer.begin` (step start) arms the reducer. A post-accumulate-grad hook
+  counts every accumulation into each parameter's ``.grad``.
+- The first step that runs a backward teaches the reducer how many accumulations each
+  parameter receives per step (one per microbatch that uses it); that step is reduced at the
+  end. From then on a bucket is all-reduced asynchronously as soon as all of its parameters
+  reached the count of the previous step, i.e. right after this rank's last backward
+  touching them: with
+  pipelining each stage starts reducing when its own last backward is done, overlapping
+  the other stages' remaining backward.
+- Buckets launch strictly in a fixed order (the reverse of registration order, roughly the
+  order backward produces gradients), so every rank issues the same sequence of collectives
+  on every group even though gradients become ready at different times.
+- :meth:`GradReducer.finish` (after the ranks agreed that the step succeeded) launches the
+  rest in order and waits. A parameter accumulated again after its bucket was launched
+  (data-dependent control flow) makes that rank's reduction stale; one tiny agreement
+  collective decides, and then every rank of the group re-reduces every bucket together.
+
+A small flag per parameter travels with each bucket so that a gradient that is ``None`` on
+every rank stays ``None`` (the optimizer then skips it exactly as it would in one process).
 """
 
 from __future__ import annotations
@@ -25,6 +38,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from smp_comm.shutdown import abandon_collective
 
 __all__ = ["GradSpec", "GradReducer"]
 
@@ -45,20 +59,40 @@ class _Bucket:
     ready: int = 0
     flat: torch.Tensor | None = None
     handle: Any = None
-    launched: bool = False
     members: set[int] = field(default_factory=set)
 
 
 class GradReducer:
-    """Averages gradients over data-parallel groups; see the module docstring."""
+    """Averages gradients over data-parallel groups; see the module docstring.
 
-    def __init__(self, specs: Sequence[GradSpec], bucket_bytes: int = 4 << 20) -> None:
+    Args:
+        specs: one :class:`GradSpec` per trainable parameter, in registration order.
+        stale_group: a ``torch.distributed`` group containing every rank that shares a bucket
+            with this rank (the data-parallel group): the late-accumulation agreement runs
+            over it.
+        bucket_bytes: the size of a bucket.
+        overlap: launch buckets during backward (True) or only at the end of the step.
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[GradSpec],
+        stale_group: Any,
+        bucket_bytes: int = 4 << 20,
+        overlap: bool = True,
+    ) -> None:
         self._lock = threading.Lock()
         self._armed = False
+        self._overlap = overlap
+        self._stale_group = stale_group
         self._buckets: list[_Bucket] = []
         self._bucket_of: dict[int, int] = {}
         self._next = 0
         self._hooks: list[Any] = []
+        self._counts: dict[int, int] = {}
+        # Accumulations per parameter and step, learned on the first step with a backward.
+        self._expected: dict[int, int] | None = None
+        self._late = False
         current: _Bucket | None = None
         size = 0
         for spec in reversed(list(specs)):
@@ -75,39 +109,66 @@ class GradReducer:
             current.specs.append(spec)
             size += p.numel() * p.element_size()
             self._bucket_of[id(p)] = len(self._buckets) - 1
-            if hasattr(p, "register_post_accumulate_grad_hook"):
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
     @property
     def num_buckets(self) -> int:
         return len(self._buckets)
 
-    def arm(self) -> None:
-        """Start reducing buckets as their gradients become final (the step's last backward)."""
+    @property
+    def overlap(self) -> bool:
+        """Whether buckets are launched during backward (after the first step)."""
+        return self._overlap
+
+    def begin(self) -> None:
+        """Start counting accumulations (the start of a step)."""
         with self._lock:
+            self._reset()
             self._armed = True
+            if self._overlap and self._expected is not None:
+                # Parameters that receive no gradient in a step are ready from the start.
+                for b in self._buckets:
+                    b.ready = sum(1 for s in b.specs if self._expected[id(s.param)] == 0)
+                self._launch_ready()
 
     def disarm(self) -> None:
         """Stop reacting to gradients and forget launched buckets (a step that ran no
         backward, or failed)."""
         with self._lock:
             self._armed = False
-            self._next = 0
             for b in self._buckets:
-                b.ready = 0
-                b.members.clear()
-                b.flat, b.handle, b.launched = None, None, False
+                if b.handle is not None:
+                    # A peer may never join it: smp_comm's exit protocol keeps and awaits it.
+                    abandon_collective(b.handle)
+            self._reset()
+
+    def _reset(self) -> None:
+        self._next = 0
+        self._late = False
+        self._counts = {}
+        for b in self._buckets:
+            b.ready = 0
+            b.members.clear()
+            b.flat, b.handle = None, None
 
     def _on_grad(self, param: torch.Tensor) -> None:
         with self._lock:
             if not self._armed:
                 return
-            b = self._buckets[self._bucket_of[id(param)]]
-            if id(param) in b.members:
+            key = id(param)
+            count = self._counts.get(key, 0) + 1
+            self._counts[key] = count
+            if not self._overlap or self._expected is None:
                 return
-            b.members.add(id(param))
-            b.ready += 1
-            self._launch_ready()
+            index = self._bucket_of[key]
+            want = self._expected[key]
+            if count == want:
+                b = self._buckets[index]
+                b.members.add(key)
+                b.ready += 1
+                self._launch_ready()
+            elif count > want and index < self._next:
+                self._late = True  # its bucket already left with a partial gradient
 
     def _launch_ready(self) -> None:
         while self._next < len(self._buckets):
@@ -136,20 +197,42 @@ class GradReducer:
         if spec0.divisor != 1:
             flat[:n].div_(spec0.divisor)
         b.flat = flat
+        b.handle = None
         if spec0.group_size > 1:
             b.handle = dist.all_reduce(flat, group=spec0.group, async_op=True)
-        b.launched = True
 
-    def finish(self) -> None:
-        """Launch every remaining bucket in order, wait, and write the averages back."""
-        with self._lock:
-            self._armed = False
-            while self._next < len(self._buckets):
-                self._launch(self._buckets[self._next])
-                self._next += 1
+    def _launch_rest(self) -> None:
+        while self._next < len(self._buckets):
+            self._launch(self._buckets[self._next])
+            self._next += 1
+
+    def _wait(self) -> None:
         for b in self._buckets:
             if b.handle is not None:
                 b.handle.wait()
+                b.handle = None
+
+    def finish(self) -> None:
+        """Collective over the data-parallel groups: launch every remaining bucket in order,
+        wait, and write the averages back (see the module docstring)."""
+        with self._lock:
+            self._armed = False
+            self._launch_rest()
+            late = self._late
+        self._wait()
+        if self._overlap and self._expected is not None:
+            flag = torch.tensor([1.0 if late else 0.0])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._stale_group)
+            if flag.item() > 0:
+                # Every rank re-reduces everything from its local gradients (still in .grad).
+                self._next = 0
+                self._launch_rest()
+                self._wait()
+        # Next step expects what this one did (per rank: only the launch order is shared).
+        self._expected = {
+            id(s.param): self._counts.get(id(s.param), 0) for b in self._buckets for s in b.specs
+        }
+        for b in self._buckets:
             assert b.flat is not None
             flat = b.flat
             n_params = len(b.specs)
@@ -165,9 +248,8 @@ class GradReducer:
                     else:
                         p.grad.copy_(value)
                 offset += k
-            b.flat, b.handle, b.launched, b.ready = None, None, False, 0
-            b.members.clear()
-        self._next = 0
+        with self._lock:
+            self._reset()
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

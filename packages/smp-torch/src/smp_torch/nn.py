@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import smp_tp
+
+from smp_torch import nn_utils
+
 
 def __getattr__(name: str) -> Any:
     if name == "utils":
-        from smp_torch import nn_utils
-
         return nn_utils
-    import smp_tp
-
     try:
         return getattr(smp_tp, name)
     except AttributeError:
@@ -24,6 +24,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    import smp_tp
-
     return sorted(set(getattr(smp_tp, "__all__", dir(smp_tp))) | {"utils"})

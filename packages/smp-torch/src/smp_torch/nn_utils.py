@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import smp_tp
+
 
 def __getattr__(name: str) -> Any:
-    import smp_tp
-
     for owner in (smp_tp, getattr(smp_tp, "primitives", None), getattr(smp_tp, "utils", None)):
         if owner is not None and hasattr(owner, name):
             return getattr(owner, name)

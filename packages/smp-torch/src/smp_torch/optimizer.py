@@ -19,11 +19,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from smp_torch import tp_glue
+from smp_torch import reshard, tp_glue
 from smp_torch.errors import SMPError
 from smp_torch.model import DistributedModel, current_model
 from smp_torch.precision import LossScaler
-from smp_torch.state import state
 
 __all__ = ["DistributedOptimizer", "current_optimizer"]
 
@@ -52,7 +51,8 @@ class DistributedOptimizer:
             raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.optimizer = optimizer
         self.model = model if model is not None else current_model()
-        cfg = state().config
+        self.context = self.model.context
+        cfg = self.context.config
         self._cfg = cfg
         self._names = {id(p): n for n, p in self.model.named_parameters()}
         self._check_params()
@@ -65,11 +65,10 @@ class DistributedOptimizer:
                 args.setdefault("dynamic", dynamic_loss_scale)
             self.scaler = LossScaler(**args)
             scaler = self.scaler
-            self.model._loss_scale = lambda: scaler.scale
+            self.model.set_loss_scale(lambda: scaler.scale)
         self._owner: dict[int, tuple[str, int]] = {}  # id(param) -> (group kind, owner rank)
-        self.model._optimizers.append(self)
-        if self.model.partitioned:
-            self._after_partition()
+        # Now with pp=1 (or a partition known at wrap time), else after the first step's.
+        self.model.on_partitioned(self._after_partition)
         _CURRENT = self
 
     def _check_params(self) -> None:
@@ -100,7 +99,7 @@ class DistributedOptimizer:
         return "rdp" if self._cfg.tp > 1 and tp_glue.is_distributed(p) else "dp"
 
     def _assign_owners(self) -> None:
-        s = state()
+        s = self.context
         loads = {kind: [0] * len(s.groups[kind]) for kind in ("dp", "rdp")}
         for _, p in self.model.named_parameters():
             kind = self._kind(p)
@@ -111,10 +110,10 @@ class DistributedOptimizer:
 
     def _owns(self, p: torch.Tensor) -> bool:
         owner = self._owner.get(id(p))
-        return owner is None or owner[1] == state().rank
+        return owner is None or owner[1] == self.context.rank
 
     def _broadcast_owned(self) -> None:
-        s = state()
+        s = self.context
         # Fixed order on every rank: by group kind, then owner, then parameter order.
         batches: dict[tuple[str, int], list[torch.nn.Parameter]] = {}
         for _, p in self.model.named_parameters():
@@ -152,7 +151,7 @@ class DistributedOptimizer:
         """Unscale (fp16), step the wrapped optimizer on owned parameters, share updates."""
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         if self.scaler is not None:
-            finite = self.scaler.unscale_and_check(params, state().process_groups["world"])
+            finite = self.scaler.unscale_and_check(params, self.context.process_groups["world"])
             self.scaler.update(finite)
             if not finite:
                 return None
@@ -192,11 +191,9 @@ class DistributedOptimizer:
         }
         if not self._owner:
             return named
-        s = state()
-        from smp_torch.comm import CommGroup, allgather
-
-        tp_rank = s.groups["tp"].index(s.rank)
-        pieces = allgather((tp_rank, named), CommGroup.DP_GROUP)
+        s = self.context
+        tp_rank = s.index("tp")
+        pieces = s.mpi_comms["dp"].allgather((tp_rank, named))
         merged: dict[str, dict[str, Any]] = {}
         for _, p in self.model.named_parameters():
             name = self._names[id(p)]
@@ -223,8 +220,6 @@ class DistributedOptimizer:
         Tensor-parallel shards of per-parameter state are gathered like the parameters, and
         pipeline stages are merged; every rank receives the whole dict (on CPU).
         """
-        from smp_torch import reshard
-
         named = self._named_state()
         groups = []
         for g in self.optimizer.param_groups:
@@ -245,8 +240,6 @@ class DistributedOptimizer:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Load a full (:meth:`state_dict`) or local (:meth:`local_state_dict`) state."""
-        from smp_torch import reshard
-
         if sd.get("format") == FULL_FORMAT:
             named, hyper = reshard.optimizer_state_from_full(
                 self.model, sd["state"], sd["param_groups"]

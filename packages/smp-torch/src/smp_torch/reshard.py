@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from smp_torch import tp_glue
-from smp_torch.state import state
 
 __all__ = ["optimizer_state_to_full", "optimizer_state_from_full"]
 
@@ -41,8 +40,6 @@ def _restore(model: Any, saved: dict[str, torch.Tensor]) -> None:
 
 
 def _tp_state_keys(model: Any, named: dict[str, dict[str, Any]]) -> list[str]:
-    from smp_torch.comm import CommGroup, allgather
-
     params = dict(model.named_parameters())
     mine = {
         k
@@ -51,7 +48,7 @@ def _tp_state_keys(model: Any, named: dict[str, dict[str, Any]]) -> list[str]:
         if n in params and _is_param_shaped(v, params[n])
     }
     keys: set[str] = set()
-    for ks in allgather(sorted(mine), CommGroup.TP_GROUP):
+    for ks in model.context.mpi_comms["tp"].allgather(sorted(mine)):
         keys.update(ks)
     return sorted(keys)
 
@@ -72,10 +69,10 @@ def optimizer_state_to_full(
     merge_stages: bool = True,
 ) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
     """Local state by wrapped parameter name → full state by unwrapped parameter name."""
-    cfg = state().config
+    cfg = model.context.config
     if cfg.tp > 1:
         params = dict(model.named_parameters())
-        full_names = set(model._full_param_names())
+        full_names = set(model.full_param_names())
         scalars = _scalars(named, params)
         out: dict[str, dict[str, Any]] = {}
         for key in _tp_state_keys(model, named):
@@ -93,7 +90,7 @@ def optimizer_state_to_full(
             finally:
                 _restore(model, saved)
             for fname, t in full.items():
-                if fname in full_names and model._owns_full_key(fname):
+                if fname in full_names and model.owns_full_key(fname):
                     out.setdefault(fname, {})[key] = t.detach().cpu().clone()
         if named:
             for st in out.values():
@@ -104,11 +101,10 @@ def optimizer_state_to_full(
             for g in groups[:1]
         ] + [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in groups[1:]]
     if cfg.pp > 1 and merge_stages:
-        from smp_torch.comm import CommGroup, allgather
-
+        pp_comm = model.context.mpi_comms["pp"]
         merged: dict[str, dict[str, Any]] = {}
-        stage_groups = allgather(groups, CommGroup.PP_GROUP)
-        for part in allgather(named, CommGroup.PP_GROUP):
+        stage_groups = pp_comm.allgather(groups)
+        for part in pp_comm.allgather(named):
             merged.update(part)
         named = merged
         groups = []
@@ -125,7 +121,7 @@ def optimizer_state_from_full(
     model: Any, full_state: dict[str, dict[str, Any]], full_groups: list[dict[str, Any]]
 ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
     """Full state → ``(state by this rank's parameter names, hyper-parameters by name)``."""
-    cfg = state().config
+    cfg = model.context.config
     params = dict(model.named_parameters())
     hyper_by_full = {}
     for g in full_groups:
@@ -152,7 +148,7 @@ def optimizer_state_from_full(
                 scalars.setdefault(k, v)
     # Buffers ride along unchanged (smp-tp translates whole modules); parameter entries carry
     # the state. Tied aliases without state are left out so they cannot overwrite it.
-    param_keys = set(model._full_param_names())
+    param_keys = set(model.full_param_names())
     current = tp_glue.full_state_dict(model.module, cfg.tp)
     buffers = {k: v for k, v in current.items() if k not in param_keys}
     named = {}

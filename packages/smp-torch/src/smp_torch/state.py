@@ -1,20 +1,25 @@
-"""The process-wide smp runtime: configuration, topology, process groups and rank helpers."""
+"""``smp.init`` and the public rank helpers: they read the current context.
+
+The context itself (configuration, topology, groups, the step agreement) is
+:class:`smp_torch.context.SMPContext`; internals receive it instead of reading it here.
+"""
 
 from __future__ import annotations
 
 import atexit
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.distributed as dist
+from mpi4py import MPI
+from smp_pipeline import shutdown_runtimes
 
 from smp_torch.bootstrap import init_torch_distributed
 from smp_torch.config import SMPConfig, parse_config
+from smp_torch.context import SMPContext, create_context
 from smp_torch.errors import NotInitializedError
-from smp_torch.topology import Coord, Topology
+from smp_torch.watch import wait_for_step_threads
 
 __all__ = [
     "init",
@@ -48,33 +53,7 @@ __all__ = [
     "get_world_process_group",
 ]
 
-GROUP_KINDS = ("pp", "tp", "dp", "rdp", "mp")
-
-
-def _mpi() -> Any:
-    from mpi4py import MPI
-
-    return MPI
-
-
-@dataclass
-class _State:
-    config: SMPConfig
-    topology: Topology
-    rank: int
-    size: int
-    coord: Coord
-    local_rank: int
-    local_size: int
-    device: torch.device
-    groups: dict[str, list[int]]
-    process_groups: dict[str, Any]
-    mpi_comms: dict[str, Any]
-    # Objects to close on re-init (pipeline runtimes, communicators).
-    closers: list[Any] = field(default_factory=list)
-
-
-_STATE: _State | None = None
+_STATE: SMPContext | None = None
 
 
 def is_initialized() -> bool:
@@ -82,8 +61,9 @@ def is_initialized() -> bool:
     return _STATE is not None
 
 
-def state() -> _State:
-    """The runtime state; raises :class:`NotInitializedError` before :func:`init`."""
+def state() -> SMPContext:
+    """The current :class:`~smp_torch.context.SMPContext`; raises
+    :class:`NotInitializedError` before :func:`init`."""
     if _STATE is None:
         raise NotInitializedError("call smp.init(config) first")
     return _STATE
@@ -93,14 +73,7 @@ def _close_previous() -> None:
     global _STATE
     if _STATE is None:
         return
-    for closer in reversed(_STATE.closers):
-        try:
-            closer()
-        except Exception:  # noqa: BLE001 - closing must not mask the new init
-            pass
-    for name, comm in _STATE.mpi_comms.items():
-        if name != "world_raw":
-            comm.Free()
+    _STATE.close()
     _STATE = None
 
 
@@ -119,10 +92,6 @@ def _shutdown() -> None:
 
     The groups are destroyed while the interpreter is fully alive, once no smp thread is
     inside one of their collectives (see :mod:`smp_comm.shutdown`)."""
-    from smp_pipeline import shutdown_runtimes
-
-    from smp_torch.watch import wait_for_step_threads
-
     shutdown_runtimes()
     wait_for_step_threads()
     if dist.is_initialized():
@@ -138,52 +107,13 @@ def init(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> SM
     replaces the configuration (every rank must do so, in the same order).
     """
     global _STATE
-    mpi = _mpi()
-    world = mpi.COMM_WORLD
-    size = world.Get_size()
+    world = MPI.COMM_WORLD
     # Pure local validation first: nothing below runs if the configuration is wrong.
-    cfg = parse_config(config, size)
+    cfg = parse_config(config, world.Get_size())
     _close_previous()
-    rank = world.Get_rank()
     if init_torch_distributed(world, cfg.timeout_s) and not _EXIT_REGISTERED:
         _register_exit()
-
-    node = world.Split_type(mpi.COMM_TYPE_SHARED, key=rank)
-    local_rank, local_size = node.Get_rank(), node.Get_size()
-    node.Free()
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-
-    topo = Topology(cfg.pp, cfg.tp, cfg.rdp, cfg.placement)
-    groups: dict[str, list[int]] = {"world": list(range(size))}
-    pgs: dict[str, Any] = {"world": dist.group.WORLD}
-    comms: dict[str, Any] = {"world_raw": world, "world": world.Dup()}
-    for kind in GROUP_KINDS:
-        mine = getattr(topo, f"{kind}_group")(rank)
-        groups[kind] = mine
-        # new_group must be called by every rank for every group, in the same order.
-        for members in topo.all_groups(kind):
-            pg = dist.new_group(ranks=members)
-            if members == mine:
-                pgs[kind] = pg
-        color = topo.all_groups(kind).index(mine)
-        comms[kind] = world.Split(color, key=rank)
-    _STATE = _State(
-        config=cfg,
-        topology=topo,
-        rank=rank,
-        size=size,
-        coord=topo.coord(rank),
-        local_rank=local_rank,
-        local_size=local_size,
-        device=device,
-        groups=groups,
-        process_groups=pgs,
-        mpi_comms=comms,
-    )
+    _STATE = create_context(cfg)
     return cfg
 
 
@@ -208,8 +138,7 @@ def local_size() -> int:
 
 
 def _index(kind: str) -> int:
-    s = state()
-    return s.groups[kind].index(s.rank)
+    return state().index(kind)
 
 
 def pp_rank() -> int:

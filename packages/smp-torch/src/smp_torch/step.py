@@ -20,6 +20,7 @@ from typing import Any, TypeVar, overload
 import torch
 
 from smp_torch.errors import SMPError
+from smp_torch.model import current_model
 
 __all__ = ["StepOutput", "step", "split_inputs", "tree_map"]
 
@@ -207,13 +208,10 @@ def step(
 
         @functools.wraps(f)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            from smp_torch.model import current_model
-            from smp_torch.state import state
-
             model = current_model()
-            m = state().config.microbatches
+            m = model.context.config.microbatches
             mbs = split_inputs(f, args, kwargs, m, whole, axes)
-            return collect_outputs(model._run_step(f, mbs))
+            return collect_outputs(model.run_step(f, mbs))
 
         wrapper.__smp_step__ = True  # type: ignore[attr-defined]
         return wrapper

@@ -4,32 +4,23 @@ from __future__ import annotations
 
 from typing import Any
 
+import smp_tp
 import torch
 from torch import nn
+
+from smp_torch.annotations import carry_marks
 
 __all__ = ["parallelize", "is_distributed", "full_state_dict", "load_full_state_dict"]
 
 
-def _smp_tp() -> Any:
-    import smp_tp
-
-    return smp_tp
-
-
 def parallelize(
-    module: nn.Module, tp_group: Any, prescaled_batch: bool, optimize: str
+    module: nn.Module, tp_group: Any, prescaled_batch: bool, optimize: str, seed: int
 ) -> nn.Module:
-    """Replace the marked submodules of ``module`` by smp-tp's distributed modules."""
-    from smp_torch.state import state
-
-    tp = _smp_tp()
-    seed_fn = getattr(tp, "set_tensor_parallel_seed", None)
-    if seed_fn is not None:
-        seed_fn(state().config.tensor_parallel_seed)
-    from smp_torch.annotations import carry_marks
-
+    """Replace the marked submodules of ``module`` by smp-tp's distributed modules, with
+    ``seed`` as the tensor-parallel dropout seed."""
+    smp_tp.set_tensor_parallel_seed(seed)
     before = dict(module.named_modules())
-    out = tp.parallelize(
+    out = smp_tp.parallelize(
         module, tp_group=tp_group, prescaled_batch=prescaled_batch, optimize=optimize
     )
     # A replaced module keeps what the user marked on the original (activation
@@ -72,7 +63,7 @@ def grad_scale(param: torch.Tensor) -> float:
 def full_state_dict(module: nn.Module, tp_size: int) -> dict[str, torch.Tensor]:
     """The unwrapped model's state dict (TP shards gathered when ``tp_size > 1``)."""
     if tp_size > 1:
-        return dict(_smp_tp().full_state_dict(module))
+        return dict(smp_tp.full_state_dict(module))
     return dict(module.state_dict())
 
 
@@ -81,10 +72,6 @@ def load_full_state_dict(
 ) -> None:
     """Load an unwrapped model's state dict, slicing TP shards when ``tp_size > 1``."""
     if tp_size > 1:
-        tp = _smp_tp()
-        try:
-            tp.load_full_state_dict(module, sd, strict=strict)
-        except TypeError:
-            tp.load_full_state_dict(module, sd)
+        smp_tp.load_full_state_dict(module, sd, strict=strict)
     else:
         module.load_state_dict(sd, strict=strict)

@@ -3,7 +3,9 @@
 With tensor parallelism a step runs collectives inside forward and backward: if one rank's
 step function raises, its tensor-parallel peers would wait in such a collective forever
 (and the failing rank in the step's outcome agreement). So with tp > 1 the step runs on a
-helper thread while the calling thread watches a private communicator. A rank whose step
+helper thread while the calling thread watches a private communicator; the outcome agreement
+(:meth:`smp_torch.context.SMPContext.agree`, every step at every pipeline degree) polls the same
+communicator for notices. A rank whose step
 raises sends a notice to every other rank and raises at once; every other rank raises
 :class:`StepFailedElsewhere` naming it — whether it is blocked in a collective or already
 waiting for the outcome. (The pipeline runtime has its own abort messages for pp > 1.)
@@ -101,15 +103,16 @@ class StepWatch:
             if requests:
                 time.sleep(_POLL_S)
 
-    def agree(self, value: int) -> int:
-        """The maximum of ``value`` over all ranks (the step's outcome agreement), raising
-        :class:`StepFailedElsewhere` instead if a rank reports a failure meanwhile."""
-        send = array.array("q", [value])
-        recv = array.array("q", [0])
+    def allreduce_max(self, values: list[int]) -> list[int]:
+        """The element-wise maximum of ``values`` over all ranks (the step's outcome
+        agreement), raising :class:`StepFailedElsewhere` instead if a rank reports a failure
+        meanwhile."""
+        send = array.array("q", values)
+        recv = array.array("q", [0] * len(values))
         request = self.comm.Iallreduce(send, recv, op=MPI.MAX)
         pause = 5e-5  # usually done within microseconds: back off from short pauses
         while not request.Test():
             self.check()
             time.sleep(pause)
             pause = min(_POLL_S, pause * 2)
-        return int(recv[0])
+        return [int(v) for v in recv]

@@ -104,10 +104,9 @@ def run_case(case: dict) -> None:
         for k, v in want.items():
             check_close(f"{k} after step {step}", full[k], v, name)
     if cfg.pp > 1 and cfg.tp > 1:
-        from smp_torch.pipeline import _order_channel_class
-
-        want = "leader" if _order_channel_class() is not None else "serial"
-        assert dmodel._pipeline.ordering == want, (dmodel._pipeline.ordering, want)
+        # smp-pipeline always has the OrderChannel now (the "serial" fallback is gone).
+        want = "leader"
+        assert dmodel.engine.ordering == want, (dmodel.engine.ordering, want)
     if cfg.pp > 1:
         counts = smp.allgather(len(list(dmodel.parameters())), smp.PP_GROUP)
         assert all(counts), f"[{name}] a pipeline stage owns no parameter: {counts}"

@@ -1,0 +1,187 @@
+"""How a :class:`~smp_torch.model.DistributedModel` executes: one engine, chosen once.
+
+:class:`Engine` is the interface; :class:`LocalEngine` runs the whole model in this process
+(``pipeline_parallel_degree == 1``), :class:`smp_torch.pipeline.PipelineEngine` runs it through
+smp-pipeline's runtime. An engine prepares the module (starting weights, tensor parallelism,
+activation checkpointing), knows which parameters and state entries this rank owns, runs a
+step's microbatches and a microbatch's backward, and tells subscribers once parameters are
+assigned to stages (:meth:`Engine.on_partitioned`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from smp_pipeline import add_checkpoint_context
+from smp_pipeline.checkpointing import checkpoint_in_place
+from smp_tp import checkpoint_context as tp_checkpoint_context
+from torch import nn
+
+from smp_torch import tp_glue
+from smp_torch.annotations import checkpoint_options
+from smp_torch.context import SMPContext
+from smp_torch.errors import SMPError
+from smp_torch.precision import autocast_context
+from smp_torch.weights import broadcast_tensors, has_meta, materialize_meta, module_tensors
+
+__all__ = ["Engine", "LocalEngine", "Microbatches", "init_seed"]
+
+Microbatches = list[tuple[tuple[Any, ...], dict[str, Any]]]
+
+
+def init_seed(ctx: SMPContext) -> int:
+    """Collective: rank 0's torch seed, so delayed initialisation is the same everywhere."""
+    seed = torch.initial_seed() % (2**31)
+    return int(ctx.mpi_comms["world"].bcast(seed, root=0))
+
+
+class Engine(ABC):
+    """What a :class:`~smp_torch.model.DistributedModel` needs from its execution strategy."""
+
+    #: The module the engine runs (tensor-parallel replacements applied).
+    module: nn.Module
+    #: ``(ModuleGraph, PartitionResult)`` of an automatic partition, on world rank 0.
+    partition_report: Any = None
+
+    def __init__(self, ctx: SMPContext) -> None:
+        self.ctx = ctx
+        self._subscribers: list[Callable[[], None]] = []
+        # Recomputations replay smp-tp's dropout streams too (torch restores only its own
+        # generators), at every pipeline degree.
+        add_checkpoint_context(tp_checkpoint_context)
+
+    def on_partitioned(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once parameters are assigned to stages (now, if they are)."""
+        self._subscribers.append(callback)
+        if self.partitioned:
+            callback()
+
+    def _notify_partitioned(self) -> None:
+        for callback in list(self._subscribers):
+            callback()
+
+    def _prepare_weights(self, module: nn.Module, broadcast_weights: bool) -> None:
+        ctx = self.ctx
+        module.to(ctx.device)
+        if broadcast_weights and ctx.size > 1:
+            broadcast_tensors(module_tensors(module), 0, ctx.process_groups["world"])
+
+    def _parallelize(self, module: nn.Module) -> nn.Module:
+        cfg = self.ctx.config
+        if cfg.tp == 1:
+            return module
+        out = tp_glue.parallelize(
+            module,
+            self.ctx.process_groups["tp"],
+            cfg.prescaled_batch,
+            cfg.optimize,
+            cfg.tensor_parallel_seed,
+        )
+        out.to(self.ctx.device)
+        return out
+
+    @property
+    @abstractmethod
+    def partitioned(self) -> bool:
+        """Whether parameters are assigned to stages (always, with pp=1)."""
+
+    @property
+    def watched(self) -> bool:
+        """Whether steps run on a helper thread watched for peers' failures."""
+        return False
+
+    def start(self) -> None:
+        """Finish construction once the model subscribed (apply a known assignment)."""
+        return None
+
+    def prepare_step(self, fn: Callable[..., Any], microbatches: Microbatches) -> None:
+        """Before a step: partition on the first one when that needs a trace."""
+        return None
+
+    @abstractmethod
+    def run_microbatches(self, fn: Callable[..., Any], microbatches: Microbatches) -> list[Any]:
+        """Run ``fn`` once per microbatch; return its outputs in microbatch order."""
+
+    @abstractmethod
+    def backward(
+        self, tensors: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...], loss_scale: float
+    ) -> None:
+        """Backward of one microbatch from ``grads`` times ``loss_scale``; the engine (or its
+        runtime) applies the ``1/microbatches`` factor, the only place it is applied."""
+
+    def owned_parameter_names(self) -> set[str] | None:
+        """Names of this rank's parameters, or None when it holds every parameter."""
+        return None
+
+    def owned_state_names(self) -> set[str] | None:
+        """Names of this rank's ``module.state_dict()`` entries, or None for all."""
+        return None
+
+    def owns_full_key(self, key: str) -> bool:
+        """Whether this rank's stage holds the unwrapped model's state-dict entry ``key``."""
+        return True
+
+    def merge_stages(self, part: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Collective over the pipeline: every stage's part of the full state dict."""
+        return part
+
+    def load_full_state(self, sd: dict[str, torch.Tensor], strict: bool) -> Any:
+        """Load an unwrapped model's state dict (this stage's entries)."""
+        tp_glue.load_full_state_dict(self.module, dict(sd), self.ctx.config.tp, strict)
+        return None
+
+    def reset_timeline(self) -> None:
+        """Forget the recorded request timeline (nothing without a pipeline)."""
+        return None
+
+    def write_timeline(self, json_path: str | None, png_path: str | None) -> Any:
+        raise SMPError("the request timeline exists only with pipeline parallelism")
+
+
+class LocalEngine(Engine):
+    """pp = 1: the whole model in this process; microbatches run one after the other."""
+
+    def __init__(self, ctx: SMPContext, module: nn.Module, broadcast_weights: bool) -> None:
+        super().__init__(ctx)
+        cfg = ctx.config
+        if has_meta(module):
+            materialize_meta(module, ctx.device, init_seed(ctx))
+        self._prepare_weights(module, broadcast_weights)
+        self.module = self._parallelize(module)
+        config, options = checkpoint_options(self.module)
+        checkpoint_in_place(self.module, config, options)
+        self._microbatches = cfg.microbatches
+
+    @property
+    def partitioned(self) -> bool:
+        return True
+
+    @property
+    def watched(self) -> bool:
+        # With tensor parallelism a failing rank could leave peers inside a TP collective.
+        return self.ctx.config.tp > 1 and self.ctx.size > 1
+
+    def run_microbatches(self, fn: Callable[..., Any], microbatches: Microbatches) -> list[Any]:
+        cfg = self.ctx.config
+        results: list[Any] = []
+
+        def run() -> None:
+            for args, kwargs in microbatches:
+                with autocast_context(cfg.fp16, cfg.bf16, self.ctx.device):
+                    results.append(fn(*args, **kwargs))
+
+        if self.watched:
+            self.ctx.watch.run(run)
+        else:
+            run()
+        return results
+
+    def backward(
+        self, tensors: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...], loss_scale: float
+    ) -> None:
+        scale = 1.0 / self._microbatches
+        scale *= loss_scale
+        torch.autograd.backward(tensors, tuple(g * scale for g in grads))
