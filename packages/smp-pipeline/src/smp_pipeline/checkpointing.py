@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -272,7 +272,7 @@ def checkpoint_in_place(
         m.forward = forward  # type: ignore[method-assign]
         m.__dict__[_WRAPPED] = True
     for path, groups in plan.groups.items():
-        seq = by_path[path]
+        seq = cast(nn.Sequential, by_path[path])  # the plan groups children of Sequentials only
         if seq.__dict__.get(_WRAPPED, False):
             continue
         seq.forward = grouped_sequential_forward(  # type: ignore[method-assign]

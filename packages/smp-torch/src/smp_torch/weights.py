@@ -81,8 +81,11 @@ def materialize_meta(module: nn.Module, device: torch.device, seed: int) -> None
 class Shallow(nn.Module):
     """Presents one module without its children to :func:`materialize_meta`."""
 
+    _target: nn.Module
+
     def __init__(self, m: nn.Module) -> None:
         super().__init__()
+        # Not a child: set around nn.Module.__setattr__, so it stays out of modules().
         object.__setattr__(self, "_target", m)
 
     def modules(self) -> Iterator[nn.Module]:  # type: ignore[override]
