@@ -76,7 +76,7 @@ def graphs(draw: Any, max_modules: int = 24) -> ModuleGraph:
 
 
 def expected_costs(graph: ModuleGraph, alpha: float) -> dict[str, float]:
-    """The SPEC cost model, recomputed independently (module name -> cbar)."""
+    """The documented cost model, recomputed independently (module name -> cbar)."""
     mods = {m.name: m for m in graph.modules}
     counted: set[str] = set()
     mem: dict[str, float] = {}

@@ -1,4 +1,4 @@
-"""The cost model of SPEC §3."""
+"""The cost model (README "Cost model")."""
 
 from __future__ import annotations
 

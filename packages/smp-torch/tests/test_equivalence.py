@@ -1,4 +1,4 @@
-"""SPEC §8: every configuration that fits in 4 processes equals one process, step by step.
+"""Equivalence (docs/design.md): every configuration that fits in 4 processes equals one process, step by step.
 
 Each test launches ONE MPI job that runs many configurations in turn (re-initialising smp
 between them) and checks, after every step, the mean loss and every parameter of the gathered

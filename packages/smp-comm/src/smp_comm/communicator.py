@@ -207,7 +207,7 @@ class Communicator:
             return handle
         if not any(gpu) and packed.nbytes <= self.settings.caller_copy_bytes:
             # Moderate CPU payload: route, and copy into shared memory, here; two thread
-            # hand-offs (router, copier) cost more than the copy (PERF-NOTES.md).
+            # hand-offs (router, copier) cost more than the copy (docs/perf-notes.md).
             self._sender.route(op, inline=True)
             return handle
         if any(gpu):

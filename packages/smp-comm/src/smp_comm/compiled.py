@@ -1,7 +1,7 @@
 """The optional compiled fast path: ``_fastlane.c``, built on first use, cached on disk.
 
 A 1 KiB message's round trip is dominated by Python's per-step costs (attribute reads,
-calls, ``struct`` packs; figures in PERF-NOTES.md). The C file does one message's
+calls, ``struct`` packs; figures in docs/perf-notes.md). The C file does one message's
 byte-level work in one call each way; every decision stays in Python.
 
 It is compiled, not shipped: it must call the very MPI library mpi4py has loaded (an mpich

@@ -144,7 +144,7 @@ def decode(buf: bytearray, rank: int) -> tuple[Any, int]:
 
     The cheapest constructor per case (tensor creation dominates a small receive):
     ``torch.frombuffer`` for 1-d tensors, ``torch.from_numpy`` of an ``np.ndarray`` made
-    straight in its shape for others (cheaper than a torch ``view``: PERF-NOTES.md).
+    straight in its shape for others (cheaper than a torch ``view``: docs/perf-notes.md).
     """
     _, kind, code, grad, ndim = _FIXED.unpack_from(buf)
     head, offset = _HEADS[ndim]

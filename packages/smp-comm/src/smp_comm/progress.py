@@ -30,7 +30,7 @@ from smp_comm.wire import ANY_SOURCE, ANY_TAG, FAST, T_BYE, T_DRAINED, T_FREE, T
 __all__ = ["Progress", "Tracked"]
 
 # Fast-path probes a waiting thread makes between two full progress rounds: a round costs
-# several probes (PERF-NOTES.md), and the probes are what finds a small message soonest.
+# several probes (docs/perf-notes.md), and the probes are what finds a small message soonest.
 _SPIN_PROBES = 32
 _LANE_PROBES = 8  # probes per call into the compiled fast path, which drops the GIL for them
 

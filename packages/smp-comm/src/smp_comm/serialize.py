@@ -97,7 +97,7 @@ def _torch_bytes(t: Any, idx: int, offset: int) -> tuple[TensorStub, Any]:
         src = src.contiguous()  # non-contiguous -> one contiguous copy
     if src.device.type == "cpu" and src.dtype in _NUMPY_DTYPES:
         # numpy reshapes and reinterprets bytes faster than torch views, which small
-        # messages feel (PERF-NOTES.md).
+        # messages feel (docs/perf-notes.md).
         flat: Any = src.numpy().reshape(-1).view(np.uint8)
         device = "cpu"
     else:

@@ -3,7 +3,7 @@
 A general-path message is announced by a header, pickled by mpi4py on the control
 communicator. Its fields are :class:`Header`'s, in that order; on the wire it is a plain
 tuple (:data:`WireHeader`): pickle writes a named tuple as a class reference plus
-arguments, which costs more per message (PERF-NOTES.md). The receiver reads it back as a
+arguments, which costs more per message (docs/perf-notes.md). The receiver reads it back as a
 :class:`Header` (:meth:`Header.of`), no copy. Fast-path frames have their own layout
 (:mod:`smp_comm.fastpath`).
 """

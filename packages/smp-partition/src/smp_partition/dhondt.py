@@ -1,4 +1,5 @@
-"""D'Hondt allocation of devices to segments (paper Algorithm 3, as SPEC §3 corrects it).
+"""D'Hondt allocation of devices to segments (paper Algorithm 3, corrected:
+see below and the README's "Algorithms").
 
 Devices are handed out one at a time, in the given order, to the segment with the largest
 quotient ``cost / (seats + 1)``; ties go to the earliest segment. (The paper's pseudo-code

@@ -259,7 +259,7 @@ def check_shared_parameters(root: nn.Module, assignment: Mapping[str, int]) -> N
 
 
 # Max loads within 15 % of the best count as equal, and then fewer cut edges win (each is a
-# request round trip per microbatch). Measurements: PERF-NOTES.md, "Balance slack".
+# request round trip per microbatch). Measurements: docs/perf-notes.md, "Balance slack".
 BALANCE_SLACK = 0.15
 
 

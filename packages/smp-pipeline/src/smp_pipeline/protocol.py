@@ -4,7 +4,7 @@ Every message names its sender's pp rank (``src``). Structures holding tensors t
 :class:`~smp_pipeline.messages.Packed`. On the wire a message is a plain tuple
 (:func:`to_wire`, :func:`from_wire`): a kind code and the field values, the ``Packed`` field
 as a tuple too. smp-comm's pickler passes plain tuples straight through, so a message costs
-no more to send than the dict literals these classes replaced (see PERF-NOTES.md, "Message
+no more to send than the dict literals these classes replaced (see docs/perf-notes.md, "Message
 encoding"), and the skeleton carries no key strings.
 
 ``PRIORITY`` is the serve order among arrived messages of different kinds (lower first; see

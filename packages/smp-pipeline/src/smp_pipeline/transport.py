@@ -1,7 +1,7 @@
 """The messages of one pipeline rank: receiving, serve order, sending, aborts and timeouts.
 
 The main thread receives directly from the communicator (no receiver thread; see
-PERF-NOTES.md): one receive is always posted, and its arrival releases the main loop's
+docs/perf-notes.md): one receive is always posted, and its arrival releases the main loop's
 wake-up baton (and calls ``on_arrival``, for preemption). Arrived messages wait in the
 inbox, served by kind and then microbatch (:func:`smp_pipeline.protocol.priority`).
 
@@ -25,7 +25,7 @@ from smp_pipeline.errors import PipelineError, PipelineRemoteError, PipelineTime
 from smp_pipeline.protocol import Abort, Message, from_wire, priority, to_wire
 
 # Idle main loop: drive the communicator for at most this long before sleeping on the
-# receive (see PERF-NOTES.md, "Idle wait").
+# receive (see docs/perf-notes.md, "Idle wait").
 _SPIN_S = 2e-4
 
 
@@ -137,7 +137,7 @@ class Transport:
     def wait_message(self) -> Message | None:
         """Idle, no device work under way: one blocking receive of up to 50 ms. This thread
         drives the communicator's progress for a short spin, then sleeps while its tracker
-        thread polls (see PERF-NOTES.md, "Idle wait")."""
+        thread polls (see docs/perf-notes.md, "Idle wait")."""
         return self.next_message(0.05, spin=_SPIN_S)
 
     def poll(self) -> None:

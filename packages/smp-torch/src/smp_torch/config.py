@@ -30,7 +30,7 @@ _ALIASES = {"partitions": "pipeline_parallel_degree", "_prescaled_batch": "presc
 
 @dataclass
 class SMPConfig:
-    """Every smp option with its default (SPEC §7). Build it with :func:`parse_config`."""
+    """Every smp option with its default (the smp-torch README lists them). Build it with :func:`parse_config`."""
 
     pipeline_parallel_degree: int = 1
     tensor_parallel_degree: int = 1
