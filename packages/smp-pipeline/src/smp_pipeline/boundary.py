@@ -1,10 +1,4 @@
-"""Autograd across pipeline ranks: call records, the remote boundary, joined and segment backward.
-
-This module owns the records of cross-rank calls (:class:`CallRecords`) and the autograd
-node that links a remote call into the local graph (:class:`RemoteBoundary`). The boundary's
-backward reaches the rest of the runtime only through :class:`BoundaryPort` (implemented by
-:class:`smp_pipeline.remote.RemoteCalls`); completed contexts give their responses back as
-messages (:meth:`CallRecords.responses`), which the caller sends.
+"""Autograd across pipeline ranks.
 
 Two modes, chosen per remote call:
 
@@ -48,14 +42,14 @@ once per segment, which joined mode avoids.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from smp_pipeline.messages import pack
-from smp_pipeline.protocol import BwdResp, CallKey
+if TYPE_CHECKING:  # pragma: no cover
+    from smp_pipeline.server import ExecutionServer
 
-BACKWARD_MODES = ("auto", "joined", "segments")
+CallKey = tuple[int, int]  # (pp rank of the caller, per-rank call counter)
 
 
 class Context:
@@ -75,6 +69,7 @@ class RootContext(Context):
 
     def __init__(self, step: int, mb: int) -> None:
         super().__init__(step, mb)
+        self.waiter: Any = None  # the worker blocked in backward(loss) until pending == 0
         self.admitted = False  # the schedule let this microbatch's backward start
 
 
@@ -95,14 +90,14 @@ class OutgoingCall:
 
     def __init__(
         self,
-        port: BoundaryPort,
+        server: ExecutionServer,
         key: CallKey,
         dest: int,
         path: str,
         parent: Context,
         inputs: list[torch.Tensor],
     ) -> None:
-        self.port = port  # where the boundary's backward sends (and awaits) the request
+        self.server = server
         self.key = key
         self.dest = dest
         self.path = path
@@ -112,19 +107,6 @@ class OutgoingCall:
         self.mb = parent.mb
         # Joined mode: the boundary's backward waits for the input gradients (module doc).
         self.joined = False
-
-
-class BoundaryPort(Protocol):
-    """What a :class:`RemoteBoundary`'s backward calls (the remote-call code implements it)."""
-
-    def backward_through(
-        self, call: OutgoingCall, grads: list[torch.Tensor | None]
-    ) -> list[torch.Tensor | None]:
-        """Joined mode: send the output gradients, wait for and return the input gradients."""
-        ...
-
-    def send_backward_request(self, call: OutgoingCall, grads: list[torch.Tensor | None]) -> None:
-        """Segment mode: send the output gradients, count the request, never wait."""
 
 
 class RemoteBoundary(torch.autograd.Function):
@@ -149,9 +131,9 @@ class RemoteBoundary(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         call: OutgoingCall = ctx.call
         if call.joined:
-            input_grads = call.port.backward_through(call, list(grads))
+            input_grads = call.server.backward_through(call, list(grads))
         else:
-            call.port.send_backward_request(call, list(grads))
+            call.server.send_backward_request(call, list(grads))
             input_grads = [None] * ctx.n_inputs
         return (None, None, None, *input_grads) + (None,) * len(grads)
 
@@ -162,75 +144,3 @@ def attach_boundary(call: OutgoingCall, tensors: list[torch.Tensor]) -> list[tor
     inputs = call.inputs if call.joined else []
     out = RemoteBoundary.apply(call, dummy, len(inputs), *inputs, *tensors)
     return list(out)
-
-
-def joined_mode(mode: str, outputs: list[torch.Tensor]) -> bool:
-    """Whether a remote call with these received outputs (those that require grad) uses
-    joined backward: ``mode`` "joined", or "auto" with CPU gradients (module doc)."""
-    return mode == "joined" or (mode == "auto" and all(t.device.type == "cpu" for t in outputs))
-
-
-class CallRecords:
-    """The cross-rank autograd records of one rank, per (step, microbatch)."""
-
-    def __init__(self, pp_rank: int) -> None:
-        self.pp_rank = pp_rank
-        self.outgoing: dict[CallKey, OutgoingCall] = {}
-        self.incoming: dict[CallKey, IncomingCall] = {}
-        self.roots: dict[tuple[int, int], RootContext] = {}
-
-    def new_root(self, step: int, mb: int) -> RootContext:
-        root = RootContext(step, mb)
-        self.roots[(step, mb)] = root
-        return root
-
-    def responses(self, ctx: IncomingCall) -> list[BwdResp]:
-        """The answers to ``ctx``'s open backward requests, once nothing nested is pending
-        (else none): its input gradients in the first, None in the others (each response
-        carries only what accumulated since the previous one, so the leaves are reset)."""
-        if ctx.pending or not ctx.open:
-            return []
-        grads: list[torch.Tensor | None] = []
-        for leaf in ctx.inputs:
-            grads.append(leaf.grad)
-            leaf.grad = None  # the next response carries only later contributions
-        out = [
-            BwdResp(
-                self.pp_rank,
-                ctx.key,
-                req,
-                ctx.step,
-                ctx.mb,
-                pack(grads if i == 0 else [None] * len(grads), False),
-            )
-            for i, req in enumerate(ctx.open)
-        ]
-        ctx.open.clear()
-        return out
-
-    def drop_microbatch(self, step: int, mb: int) -> None:
-        """Forget every record of a finished microbatch (frees its retained graphs)."""
-        for d in (self.incoming, self.outgoing):
-            for k in [k for k, r in d.items() if r.step == step and r.mb == mb]:
-                del d[k]
-        self.roots.pop((step, mb), None)
-
-    def drop_step(self, step: int) -> None:
-        """Forget every record of ``step`` and earlier."""
-        for d in (self.incoming, self.outgoing):
-            for k in [k for k, r in d.items() if r.step <= step]:
-                del d[k]
-        for k in [k for k in self.roots if k[0] <= step]:
-            del self.roots[k]
-
-
-def run_segment(
-    tensors: list[torch.Tensor], grads: list[torch.Tensor], retain: bool = True
-) -> None:
-    """One engine run of backward (a segment; in joined mode the context's only one).
-
-    ``retain=False`` frees the graph as the engine goes (joined mode, no segment-mode call
-    in the context: nothing will run through it again).
-    """
-    if tensors:
-        torch.autograd.backward(tensors, grads, retain_graph=retain)
