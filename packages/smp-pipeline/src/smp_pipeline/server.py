@@ -743,17 +743,26 @@ class ExecutionServer:
             start(mb, phase)
 
         self.follower_start = follower_start
+        ok = False
         try:
             self.serve(scheduler.done, start_next)
             self.drop_step(step)
             shared = outputs if outputs_to_all else [None] * len(outputs)
             self.send_all({"kind": M.STEP_END, "step": step, "outputs": pack(shared, False)})
             self.flush_sends()
+            ok = True
         finally:
             self.scheduler = None
             self.follower_start = None
             if self.order is not None and self.order.is_leader:
-                self.order.flush(self.timeout_s)
+                if ok:
+                    self.order.flush(self.timeout_s)
+                else:
+                    # A failed step: a follower that already raised may have closed its
+                    # communicator, failing our last announcements to it; that must not
+                    # replace the step's own error.
+                    with contextlib.suppress(Exception):
+                        self.order.flush(self.timeout_s)
         return outputs
 
     def follow_step(self) -> list[Any]:
