@@ -26,7 +26,7 @@ def test_flatten_roundtrip_nested() -> None:
     back = unflatten(skel, tensors)
     assert back["x"][0] is t1 and isinstance(back["x"][1][0], Pair) and back["x"][1][0].b == "s"
     packed = pack(obj, grad_enabled=True)
-    assert packed["flags"] == [False, True]
+    assert packed.flags == [False, True]
     rebuilt, leaves = unpack_leaves(packed)
     assert len(leaves) == 1 and leaves[0].is_leaf and leaves[0].requires_grad
 

@@ -8,12 +8,12 @@ from smp_pipeline.errors import (
     PipelineRemoteError,
     PipelineTimeoutError,
 )
+from smp_pipeline.executor import device_work
 from smp_pipeline.microbatch import split_microbatches
 from smp_pipeline.order import OrderChannel
 from smp_pipeline.partition import static_graph_dict, trace, trace_dict
 from smp_pipeline.runtime import PipelineRuntime, shutdown_runtimes
 from smp_pipeline.schedule import Scheduler
-from smp_pipeline.server import device_work
 from smp_pipeline.timeline import plot_timeline, to_chrome_trace, write_chrome_trace
 
 __all__ = [

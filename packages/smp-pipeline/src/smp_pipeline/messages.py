@@ -1,4 +1,4 @@
-"""Message kinds and the flattening of nested Python structures holding tensors.
+"""The flattening of nested Python structures holding tensors, for messages.
 
 A request or response carries arbitrary Python structure (tuples, lists, dicts, dataclasses
 such as Hugging Face ``ModelOutput``, named tuples, plain values) with tensors inside. We
@@ -6,6 +6,7 @@ flatten it into a *skeleton* (the structure with each tensor replaced by a place
 flat list of tensors. The skeleton is plain picklable data; the tensors travel as a list so the
 communication layer moves their bytes on its fast path. The ``requires_grad`` flags travel
 beside the tensors explicitly, so we do not depend on how the transport treats them.
+The message kinds themselves are in :mod:`smp_pipeline.protocol`.
 """
 
 from __future__ import annotations
@@ -15,16 +16,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
-# Message kinds (the ``"kind"`` key of every pipeline message; see the README for fields).
-FWD_REQ = "fwd_req"  # run a module's forward: path, microbatch, inputs, grad/autocast state
-FWD_RESP = "fwd_resp"  # the outputs of a forward request
-BWD_REQ = "bwd_req"  # gradients of a remote call's outputs, sent from the caller to the owner
-BWD_RESP = "bwd_resp"  # gradients of that call's inputs, sent back to the caller
-MB_DONE = "mb_done"  # a microbatch finished: every rank may drop its saved call records
-STEP_END = "step_end"  # the step finished on the driver: serve loops return (outputs inside)
-ABORT = "abort"  # a failure or a timeout somewhere: every rank raises
-ORDER = "order"  # tensor-parallel order channel: the leader started this task
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,28 +97,37 @@ def detach_all(obj: Any) -> Any:
     return map_tensors(obj, lambda t: t.detach())
 
 
-def pack(obj: Any, grad_enabled: bool) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True, slots=True)
+class Packed:
+    """A structure flattened for sending: skeleton, detached tensors, requires_grad flags."""
+
+    skeleton: Any
+    tensors: list[torch.Tensor]
+    flags: list[bool]
+
+    def unpack(self) -> Any:
+        """The structure with the received tensors as they are (see :func:`unpack_leaves`)."""
+        return unflatten(self.skeleton, self.tensors)
+
+
+def pack(obj: Any, grad_enabled: bool) -> Packed:
     """Flatten ``obj`` for sending: skeleton, detached tensors and their requires_grad flags."""
     skeleton, tensors = flatten(obj)
     flags = [bool(grad_enabled and t.requires_grad) for t in tensors]
-    return {
-        "skeleton": skeleton,
-        "tensors": [t.detach() for t in tensors],
-        "flags": flags,
-    }
+    return Packed(skeleton, [t.detach() for t in tensors], flags)
 
 
-def unpack_leaves(packed: dict[str, Any]) -> tuple[Any, list[torch.Tensor]]:
+def unpack_leaves(packed: Packed) -> tuple[Any, list[torch.Tensor]]:
     """Rebuild a packed structure whose tensors become fresh leaves with the sent flags.
 
     Returns the structure and the list of leaves that require grad (in flat order).
     """
     leaves: list[torch.Tensor] = []
     tensors = []
-    for t, flag in zip(packed["tensors"], packed["flags"]):
+    for t, flag in zip(packed.tensors, packed.flags):
         t = t.detach()
         if flag:
             t.requires_grad_(True)
             leaves.append(t)
         tensors.append(t)
-    return unflatten(packed["skeleton"], tensors), leaves
+    return unflatten(packed.skeleton, tensors), leaves

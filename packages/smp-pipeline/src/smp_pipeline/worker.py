@@ -6,19 +6,23 @@ semaphore and waits on its own; the worker runs until it finishes its task (-> I
 needs a remote result (-> PENDING), then releases the main loop's semaphore and, if PENDING,
 waits on its own semaphore until the main loop resumes it with the result. Threads are used
 only to switch between microbatches cheaply, never for parallel computation.
+
+A worker knows nothing of the server: what it needs (giving the token back, registering a
+wait, reporting a failure, the abort check, device work) comes through the narrow
+:class:`WorkerHost` interface, which :class:`~smp_pipeline.executor.Executor` implements.
 """
 
 from __future__ import annotations
 
 import _thread
+import contextlib
 import threading
 import traceback
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 if TYPE_CHECKING:  # pragma: no cover
-    from smp_pipeline.boundary import Context
-    from smp_pipeline.server import ExecutionServer
+    from smp_pipeline.autograd import Context
 
 IDLE = "IDLE"
 EXECUTING = "EXECUTING"
@@ -36,12 +40,11 @@ def current_worker() -> Worker | None:
 class Baton:
     """A binary semaphore on a raw lock, for handing the token between threads.
 
-    ``threading.Semaphore`` runs some twenty lines of Python per call (a ``Condition``); a
-    rank hands the token over several times per task, right after compute has evicted the
-    interpreter's working set from the caches, where each such line costs. Here both calls
-    are one C call. Releasing a baton that is already released is absorbed, like setting a
-    set ``threading.Event``: the main loop's wake-up baton is released by every arrival, and
-    the shutdown path may release a token after a timed-out wait.
+    Both calls are one C call, on a path taken several times per task (why it matters:
+    PERF-NOTES.md, "Token hand-off"). Releasing a baton that is already released is
+    absorbed, like setting a set ``threading.Event``: the main loop's wake-up baton is
+    released by every arrival, and the shutdown path may release a token after a timed-out
+    wait.
     """
 
     __slots__ = ("_lock",)
@@ -61,17 +64,27 @@ class Baton:
         return self._lock.acquire(blocking, timeout)
 
 
-class Task:
-    """One unit of work run by a worker: a forward request, a backward segment, a step."""
+P = TypeVar("P")
+
+
+class Task(Generic[P]):
+    """One unit of work run by a worker: a forward request, a backward segment, a step.
+
+    ``fn(task)`` runs it; ``payload`` is what it works on (a request message, a call record
+    and its response, ...), typed by the task's creator.
+    """
+
+    __slots__ = ("context", "fn", "in_segment", "mb", "module", "payload", "phase", "step", "worker")
 
     def __init__(
         self,
-        fn: Callable[[Task], None],
+        fn: Callable[[Task[P]], None],
         mb: int,
         module: str,
         phase: str,
         context: Context | None,
         step: int,
+        payload: P,
     ) -> None:
         self.fn = fn
         self.mb = mb
@@ -79,6 +92,7 @@ class Task:
         self.phase = phase
         self.context = context
         self.step = step
+        self.payload = payload
         self.worker: Worker | None = None
         self.in_segment = False  # inside torch.autograd.backward: remote calls are refused
 
@@ -86,14 +100,41 @@ class Task:
         return f"{self.phase} of module '{self.module or '<root>'}' (microbatch {self.mb})"
 
 
+class WorkerHost(Protocol):
+    """What a worker needs from the thing that runs it (the executor)."""
+
+    shutting_down: bool
+
+    def token_returned(self) -> None:
+        """The worker gave the execution token back."""
+
+    def register_wait(self, key: Any, worker: Worker) -> None:
+        """``worker`` goes PENDING until the value for ``key`` arrives."""
+
+    def worker_yielded(self, worker: Worker) -> None:
+        """``worker`` gave the token back mid-task at a yield point."""
+
+    def worker_idle(self, worker: Worker) -> None:
+        """``worker`` finished its task."""
+
+    def report_failure(self, task: Task[Any], exc: BaseException, tb: str) -> None:
+        """``task`` raised ``exc`` (``tb``: the formatted traceback)."""
+
+    def raise_if_aborted(self) -> None:
+        """Raise if the step was aborted (checked whenever a worker resumes)."""
+
+    def device_work(self) -> contextlib.AbstractContextManager[None]:
+        """Run a block as device work (see :func:`smp_pipeline.device_work`)."""
+
+
 class Worker:
     """A thread that runs tasks when it holds the token."""
 
-    def __init__(self, server: ExecutionServer, index: int) -> None:
-        self.server = server
+    def __init__(self, host: WorkerHost, index: int) -> None:
+        self.host = host
         self.index = index
         self.state = IDLE
-        self.task: Task | None = None
+        self.task: Task[Any] | None = None
         self.value: Any = None  # what the main loop hands over when resuming a PENDING worker
         self.grant_kind = "task"  # how the next token grant is announced to TP followers
         self._sem = Baton()
@@ -117,34 +158,34 @@ class Worker:
         _local.worker = self
         while True:
             self._sem.acquire()
-            if self.server.shutting_down:
-                self.server.token_returned()
+            if self.host.shutting_down:
+                self.host.token_returned()
                 return
             task = self.task
             assert task is not None
             try:
                 task.fn(task)
             except BaseException as exc:  # reported to the main loop, which aborts every rank
-                self.server.report_failure(task, exc, traceback.format_exc())
+                self.host.report_failure(task, exc, traceback.format_exc())
             self.task = None
             self.state = IDLE
-            self.server.worker_idle(self)
-            self.server.token_returned()
+            self.host.worker_idle(self)
+            self.host.token_returned()
 
     def wait_resume(self) -> None:
         """Block until the main loop hands us the token again (after device work)."""
         self._sem.acquire()
         self.state = EXECUTING
-        self.server.raise_if_aborted()
+        self.host.raise_if_aborted()
 
     def yield_token(self) -> None:
         """Give the token back mid-task; the main loop resumes us (see yield_point)."""
-        self.server.yielded.append(self)
+        self.host.worker_yielded(self)
         self._park()
 
     def wait(self, key: Any) -> Any:
         """Go PENDING until the main loop resumes us with the value for ``key``."""
-        self.server.register_wait(key, self)
+        self.host.register_wait(key, self)
         self._park()
         value, self.value = self.value, None
         return value
@@ -153,6 +194,6 @@ class Worker:
         """PENDING: give the token back and block until the main loop hands it over again
         (``give_token`` sets EXECUTING); raise if the step was aborted meanwhile."""
         self.state = PENDING
-        self.server.token_returned()
+        self.host.token_returned()
         self._sem.acquire()
-        self.server.raise_if_aborted()
+        self.host.raise_if_aborted()

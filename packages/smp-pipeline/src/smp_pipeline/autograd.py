@@ -1,0 +1,236 @@
+"""Autograd across pipeline ranks: call records, the remote boundary, joined and segment backward.
+
+This module owns the records of cross-rank calls (:class:`CallRecords`) and the autograd
+node that links a remote call into the local graph (:class:`RemoteBoundary`). The boundary's
+backward reaches the rest of the runtime only through :class:`BoundaryPort` (implemented by
+:class:`smp_pipeline.remote.RemoteCalls`); completed contexts give their responses back as
+messages (:meth:`CallRecords.responses`), which the caller sends.
+
+Two modes, chosen per remote call:
+
+- **Joined** (CPU gradients, the default there): the boundary's backward sends a backward
+  request and waits for the input gradients *inside* the autograd engine (the worker gives
+  the execution token back meanwhile, as a forward call does), then returns them. The
+  boundary is an ordinary node between the call's sent inputs and received outputs, so one
+  engine run per microbatch context covers its whole local graph and the engine's own
+  dependency counting handles a residual path around a remote call: every local node runs
+  once. On CPU the engine runs a CPU node on the thread that called ``backward``, so only
+  that worker waits.
+- **Segments** (CUDA gradients, or ``backward_mode="segments"``): the engine runs CUDA nodes
+  on one device thread shared by every caller, so a waiting backward function would stall
+  every microbatch on the device. There the graph is *cut* at every remote call:
+
+- On the owner (callee) the call's inputs arrive as fresh leaves (``requires_grad`` as sent);
+  the call's input leaves and its outputs that require grad are kept in an
+  :class:`IncomingCall` record.
+- On the caller, the received outputs enter the local graph through :class:`RemoteBoundary`,
+  whose backward only *sends* a backward request (call id + output gradients) to the owner and
+  returns. It never waits.
+- The owner runs ``torch.autograd.backward(outputs, grads)`` as a *backward segment* in a
+  worker; that may send further backward requests for nested remote calls. A response carries
+  the gradients of the call's inputs; the caller then runs another segment
+  ``torch.autograd.backward(saved_inputs, input_grads)``.
+- Each :class:`Context` (an incoming call, or a microbatch's root on the driver) counts its
+  outstanding nested backward requests. When the count is zero after a segment, every
+  contribution has reached the context's input leaves, so the response is sent (or the
+  microbatch's ``backward(loss)`` returns).
+
+Gradient contributions are linear, so several partial segments over a shared upstream graph
+sum to the full gradient, provided the graph is retained (``retain_graph=True``, only in
+contexts that made a segment-mode call or answer one: joined runs free the graph as they go)
+until the microbatch's backward completes; then every record of the microbatch is dropped, freeing the
+graph. A boundary may fire more than once (two segments reaching it through different paths);
+each firing is its own request, and each response carries only the gradient accumulated since
+the previous response (input leaves' ``.grad`` is reset after being sent). The price: local
+graph shared by two segments (a residual path around a remote call) is differentiated
+once per segment, which joined mode avoids.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from smp_pipeline.messages import pack
+from smp_pipeline.protocol import BwdResp, CallKey
+
+BACKWARD_MODES = ("auto", "joined", "segments")
+
+
+class Context:
+    """Something whose backward waits for nested backward requests to complete."""
+
+    def __init__(self, step: int, mb: int) -> None:
+        self.step = step
+        self.mb = mb
+        self.pending = 0  # nested backward requests sent and not yet answered
+        # A remote call made in this context uses segment mode: backward may run through this
+        # context's graph more than once, so it must be retained (joined mode frees it).
+        self.segment_calls = False
+
+
+class RootContext(Context):
+    """A microbatch's step function on the driver rank."""
+
+    def __init__(self, step: int, mb: int) -> None:
+        super().__init__(step, mb)
+        self.admitted = False  # the schedule let this microbatch's backward start
+
+
+class IncomingCall(Context):
+    """The owner's record of one execution it performed for a remote caller."""
+
+    def __init__(self, step: int, mb: int, key: CallKey, path: str, inputs: list[torch.Tensor]):
+        super().__init__(step, mb)
+        self.key = key
+        self.path = path
+        self.inputs = inputs  # leaves that require grad, in flat order
+        self.outputs: list[torch.Tensor] = []  # outputs that require grad, in flat order
+        self.open: list[int] = []  # backward request numbers awaiting a response
+
+
+class OutgoingCall:
+    """The caller's record of a remote call whose outputs entered the local graph."""
+
+    def __init__(
+        self,
+        port: BoundaryPort,
+        key: CallKey,
+        dest: int,
+        path: str,
+        parent: Context,
+        inputs: list[torch.Tensor],
+    ) -> None:
+        self.port = port  # where the boundary's backward sends (and awaits) the request
+        self.key = key
+        self.dest = dest
+        self.path = path
+        self.parent = parent  # the context that made the call: its backward awaits ours
+        self.inputs = inputs  # the tensors sent that require grad, in flat order
+        self.step = parent.step
+        self.mb = parent.mb
+        # Joined mode: the boundary's backward waits for the input gradients (module doc).
+        self.joined = False
+
+
+class BoundaryPort(Protocol):
+    """What a :class:`RemoteBoundary`'s backward calls (the remote-call code implements it)."""
+
+    def backward_through(
+        self, call: OutgoingCall, grads: list[torch.Tensor | None]
+    ) -> list[torch.Tensor | None]:
+        """Joined mode: send the output gradients, wait for and return the input gradients."""
+        ...
+
+    def send_backward_request(self, call: OutgoingCall, grads: list[torch.Tensor | None]) -> None:
+        """Segment mode: send the output gradients, count the request, never wait."""
+
+
+class RemoteBoundary(torch.autograd.Function):
+    """Identity on a remote call's outputs (the last ``len(tensors) - n_inputs`` arguments).
+
+    Joined mode also takes the call's sent inputs (the first ``n_inputs``), so the node links
+    them to the outputs, and its backward returns their gradients from the owner. Segment mode
+    passes no inputs; its backward only sends a backward request and returns. ``dummy`` is an
+    empty tensor that requires grad, so the outputs require grad even when nothing else does.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, call: OutgoingCall, dummy: torch.Tensor, n_inputs: int, *tensors: torch.Tensor
+    ) -> Any:
+        ctx.call = call
+        ctx.n_inputs = n_inputs
+        ctx.set_materialize_grads(False)  # unused outputs give None, not zeros
+        return tuple(t.detach() for t in tensors[n_inputs:])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        call: OutgoingCall = ctx.call
+        if call.joined:
+            input_grads = call.port.backward_through(call, list(grads))
+        else:
+            call.port.send_backward_request(call, list(grads))
+            input_grads = [None] * ctx.n_inputs
+        return (None, None, None, *input_grads) + (None,) * len(grads)
+
+
+def attach_boundary(call: OutgoingCall, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Pass ``tensors`` (the received outputs that require grad) through the boundary."""
+    dummy = torch.empty(0, requires_grad=True)
+    inputs = call.inputs if call.joined else []
+    out = RemoteBoundary.apply(call, dummy, len(inputs), *inputs, *tensors)
+    return list(out)
+
+
+def joined_mode(mode: str, outputs: list[torch.Tensor]) -> bool:
+    """Whether a remote call with these received outputs (those that require grad) uses
+    joined backward: ``mode`` "joined", or "auto" with CPU gradients (module doc)."""
+    return mode == "joined" or (mode == "auto" and all(t.device.type == "cpu" for t in outputs))
+
+
+class CallRecords:
+    """The cross-rank autograd records of one rank, per (step, microbatch)."""
+
+    def __init__(self, pp_rank: int) -> None:
+        self.pp_rank = pp_rank
+        self.outgoing: dict[CallKey, OutgoingCall] = {}
+        self.incoming: dict[CallKey, IncomingCall] = {}
+        self.roots: dict[tuple[int, int], RootContext] = {}
+
+    def new_root(self, step: int, mb: int) -> RootContext:
+        root = RootContext(step, mb)
+        self.roots[(step, mb)] = root
+        return root
+
+    def responses(self, ctx: IncomingCall) -> list[BwdResp]:
+        """The answers to ``ctx``'s open backward requests, once nothing nested is pending
+        (else none): its input gradients in the first, None in the others (each response
+        carries only what accumulated since the previous one, so the leaves are reset)."""
+        if ctx.pending or not ctx.open:
+            return []
+        grads: list[torch.Tensor | None] = []
+        for leaf in ctx.inputs:
+            grads.append(leaf.grad)
+            leaf.grad = None  # the next response carries only later contributions
+        out = [
+            BwdResp(
+                self.pp_rank,
+                ctx.key,
+                req,
+                ctx.step,
+                ctx.mb,
+                pack(grads if i == 0 else [None] * len(grads), False),
+            )
+            for i, req in enumerate(ctx.open)
+        ]
+        ctx.open.clear()
+        return out
+
+    def drop_microbatch(self, step: int, mb: int) -> None:
+        """Forget every record of a finished microbatch (frees its retained graphs)."""
+        for d in (self.incoming, self.outgoing):
+            for k in [k for k, r in d.items() if r.step == step and r.mb == mb]:
+                del d[k]
+        self.roots.pop((step, mb), None)
+
+    def drop_step(self, step: int) -> None:
+        """Forget every record of ``step`` and earlier."""
+        for d in (self.incoming, self.outgoing):
+            for k in [k for k, r in d.items() if r.step <= step]:
+                del d[k]
+        for k in [k for k in self.roots if k[0] <= step]:
+            del self.roots[k]
+
+
+def run_segment(
+    tensors: list[torch.Tensor], grads: list[torch.Tensor], retain: bool = True
+) -> None:
+    """One engine run of backward (a segment; in joined mode the context's only one).
+
+    ``retain=False`` frees the graph as the engine goes (joined mode, no segment-mode call
+    in the context: nothing will run through it again).
+    """
+    if tensors:
+        torch.autograd.backward(tensors, grads, retain_graph=retain)

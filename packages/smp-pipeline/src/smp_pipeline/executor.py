@@ -1,0 +1,305 @@
+"""Running tasks on worker threads, one at a time, by handing over the execution token.
+
+The :class:`Executor` owns the workers (idle, ready to resume, waiting for a value, yielded
+at a yield point), the task holding the token, device work, and the timeline of task spans.
+It knows nothing of messages: the server starts tasks and wakes waiting workers; aborts and
+task failures go through the small :class:`Aborts` interface (the transport).
+
+Everything that touches this state runs while holding the token (the main loop, or the one
+EXECUTING worker), so no locks are needed besides the hand-off primitives; the exceptions
+are the device-work queue and the preemption flag, set from other threads.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any, NoReturn, Protocol
+
+from smp_pipeline.order import OrderChannel
+from smp_pipeline.worker import DEVICE, Baton, Task, Worker, current_worker
+
+# (pp rank, microbatch, module, phase, start, end): one EXECUTING span of a task.
+TimelineEvent = tuple[int, int, str, str, float, float]
+
+
+class Aborts(Protocol):
+    """How the executor learns of, and reports, failures (implemented by the transport)."""
+
+    def raise_if_aborted(self) -> None:
+        """Raise if the step was aborted."""
+
+    def poll_abort(self) -> None:
+        """Take arrived messages; raise if one aborts the step."""
+
+    def fail(self, exc: BaseException, during: str, tb: str) -> NoReturn:
+        """A task failed: abort every rank and raise."""
+
+
+class Executor:
+    """The workers of one rank and the token they pass around (see :mod:`smp_pipeline.worker`).
+
+    Args:
+        pp_rank: this rank's pipeline index (timeline events name it).
+        aborts: the abort check and failure report.
+        wake: releases the main loop's wake-up baton (device work ended).
+        order: tensor-parallel leader's channel: every token grant is published.
+        preemption: forwards yield at yield points when work another rank waits for arrives.
+        record_timeline: keep every task span in :attr:`events`.
+    """
+
+    def __init__(
+        self,
+        pp_rank: int,
+        aborts: Aborts,
+        wake: Baton,
+        *,
+        order: OrderChannel | None = None,
+        preemption: bool = False,
+        record_timeline: bool = False,
+    ) -> None:
+        self.pp_rank = pp_rank
+        self._aborts = aborts
+        self._wakeup = wake
+        self._order = order if order is not None and order.is_leader else None
+        self.preemption = preemption
+        self.record_timeline = record_timeline
+        self.events: list[TimelineEvent] = []
+        self._main_sem = Baton()
+        self.workers: list[Worker] = []
+        self.idle: list[Worker] = []
+        # Workers to resume, with the value each gets (local wake-ups, device work's end).
+        self.ready: collections.deque[tuple[Worker, Any]] = collections.deque()
+        self.waiting: dict[Any, Worker] = {}
+        self.current: Task[Any] | None = None
+        self.failure: tuple[Task[Any], BaseException, str] | None = None
+        self.shutting_down = False
+        self.last_progress = time.monotonic()  # a task ran or a message was handled
+        # device_work(): workers whose device work ended, waiting to get the token back.
+        self._returning: queue.SimpleQueue[tuple[Worker, Task[Any], float, float]] = (
+            queue.SimpleQueue()
+        )
+        self.device_active = 0
+        self._device_lock = threading.Lock()
+        # Preemption at yield points: set when a message that unblocks other work arrives
+        # while a forward task runs; workers that gave the token back.
+        self._preempt = False
+        self.yields = 0  # forwards that gave the token back at a yield point
+        self.yielded: collections.deque[Worker] = collections.deque()
+        # Token grants per (step, microbatch): tensor-parallel followers check the order.
+        self.grants: dict[tuple[int, int], int] = {}
+
+    # ------------------------------------------------------------------ WorkerHost
+    def token_returned(self) -> None:
+        self._main_sem.release()
+
+    def register_wait(self, key: Any, worker: Worker) -> None:
+        self.waiting[key] = worker
+
+    def worker_yielded(self, worker: Worker) -> None:
+        self.yielded.append(worker)
+
+    def worker_idle(self, worker: Worker) -> None:
+        self.idle.append(worker)
+
+    def report_failure(self, task: Task[Any], exc: BaseException, tb: str) -> None:
+        self.failure = (task, exc, tb)
+
+    def raise_if_aborted(self) -> None:
+        self._aborts.raise_if_aborted()
+
+    # ------------------------------------------------------------------ starting and resuming
+    def wake(self, key: Any, value: Any) -> None:
+        """Resume the worker waiting for ``key`` with ``value`` (queued: the loop resumes it)."""
+        worker = self.waiting.pop(key)
+        self.ready.append((worker, value))
+
+    def start(self, task: Task[Any], kind: str = "task") -> None:
+        """Run ``task`` on an idle (or new) worker until it gives the token back.
+        ``kind``: how the grant is announced to tensor-parallel followers."""
+        worker = self.idle.pop() if self.idle else self._new_worker()
+        worker.task = task
+        task.worker = worker
+        worker.grant_kind = kind
+        self.switch(worker)
+
+    def resume(self, worker: Worker, value: Any) -> None:
+        """Resume a PENDING worker with ``value`` until it gives the token back."""
+        worker.value = value
+        self.switch(worker)
+
+    def resume_ready(self) -> None:
+        """Resume the first ready worker."""
+        worker, value = self.ready.popleft()
+        self.resume(worker, value)
+
+    def resume_ready_of(self, step: int, mb: int) -> bool:
+        """Resume the ready worker of microbatch ``mb`` of ``step``, if any."""
+        for i, (worker, value) in enumerate(self.ready):
+            t = worker.task
+            if t is not None and t.step == step and t.mb == mb:
+                del self.ready[i]
+                self.resume(worker, value)
+                return True
+        return False
+
+    def _new_worker(self) -> Worker:
+        w = Worker(self, len(self.workers))
+        self.workers.append(w)
+        return w
+
+    def switch(self, worker: Worker) -> None:
+        """Hand the token to ``worker`` and wait until it comes back."""
+        task = worker.task
+        assert task is not None
+        key = (task.step, task.mb)
+        index = self.grants.get(key, 0)
+        self.grants[key] = index + 1
+        if self._order is not None:
+            self._order.publish((task.step, task.mb, worker.grant_kind, index))
+        worker.grant_kind = "task"
+        self.current = task
+        start = time.time()
+        worker.give_token()
+        while not self._main_sem.acquire(timeout=0.1):
+            # A stalled task here: raise if the others gave up on us.
+            self._aborts.poll_abort()
+        self.current = None
+        # A flag the task did not act on (it set no yield point after the arrival) is stale:
+        # the loop serves the message now; left set, it would stop the next forward for nothing.
+        self._preempt = False
+        if self.record_timeline:
+            self.events.append((self.pp_rank, task.mb, task.module, task.phase, start, time.time()))
+        self.last_progress = time.monotonic()
+        if self.failure is not None:
+            failed, exc, tb = self.failure
+            self._aborts.fail(exc, failed.describe(), tb)
+
+    # ------------------------------------------------------------------ preemption
+    def running_forward(self) -> bool:
+        """Whether a forward task holds the token and preemption is on (any thread)."""
+        task = self.current
+        return self.preemption and task is not None and task.phase == "forward"
+
+    def request_preemption(self) -> None:
+        """Work another rank waits for arrived: the running forward yields at its next
+        yield point (called on the communicator's thread)."""
+        if self.running_forward():
+            self._preempt = True
+
+    def yield_point(self) -> None:
+        """Called before each block of a forward (children of owned sequential containers):
+        after :meth:`request_preemption`, the running forward gives the token back; the main
+        loop serves the messages that unblock work and resumes it right after (before any
+        other work). A flag test otherwise."""
+        if not self._preempt:
+            return
+        self._preempt = False
+        worker = current_worker()
+        task = self.current
+        if (
+            worker is None
+            or worker.host is not self
+            or task is None
+            or task.worker is not worker
+            or task.phase != "forward"
+            or task.in_segment
+        ):
+            return
+        self.yields += 1
+        worker.yield_token()
+
+    # ------------------------------------------------------------------ device work
+    @contextlib.contextmanager
+    def device_work(self) -> Iterator[None]:
+        """Run the block as *device* work: the token goes back to the main loop meanwhile.
+
+        The block must not touch the runtime (no module calls, no messages). Device work of a
+        rank is serialised by a lock (one device), while the main loop keeps serving other
+        tasks' CPU work, as with asynchronous GPU kernels. Outside a worker it just runs.
+        """
+        worker = current_worker()
+        task = self.current
+        if worker is None or worker.host is not self or task is None or task.worker is not worker:
+            yield
+            return
+        worker.state = DEVICE
+        start = end = time.time()
+        self.device_active += 1
+        self.current = None
+        self.token_returned()
+        try:
+            with self._device_lock:
+                start = time.time()
+                yield
+                end = time.time()
+        finally:
+            self._returning.put((worker, task, start, end))
+            self._wakeup.release()
+            worker.wait_resume()
+
+    def device_ended(self) -> bool:
+        """Whether device work ended and its worker waits to be resumed."""
+        return not self._returning.empty()
+
+    def take_returning(self) -> None:
+        """Workers whose device work finished go first among the ready ones."""
+        while not self._returning.empty():
+            worker, task, start, end = self._returning.get()
+            self.device_active -= 1
+            if self.record_timeline:
+                self.events.append((self.pp_rank, task.mb, task.module, task.phase, start, end))
+            self.ready.appendleft((worker, None))
+
+    # ------------------------------------------------------------------ steps and shutdown
+    def forget_step(self, step: int) -> None:
+        """Forget the grant counters of ``step`` and earlier."""
+        for g in [g for g in self.grants if g[0] <= step]:
+            del self.grants[g]
+
+    def threads(self) -> list[threading.Thread]:
+        """The worker threads started (alive or not)."""
+        return [w.thread for w in self.workers]
+
+    def has_stuck_workers(self) -> bool:
+        """Workers blocked mid-task (waiting, ready or yielded): only after a failed step."""
+        return bool(self.waiting or self.ready or self.yielded)
+
+    def close(self) -> None:
+        """End every worker thread. Workers still blocked after an aborted step (a remote
+        call or a joined backward waiting for an answer) hold their tasks' graphs: they are
+        resumed so they raise (the abort is set by then), end their task and go idle, rather
+        than block for the life of the process."""
+        self.shutting_down = True
+        stuck = list(self.waiting.values()) + [w for w, _ in self.ready] + list(self.yielded)
+        self.waiting.clear()
+        self.ready.clear()
+        self.yielded.clear()
+        for w in stuck:
+            w.give_token()
+            self._main_sem.acquire(timeout=1)
+        for w in self.idle:
+            w.give_token()  # an idle worker given the token while shutting down exits
+            self._main_sem.acquire(timeout=1)
+        self.idle.clear()
+
+
+@contextlib.contextmanager
+def device_work() -> Iterator[None]:
+    """Mark a block as device work (see :meth:`Executor.device_work`).
+
+    Usable anywhere, e.g. in a module's forward or in an autograd Function: inside a pipeline
+    worker the rank keeps serving other requests meanwhile; elsewhere it simply runs the
+    block. Do not use it inside autograd functions on CUDA (there, backward runs on a shared
+    device thread, and kernels are asynchronous anyway).
+    """
+    worker = current_worker()
+    if worker is None:
+        yield
+        return
+    with worker.host.device_work():
+        yield

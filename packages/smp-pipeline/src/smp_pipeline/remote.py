@@ -1,0 +1,251 @@
+"""Cross-rank module calls and backward segments (the caller and owner sides).
+
+:meth:`RemoteCalls.call_remote` turns a call of a module owned elsewhere into a
+:class:`~smp_pipeline.protocol.FwdReq` and attaches the received outputs to the local graph
+through a :class:`~smp_pipeline.autograd.RemoteBoundary`; :meth:`RemoteCalls.run_forward_request`
+serves such a request on the owner; the backward methods implement the cross-rank autograd
+described in :mod:`smp_pipeline.autograd` (this class is the boundary's
+:class:`~smp_pipeline.autograd.BoundaryPort`). Everything here runs while holding the
+execution token, inside a task.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from smp_pipeline.autograd import (
+    CallRecords,
+    Context,
+    IncomingCall,
+    OutgoingCall,
+    RootContext,
+    attach_boundary,
+    joined_mode,
+    run_segment,
+)
+from smp_pipeline.errors import PipelineError
+from smp_pipeline.execution_state import capture, execution_state
+from smp_pipeline.executor import Executor
+from smp_pipeline.messages import Packed, flatten, pack, unflatten, unpack_leaves
+from smp_pipeline.protocol import BwdReq, BwdResp, CallKey, FwdReq, FwdResp
+from smp_pipeline.transport import Transport
+from smp_pipeline.worker import Task
+
+# Runs an owned module: (path, args, kwargs, checkpoint, span) -> outputs, where span=(i, j)
+# asks for children i..j-1 of an nn.Sequential (Appendix B).
+Execute = Callable[[str, tuple[Any, ...], dict[str, Any], bool, "tuple[int, int] | None"], Any]
+
+
+class RemoteCalls:
+    """Both sides of cross-rank calls, forward and backward, for one rank."""
+
+    def __init__(
+        self,
+        pp_rank: int,
+        transport: Transport,
+        executor: Executor,
+        records: CallRecords,
+        execute: Execute,
+        backward_mode: str,
+    ) -> None:
+        self.pp_rank = pp_rank
+        self.transport = transport
+        self.executor = executor
+        self.records = records
+        self.execute = execute
+        self.backward_mode = backward_mode
+        self._calls = itertools.count()
+        self._bwd_reqs = itertools.count()
+
+    # ------------------------------------------------------------------ forward
+    def call_remote(
+        self,
+        path: str,
+        dest: int,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        checkpoint: bool,
+        span: tuple[int, int] | None = None,
+    ) -> Any:
+        """Run module ``path`` on pp rank ``dest`` for the current task (caller side).
+
+        ``span=(i, j)``: run children ``i..j-1`` of the ``nn.Sequential`` at ``path`` in one
+        request (they all live on ``dest``).
+        """
+        task = self.executor.current
+        if task is None or task.worker is None or task.context is None:
+            raise PipelineError(
+                f"module '{path}' lives on pp rank {dest}: call the model inside the step "
+                "function given to run_step()"
+            )
+        if task.in_segment:
+            raise PipelineError(
+                f"module '{path}' (pp rank {dest}) was called during a backward segment on pp "
+                f"rank {self.pp_rank}: a checkpointed module must not contain remote submodules"
+            )
+        ctx = task.context
+        key: CallKey = (self.pp_rank, next(self._calls))
+        st = capture()
+        skeleton, tensors = flatten((args, kwargs))
+        flags = [bool(st["grad"] and t.requires_grad) for t in tensors]
+        msg = FwdReq(
+            self.pp_rank,
+            key,
+            path,
+            ctx.step,
+            ctx.mb,
+            st["grad"],
+            st["autocast"],
+            checkpoint,
+            span,
+            Packed(skeleton, [t.detach() for t in tensors], flags),
+        )
+        self.transport.expect(
+            ("fwd", key), f"the forward of module '{path}' (microbatch {ctx.mb}) on pp rank {dest}"
+        )
+        self.transport.send(dest, msg)
+        resp: FwdResp = task.worker.wait(("fwd", key))
+        out = resp.outputs
+        outs = [t.detach() for t in out.tensors]
+        oflags = out.flags
+        if any(oflags):
+            inputs = [t for t, f in zip(tensors, flags) if f]
+            label = path if span is None else f"{path or '<root>'}[{span[0]}:{span[1]}]"
+            call = OutgoingCall(self, key, dest, label, ctx, inputs)
+            self.records.outgoing[key] = call
+            idx = [i for i, f in enumerate(oflags) if f]
+            call.joined = joined_mode(self.backward_mode, [outs[i] for i in idx])
+            if not call.joined:
+                ctx.segment_calls = True
+            attached = attach_boundary(call, [outs[i] for i in idx])
+            for i, t in zip(idx, attached):
+                outs[i] = t
+        return unflatten(out.skeleton, outs)
+
+    def run_forward_request(self, task: Task[FwdReq]) -> None:
+        """Callee side of :meth:`call_remote`."""
+        msg = task.payload
+        (args, kwargs), leaves = unpack_leaves(msg.inputs)
+        rec = IncomingCall(msg.step, msg.mb, msg.key, task.module, leaves)
+        task.context = rec
+        with execution_state(msg.grad, msg.autocast):
+            out = self.execute(msg.path, tuple(args), dict(kwargs), msg.checkpoint, msg.span)
+        skeleton, tensors = flatten(out)
+        flags = [bool(msg.grad and t.requires_grad) for t in tensors]
+        if any(flags):
+            rec.outputs = [t for t, f in zip(tensors, flags) if f]
+            self.records.incoming[msg.key] = rec
+        resp = FwdResp(
+            self.pp_rank,
+            msg.key,
+            msg.step,
+            msg.mb,
+            Packed(skeleton, [t.detach() for t in tensors], flags),
+        )
+        self.transport.send(msg.src, resp)
+
+    # ------------------------------------------------------------------ BoundaryPort
+    def backward_through(
+        self, call: OutgoingCall, grads: list[torch.Tensor | None]
+    ) -> list[torch.Tensor | None]:
+        """Joined mode, from :class:`RemoteBoundary.backward`: send the output gradients, wait
+        (token given back) for the owner's input gradients and return them."""
+        task = self._backward_task(call)
+        if all(g is None for g in grads):
+            return [None] * len(call.inputs)
+        assert task.worker is not None
+        msg: BwdResp = task.worker.wait(self._post_backward_request(call, grads, joined=True))
+        return list(msg.grads.unpack())
+
+    def send_backward_request(self, call: OutgoingCall, grads: list[torch.Tensor | None]) -> None:
+        """Segment mode, from :class:`RemoteBoundary.backward`: send, count, never wait."""
+        self._backward_task(call)
+        if all(g is None for g in grads):
+            return
+        call.parent.pending += 1  # answered by run_caller_segment
+        self._post_backward_request(call, grads, joined=False)
+
+    def _backward_task(self, call: OutgoingCall) -> Task[Any]:
+        """The task running the current backward segment (a boundary fired outside one is an
+        error)."""
+        task = self.executor.current
+        if task is None or not task.in_segment or task.worker is None:
+            raise PipelineError(
+                f"the gradient of remote module '{call.path}' was requested outside the "
+                "pipeline's backward: call runtime.backward(loss) in the step function, "
+                "not loss.backward()"
+            )
+        return task
+
+    def _post_backward_request(
+        self, call: OutgoingCall, grads: list[torch.Tensor | None], joined: bool
+    ) -> tuple[str, CallKey, int]:
+        """Send a backward request for ``call``; returns the key its response is awaited under
+        (:attr:`BwdResp.wait_key`)."""
+        req = next(self._bwd_reqs)
+        key = ("bwd", call.key, req)
+        self.transport.expect(
+            key,
+            f"the backward of module '{call.path}' (microbatch {call.mb}) on pp rank {call.dest}",
+        )
+        self.transport.send(
+            call.dest,
+            BwdReq(
+                self.pp_rank, call.key, req, call.path, call.step, call.mb, joined,
+                pack(grads, False),
+            ),
+        )  # fmt: skip
+        return key
+
+    # ------------------------------------------------------------------ backward segments
+    def segment(
+        self, tensors: list[torch.Tensor], grads: list[torch.Tensor], retain: bool = True
+    ) -> None:
+        """One engine run of backward in the current task (see
+        :func:`~smp_pipeline.autograd.run_segment`); remote calls are refused meanwhile."""
+        if not tensors:
+            return
+        task = self.executor.current
+        assert task is not None
+        task.in_segment = True
+        try:
+            run_segment(tensors, grads, retain)
+        finally:
+            task.in_segment = False
+
+    def run_callee_segment(self, task: Task[BwdReq]) -> None:
+        """Owner side: backward through an incoming call's outputs with the sent gradients."""
+        msg = task.payload
+        rec = task.context
+        assert isinstance(rec, IncomingCall)
+        grads = msg.grads.unpack()
+        pairs = [(o, g) for o, g in zip(rec.outputs, grads) if g is not None]
+        retain = rec.segment_calls or not msg.joined
+        self.segment([o for o, _ in pairs], [g for _, g in pairs], retain)
+        self.maybe_complete(rec)
+
+    def run_caller_segment(self, task: Task[tuple[OutgoingCall, BwdResp]]) -> None:
+        """Caller side (segment mode): continue backward from a call's input gradients."""
+        call, msg = task.payload
+        grads = msg.grads.unpack()
+        pairs = [(t, g) for t, g in zip(call.inputs, grads) if g is not None]
+        self.segment([t for t, _ in pairs], [g for _, g in pairs])
+        call.parent.pending -= 1  # counted by send_backward_request
+        self.maybe_complete(call.parent)
+
+    def maybe_complete(self, ctx: Context) -> None:
+        """If ``ctx`` has no outstanding nested request, its input gradients are complete:
+        answer an incoming call's open requests, or let a root's ``backward(loss)`` return."""
+        if ctx.pending:
+            return
+        if isinstance(ctx, IncomingCall):
+            for resp in self.records.responses(ctx):
+                self.transport.send(ctx.key[0], resp)
+        elif isinstance(ctx, RootContext):
+            key = ("bwd_done", ctx.step, ctx.mb)
+            if key in self.executor.waiting:
+                self.executor.wake(key, None)

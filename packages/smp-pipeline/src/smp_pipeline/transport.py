@@ -1,0 +1,287 @@
+"""The messages of one pipeline rank: receiving, serve order, sending, aborts and timeouts.
+
+The main thread receives directly from the communicator (no receiver thread; see
+PERF-NOTES.md): one receive is always posted, and its arrival releases the main loop's
+wake-up baton (and calls ``on_arrival``, for preemption). Arrived messages wait in the
+inbox, served by kind and then microbatch (:func:`smp_pipeline.protocol.priority`).
+
+Failures never hang: :meth:`Transport.abort` sends an :class:`~smp_pipeline.protocol.Abort`
+to every pipeline rank (and ``abort_ranks``), and every rank raises; a request outstanding
+longer than ``timeout_s``, or a rank that makes no progress for that long, aborts with a
+message naming what it waits for.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn, cast
+
+from smp_comm import ANY_SOURCE, CommTimeoutError
+
+from smp_pipeline.errors import PipelineError, PipelineRemoteError, PipelineTimeoutError
+from smp_pipeline.protocol import Abort, Message, from_wire, priority, to_wire
+
+# Idle main loop: drive the communicator for at most this long before sleeping on the
+# receive (see PERF-NOTES.md, "Idle wait").
+_SPIN_S = 2e-4
+
+
+class Transport:
+    """Sends and receives one rank's pipeline messages over an smp-comm communicator.
+
+    Args:
+        comm: anything with smp-comm's ``isend``/``irecv`` API.
+        pp_rank: this rank's pipeline index; ``comm_ranks[r]`` is pp rank r's communicator rank.
+        tag: the message tag.
+        timeout_s: the longest a request may stay unanswered, and the longest a rank may go
+            without progress.
+        abort_ranks: further communicator ranks told about an abort (e.g. the other
+            pipelines' ranks, whose tensor-parallel peers would otherwise wait forever).
+        wake: called when a message arrives (on the communicator's thread): releases the
+            main loop's wake-up baton.
+    """
+
+    def __init__(
+        self,
+        comm: Any,
+        pp_rank: int,
+        comm_ranks: Sequence[int],
+        tag: int,
+        timeout_s: float,
+        abort_ranks: Sequence[int],
+        wake: Callable[[], None],
+    ) -> None:
+        self.comm = comm
+        self.pp_rank = pp_rank
+        self.pp_size = len(comm_ranks)
+        self.comm_ranks = list(comm_ranks)
+        self.comm_rank = self.comm_ranks[pp_rank]
+        self.tag = tag
+        self.timeout_s = timeout_s
+        self.abort_ranks = list(abort_ranks)
+        self._wake = wake
+        # Called with each completed receive handle, on the communicator's thread (set by the
+        # server for preemption; it reads the message with :meth:`arrived_message`).
+        self.on_arrival: Callable[[Any], None] | None = None
+        self.inbox: collections.deque[Message] = collections.deque()
+        self._recv: Any = None  # the posted receive for the next message
+        self._sends: list[Any] = []
+        self.abort_msg: Abort | None = None
+        # Requests this rank sent and still waits for: key -> (time sent, description).
+        self.outstanding: dict[Any, tuple[float, str]] = {}
+
+    # ------------------------------------------------------------------ receiving
+    def _arrived(self, handle: Any) -> None:
+        self._wake()
+        if self.on_arrival is not None:
+            self.on_arrival(handle)
+
+    @staticmethod
+    def arrived_code(handle: Any) -> int | None:
+        """The wire code (:func:`~smp_pipeline.protocol.to_wire`) of a completed receive's
+        message, without taking it (None if it failed: the main loop reports that when it
+        takes it)."""
+        try:
+            return cast(int, handle.wait(0)[0][0])  # done: returns at once
+        except Exception:  # noqa: BLE001
+            return None
+
+    def _posted_receive(self) -> Any:
+        """The receive for the next message, posted if need be; its arrival wakes the loop."""
+        if self._recv is None:
+            self._recv = self.comm.irecv(source=ANY_SOURCE, tag=self.tag)
+            self._recv.add_done_callback(self._arrived)
+        return self._recv
+
+    def _take(self, handle: Any, timeout: float | None = None, spin: float | None = None) -> Message:
+        """The message of a completed (or, with ``timeout``, awaited) receive."""
+        try:
+            if timeout is None:
+                obj, _, _ = handle.wait()
+            else:
+                obj, _, _ = handle.wait(timeout=timeout, spin=spin)
+        except CommTimeoutError:
+            raise
+        except Exception as exc:  # the communicator broke: fail every rank we can reach
+            self._recv = None
+            self.abort("error", f"pp rank {self.pp_rank}: receiving failed: {exc!r}")
+            raise
+        self._recv = None
+        msg = from_wire(obj)
+        if type(msg) is Abort and self.abort_msg is None:
+            self.abort_msg = msg
+        return msg
+
+    def next_message(self, timeout: float, spin: float | None = None) -> Message | None:
+        """The next message (waiting up to ``timeout`` seconds), or None."""
+        if self.inbox:
+            return self.inbox.popleft()
+        handle = self._posted_receive()
+        try:
+            if timeout <= 0:
+                if not handle.test():
+                    return None
+                obj = self._take(handle)
+            else:
+                obj = self._take(handle, timeout, spin)
+        except CommTimeoutError:
+            return None
+        # The next receive goes up at once: the task this message starts can then be
+        # preempted by what arrives while it runs (the receive's callback flags it).
+        self._posted_receive()
+        return obj
+
+    def wait_message(self) -> Message | None:
+        """Idle, no device work under way: one blocking receive of up to 50 ms. This thread
+        drives the communicator's progress for a short spin, then sleeps while its tracker
+        thread polls (see PERF-NOTES.md, "Idle wait")."""
+        return self.next_message(0.05, spin=_SPIN_S)
+
+    def poll(self) -> None:
+        """Move every arrived message into the inbox, noting an abort."""
+        while True:
+            handle = self._posted_receive()
+            if not handle.test():
+                return
+            self.inbox.append(self._take(handle))
+
+    def pick(self, only: tuple[type, ...] | None = None) -> Message | None:
+        """The arrived message to serve first (see :func:`~smp_pipeline.protocol.priority`),
+        or None. With ``only``: among messages of those types and control messages only."""
+        self.poll()
+        if not self.inbox:
+            return None
+        candidates: Sequence[int] = range(len(self.inbox))
+        if only is not None:
+            candidates = [
+                i for i, m in enumerate(self.inbox) if isinstance(m, only) or m.PRIORITY == 0
+            ]
+            if not candidates:
+                return None
+        best = min(candidates, key=lambda i: priority(self.inbox[i]))
+        msg = self.inbox[best]
+        del self.inbox[best]
+        return msg
+
+    # ------------------------------------------------------------------ sending
+    def send(self, pp_dest: int, msg: Message, wake: bool = True) -> None:
+        """Send ``msg`` to pipeline rank ``pp_dest``. ``wake=False`` for a note nobody waits
+        on (see smp-comm's ``isend``): it does not interrupt the receiver's compute."""
+        dest = self.comm_ranks[pp_dest]
+        wire = to_wire(msg)
+        if wake:  # (the keyword only when needed: any communicator with isend() works)
+            handle = self.comm.isend(wire, dest=dest, tag=self.tag)
+        else:
+            handle = self.comm.isend(wire, dest=dest, tag=self.tag, wake=False)
+        self._sends.append(handle)
+        if len(self._sends) > 512:  # long steps: forget completed sends as we go
+            self._sends = [h for h in self._sends if not h.test()]
+
+    def send_all(self, msg: Message, wake: bool = True) -> None:
+        """Send ``msg`` to every other pipeline rank."""
+        for r in range(self.pp_size):
+            if r != self.pp_rank:
+                self.send(r, msg, wake)
+
+    def flush(self) -> None:
+        """Wait until every message sent so far has left."""
+        handles, self._sends = self._sends, []
+        for h in handles:
+            h.wait(timeout=self.timeout_s)
+
+    # ------------------------------------------------------------------ requests and timeouts
+    def expect(self, key: Any, what: str) -> None:
+        """A request was sent whose answer arrives under ``key``; ``what`` describes it."""
+        self.outstanding[key] = (time.monotonic(), what)
+
+    def answered(self, key: Any) -> None:
+        self.outstanding.pop(key, None)
+
+    def check_timeouts(self, last_progress: float, step: int) -> None:
+        """Abort if a request waited longer than ``timeout_s``, or nothing progressed."""
+        now = time.monotonic()
+        for t0, desc in self.outstanding.values():
+            if now - t0 > self.timeout_s:
+                self.abort(
+                    "timeout",
+                    f"pp rank {self.pp_rank} waited more than {self.timeout_s:g}s for {desc}",
+                )
+        if now - last_progress > self.timeout_s:
+            waits = ", ".join(desc for _, desc in self.outstanding.values()) or (
+                "a request from another rank"
+            )
+            self.abort(
+                "timeout",
+                f"pp rank {self.pp_rank} made no progress for {self.timeout_s:g}s in step "
+                f"{step}; it waits for {waits}",
+            )
+
+    # ------------------------------------------------------------------ aborts
+    def abort_message(self, error: str, text: str) -> Abort:
+        return Abort(self.pp_rank, self.comm_rank, error, text)
+
+    def raise_if_aborted(self) -> None:
+        """Raise the error an abort message (received, or sent from here) reports."""
+        msg = self.abort_msg
+        if msg is None:
+            return
+        text = msg.text
+        if msg.comm_rank != self.comm_rank:
+            text = (
+                f"{text} [reported by pp rank {msg.src} (communicator rank "
+                f"{msg.comm_rank}), raised on pp rank {self.pp_rank}]"
+            )
+        if msg.error == "timeout":
+            raise PipelineTimeoutError(text)
+        raise PipelineRemoteError(text)
+
+    def poll_abort(self) -> None:
+        """Take arrived messages; raise if one of them is an abort."""
+        self.poll()
+        if self.abort_msg is not None:
+            self.raise_if_aborted()
+
+    def abort(self, error: str, text: str) -> None:
+        """Tell every pipeline rank (and ``abort_ranks``) to raise, then raise here."""
+        if self.abort_msg is None:
+            msg = self.abort_message(error, text)
+            self.abort_msg = msg
+            targets = [self.comm_ranks[r] for r in range(self.pp_size) if r != self.pp_rank]
+            targets += [r for r in self.abort_ranks if r not in targets and r != self.comm_rank]
+            handles = []
+            wire = to_wire(msg)
+            for dest in targets:
+                try:
+                    handles.append(self.comm.isend(wire, dest=dest, tag=self.tag))
+                except Exception:  # noqa: BLE001 - best effort: the transport may be broken
+                    pass
+            for h in handles:  # make sure the news leaves before this rank raises (and exits)
+                try:
+                    h.wait(timeout=5.0)
+                except Exception:  # noqa: BLE001
+                    pass
+        self.raise_if_aborted()
+
+    def fail(self, exc: BaseException, during: str, tb: str) -> NoReturn:
+        """A task failed with ``exc`` (``during``: what it ran, ``tb``: its traceback): abort
+        every rank, raising here with ``exc`` as the cause. An error a remote abort caused
+        (the task was resumed to raise it) re-raises that abort instead."""
+        if isinstance(exc, PipelineError) and self.abort_msg is not None:
+            self.raise_if_aborted()
+        text = f"pp rank {self.pp_rank}: {type(exc).__name__}: {exc} during {during}\n{tb}"
+        try:
+            self.abort("error", text)
+        except PipelineRemoteError as err:
+            raise err from exc
+        raise AssertionError("abort() always raises")  # pragma: no cover
+
+    def close(self) -> None:
+        """Cancel the posted receive (idempotent)."""
+        if self._recv is not None:
+            try:
+                self._recv.cancel()
+            except Exception:  # noqa: BLE001 - closing anyway
+                pass
+            self._recv = None
