@@ -40,12 +40,11 @@ def current_worker() -> Worker | None:
 class Baton:
     """A binary semaphore on a raw lock, for handing the token between threads.
 
-    ``threading.Semaphore`` runs some twenty lines of Python per call (a ``Condition``); a
-    rank hands the token over several times per task, right after compute has evicted the
-    interpreter's working set from the caches, where each such line costs. Here both calls
-    are one C call. Releasing a baton that is already released is absorbed, like setting a
-    set ``threading.Event``: the main loop's wake-up baton is released by every arrival, and
-    the shutdown path may release a token after a timed-out wait.
+    Both calls are one C call, on a path taken several times per task (why it matters:
+    docs/perf-notes.md, "Token hand-off"). Releasing a baton that is already released is
+    absorbed, like setting a set ``threading.Event``: the main loop's wake-up baton is
+    released by every arrival, and the shutdown path may release a token after a timed-out
+    wait.
     """
 
     __slots__ = ("_lock",)
