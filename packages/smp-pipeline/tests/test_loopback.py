@@ -1,0 +1,506 @@
+"""The pipeline server with ranks as threads of this process (smp-comm's loopback world).
+
+Each test builds one :class:`~smp_pipeline.PipelineRuntime` per thread-rank of a
+:class:`~smp_comm.testing.LoopbackWorld` and runs real steps through the server: forward
+requests and responses, cross-rank autograd, aborts, timeouts. No MPI job, so the whole file
+takes seconds where the MPI suites of test_mpi.py take minutes, and a failure's traceback is
+this process's own.
+
+Every rank thread is joined against a deadline: a hang fails the test naming the ranks that
+did not finish (and closes the world, so the hung servers' receives fail and they end too).
+Models are built on the main thread (``torch.manual_seed`` seeds one process-wide
+generator) and each rank gets a deep copy, as every MPI rank builds the same model.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import models
+import pytest
+import torch
+import torch.nn.functional as F
+from smp_comm.testing import LoopbackCommunicator, LoopbackWorld
+from smp_pipeline import (
+    PipelineRemoteError,
+    PipelineRuntime,
+    PipelineTimeoutError,
+    split_microbatches,
+)
+from torch import nn
+
+DEADLINE_S = 20.0  # a rank thread still running after this is hung
+PROMPT_S = 5.0  # an error must reach every rank well within this
+
+pytestmark = pytest.mark.timeout(60)  # backstop, above DEADLINE_S
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Any:
+    """Intra-op threads would compete with the rank threads (and other jobs) for 2 cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------------- running ranks
+
+
+@dataclass
+class Outcome:
+    """What one rank's function returned, or raised, and when it ended."""
+
+    value: Any = None
+    error: BaseException | None = None
+    seconds: float = 0.0
+
+
+def run_ranks(
+    size: int, fn: Callable[[LoopbackCommunicator], Any], deadline_s: float = DEADLINE_S
+) -> list[Outcome]:
+    """Run ``fn(comm)`` on one thread per rank of a fresh loopback world; every rank's outcome.
+
+    Fails the test, naming them, if ranks are still running after ``deadline_s``.
+    """
+    world = LoopbackWorld(size)
+    outcomes = [Outcome() for _ in range(size)]
+    t0 = time.monotonic()
+
+    def main(rank: int) -> None:
+        try:
+            outcomes[rank].value = fn(world.communicator(rank))
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            outcomes[rank].error = exc
+        outcomes[rank].seconds = time.monotonic() - t0
+
+    threads = [
+        threading.Thread(target=main, args=(r,), name=f"loopback-rank-{r}", daemon=True)
+        for r in range(size)
+    ]
+    for t in threads:
+        t.start()
+    end = t0 + deadline_s
+    for t in threads:
+        t.join(max(0.0, end - time.monotonic()))
+    hung = [r for r, t in enumerate(threads) if t.is_alive()]
+    world.close()  # fails the hung ranks' pending receives: a waiting server raises and ends
+    if hung:
+        for r in hung:
+            threads[r].join(1.0)
+        after = {
+            r: "still blocked" if threads[r].is_alive() else repr(outcomes[r].error) for r in hung
+        }
+        pytest.fail(
+            f"rank(s) {hung} of {size} still running after {deadline_s:g}s; once the world "
+            f"was closed: {after}"
+        )
+    return outcomes
+
+
+def values(outcomes: Sequence[Outcome]) -> list[Any]:
+    """Every rank's return value; raises (naming the ranks) if any rank raised."""
+    failed = [r for r, o in enumerate(outcomes) if o.error is not None]
+    if failed:
+        first = outcomes[failed[0]].error
+        raise AssertionError(f"rank(s) {failed} raised; rank {failed[0]}: {first!r}") from first
+    return [o.value for o in outcomes]
+
+
+def assert_close(actual: Any, expected: Any, what: str) -> None:
+    """torch.testing.assert_close (default tolerances), its message prefixed with ``what``."""
+    torch.testing.assert_close(actual, expected, msg=lambda detail: f"{what}: {detail}")
+
+
+def assert_workers_end(runtimes: Sequence[PipelineRuntime], timeout: float = 5.0) -> None:
+    """After ``close()``, every worker thread of every runtime ends."""
+    deadline = time.monotonic() + timeout
+    for rt in runtimes:
+        for t in rt.threads():
+            t.join(max(0.0, deadline - time.monotonic()))
+    alive = [(rt.pp_rank, t.name) for rt in runtimes for t in rt.threads() if t.is_alive()]
+    assert not alive, f"worker threads still alive after close(): {alive}"
+
+
+# ---------------------------------------------------------------------- equivalence
+
+
+def mse(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(model(x), y)
+
+
+def token_ce(model: nn.Module, ids: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    logits = model(ids)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def relu_mlp() -> nn.Sequential:
+    """Children 2-4 on rank 1 travel as one span request; the last Linear is a second run."""
+    return nn.Sequential(
+        nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(),
+        nn.Linear(8, 1),
+    )  # fmt: skip
+
+
+def regression(n: int = 8, seed: int = 0, sign_pattern: bool = False) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    if sign_pattern:  # Branch: the first sample of each pair of rows picks the branch
+        for i in range(0, n, 2):
+            x[i, 0] = 1.0 if (i // 2) % 2 == 0 else -1.0
+    return x, torch.randn(n, 1, generator=g)
+
+
+def tokens() -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(3)
+    return torch.randint(0, 11, (8, 5), generator=g), torch.randint(0, 11, (8, 5), generator=g)
+
+
+@dataclass(frozen=True)
+class Case:
+    build: Callable[[], nn.Module]
+    batch: Callable[[], tuple[torch.Tensor, ...]]
+    assignment: dict[str, int]
+    pp: int = 2
+    m: int = 4
+    schedule: str = "interleaved"
+    loss: Callable[..., torch.Tensor] = mse
+    backward_mode: str = "auto"
+    served: tuple[int, ...] | None = None  # requests each rank serves over the test's steps
+
+
+CASES = {
+    # Rank 1 serves two forward requests per microbatch (children 2-4 as one span, then 6)
+    # and their two backward requests: 2 steps x 4 microbatches x 4.
+    "seq-relu-simple": Case(
+        relu_mlp, regression, {"2": 1, "3": 1, "4": 1, "6": 1}, schedule="simple", served=(0, 32)
+    ),
+    "seq-relu-interleaved": Case(
+        relu_mlp, regression, {"2": 1, "3": 1, "4": 1, "6": 1}, served=(0, 32)
+    ),
+    # embed and head share one weight, both on rank 1; rank 0 keeps the middle block.
+    "tied": Case(
+        models.TiedLM, tokens, {"": 0, "embed": 1, "head": 1, "blocks.1": 0}, loss=token_ce
+    ),
+    "reuse": Case(models.Reuse, regression, {"shared": 1, "out": 1}),
+    "reuse-segments": Case(
+        models.Reuse, regression, {"shared": 1, "out": 1}, backward_mode="segments"
+    ),
+    "branch": Case(models.Branch, lambda: regression(sign_pattern=True), {"left": 1, "right.1": 1}),
+    "reuse-pp3": Case(models.Reuse, regression, {"a": 1, "shared": 2, "out": 2}, pp=3),
+    "chain-pp4-m8": Case(
+        models.Chain,
+        lambda: regression(n=16),
+        {"blocks.0": 1, "blocks.1": 2, "blocks.2": 3, "blocks.3": 3, "head": 2},
+        pp=4,
+        m=8,
+    ),
+}
+
+
+def reference_steps(
+    model: nn.Module, case: Case, steps: int
+) -> list[tuple[torch.Tensor, dict[str, torch.Tensor | None]]]:
+    """One thread, the unwrapped model: per step, the per-microbatch losses and every
+    parameter's gradient, accumulating the pipeline's microbatches in order with each loss
+    scaled by 1/m (what the pipeline computes); then an SGD step."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = []
+    for _ in range(steps):
+        opt.zero_grad()
+        losses = []
+        for args, _ in split_microbatches(None, case.batch(), None, case.m):
+            loss = case.loss(model, *args)
+            (loss / case.m).backward()
+            losses.append(loss.detach())
+        grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+        out.append((torch.stack(losses), grads))
+        opt.step()
+    return out
+
+
+def pipeline_steps(
+    comm: LoopbackCommunicator, model: nn.Module, case: Case, steps: int
+) -> tuple[list[Any], PipelineRuntime]:
+    """One rank: the same steps through a PipelineRuntime (the step function does not scale
+    the loss: the runtime owns 1/m); per step the outputs and the local gradients."""
+    rt = PipelineRuntime(
+        model,
+        comm,
+        comm.rank,
+        comm.size,
+        assignment=case.assignment,
+        schedule=case.schedule,
+        timeout_s=10,
+        backward_mode=case.backward_mode,
+    )
+
+    def step(*args: torch.Tensor) -> torch.Tensor:
+        loss = case.loss(model, *args)
+        rt.backward(loss)
+        return loss
+
+    try:
+        params = rt.local_parameters()
+        opt = torch.optim.SGD(params, lr=0.1) if params else None
+        out = []
+        for _ in range(steps):
+            for p in params:
+                p.grad = None
+            outs = rt.run_step(step, case.batch(), num_microbatches=case.m)
+            grads = {
+                n: None if p.grad is None else p.grad.clone()
+                for n, p in rt.named_local_parameters()
+            }
+            out.append((outs, grads))
+            if opt is not None:
+                opt.step()
+        return out, rt
+    finally:
+        rt.close()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_pipeline_matches_one_thread(name: str) -> None:
+    """Losses (on every rank) and gradients equal one thread accumulating the same
+    microbatches; after an SGD step, the second step's too. Every parameter has one owner."""
+    case = CASES[name]
+    torch.manual_seed(1234)
+    base = case.build()
+    copies = [copy.deepcopy(base) for _ in range(case.pp)]
+    steps = 2
+    expected = reference_steps(copy.deepcopy(base), case, steps)
+    results = values(run_ranks(case.pp, lambda c: pipeline_steps(c, copies[c.rank], case, steps)))
+    runtimes = [rt for _, rt in results]
+    assert_workers_end(runtimes)
+    if case.served is not None:
+        assert tuple(rt.requests_served for rt in runtimes) == case.served
+
+    owners: dict[str, int] = {}
+    for rank, (per_step, rt) in enumerate(results):
+        assert sorted(set(rt.assignment.values())) == list(range(case.pp)), rt.assignment
+        for s, ((outs, grads), (ref_losses, ref_grads)) in enumerate(zip(per_step, expected)):
+            # Every rank got the driver's outputs (outputs_to_all).
+            assert_close(torch.stack(outs), ref_losses, f"losses on rank {rank}, step {s}")
+            for n, g in grads.items():
+                owners.setdefault(n, rank)
+                ref = ref_grads[n]
+                if ref is None:
+                    assert g is None or not g.any(), f"{n} has an unexpected gradient"
+                    continue
+                assert g is not None, f"step {s}: {n} got no gradient on rank {rank}"
+                assert_close(g, ref, f"gradient of {n} on rank {rank}, step {s}")
+        for n in grads:
+            assert owners[n] == rank, f"{n} is local on ranks {owners[n]} and {rank}"
+    assert set(owners) == set(expected[0][1]), "parameters owned by no rank"
+
+
+# ---------------------------------------------------------------------- failures
+
+
+class Boom(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("boom inside a module")
+
+
+class _FailingGrad(torch.autograd.Function):
+    """Identity whose backward raises."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        raise ValueError("boom inside a module's backward")
+
+
+class BoomInBackward(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _FailingGrad.apply(x)
+
+
+class Stages(nn.Module):
+    """``post(inner(pre(x)))``: three modules to spread over up to three ranks."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.pre = nn.Linear(4, 4)
+        self.inner = inner
+        self.post = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post(self.inner(self.pre(x)))
+
+
+@pytest.mark.parametrize(
+    "pp, assignment, inner, during",
+    [
+        (2, {"inner": 1}, Boom, "forward"),
+        (3, {"inner": 1, "post": 2}, Boom, "forward"),
+        (3, {"inner": 1, "post": 2}, BoomInBackward, "backward"),
+    ],
+    ids=["pp2-last-stage", "pp3-middle-stage", "pp3-middle-stage-backward"],
+)
+def test_module_error_raises_on_every_rank(
+    pp: int, assignment: dict[str, int], inner: type[nn.Module], during: str
+) -> None:
+    """An exception in a module on rank 1 (its forward, or its backward segment) aborts the
+    step: every rank raises PipelineRemoteError with the original message and what failed,
+    promptly; on rank 1 the original exception is its cause. close() then ends every worker
+    thread, including those left waiting for an answer."""
+    base = Stages(inner())
+    copies = [copy.deepcopy(base) for _ in range(pp)]
+    runtimes: list[PipelineRuntime] = []
+
+    def rank_main(comm: LoopbackCommunicator) -> None:
+        model = copies[comm.rank]
+        rt = PipelineRuntime(model, comm, comm.rank, pp, assignment=assignment, timeout_s=30)
+        runtimes.append(rt)
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            loss = model(x).square().mean()
+            rt.backward(loss)
+            return loss
+
+        try:
+            rt.run_step(step, (torch.ones(4, 4),), num_microbatches=2)
+        finally:
+            rt.close()
+
+    outcomes = run_ranks(pp, rank_main)
+    for rank, o in enumerate(outcomes):
+        assert isinstance(o.error, PipelineRemoteError), (rank, o.error)
+        text = str(o.error)
+        assert "boom inside a module" in text, text
+        assert f"during {during} of module 'inner' (microbatch 0)" in text, text
+        assert o.seconds < PROMPT_S, f"rank {rank} raised only after {o.seconds:.1f}s"
+        if rank == 1:
+            assert isinstance(o.error.__cause__, ValueError), o.error.__cause__
+        else:
+            assert "reported by pp rank 1" in text, text
+    assert_workers_end(runtimes)
+
+
+def test_rank_that_stops_serving_times_out() -> None:
+    """Rank 1 does not serve (it joins the step only once rank 0 has given up): rank 0's
+    request times out after ``timeout_s`` with an error naming the module, the microbatch and
+    rank 1; rank 1 then raises the same timeout, reported by rank 0."""
+    timeout_s = 0.5
+    base = Stages(nn.Identity())
+    copies = [copy.deepcopy(base) for _ in range(2)]
+    rank0_done = threading.Event()
+    runtimes: list[PipelineRuntime] = []
+
+    def rank_main(comm: LoopbackCommunicator) -> None:
+        model = copies[comm.rank]
+        rt = PipelineRuntime(
+            model, comm, comm.rank, 2, assignment={"inner": 1}, timeout_s=timeout_s
+        )
+        runtimes.append(rt)
+        try:
+            if comm.rank == 1:
+                assert rank0_done.wait(DEADLINE_S), "rank 0 never gave up"
+            rt.run_step(lambda x: model(x).sum(), (torch.ones(4, 4),), num_microbatches=2)
+        finally:
+            rank0_done.set()
+            rt.close()
+
+    outcomes = run_ranks(2, rank_main)
+    waited = (
+        f"pp rank 0 waited more than {timeout_s:g}s for the forward of module 'inner' "
+        "(microbatch 0) on pp rank 1"
+    )
+    for rank, o in enumerate(outcomes):
+        assert isinstance(o.error, PipelineTimeoutError), (rank, o.error)
+        text = str(o.error)
+        assert waited in text, text
+        if rank == 1:
+            assert "reported by pp rank 0" in text, text
+    assert timeout_s <= outcomes[0].seconds < timeout_s + PROMPT_S, outcomes[0].seconds
+    assert outcomes[1].seconds - outcomes[0].seconds < PROMPT_S
+    assert_workers_end(runtimes)
+
+
+# ---------------------------------------------------------------------- run_microbatches
+
+
+@pytest.mark.parametrize(
+    "active, schedule, max_in_flight",
+    [(1, "interleaved", 1), (1, "simple", 1), (None, "simple", 3), (2, "simple", 2)],
+)
+def test_run_microbatches_order_limit_and_scaling(
+    active: int | None, schedule: str, max_in_flight: int
+) -> None:
+    """``run_microbatches`` runs the caller's microbatches (positional and keyword arguments,
+    unequal sizes) with at most ``active_microbatches`` in flight, and the runtime alone
+    scales each microbatch's gradient by 1/m: the gradients are the sum of the per-microbatch
+    loss gradients over 3, whatever the sizes. The other rank gets the outputs, or Nones with
+    ``outputs_to_all=False``."""
+    torch.manual_seed(7)
+    base = relu_mlp()
+    ref = copy.deepcopy(base)
+    copies = [copy.deepcopy(base) for _ in range(2)]
+    g = torch.Generator().manual_seed(1)
+    sizes = [3, 1, 2]
+    mbs = [
+        ((torch.randn(n, 8, generator=g), i), {"y": torch.randn(n, 1, generator=g)})
+        for i, n in enumerate(sizes)
+    ]
+    m = len(mbs)
+    events: list[tuple[str, int]] = []
+
+    def rank_main(comm: LoopbackCommunicator) -> tuple[list[Any], Any, Any, PipelineRuntime]:
+        model = copies[comm.rank]
+        rt = PipelineRuntime(
+            model, comm, comm.rank, 2, assignment={"2": 1, "3": 1, "4": 1}, timeout_s=10
+        )
+
+        def step(x: torch.Tensor, i: int, *, y: torch.Tensor) -> torch.Tensor:
+            events.append(("start", i))
+            loss = F.mse_loss(model(x), y)
+            rt.backward(loss)
+            events.append(("end", i))
+            return loss
+
+        given = mbs if comm.rank == 0 else []
+        try:
+            kw = {"schedule": schedule, "active_microbatches": active}
+            first = rt.run_microbatches(step, given, **kw)
+            grads = {n: p.grad.clone() for n, p in rt.named_local_parameters()}
+            # No zero_grad: the second step's gradients add to the first's.
+            second = rt.run_microbatches(step, given, **kw, outputs_to_all=False)
+            twice = {n: p.grad.clone() for n, p in rt.named_local_parameters()}
+            return first, grads, (second, twice), rt
+        finally:
+            rt.close()
+
+    results = values(run_ranks(2, rank_main))
+    assert_workers_end([rt for *_, rt in results])
+
+    losses = []
+    for (x, _), kw in mbs:
+        loss = F.mse_loss(ref(x), kw["y"])
+        (loss / m).backward()
+        losses.append(loss.detach())
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    for rank, (first, grads, (second, twice), _) in enumerate(results):
+        assert_close(torch.stack(first), torch.stack(losses), f"losses on rank {rank}")
+        assert (second == [None] * m) == (rank == 1), second
+        for n, grad in grads.items():
+            assert_close(grad, ref_grads[n], f"gradient of {n} on rank {rank}")
+            assert_close(twice[n], 2 * ref_grads[n], f"{n} after two steps, rank {rank}")
+
+    first_step = events[: 2 * m]
+    assert sorted(first_step) == sorted([(e, i) for i in range(m) for e in ("start", "end")])
+    assert [i for e, i in first_step if e == "start"] == list(range(m)), first_step
+    in_flight, most = 0, 0
+    for e, _ in first_step:
+        in_flight += 1 if e == "start" else -1
+        most = max(most, in_flight)
+    assert most == max_in_flight, first_step
