@@ -1,13 +1,15 @@
 """The execution server of one pipeline rank (paper §4.2, Figures 3–4): its main loop.
 
-The server owns the objects below it and dispatches typed messages, one handler per kind:
+The server owns the objects below it and runs the main loops, which decide when each
+arrived message is served:
 
 - :class:`~smp_pipeline.transport.Transport`: the inbox, serve order, sending, aborts and
   request timeouts;
 - :class:`~smp_pipeline.executor.Executor`: the worker threads, the execution token, tasks,
   device work (it knows nothing of messages);
 - :class:`~smp_pipeline.autograd.CallRecords`: the cross-rank autograd records;
-- :class:`~smp_pipeline.remote.RemoteCalls`: both sides of cross-rank calls.
+- :class:`~smp_pipeline.remote.RemoteCalls`: both sides of cross-rank calls;
+- :class:`~smp_pipeline.handlers.MessageHandlers`: what serving each kind of message does.
 
 Serving order: workers whose device work ended, then local wake-ups, then the driver's
 schedule (new top-level work, bounded by ``active_microbatches``), then arrived messages by
@@ -29,30 +31,14 @@ from typing import Any
 
 import torch
 
-from smp_pipeline.autograd import (
-    BACKWARD_MODES,
-    CallRecords,
-    IncomingCall,
-    OutgoingCall,
-    RootContext,
-)
+from smp_pipeline.autograd import BACKWARD_MODES, CallRecords, RootContext
 from smp_pipeline.errors import PipelineError
 from smp_pipeline.execution_state import execution_state
 from smp_pipeline.executor import Executor, TimelineEvent
+from smp_pipeline.handlers import MessageHandlers
 from smp_pipeline.messages import detach_all, pack
 from smp_pipeline.order import OrderChannel
-from smp_pipeline.protocol import (
-    PREEMPTING,
-    PREEMPTING_CODES,
-    Abort,
-    BwdReq,
-    BwdResp,
-    FwdReq,
-    FwdResp,
-    MbDone,
-    Message,
-    StepEnd,
-)
+from smp_pipeline.protocol import PREEMPTING, PREEMPTING_CODES, MbDone, Message, StepEnd
 from smp_pipeline.remote import Execute, RemoteCalls
 from smp_pipeline.schedule import Scheduler
 from smp_pipeline.transport import Transport
@@ -120,6 +106,10 @@ class ExecutionServer:
         self.remote = RemoteCalls(
             pp_rank, self.transport, self.executor, self.records, execute, backward_mode
         )
+        self.handlers = MessageHandlers(
+            pp_rank, self.transport, self.executor, self.records, self.remote
+        )
+        self._handle = self.handlers.handle  # once per served message: bound once
         # The entry points the runtime calls on hot paths, bound once.
         self.call_remote = self.remote.call_remote
         self.yield_point = self.executor.yield_point
@@ -131,9 +121,7 @@ class ExecutionServer:
         if preemption:
             self.transport.on_arrival = self._on_arrival
         self.step = 0
-        self.step_ends: dict[int, StepEnd] = {}
         self.scheduler: Scheduler | None = None
-        self.requests_served = 0
         self._next_timeout_check = time.monotonic() + 0.2
         self.follower_start: Callable[[int, str], None] | None = None
 
@@ -146,6 +134,11 @@ class ExecutionServer:
     def yields(self) -> int:
         """Forwards that gave the token back at a yield point."""
         return self.executor.yields
+
+    @property
+    def requests_served(self) -> int:
+        """Forward and backward requests this rank has served."""
+        return self.handlers.requests_served
 
     @property
     def events(self) -> list[TimelineEvent]:
@@ -267,7 +260,7 @@ class ExecutionServer:
         while not until():
             self._loop_housekeeping()
             self.transport.poll()
-            for msg in [m for m in inbox if not self._starts_task(m)]:
+            for msg in [m for m in inbox if not self.handlers.starts_task(m)]:
                 inbox.remove(msg)
                 self._handle(msg)  # responses become ready wake-ups; no grant yet
             if until():
@@ -304,7 +297,7 @@ class ExecutionServer:
         inbox = self.transport.inbox
         for msg in inbox:
             if (
-                self._starts_task(msg)
+                self.handlers.starts_task(msg)
                 and getattr(msg, "step", None) == step
                 and getattr(msg, "mb", None) == mb
             ):
@@ -313,78 +306,13 @@ class ExecutionServer:
                 return True
         return False
 
-    def _starts_task(self, msg: Message) -> bool:
-        """Whether handling ``msg`` starts a task (else it only wakes a waiting worker)."""
-        if type(msg) is BwdResp:
-            return msg.wait_key not in self.executor.waiting
-        return isinstance(msg, (FwdReq, BwdReq))
-
-    # ------------------------------------------------------------------ message handlers
-    def _handle(self, msg: Message) -> None:
-        self.executor.last_progress = time.monotonic()
-        match msg:
-            case FwdReq():
-                self._on_forward_request(msg)
-            case FwdResp():
-                self._on_forward_response(msg)
-            case BwdReq():
-                self._on_backward_request(msg)
-            case BwdResp():
-                self._on_backward_response(msg)
-            case MbDone():
-                self.drop_microbatch(msg.step, msg.mb)
-            case StepEnd():
-                self.step_ends[msg.step] = msg
-            case Abort():
-                self.transport.raise_if_aborted()
-            case _:
-                raise PipelineError(f"pp rank {self.pp_rank}: unknown message {msg!r}")
-
-    def _on_forward_request(self, msg: FwdReq) -> None:
-        self.requests_served += 1
-        label = msg.path
-        if msg.span:
-            label = "{}[{}:{}]".format(label or "<root>", *msg.span)
-        run = self.remote.run_forward_request
-        self.executor.start(Task(run, msg.mb, label, "forward", None, msg.step, msg))
-
-    def _on_forward_response(self, msg: FwdResp) -> None:
-        key = ("fwd", msg.key)
-        self.transport.answered(key)
-        self.executor.wake(key, msg)
-
-    def _on_backward_request(self, msg: BwdReq) -> None:
-        self.requests_served += 1
-        rec = self.records.incoming.get(msg.key)
-        if rec is None:
-            self.transport.abort(
-                "error",
-                f"pp rank {self.pp_rank}: backward request for call {msg.key} of module "
-                f"'{msg.path}' (microbatch {msg.mb}) has no saved forward record",
-            )
-            return
-        rec.open.append(msg.req)
-        run = self.remote.run_callee_segment
-        self.executor.start(Task(run, rec.mb, rec.path, "backward", rec, rec.step, msg))
-
-    def _on_backward_response(self, msg: BwdResp) -> None:
-        wait_key = msg.wait_key
-        self.transport.answered(wait_key)
-        if wait_key in self.executor.waiting:  # joined mode: resume the waiting backward
-            self.executor.wake(wait_key, msg)
-            return
-        call = self.records.outgoing[msg.key]
-        label = call.parent.path if isinstance(call.parent, IncomingCall) else "<step>"
-        payload: tuple[OutgoingCall, BwdResp] = (call, msg)
-        run = self.remote.run_caller_segment
-        task = Task(run, call.mb, label, "backward", call.parent, call.step, payload)
-        self.executor.start(task)
-
+    # ------------------------------------------------------------------ records
     def drop_microbatch(self, step: int, mb: int) -> None:
         """Forget every record of a finished microbatch (frees its retained graphs)."""
         self.records.drop_microbatch(step, mb)
 
     def drop_step(self, step: int) -> None:
+        """Forget the records and task grant counts of ``step`` and earlier."""
         self.records.drop_step(step)
         self.executor.forget_step(step)
 
@@ -483,8 +411,9 @@ class ExecutionServer:
         """Serve requests until the driver says the step ended; returns the step's outputs."""
         self.step += 1
         step = self.step
-        self.serve(lambda: step in self.step_ends)
-        msg = self.step_ends.pop(step)
+        step_ends = self.handlers.step_ends
+        self.serve(lambda: step in step_ends)
+        msg = step_ends.pop(step)
         self.drop_step(step)
         if self.order is not None and self.order.is_leader:
             self.order.flush(self.timeout_s)
