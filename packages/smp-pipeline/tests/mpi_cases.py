@@ -47,6 +47,15 @@ def close(a: torch.Tensor, b: torch.Tensor, what: str, rtol: float = RTOL, atol:
         raise AssertionError(f"{what}: max abs diff {(a - b).abs().max().item():.3g}\n{a}\n{b}")
 
 
+def same(a: torch.Tensor, b: torch.Tensor, what: str, exact: bool, rtol: float, atol: float) -> None:
+    """Bit for bit (``exact``), else within the tolerances."""
+    if not exact:
+        close(a, b, what, rtol, atol)
+    elif not torch.equal(a, b):
+        diff = (a - b).abs().max().item() if a.shape == b.shape else "shape"
+        raise AssertionError(f"{what}: not bitwise equal (max abs diff {diff:.3g})\n{a}\n{b}")
+
+
 def gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -86,7 +95,10 @@ def mse_ref(model, batch):
 
 def run_case(comm, name, build, batch, assignment, m, schedule="interleaved", *, step_of=None,
              ref_loss=None, per_microbatch_reference=False, checkpointing=None, active=None,
-             rtol=RTOL, atol=ATOL, steps=2, **rt_kwargs):
+             rtol=RTOL, atol=ATOL, steps=2, exact=True, **rt_kwargs):
+    """``exact``: losses and gradients must equal the accumulating reference bit for bit (the
+    runtime folds each parameter's gradient into .grad in microbatch order, as the reference
+    does); a case passing False says why it cannot."""
     rank, size = comm.rank, comm.size
     torch.manual_seed(1234)
     model = build()
@@ -115,8 +127,9 @@ def run_case(comm, name, build, batch, assignment, m, schedule="interleaved", *,
         loss = torch.stack(losses).mean()
         outs = rt.run_step(step_of(model, rt), batch, num_microbatches=m)
         got = torch.stack([o.float() for o in outs])
-        if expected is not None:
-            close(got, expected.detach(), f"{name} step {s}: per-microbatch losses", rtol, atol)
+        if expected is not None or exact:
+            want = torch.stack(losses)
+            same(got, want, f"{name} step {s}: per-microbatch losses", exact, rtol, atol)
         else:
             close(got.mean(), loss.detach(), f"{name} step {s}: loss", rtol, atol)
         refp = dict(ref.named_parameters())
@@ -127,7 +140,7 @@ def run_case(comm, name, build, batch, assignment, m, schedule="interleaved", *,
                 assert p.grad is None or not p.grad.abs().any(), f"{name}: {n} has unexpected grad"
                 continue
             assert p.grad is not None, f"{name} step {s}: {n} got no gradient on pp rank {rank}"
-            close(p.grad, rp.grad, f"{name} step {s}: grad of {n} (pp rank {rank})", rtol, atol)
+            same(p.grad, rp.grad, f"{name} step {s}: grad of {n} (pp rank {rank})", exact, rtol, atol)
         names = comm_allgather([n for n, _ in local])
         covered = {n for part in names for n in part}
         missing = set(refp) - covered
@@ -255,14 +268,20 @@ def suite_pp2(comm):
         run_case(comm, f"gpt2-{schedule}", gpt2, gb, {"transformer.h.1": 1, "transformer.ln_f": 1}, 4,
                  schedule, step_of=hf_loss_step, ref_loss=reference_hf)
     run_case(comm, "gpt2-auto", gpt2, gb, None, 2, step_of=hf_loss_step, ref_loss=reference_hf)
-    run_case(comm, "t5-auto", t5, gb, None, 4, step_of=hf_loss_step, ref_loss=reference_hf)
+    # T5: the encoder's output feeds every decoder block's cross-attention, and blocks share
+    # position biases; across ranks each use is a separate remote call whose input gradient
+    # returns through its own boundary, so such a tensor's gradient sums more than two terms
+    # in another (fixed) order than one process's engine does: reproducible, not bitwise.
+    run_case(comm, "t5-auto", t5, gb, None, 4, step_of=hf_loss_step, ref_loss=reference_hf, exact=False)
     run_case(comm, "t5-manual", t5, gb, {"decoder": 1, "decoder.embed_tokens": 0, "encoder.block.1": 1}, 2, "simple",
-             step_of=hf_loss_step, ref_loss=reference_hf)
+             step_of=hf_loss_step, ref_loss=reference_hf, exact=False)
     # The GPU code path (backward segments) on CPU, and the residual-around-a-remote-call
     # shape where joined backward saves work.
     seg = {"backward_mode": "segments"}
     run_case(comm, "chain-segments", models.Chain, data(), chain_assign, 4, **seg)
-    run_case(comm, "reuse-segments", models.Reuse, data(), {"shared": 1, "out": 1}, 4, **seg)
+    # Not bitwise: segments differentiate the graph below a residual around a remote call
+    # once per segment (g1*x + g2*x where one process computes (g1 + g2)*x).
+    run_case(comm, "reuse-segments", models.Reuse, data(), {"shared": 1, "out": 1}, 4, exact=False, **seg)
     run_case(comm, "tied-segments", models.TiedLM, (ids, tgt), tied_assign, 4,
              step_of=tied_step, ref_loss=tied_ref, **seg)
     run_case(comm, "gpt2-segments", gpt2, gb, {"transformer.h.1": 1, "transformer.ln_f": 1}, 4,
@@ -270,7 +289,7 @@ def suite_pp2(comm):
     for mode, per_mb in (("joined", 1), ("segments", 2)):
         models.Diamond.backward_runs = 0
         run_case(comm, f"diamond-{mode}", models.Diamond, data(), {"mid": 1}, 4, steps=1,
-                 backward_mode=mode)
+                 backward_mode=mode, exact=mode == "joined")  # segments: as reuse-segments
         # Once per microbatch when joined, twice with segments; +4: the one-process reference
         # runs the same 4 microbatches.
         if comm.rank == 0:
@@ -338,7 +357,9 @@ def suite_pp4(comm):
                      data(n=24 if m == 3 else 8), assign, m, schedule)
     for schedule in ("simple", "interleaved"):
         run_case(comm, f"device4-{schedule}", models.DeviceChain, data(n=16), assign, 8, schedule)
-    run_case(comm, "reuse4", models.Reuse, data(), {"a": 1, "shared": 2, "b": 3}, 4)
+    # Not bitwise: h has three consumers (b's linear and residual on pp rank 3, summed there
+    # first, and the outer residual), which one process's engine sums in another order.
+    run_case(comm, "reuse4", models.Reuse, data(), {"a": 1, "shared": 2, "b": 3}, 4, exact=False)
     run_case(comm, "branch4", models.Branch, data(sign_pattern=True),
              {"pre": 1, "left": 2, "right.0": 3, "right.1": 2}, 4, per_microbatch_reference=True)
     gb = token_batch()
@@ -346,7 +367,8 @@ def suite_pp4(comm):
     run_case(comm, "gpt2-4-manual", gpt2, gb,
              {"transformer.h.0": 1, "transformer.h.1": 2, "transformer.ln_f": 3}, 8, "simple",
              step_of=hf_loss_step, ref_loss=reference_hf)
-    run_case(comm, "t5-4-auto", t5, gb, None, 2, step_of=hf_loss_step, ref_loss=reference_hf)
+    run_case(comm, "t5-4-auto", t5, gb, None, 2, step_of=hf_loss_step, ref_loss=reference_hf,
+             exact=False)  # see t5-auto
     run_case(comm, "branch4-segments", models.Branch, data(sign_pattern=True),
              {"pre": 1, "left": 2, "right.0": 3, "right.1": 2}, 4, per_microbatch_reference=True,
              backward_mode="segments")
@@ -510,6 +532,8 @@ def suite_tp(comm):
         F.mse_loss(torch.cat([ref.s1.lin(torch.tanh(ref.s0.lin(c))) for c in x.chunk(m)]), y).backward()
         close(torch.stack(outs).mean(), F.mse_loss(ref.s1.lin(torch.tanh(ref.s0.lin(x))), y), "tp loss")
         refp = dict(ref.named_parameters())
+        # Within tolerances, not bitwise: the reference is the whole-batch gradient doubled,
+        # not the two steps' microbatches accumulated in order.
         for n, p in rt.named_local_parameters():
             close(p.grad, 2 * refp[n].grad, f"tp grad {n}")  # two identical steps accumulated
         rt.close()

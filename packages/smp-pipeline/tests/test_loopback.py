@@ -15,6 +15,7 @@ generator) and each rank gets a deep copy, as every MPI rank builds the same mod
 from __future__ import annotations
 
 import copy
+import random
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +31,7 @@ from smp_pipeline import (
     PipelineRemoteError,
     PipelineRuntime,
     PipelineTimeoutError,
+    device_work,
     split_microbatches,
 )
 from torch import nn
@@ -504,3 +506,209 @@ def test_run_microbatches_order_limit_and_scaling(
         in_flight += 1 if e == "start" else -1
         most = max(most, in_flight)
     assert most == max_in_flight, first_step
+
+
+# ---------------------------------------------------------------------- deterministic accumulation
+
+
+class _Jitter(torch.autograd.Function):
+    """Exact identity whose forward and backward sleep a random time as device work (the
+    token goes back meanwhile), so microbatches finish in a different order every run.
+    With ``keep_token`` the backward sleeps holding the token (as a CUDA backward segment
+    would: it never gives the token back midway)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, rng: Any, keep_token: bool) -> torch.Tensor:
+        ctx.rng = rng
+        ctx.keep_token = keep_token
+        with device_work():
+            time.sleep(rng.uniform(0.0, 0.004))
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        if ctx.keep_token:
+            time.sleep(ctx.rng.uniform(0.0, 0.004))
+        else:
+            with device_work():
+                time.sleep(ctx.rng.uniform(0.0, 0.004))
+        return g, None, None
+
+
+def add_jitter(
+    model: nn.Module, paths: Sequence[str], rng: random.Random, keep_token: bool = False
+) -> None:
+    """Forward hooks (they run on the module's owner) that pass each output through _Jitter."""
+    mods = dict(model.named_modules())
+    for path in paths:
+
+        def hook(_m: nn.Module, _i: Any, out: Any) -> Any:
+            if not isinstance(out, torch.Tensor):
+                return out
+            return _Jitter.apply(out, rng, keep_token)
+
+        mods[path].register_forward_hook(hook)
+
+
+@dataclass(frozen=True)
+class DetCase:
+    case: Case
+    jitter: tuple[str, ...]  # modules whose outputs sleep a random time, forward and backward
+    # Bitwise equal to the in-order reference. Not with backward segments around a residual
+    # (Reuse): the graph below a remote call is differentiated once per segment, so a
+    # parameter there gets g1*x + g2*x where one process computes (g1 + g2)*x; nor where a
+    # tensor's three or more consumers are split across ranks (their gradients are summed
+    # in another order). Deterministic all the same (equal across runs), and close.
+    exact: bool = True
+    # Backward jitter keeps the token. Segment mode needs it: segments of one microbatch
+    # that overlap on a rank (one gives the token back midway) split a call's input gradient
+    # between its responses by timing (the README's Deterministic accumulation).
+    keep_token: bool = False
+
+
+DET_CASES = {
+    "reuse-pp2-m8": DetCase(
+        Case(models.Reuse, lambda: regression(n=16), {"shared": 1, "out": 1}, m=8),
+        ("a", "shared", "b"),
+    ),
+    "reuse-segments-pp2-m6": DetCase(
+        Case(
+            models.Reuse, lambda: regression(n=12), {"shared": 1, "out": 1}, m=6,
+            backward_mode="segments",
+        ),
+        ("a", "shared", "b"),
+        exact=False,
+        keep_token=True,
+    ),  # fmt: skip
+    "reuse-pp3-m8": DetCase(
+        Case(models.Reuse, lambda: regression(n=16), {"a": 1, "shared": 2, "out": 2}, pp=3, m=8),
+        ("a", "shared", "b", "out"),
+    ),
+    # h (shared's first output, on rank 0) has three consumers: b's linear and b's residual
+    # (on rank 3, summed there first) and the outer residual; one process's engine sums the
+    # three in another order. Reproducible all the same.
+    "reuse-pp4-m8": DetCase(
+        Case(models.Reuse, lambda: regression(n=16), {"a": 1, "shared": 2, "b": 3}, pp=4, m=8),
+        ("a", "shared", "b", "out"),
+        exact=False,
+    ),
+    "tied-pp2-m4": DetCase(
+        Case(models.TiedLM, tokens, {"": 0, "embed": 1, "head": 1, "blocks.1": 0}, loss=token_ce),
+        ("embed", "blocks.0", "blocks.1", "blocks.2"),
+    ),
+    "branch-pp3-m4": DetCase(
+        Case(
+            models.Branch, lambda: regression(sign_pattern=True),
+            {"pre": 1, "left": 2, "right.1": 2, "out": 1}, pp=3,
+        ),
+        ("pre", "left", "right.0", "right.1"),
+    ),  # fmt: skip
+    "chain-pp4-m8": DetCase(
+        Case(
+            models.Chain, lambda: regression(n=16),
+            {"blocks.0": 1, "blocks.1": 2, "blocks.2": 3, "blocks.3": 3, "head": 2}, pp=4, m=8,
+        ),
+        ("inp", "blocks.0", "blocks.1", "blocks.2", "blocks.3"),
+    ),  # fmt: skip
+}
+
+
+def jittered_steps(
+    comm: LoopbackCommunicator, model: nn.Module, case: Case, steps: int
+) -> list[tuple[torch.Tensor, dict[str, torch.Tensor | None]]]:
+    """One rank: ``steps`` steps without zeroing gradients in between (they accumulate
+    across steps), every microbatch in flight at once; per step the losses and local grads."""
+    rt = PipelineRuntime(
+        model, comm, comm.rank, comm.size, assignment=case.assignment, timeout_s=10,
+        active_microbatches=case.m, backward_mode=case.backward_mode,
+    )  # fmt: skip
+
+    def step(*args: torch.Tensor) -> torch.Tensor:
+        loss = case.loss(model, *args)
+        rt.backward(loss)
+        return loss
+
+    try:
+        out = []
+        for _ in range(steps):
+            losses = torch.stack(rt.run_step(step, case.batch(), num_microbatches=case.m))
+            grads = {
+                n: None if p.grad is None else p.grad.clone()
+                for n, p in rt.named_local_parameters()
+            }
+            out.append((losses, grads))
+        return out
+    finally:
+        rt.close()
+
+
+def accumulating_reference(
+    model: nn.Module, case: Case, steps: int
+) -> list[tuple[torch.Tensor, dict[str, torch.Tensor | None]]]:
+    """One thread: each microbatch's ``(loss_i / m).backward()`` in order i = 0..m-1, for
+    ``steps`` steps without zeroing in between."""
+    out = []
+    for _ in range(steps):
+        losses = []
+        for args, _ in split_microbatches(None, case.batch(), None, case.m):
+            loss = case.loss(model, *args)
+            (loss / case.m).backward()
+            losses.append(loss.detach())
+        grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+        out.append((torch.stack(losses), grads))
+    return out
+
+
+@pytest.mark.parametrize("name", list(DET_CASES))
+def test_accumulation_is_deterministic_under_jitter(name: str) -> None:
+    """Gradients are accumulated in microbatch order whatever the timing: three runs with
+    differently perturbed timing give bit-identical losses and gradients, equal (torch.equal)
+    to one thread accumulating the microbatches in order (``exact``; else close to it), over
+    two steps without zeroing (the second step's gradients add to the first's)."""
+    det = DET_CASES[name]
+    case = det.case
+    torch.manual_seed(4321)
+    base = case.build()
+    steps = 2
+    expected = accumulating_reference(copy.deepcopy(base), case, steps)
+    runs = []
+    for run in range(3):
+        copies = [copy.deepcopy(base) for _ in range(case.pp)]
+        for r, mdl in enumerate(copies):
+            add_jitter(mdl, det.jitter, random.Random(1000 * run + r), det.keep_token)
+        runs.append(
+            values(
+                run_ranks(
+                    case.pp, lambda c, cs=copies: jittered_steps(c, cs[c.rank], case, steps)
+                )
+            )
+        )
+    for run, per_rank in enumerate(runs[1:], 1):  # every run equals the first, bit for bit
+        for rank, per_step in enumerate(per_rank):
+            for s, ((losses, grads), (losses0, grads0)) in enumerate(zip(per_step, runs[0][rank])):
+                assert torch.equal(losses, losses0), f"run {run} rank {rank} step {s}: losses"
+                assert grads.keys() == grads0.keys()
+                for n, g in grads.items():
+                    g0 = grads0[n]
+                    where = f"rank {rank}, step {s}: gradient of {n}, run {run} vs run 0"
+                    if g is None or g0 is None:
+                        assert g is None and g0 is None, where
+                        continue
+                    diff = (g - g0).abs().max().item()
+                    assert torch.equal(g, g0), f"{where}: differs by {diff:.3g}"
+    for run, per_rank in enumerate(runs):
+        for rank, per_step in enumerate(per_rank):
+            for s, ((losses, grads), (ref_losses, ref_grads)) in enumerate(zip(per_step, expected)):
+                assert torch.equal(losses, ref_losses), f"run {run} rank {rank} step {s}: losses"
+                for n, g in grads.items():
+                    ref = ref_grads[n]
+                    where = f"run {run}, rank {rank}, step {s}: gradient of {n}"
+                    if ref is None:
+                        assert g is None, f"{where}: unexpected"
+                        continue
+                    assert g is not None, f"{where}: missing"
+                    if not det.exact:
+                        assert_close(g, ref, where)
+                        continue
+                    diff = (g - ref).abs().max().item()
+                    assert torch.equal(g, ref), f"{where}: differs from the reference by {diff:.3g}"

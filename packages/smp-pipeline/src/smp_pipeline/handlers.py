@@ -4,8 +4,9 @@ The server's main loops choose *when* a message is served (:mod:`smp_pipeline.se
 :class:`MessageHandlers` says *what* serving it means. A forward request starts a task that
 runs the module; a forward response wakes the caller waiting for it; a backward request
 starts the owner's backward segment; a backward response wakes a joined backward or starts
-the caller's segment; ``MbDone`` drops a finished microbatch's records; ``StepEnd`` is kept
-until the step's serve loop ends; an ``Abort`` raises. A handler starts tasks and wakes
+the caller's segment; ``MbDone`` drops a finished microbatch's records and folds its
+gradients (:mod:`smp_pipeline.accumulation`); ``StepEnd`` is kept until the step's serve
+loop ends; an ``Abort`` raises. A handler starts tasks and wakes
 workers through the executor; it never waits, so the main loop stays free.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import time
 
+from smp_pipeline.accumulation import GradAccumulator
 from smp_pipeline.autograd import CallRecords, IncomingCall, OutgoingCall
 from smp_pipeline.errors import PipelineError
 from smp_pipeline.executor import Executor
@@ -31,6 +33,7 @@ class MessageHandlers:
         executor: starts tasks and wakes waiting workers.
         records: the cross-rank autograd records backward messages refer to.
         remote: the task functions of cross-rank calls.
+        grads: folds a microbatch's gradients once ``MbDone`` says its backward is complete.
     """
 
     def __init__(
@@ -40,12 +43,14 @@ class MessageHandlers:
         executor: Executor,
         records: CallRecords,
         remote: RemoteCalls,
+        grads: GradAccumulator,
     ) -> None:
         self.pp_rank = pp_rank
         self.transport = transport
         self.executor = executor
         self.records = records
         self.remote = remote
+        self.grads = grads
         self.step_ends: dict[int, StepEnd] = {}  # the driver's end-of-step notes, by step
         self.requests_served = 0  # forward and backward requests
 
@@ -63,6 +68,7 @@ class MessageHandlers:
                 self._on_backward_response(msg)
             case MbDone():
                 self.records.drop_microbatch(msg.step, msg.mb)
+                self.grads.complete(msg.step, msg.mb)
             case StepEnd():
                 self.step_ends[msg.step] = msg
             case Abort():

@@ -225,7 +225,14 @@ class RemoteCalls:
         grads = msg.grads.unpack()
         pairs = [(o, g) for o, g in zip(rec.outputs, grads) if g is not None]
         retain = rec.segment_calls or not msg.joined
-        self.segment([o for o, _ in pairs], [g for _, g in pairs], retain)
+        # A running segment counts as pending: one that gives the token back midway (device
+        # work in a backward on CPU) must not let another segment of the same call answer
+        # before its contributions reached the input leaves.
+        rec.pending += 1
+        try:
+            self.segment([o for o, _ in pairs], [g for _, g in pairs], retain)
+        finally:
+            rec.pending -= 1
         self.maybe_complete(rec)
 
     def run_caller_segment(self, task: Task[tuple[OutgoingCall, BwdResp]]) -> None:

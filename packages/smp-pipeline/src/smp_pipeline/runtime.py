@@ -112,6 +112,7 @@ class PipelineRuntime:
         self._modules = self._dispatch.modules
         self._tracing = False
         self._num_microbatches = 1
+        self._local_params: list[nn.Parameter] = []
         self.server = ExecutionServer(
             comm,
             pp_rank,
@@ -150,6 +151,8 @@ class PipelineRuntime:
         self.plan = plan_checkpointing(self.module, self._ckpt_config, full)
         self.assignment = full
         self._dispatch.install(full, self.plan, self.server)
+        self._local_params = self.local_parameters()
+        self.server.grads.track(self._local_params)
 
     def partition(
         self,
@@ -266,6 +269,8 @@ class PipelineRuntime:
                 self.partition(step_fn, *mbs[0])
             else:
                 self.partition()
+        # (A parameter made trainable since the last step joins the in-order accumulation.)
+        self.server.grads.track(self._local_params)
         if not self.is_driver:
             return self.server.follow_step()
         m = len(mbs)
@@ -332,6 +337,16 @@ class PipelineRuntime:
     def local_parameters(self) -> list[nn.Parameter]:
         """The parameters this rank trains (give these to the optimizer / DP all-reduce)."""
         return [p for _, p in self.named_local_parameters()]
+
+    def register_grad_hook(self, param: torch.Tensor, hook: Callable[[torch.Tensor], Any]) -> Any:
+        """``hook(param)`` runs each time a microbatch's gradient of local parameter ``param``
+        is added to ``param.grad``: once per microbatch that reached it, in microbatch order
+        (see :mod:`smp_pipeline.accumulation`). Returns a handle with ``remove()``.
+
+        Use it instead of ``register_post_accumulate_grad_hook``: during a step, autograd's
+        contributions go to per-microbatch buffers, and ``.grad`` changes only when they are
+        folded in order."""
+        return self.server.grads.register_fold_hook(param, hook)
 
     def _canonical(self, alias: str) -> str:
         by_alias = getattr(self, "_alias_cache", None)

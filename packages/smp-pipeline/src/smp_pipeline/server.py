@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from smp_pipeline.accumulation import GradAccumulator
 from smp_pipeline.autograd import BACKWARD_MODES, CallRecords, RootContext
 from smp_pipeline.errors import PipelineError
 from smp_pipeline.execution_state import execution_state
@@ -103,11 +104,13 @@ class ExecutionServer:
             record_timeline=record_timeline,
         )
         self.records = CallRecords(pp_rank)
+        # Gradients of this rank's parameters, summed in microbatch order (see accumulation).
+        self.grads = GradAccumulator(self._current_mb)
         self.remote = RemoteCalls(
             pp_rank, self.transport, self.executor, self.records, execute, backward_mode
         )
         self.handlers = MessageHandlers(
-            pp_rank, self.transport, self.executor, self.records, self.remote
+            pp_rank, self.transport, self.executor, self.records, self.remote, self.grads
         )
         self._handle = self.handlers.handle  # once per served message: bound once
         # The entry points the runtime calls on hot paths, bound once.
@@ -144,6 +147,11 @@ class ExecutionServer:
     def events(self) -> list[TimelineEvent]:
         """The recorded task spans (with ``record_timeline``)."""
         return self.executor.events
+
+    def _current_mb(self) -> int | None:
+        """The microbatch of the task holding the execution token (None: the main loop)."""
+        task = self.executor.current
+        return None if task is None else task.mb
 
     def _order_arrival(self, _handle: Any) -> None:
         self._wakeup.release()
@@ -354,6 +362,8 @@ class ExecutionServer:
             with execution_state(state["grad"], state["autocast"]):
                 out = step_fn(*args, **kwargs)
             outputs[task.mb] = detach_all(out)
+            # Its backward (if any) returned: complete on every rank, so it may be folded.
+            self.grads.complete(step, task.mb)
             scheduler.completed_microbatch(task.mb)
             # A clean-up note (the records it frees go at the step's end anyway): the
             # other ranks take it with their next message, not mid-compute.
@@ -386,14 +396,17 @@ class ExecutionServer:
 
         self.follower_start = follower_start
         ok = False
+        self.grads.begin(step)
         try:
             self.serve(scheduler.done, start_next)
+            self.grads.end()
             self.drop_step(step)
             shared = outputs if outputs_to_all else [None] * len(outputs)
             transport.send_all(StepEnd(self.pp_rank, step, pack(shared, False)))
             transport.flush()
             ok = True
         finally:
+            self.grads.end()  # (a failed step: .grad back, with what was folded)
             self.scheduler = None
             self.follower_start = None
             if self.order is not None and self.order.is_leader:
@@ -412,7 +425,11 @@ class ExecutionServer:
         self.step += 1
         step = self.step
         step_ends = self.handlers.step_ends
-        self.serve(lambda: step in step_ends)
+        self.grads.begin(step)
+        try:
+            self.serve(lambda: step in step_ends)
+        finally:
+            self.grads.end()  # every microbatch's backward is complete once the step ended
         msg = step_ends.pop(step)
         self.drop_step(step)
         if self.order is not None and self.order.is_leader:

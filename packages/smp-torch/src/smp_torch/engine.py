@@ -112,6 +112,11 @@ class Engine(ABC):
         """Backward of one microbatch from ``grads`` times ``loss_scale``; the engine (or its
         runtime) applies the ``1/microbatches`` factor, the only place it is applied."""
 
+    def register_grad_hook(self, param: torch.Tensor, hook: Callable[[torch.Tensor], Any]) -> Any:
+        """``hook(param)`` after each accumulation into ``param.grad`` (a handle with
+        ``remove()``): autograd's post-accumulate-grad hook, where autograd accumulates."""
+        return param.register_post_accumulate_grad_hook(hook)
+
     def owned_parameter_names(self) -> set[str] | None:
         """Names of this rank's parameters, or None when it holds every parameter."""
         return None

@@ -8,8 +8,10 @@ batch.
 
 The phase, at every pipeline degree:
 
-- :meth:`GradReducer.begin` (step start) arms the reducer. A post-accumulate-grad hook
-  counts every accumulation into each parameter's ``.grad``.
+- :meth:`GradReducer.begin` (step start) arms the reducer. A hook counts every
+  accumulation into each parameter's ``.grad``: autograd's post-accumulate-grad hook, or
+  under pipelining the runtime's (``register_grad_hook``: it sums each parameter's gradient
+  per microbatch and adds the sums to ``.grad`` in microbatch order, once per microbatch).
 - The first step that runs a backward teaches the reducer how many accumulations each
   parameter receives per step (one per microbatch that uses it); that step is reduced at the
   end. From then on a bucket is all-reduced asynchronously as soon as all of its parameters
@@ -32,7 +34,7 @@ every rank stays ``None`` (the optimizer then skips it exactly as it would in on
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +74,9 @@ class GradReducer:
             over it.
         bucket_bytes: the size of a bucket.
         overlap: launch buckets during backward (True) or only at the end of the step.
+        register_hook: ``register_hook(param, fn)`` makes ``fn(param)`` run after each
+            accumulation into ``param.grad`` and returns a handle with ``remove()``; default
+            autograd's ``register_post_accumulate_grad_hook``.
     """
 
     def __init__(
@@ -80,6 +85,7 @@ class GradReducer:
         stale_group: Any,
         bucket_bytes: int = 4 << 20,
         overlap: bool = True,
+        register_hook: Callable[[torch.Tensor, Callable[[torch.Tensor], None]], Any] | None = None,
     ) -> None:
         self._lock = threading.Lock()
         self._armed = False
@@ -109,7 +115,10 @@ class GradReducer:
             current.specs.append(spec)
             size += p.numel() * p.element_size()
             self._bucket_of[id(p)] = len(self._buckets) - 1
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+            if register_hook is None:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+            else:
+                self._hooks.append(register_hook(p, self._on_grad))
 
     @property
     def num_buckets(self) -> int:

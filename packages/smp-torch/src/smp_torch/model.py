@@ -184,7 +184,11 @@ class DistributedModel(nn.Module):
                 dp = cfg.rdp * cfg.tp
                 specs.append(GradSpec(p, ctx.process_groups["dp"], dp, float(dp)))
         return GradReducer(
-            specs, ctx.process_groups["dp"], bucket_bytes=self._bucket_bytes, overlap=self._overlap
+            specs,
+            ctx.process_groups["dp"],
+            bucket_bytes=self._bucket_bytes,
+            overlap=self._overlap,
+            register_hook=self.engine.register_grad_hook,
         )
 
     # -- parameters ----------------------------------------------------------------------

@@ -219,6 +219,11 @@ class PipelineEngine(Engine):
         scaled = list(grads) if loss_scale == 1.0 else [g * loss_scale for g in grads]
         self.runtime.backward(list(tensors), scaled)
 
+    def register_grad_hook(self, param: torch.Tensor, hook: Callable[[torch.Tensor], Any]) -> Any:
+        # The runtime sums each parameter's gradient in microbatch order: .grad changes only
+        # when a microbatch's sum is folded in, once per microbatch that reached it.
+        return self.runtime.register_grad_hook(param, hook)
+
     # -- ownership ---------------------------------------------------------------------------
 
     def owned_parameter_names(self) -> set[str] | None:

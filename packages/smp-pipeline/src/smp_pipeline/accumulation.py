@@ -1,0 +1,189 @@
+"""Deterministic gradient accumulation: each parameter's gradient is summed in microbatch order.
+
+Under pipelining, the backward work of several microbatches is in flight on a rank at once,
+and autograd's ``AccumulateGrad`` would add each contribution to ``.grad`` when the backward
+reaching the parameter happens to run. Floating-point addition is not associative, so the
+result would depend on timing. :class:`GradAccumulator` makes it depend on the configuration
+only:
+
+- While a step runs, every contribution autograd makes to a local parameter is caught (a
+  tensor hook before ``AccumulateGrad`` moves ``.grad`` aside, so autograd stores the
+  contribution alone; a post-accumulate hook takes it and puts ``.grad`` back) and added to a
+  buffer of the microbatch whose task produced it. ``.grad`` itself never changes then.
+- A microbatch's buffer is *folded* into ``.grad`` (``grad += buffer``, or ``grad = buffer``
+  if there was none) once that microbatch's backward is complete on every rank (the driver's
+  step function returned; elsewhere its ``MbDone`` note) and every earlier microbatch is
+  folded; what is left is folded in order at the end of the step.
+
+This is what one process computes accumulating the microbatches in order (each
+``(loss_i / m).backward()``): autograd's per-run sum of a parameter's uses, then
+``grad += that``. Where a parameter gets contributions from several engine runs within one
+microbatch (a module called twice through remote calls, tied weights used by two calls) they
+are summed in the order those runs happen, which is fixed by the microbatch's own data flow
+in joined mode (one chain of backward per microbatch); two contributions sum exactly as in one
+process in any order (addition is commutative).
+
+Memory: one gradient-sized buffer per parameter and per microbatch whose backward reached the
+parameter here but is not folded yet (bounded by the microbatches in flight).
+
+Hooks run wherever autograd runs, always while the execution token is held, so the task
+holding it (``current_mb``) names the microbatch; no lock is needed. Users who need to know
+when gradients land use :meth:`GradAccumulator.register_fold_hook` instead of
+``register_post_accumulate_grad_hook`` (which sees ``.grad`` unchanged during a step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+FoldHook = Callable[[torch.Tensor], None]
+
+
+class _Handle:
+    """Removes one fold hook."""
+
+    def __init__(self, hooks: list[FoldHook], hook: FoldHook) -> None:
+        self._hooks = hooks
+        self._hook = hook
+
+    def remove(self) -> None:
+        if self._hook in self._hooks:
+            self._hooks.remove(self._hook)
+
+
+class GradAccumulator:
+    """Per-microbatch gradient buffers of one rank's parameters, folded in microbatch order.
+
+    Args:
+        current_mb: the microbatch of the task holding the execution token (None outside one).
+    """
+
+    def __init__(self, current_mb: Callable[[], int | None]) -> None:
+        self._current_mb = current_mb
+        self._params: list[torch.Tensor] = []  # tracked, in a fixed order (fold order)
+        self._tracked: dict[int, torch.Tensor] = {}
+        self._handles: list[Any] = []
+        self._fold_hooks: dict[int, list[FoldHook]] = {}
+        self._step: int | None = None  # the step being accumulated (None: disarmed)
+        self._aside: dict[int, torch.Tensor | None] = {}  # .grad moved aside by the pre-hook
+        self._buffers: dict[int, dict[int, torch.Tensor]] = {}  # mb -> id(param) -> sum
+        self._complete: set[int] = set()
+        self._next = 0  # the next microbatch to fold
+        self.peak_buffers = 0  # most microbatch buffers alive at once (for measurements)
+
+    # ------------------------------------------------------------------ set-up
+    def track(self, params: Iterable[torch.Tensor]) -> None:
+        """Accumulate these parameters deterministically (those that require grad; a
+        parameter already tracked is skipped)."""
+        for p in params:
+            if id(p) in self._tracked or not p.requires_grad:
+                continue
+            self._tracked[id(p)] = p
+            self._params.append(p)
+            self._handles.append(p.register_hook(self._make_pre_hook(p)))
+            self._handles.append(p.register_post_accumulate_grad_hook(self._post_hook))
+
+    def register_fold_hook(self, param: torch.Tensor, hook: FoldHook) -> _Handle:
+        """``hook(param)`` runs each time a microbatch's gradient of ``param`` is folded into
+        ``param.grad`` (once per microbatch that reached it, in microbatch order)."""
+        hooks = self._fold_hooks.setdefault(id(param), [])
+        hooks.append(hook)
+        return _Handle(hooks, hook)
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # ------------------------------------------------------------------ autograd hooks
+    def _make_pre_hook(self, p: torch.Tensor) -> Callable[[torch.Tensor | None], None]:
+        key = id(p)
+        aside = self._aside
+
+        def pre_hook(_grad: torch.Tensor | None) -> None:
+            if self._step is None:
+                return
+            # AccumulateGrad runs next, on this thread: with .grad None it stores the
+            # contribution alone (as its own tensor), which the post hook takes.
+            aside[key] = p.grad
+            p.grad = None
+
+        return pre_hook
+
+    def _post_hook(self, p: torch.Tensor) -> None:
+        key = id(p)
+        if self._step is None or key not in self._aside:
+            return
+        contribution = p.grad
+        p.grad = self._aside.pop(key)
+        if contribution is None:
+            return
+        mb = self._current_mb()
+        if mb is None or mb < self._next:
+            # Outside a microbatch's task, or after its microbatch was folded: no order to
+            # keep (never happens in a pipelined step); accumulate as autograd would.
+            self._add_to_grad(p, contribution)
+            return
+        buffers = self._buffers.get(mb)
+        if buffers is None:
+            buffers = self._buffers[mb] = {}
+            self.peak_buffers = max(self.peak_buffers, len(self._buffers))
+        buf = buffers.get(key)
+        if buf is None:
+            buffers[key] = contribution  # autograd's own tensor: ours to add into
+        else:
+            buf += contribution
+
+    # ------------------------------------------------------------------ steps
+    def begin(self, step: int) -> None:
+        """Start accumulating ``step``'s gradients in microbatch order."""
+        self._step = step
+        self._aside.clear()
+        self._buffers.clear()
+        self._complete.clear()
+        self._next = 0
+
+    def complete(self, step: int, mb: int) -> None:
+        """Microbatch ``mb``'s backward is complete on every rank: fold it, and any later
+        complete ones, once every earlier microbatch is folded."""
+        if step != self._step or mb < self._next:
+            return
+        self._complete.add(mb)
+        while self._next in self._complete:
+            self._complete.discard(self._next)
+            self._fold(self._next)
+            self._next += 1
+
+    def end(self) -> None:
+        """The step ended (or failed): fold what is left in microbatch order and stop."""
+        if self._step is None:
+            return
+        for key, grad in self._aside.items():  # only if autograd failed between the hooks
+            self._tracked[key].grad = grad
+        self._aside.clear()
+        for mb in sorted(self._buffers):
+            self._fold(mb)
+        self._step = None
+        self._aside.clear()
+        self._complete.clear()
+
+    def _fold(self, mb: int) -> None:
+        buffers = self._buffers.pop(mb, None)
+        if not buffers:
+            return
+        for p in self._params:
+            buf = buffers.get(id(p))
+            if buf is not None:
+                self._add_to_grad(p, buf)
+
+    def _add_to_grad(self, p: torch.Tensor, g: torch.Tensor) -> None:
+        if p.grad is None:
+            p.grad = g
+        else:
+            with torch.no_grad():
+                p.grad += g
+        for hook in self._fold_hooks.get(id(p), ()):
+            hook(p)
