@@ -116,7 +116,7 @@ def vocab_parallel_cross_entropy(
     prescaled = cfg.prescaled_batch if prescaled_batch is None else bool(prescaled_batch)
     T, r = tp_size(group), tp_rank(group)
     n = logits.shape[-1]
-    if vocab_size is not None and not (n * (T - 1) < vocab_size <= n * T):
+    if vocab_size is not None and n != -(-vocab_size // T):
         raise ValueError(
             f"vocab_parallel_cross_entropy: a shard of {n} columns on {T} ranks cannot hold a "
             f"vocabulary of {vocab_size} (expected ceil({vocab_size}/{T}) columns); pass "

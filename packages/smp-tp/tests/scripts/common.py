@@ -60,6 +60,37 @@ def close_dicts(name: str, got: dict, want: dict, rtol: float = RTOL, atol: floa
         close(f"{name}[{k}]", got[k], want[k], rtol, atol)
 
 
+def close_norm(name: str, got: torch.Tensor, want: torch.Tensor, rel: float = 2e-6) -> None:
+    """``||got - want|| <= rel * ||want||`` (plus a float32 floor), the whole tensor at once.
+
+    For gradients of vocabulary-parallel and column/row-parallel models: the softmax
+    denominators are sums of per-rank partial sums, row-parallel outputs and input
+    gradients are all-reduced / reduce-scattered partial products, so every element is
+    the same sum taken in another order. An elementwise bound then has to be loose for
+    the elements that happen to be near zero; the norm of the difference is a bound on
+    the whole tensor that stays tight (a wrong shard or a missing term moves it by O(1)).
+    """
+    if got.shape != want.shape:
+        raise AssertionError(f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}")
+    g, w = got.double(), want.double()
+    err, ref = (g - w).norm().item(), w.norm().item()
+    floor = 1e-7 * max(1.0, w.numel()) ** 0.5
+    if not err <= rel * ref + floor:
+        raise AssertionError(f"{name}: ||diff|| {err:.3e} > {rel} x ||want|| {ref:.3e} (+{floor:.1e})")
+
+
+def close_norm_dicts(name: str, got: dict, want: dict, rel: float = 2e-6) -> None:
+    if set(got) != set(want):
+        raise AssertionError(f"{name}: keys differ: {sorted(set(got) ^ set(want))}")
+    for k in want:
+        close_norm(f"{name}[{k}]", got[k], want[k], rel)
+
+
+def param_bytes(model: torch.nn.Module) -> int:
+    """Bytes of this rank's parameters (a tied parameter counted once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def randomize(module: torch.nn.Module, seed: int = 1234) -> None:
     """Give every parameter non-trivial values, identically on every rank."""
     gen = torch.Generator().manual_seed(seed)
