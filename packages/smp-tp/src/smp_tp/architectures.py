@@ -36,12 +36,12 @@ _vocab_plans: dict[type, VocabPlan] = {}
 
 def _block_converter(
     column: Sequence[str], row: Sequence[str], sizes: Callable[[nn.Module], dict[str, int]] | None,
-    input_name: str,
+    divide: Sequence[str], input_name: str,
 ) -> Callable[[nn.Module], DistributedBlock]:
-    column, row = tuple(column), tuple(row)
+    column, row, divide = tuple(column), tuple(row), tuple(divide)
 
     def convert(module: nn.Module) -> DistributedBlock:
-        return DistributedBlock(module, column, row, sizes=sizes, input_name=input_name)
+        return DistributedBlock(module, column, row, sizes=sizes, divide=divide, input_name=input_name)
 
     return convert
 
@@ -52,13 +52,16 @@ def tp_register_block(
     row: Sequence[str],
     *,
     sizes: Callable[[nn.Module], dict[str, int]] | None = None,
+    divide: Sequence[str] = (),
     input_name: str = "hidden_states",
 ) -> None:
     """Replace marked instances of ``module_cls`` by a :class:`DistributedBlock`.
 
     ``column``/``row``: names of ``nn.Linear`` children split over outputs / inputs;
-    ``sizes(module)``: sizes that must divide by the degree (e.g. head counts); the block's
-    output must be the row linear's output. Example (Llama attention and MLP)::
+    ``sizes(module)``: sizes that must divide by the degree (e.g. head counts);
+    ``divide``: integer attributes the forward reads that become per-rank values (e.g.
+    ``["num_heads"]``); the block's output must be the row linear's output. Example (Llama
+    attention and MLP)::
 
         smp_tp.tp_register_block(LlamaAttention, ["q_proj", "k_proj", "v_proj"], ["o_proj"],
             sizes=lambda m: {"num_attention_heads": m.config.num_attention_heads,
@@ -66,7 +69,7 @@ def tp_register_block(
         smp_tp.tp_register_block(LlamaMLP, ["gate_proj", "up_proj"], ["down_proj"])
     """
     _registry[module_cls] = Registration(
-        DistributedBlock, converter=_block_converter(column, row, sizes, input_name))
+        DistributedBlock, converter=_block_converter(column, row, sizes, divide, input_name))
 
 
 def register_builtin_block(

@@ -13,6 +13,7 @@ collectives per step, and the errors.
 
 from __future__ import annotations
 
+import copy
 import os
 import traceback
 
@@ -167,6 +168,91 @@ def counts() -> None:
 
 
 check("counts", counts)
+
+
+# ---- a new architecture registered in three lines (the README's recipe), plain torch
+class Attention(nn.Module):
+    def __init__(self, h: int, heads: int) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, h // heads
+        self.q, self.k, self.v, self.o = (nn.Linear(h, h) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape  # the forward reads self.heads: registered with divide=["heads"]
+        q, k, v = (lin(x).view(b, s, self.heads, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o(ctx.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(h, 2 * h), nn.Linear(2 * h, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, h: int, heads: int) -> None:
+        super().__init__()
+        self.attn, self.mlp = Attention(h, heads), MLP(h)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(torch.tanh(x), mask)
+        return x + self.mlp(torch.tanh(x))
+
+
+class NewLM(nn.Module):
+    def __init__(self, V: int, h: int = 16, heads: int = 4) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, h)
+        self.blocks = nn.ModuleList(Block(h, heads) for _ in range(2))
+        self.head = nn.Linear(h, V, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        s = ids.shape[1]
+        mask = pad.bool()[:, None, None, :] & torch.ones(s, s, dtype=torch.bool).tril()
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(x)
+
+
+smp_tp.tp_register_block(Attention, ["q", "k", "v"], ["o"], divide=["heads"], input_name="x")
+smp_tp.tp_register_block(MLP, ["up"], ["down"], input_name="x")
+smp_tp.tp_register_vocab_parallel(NewLM, embedding="emb", head="head")
+
+
+def recipe(prescaled: bool) -> None:
+    V = 97
+    torch.manual_seed(2)
+    ref = NewLM(V)
+    model = smp_tp.parallelize(smp_tp.set_tensor_parallelism(copy.deepcopy(ref)), prescaled_batch=prescaled)
+    ids, target, _ = data(21 if prescaled else 21 + rank, V)
+    pad = torch.ones(B, S, dtype=torch.long)
+    pad[-1, S - 1 - (0 if prescaled else rank % 2):] = 0  # differs between ranks
+    every = [(t if prescaled else gather_batch(t)) for t in (ids, target, pad)]
+    loss = model.head.cross_entropy(model(ids, pad), target, ignore_index=IGNORE)
+    loss.backward()
+    smp_tp.sync_gradients(model)
+    got_grads, state = smp_tp.full_grad_dict(model), smp_tp.full_state_dict(model)
+    mean_loss = loss.detach() if prescaled else smp_tp.allreduce_for_tp(loss.detach()) / T
+    ref_loss = F.cross_entropy(ref(every[0], every[2]).flatten(0, 1), every[1].flatten(), ignore_index=IGNORE)
+    ref_loss.backward()
+    kinds = [type(m).__name__ for m in model.modules()]
+    if kinds.count("DistributedBlock") != 4 or "Linear" in kinds or model.head.weight is not model.emb.weight:
+        raise AssertionError(f"recipe: {kinds}")
+    close("recipe loss", mean_loss, ref_loss)
+    close_norm_dicts("recipe grads", got_grads, {k: p.grad for k, p in ref.named_parameters(remove_duplicate=False)})
+    close_dicts("recipe state", state, ref.state_dict(), 0, 0)
+    if rank == 0:
+        log(f"new architecture via tp_register_block/tp_register_vocab_parallel, prescaled={prescaled}: OK")
+
+
+check("recipe scaled", recipe, False)
+check("recipe prescaled", recipe, True)
 
 
 def errors() -> None:

@@ -141,7 +141,9 @@ class DistributedBlock(DistributedModule):
 
     ``sizes(module) -> {name: value}``: sizes that must be divisible by the TP degree (e.g.
     the numbers of query and key/value heads; a linear's feature count alone does not show
-    where heads end). ``input_name``: the forward argument holding the block input when it
+    where heads end). ``divide``: integer attributes of the module (e.g. ``"num_heads"``)
+    that the forward reads and that become per-rank values (divided by the degree, which
+    must divide them) on the block. ``input_name``: the forward argument holding the block input when it
     is passed by keyword (the first positional argument otherwise). Parameters outside the
     column and row linears are not supported (a ``ValueError`` names them).
     """
@@ -153,6 +155,7 @@ class DistributedBlock(DistributedModule):
         row: Sequence[str],
         *,
         sizes: Callable[[nn.Module], dict[str, int]] | None = None,
+        divide: Sequence[str] = (),
         input_name: str = "hidden_states",
         tp_group: ProcessGroup = None,
         prescaled_batch: bool | None = None,
@@ -166,7 +169,13 @@ class DistributedBlock(DistributedModule):
                 raise ValueError(f"{name}: {n!r} is not an nn.Linear child (column={list(column)}, row={list(row)})")
         if not row:
             raise ValueError(f"{name}: a DistributedBlock needs a row-parallel linear for its output")
-        for key, value in (sizes(module) if sizes is not None else {}).items():
+        checked = dict(sizes(module)) if sizes is not None else {}
+        for key in divide:
+            value = getattr(module, key, None)
+            if not isinstance(value, int):
+                raise ValueError(f"{name}: attribute {key!r} to divide by the degree is not an int ({value!r})")
+            checked.setdefault(key, value)
+        for key, value in checked.items():
             if value % self.tp_size:
                 raise ValueError(
                     f"{name}: {key}={value} is not divisible by the tensor-parallel degree "
@@ -185,6 +194,8 @@ class DistributedBlock(DistributedModule):
         for key, value in vars(module).items():
             if key not in self.__dict__:
                 self.__dict__[key] = value
+        for key in divide:  # per-rank counts (e.g. heads) for a forward that reads them
+            self.__dict__[key] = getattr(module, key) // self.tp_size
         for key, buf in module._buffers.items():
             self.register_buffer(key, buf, persistent=key not in module._non_persistent_buffers_set)
         mode: dict[str, Any] = {"tp_group": self.tp_group, "prescaled_batch": self.prescaled_batch}

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from smp_tp.group import ProcessGroup
+from smp_tp.loss import vocab_parallel_cross_entropy
 from smp_tp.mappings import (
     allgather_no_grad,
     bwd_allreduce_for_tp,
@@ -308,6 +309,17 @@ class VocabParallelLMHead(DistributedModule):
         g = self.tp_group
         full = scatter_and_merge_for_tp(logits, 0, -1, g) if self.scaled_batch else gather_replicated_for_tp(logits, -1, g)
         return full[..., : self.num_embeddings]
+
+    def cross_entropy(
+        self, logits: torch.Tensor, target: torch.Tensor, *, ignore_index: int = -100,
+        reduction: str = "mean",
+    ) -> torch.Tensor:
+        """:func:`smp_tp.vocab_parallel_cross_entropy` of this head's logits shard, with the
+        head's vocabulary size, group and batch mode."""
+        return vocab_parallel_cross_entropy(
+            logits, target, ignore_index=ignore_index, reduction=reduction,
+            vocab_size=self.num_embeddings, tp_group=self.tp_group, prescaled_batch=self.prescaled_batch,
+        )
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, vocab={self.num_embeddings}, rows "
