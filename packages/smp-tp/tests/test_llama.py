@@ -16,6 +16,7 @@ def test_llama_family_matches_original(nprocs: int) -> None:
         for prescaled in (False, True):
             assert f"{name} prescaled={prescaled}: OK" in out
     assert "llama-base prescaled=False: OK" in out
+    assert "llama-tied-gqa prescaled=False batch=1: OK" in out
     # one collective pair per attention block and per MLP block (check_llama.PER_LAYER)
     assert "llama collectives per decoder layer (prescaled=False): {'forward': {'all_gather': 2, " in out
     assert "llama collectives per decoder layer (prescaled=True): {'forward': {'all_reduce': 2}, " in out

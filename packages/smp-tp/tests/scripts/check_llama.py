@@ -77,11 +77,11 @@ MODELS = {
 }
 
 
-def inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def inputs(seed: int, b: int = B) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(2, V, (B, S), generator=gen)
-    mask = torch.ones(B, S, dtype=torch.long)
-    mask[1, S - 1 - seed % 3:] = 0  # right padding, different on every rank
+    ids = torch.randint(2, V, (b, S), generator=gen)
+    mask = torch.ones(b, S, dtype=torch.long)
+    mask[b - 1, S - 1 - seed % 3:] = 0  # right padding, different on every rank
     labels = ids.masked_fill(mask == 0, -100)
     return ids, mask, labels
 
@@ -105,11 +105,11 @@ def build_pair(name: str, prescaled: bool):
     return ref, model
 
 
-def run(name: str, prescaled: bool) -> None:
+def run(name: str, prescaled: bool, b: int = B) -> None:
     ref, model = build_pair(name, prescaled)
     causal = hasattr(ref, "lm_head")
     kinds = [type(m).__name__ for m in model.modules()]
-    ids, mask, labels = inputs(7 if prescaled else 7 + rank)
+    ids, mask, labels = inputs(7 if prescaled else 7 + rank, b)
     every = [t if prescaled else gather_batch(t) for t in (ids, mask, labels)]
     own = (lambda t: t) if prescaled else (lambda t: t.chunk(T, 0)[rank])
     n_all = tokens_in_loss(every[2])
@@ -140,7 +140,7 @@ def run(name: str, prescaled: bool) -> None:
     close(f"{name} loss", mean_loss, ref_loss)
     if causal:
         rows = ceil_div(V, T)
-        want_shape = (B if prescaled else T * B, S, rows)
+        want_shape = (b if prescaled else T * b, S, rows)
         if shard_shape != want_shape:
             raise AssertionError(f"{name}: logits shard {shard_shape} != {want_shape}")
         # norm-based (see common.close_norm): row-parallel outputs are sums of per-rank
@@ -165,7 +165,8 @@ def run(name: str, prescaled: bool) -> None:
     if T == 2 and ratio > 0.55:
         raise AssertionError(f"{name}: parameter bytes per rank {ratio:.3f} of the unwrapped model")
     if rank == 0:
-        log(f"{name} prescaled={prescaled}: OK (parameter bytes per rank {ratio:.3f} x unwrapped)")
+        log(f"{name} prescaled={prescaled}{'' if b == B else f' batch={b}'}: OK "
+            f"(parameter bytes per rank {ratio:.3f} x unwrapped)")
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -177,6 +178,8 @@ for name in MODELS:
         if name == "llama-base" and prescaled:
             continue
         check(f"{name}/{prescaled}", run, name, prescaled)
+# one sample per rank: (1, ...) arguments (position ids, cos/sin) are per sample too
+check("llama batch 1", run, "llama-tied-gqa", False, 1)
 
 
 # Collectives per decoder layer: one pair per attention block and one per MLP block.

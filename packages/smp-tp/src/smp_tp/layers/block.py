@@ -11,10 +11,13 @@ everything between local, so the block costs one collective pair:
   (forward all-reduce);
 * scaled batch: all-gather the TP group's samples on entry (backward reduce-scatter) and
   reduce-scatter the row linear's partial output back by sample (backward all-gather) —
-  the volume of one all-reduce each way. Tensor arguments whose first dimension is the
-  batch (masks, rotary ``cos``/``sin`` of per-sample positions, position ids) are
-  all-gathered too, once per tensor object (the same mask given to every layer is
-  gathered once).
+  the volume of one all-reduce each way. Tensor arguments (also inside tuples and lists)
+  of at least two dimensions whose first dimension is the batch size (masks, rotary
+  ``cos``/``sin``, position ids) are all-gathered too, once per tensor object (the same
+  mask given to every layer is gathered once). With one sample per rank a ``(1, ...)``
+  argument is therefore gathered as well, which is right for a per-sample or a broadcast
+  tensor; an argument that differs between TP ranks for another reason (per-rank heads)
+  must not be passed to a block in scaled-batch mode.
 
 :class:`DistributedBlock` keeps the original module's forward: it takes over its attributes
 and children (column/row linears replaced by :class:`ColumnParallelLinear` /
@@ -124,7 +127,7 @@ def _gather_side_tensor(t: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 def _gather_side(value: Any, batch: int, group: ProcessGroup, depth: int = 0) -> Any:
     if isinstance(value, torch.Tensor):
-        if value.dim() >= 1 and value.shape[0] == batch:
+        if value.dim() >= 2 and value.shape[0] == batch:
             return _gather_side_tensor(value, group)
         return value
     if depth < 2 and isinstance(value, (tuple, list)):
