@@ -194,7 +194,7 @@ def _apply_vocab_plan(model: nn.Module, owner: nn.Module, plan: VocabPlan) -> No
             owner.register_forward_pre_hook(_loss_pre_hook, with_kwargs=True)
             owner.register_forward_hook(_loss_post_hook, with_kwargs=True, always_call=True)
             object.__setattr__(owner, "_smp_tp_loss_hooks", True)
-        owner.loss_function = VocabParallelCausalLMLoss(vhead)
+        owner.loss_function = VocabParallelCausalLMLoss(vhead)  # type: ignore[assignment]
 
 
 def _apply_vocab_plans(model: nn.Module) -> None:

@@ -204,6 +204,7 @@ class DistributedBlock(DistributedModule):
         mode: dict[str, Any] = {"tp_group": self.tp_group, "prescaled_batch": self.prescaled_batch}
         for key, child in children.items():
             if key in split:
+                assert isinstance(child, nn.Linear)
                 w = child.weight
                 kind = ColumnParallelLinear if key in column else RowParallelLinear
                 self.add_module(key, kind(child.in_features, child.out_features, child.bias is not None,
