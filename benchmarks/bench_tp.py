@@ -1,5 +1,6 @@
-"""smp-tp benchmark: activation memory of optimize="memory" (with and without its selective
-recomputation) vs "speed", and throughput of
+"""smp-tp benchmark: parameter bytes per TP rank of GPT-2 and Llama configurations (vocabulary-
+parallel embeddings and heads included), activation memory of optimize="memory" (with and
+without its selective recomputation) vs "speed", and throughput of
 tensor parallelism across data-parallel ranks (scaled batch) vs Megatron-style (prescaled)
 on an embedding-heavy recommendation model.
 
@@ -147,6 +148,45 @@ def bench_throughput(rank: int, tp: int) -> None:
               flush=True)
 
 
+PARAM_MODELS = {  # name: (family, config); built on the meta device (shapes only, no memory)
+    "gpt2-small-124M": ("gpt2", {}),  # GPT2Config() is GPT-2 small: 12 x 768, vocab 50257 (tied)
+    "llama-small-tied": ("llama", dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                                       num_attention_heads=12, num_key_value_heads=4, vocab_size=32000,
+                                       tie_word_embeddings=True)),
+    "llama-3.2-1B-shape": ("llama", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                         tie_word_embeddings=True)),
+}
+
+
+def bench_params(rank: int, tp: int) -> None:
+    """Parameter bytes per TP rank vs the unwrapped model, embeddings and head included."""
+    import warnings
+
+    import smp_tp
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    def nbytes(model) -> int:
+        return sum(p.numel() * p.element_size() for p in model.parameters())  # tied: once
+
+    for name, (family, cfg) in PARAM_MODELS.items():
+        with torch.device("meta"):
+            model = (GPT2LMHeadModel(GPT2Config(**cfg)) if family == "gpt2"
+                     else LlamaForCausalLM(LlamaConfig(**cfg)))
+        full = nbytes(model)
+        smp_tp.set_tensor_parallelism(model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            smp_tp.parallelize(model)
+        left = [str(w.message) for w in caught if "left unreplaced" in str(w.message)]
+        local = nbytes(model)
+        if rank == 0:
+            print(f"RESULT params_{name} tp={tp} full_MiB={full / 2**20:.1f} "
+                  f"rank_MiB={local / 2**20:.1f} ratio={local / full:.3f} unreplaced={len(left)}",
+                  flush=True)
+
+
 def worker() -> None:
     import torch
     import torch.distributed as dist
@@ -154,8 +194,13 @@ def worker() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, tp = dist.get_rank(), dist.get_world_size()
-    bench_memory(rank, tp)
-    bench_throughput(rank, tp)
+    only = os.environ.get("SMP_BENCH_TP_ONLY", "")
+    if not only or only == "params":
+        bench_params(rank, tp)
+    if not only or only == "memory":
+        bench_memory(rank, tp)
+    if not only or only == "throughput":
+        bench_throughput(rank, tp)
     dist.destroy_process_group()
 
 
@@ -169,12 +214,15 @@ def _port() -> int:
 
 
 def main() -> None:
+    """``python benchmarks/bench_tp.py [params|memory|throughput]`` (default: all three)."""
+    only = sys.argv[1] if len(sys.argv) > 1 else ""
     results: dict[str, dict[int, dict[str, str]]] = {
-        "memory128": {}, "memory32": {}, "time128": {}, "throughput": {}}
+        "memory128": {}, "memory32": {}, "time128": {}, "throughput": {},
+        **{f"params_{name}": {} for name in PARAM_MODELS}}
     for tp in (2, 4):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp),
                "--master-addr", "127.0.0.1", "--master-port", str(_port()), __file__, WORKER_FLAG]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1", SMP_BENCH_TP_ONLY=only)
         out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=170)
         if out.returncode != 0:
             sys.exit(f"bench_tp: tp={tp} failed:\n{out.stdout}\n{out.stderr}")
@@ -183,6 +231,16 @@ def main() -> None:
                 kind, *fields = line.split()[1:]
                 values = dict(f.split("=") for f in fields)
                 results[kind][int(values.pop("tp"))] = values
+    if not only or only == "params":
+        print("parameter bytes per TP rank / unwrapped model (embeddings and head included; "
+              "vocabulary-parallel tied embedding, Megatron blocks): " + " | ".join(
+                  f"{name}: " + ", ".join(
+                      f"tp={tp} {r['ratio']} ({r['rank_MiB']} of {r['full_MiB']} MiB"
+                      + (f", {r['unreplaced']} modules left unreplaced" if r["unreplaced"] != "0" else "")
+                      + ")" for tp, r in sorted(results[f"params_{name}"].items()))
+                  for name in PARAM_MODELS))
+    if only == "params":
+        return
     parts = []
     for seq in (128, 32):
         mem = results[f"memory{seq}"]

@@ -4,10 +4,12 @@ Torch only (no MPI): works under ``torchrun`` with any ``torch.distributed`` pro
 """
 
 from smp_tp.__about__ import __version__
+from smp_tp.architectures import tp_register_block, tp_register_vocab_parallel
 from smp_tp.checkpoint import full_grad_dict, full_state_dict, load_full_state_dict
 from smp_tp.grads import sync_gradients
 from smp_tp.group import tp_rank, tp_size
 from smp_tp.layers.attention import DistributedAttentionLayer
+from smp_tp.layers.block import ColumnParallelLinear, DistributedBlock, RowParallelLinear
 from smp_tp.layers.embedding import DistributedEmbedding
 from smp_tp.layers.layernorm import DistributedLayerNorm
 from smp_tp.layers.linear import DistributedLinear
@@ -17,6 +19,13 @@ from smp_tp.layers.transformer import (
     DistributedTransformerLayer,
     DistributedTransformerLMHead,
 )
+from smp_tp.layers.vocab import (
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
+    gather_vocab_parallel_logits,
+    sharded_logits,
+)
+from smp_tp.loss import VocabParallelCausalLMLoss, vocab_parallel_cross_entropy
 from smp_tp.mappings import (
     CollectiveCounts,
     all_to_all_for_tp,
@@ -64,9 +73,15 @@ __all__ = [
     "DistributedModule", "DistributedLinear", "DistributedEmbedding", "DistributedLayerNorm",
     "DistributedAttentionLayer", "DistributedTransformerOutputLayer",
     "DistributedTransformerLayer", "DistributedTransformer", "DistributedTransformerLMHead",
+    "VocabParallelEmbedding", "VocabParallelLMHead", "DistributedBlock", "ColumnParallelLinear",
+    "RowParallelLinear",
+    # vocabulary-parallel loss
+    "vocab_parallel_cross_entropy", "gather_vocab_parallel_logits", "sharded_logits",
+    "VocabParallelCausalLMLoss",
     # replacement
     "tensor_parallelism", "set_tensor_parallelism", "is_tensor_parallel_enabled",
-    "tp_register", "tp_register_with_module", "parallelize",
+    "tp_register", "tp_register_with_module", "tp_register_block", "tp_register_vocab_parallel",
+    "parallelize",
     # state and gradients
     "full_state_dict", "load_full_state_dict", "full_grad_dict", "sync_gradients",
     "ParamSpec", "param_spec", "is_distributed_parameter",

@@ -1,4 +1,10 @@
-"""Built-in replacements for Hugging Face GPT-2, BERT and RoBERTa transformer layers.
+"""Built-in replacements for Hugging Face GPT-2, BERT, RoBERTa and Llama-family models.
+
+GPT-2/BERT/RoBERTa layers become :class:`DistributedTransformerLayer`; Llama, Mistral and
+Qwen2 attention and MLP blocks become Megatron column → row
+:class:`~smp_tp.layers.block.DistributedBlock` (RMSNorm and rotary embeddings untouched);
+GPT-2's and the Llama family's token embedding and output head become vocabulary-parallel
+(tied when the model ties them).
 
 Imported only when ``transformers`` is already imported by the user (see
 :func:`register_hf_if_loaded`), so smp-tp never requires it. The layer signatures followed
@@ -16,6 +22,7 @@ from typing import Any
 
 import torch
 
+from smp_tp.architectures import register_builtin_block, register_builtin_vocab
 from smp_tp.builtin import finish
 from smp_tp.layers.transformer import DistributedTransformerLayer
 from smp_tp.module import DistributedModule
@@ -161,8 +168,32 @@ def _bert_layer(m: Any) -> DistributedModule | None:
     return dist
 
 
+# ------------------------------------------------------- Llama family (Mistral, Qwen2)
+
+_ATTN_COLUMN, _ATTN_ROW = ("q_proj", "k_proj", "v_proj"), ("o_proj",)
+_MLP_COLUMN, _MLP_ROW = ("gate_proj", "up_proj"), ("down_proj",)
+
+
+def _attention_heads(m: Any) -> dict[str, int]:
+    cfg = m.config
+    heads = cfg.num_attention_heads
+    return {"num_attention_heads": heads, "num_key_value_heads": getattr(cfg, "num_key_value_heads", None) or heads}
+
+
+# (module, attention class, MLP class, causal LM class, base model class)
+_LLAMA_FAMILY = [
+    ("transformers.models.llama.modeling_llama", "Llama"),
+    ("transformers.models.mistral.modeling_mistral", "Mistral"),
+    ("transformers.models.qwen2.modeling_qwen2", "Qwen2"),
+]
+
+
 def register_hf_if_loaded() -> None:
-    """Register the Hugging Face mappings when ``transformers`` has been imported."""
+    """Register the Hugging Face mappings of the model modules ``transformers`` has loaded.
+
+    Only modules already imported are looked at (a model's class is imported before the
+    model exists), so this costs nothing and never imports ``transformers`` itself.
+    """
     if "transformers" not in sys.modules:
         return
     targets = [
@@ -171,9 +202,18 @@ def register_hf_if_loaded() -> None:
         ("transformers.models.roberta.modeling_roberta", "RobertaLayer", _bert_layer),
     ]
     for modname, clsname, conv in targets:
-        try:
-            mod = __import__(modname, fromlist=[clsname])
-            cls = getattr(mod, clsname)
-        except (ImportError, AttributeError):
+        cls = getattr(sys.modules.get(modname), clsname, None)
+        if cls is not None:
+            register_builtin(cls, DistributedTransformerLayer, conv)
+    gpt2 = sys.modules.get("transformers.models.gpt2.modeling_gpt2")
+    if gpt2 is not None:
+        register_builtin_vocab(gpt2.GPT2LMHeadModel, hf_causal_lm=True)
+        register_builtin_vocab(gpt2.GPT2Model, hf_causal_lm=False)
+    for modname, prefix in _LLAMA_FAMILY:
+        mod = sys.modules.get(modname)
+        if mod is None:
             continue
-        register_builtin(cls, DistributedTransformerLayer, conv)
+        register_builtin_block(getattr(mod, f"{prefix}Attention"), _ATTN_COLUMN, _ATTN_ROW, _attention_heads)
+        register_builtin_block(getattr(mod, f"{prefix}MLP"), _MLP_COLUMN, _MLP_ROW)
+        register_builtin_vocab(getattr(mod, f"{prefix}ForCausalLM"), hf_causal_lm=True)
+        register_builtin_vocab(getattr(mod, f"{prefix}Model"), hf_causal_lm=False)

@@ -115,13 +115,15 @@ def _verify_same_shape(x: torch.Tensor, group: ProcessGroup, what: str) -> None:
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8]
 
 
-def _all_reduce(x: torch.Tensor, group: ProcessGroup, phase: str) -> torch.Tensor:
+def _all_reduce(
+    x: torch.Tensor, group: ProcessGroup, phase: str, op: Any = dist.ReduceOp.SUM
+) -> torch.Tensor:
     if tp_size(group) == 1:
         return x
     _verify_same_shape(x, group, "all_reduce")
     out = x.contiguous().clone()
     _count("all_reduce", phase)
-    dist.all_reduce(out, group=group)
+    dist.all_reduce(out, op=op, group=group)
     return out
 
 

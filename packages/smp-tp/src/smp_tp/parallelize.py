@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import inspect
+import threading
 import warnings
 from typing import Any
 
 from torch import nn
 
 from smp_tp import builtin as _builtin  # noqa: F401  (registers nn.Linear/Embedding/LayerNorm)
+from smp_tp.architectures import VocabPlan, vocab_plan
 from smp_tp.checkpoint import load_full_into
 from smp_tp.group import ProcessGroup
 from smp_tp.hf import register_hf_if_loaded
+from smp_tp.layers.vocab import VocabParallelEmbedding, VocabParallelLMHead, sharded_logits
+from smp_tp.loss import VocabParallelCausalLMLoss
 from smp_tp.module import DistributedModule
 from smp_tp.random import set_tensor_parallel_seed
 from smp_tp.registry import INIT_ARGS, Registration, is_tensor_parallel_enabled, lookup
@@ -85,6 +90,121 @@ def _convert(module: nn.Module, path: str) -> DistributedModule | None:
         raise ValueError(f"smp_tp.parallelize: module {path or '<root>'!r}: {e}") from e
 
 
+# ------------------------------------------------------------------ vocabulary plans
+
+
+def _resolve(owner: nn.Module, path: str | None, getter: str) -> nn.Module | None:
+    if path is None:
+        fn = getattr(owner, getter, None)
+        return fn() if callable(fn) else None
+    return owner.get_submodule(path) if path else None
+
+
+def _set_module(model: nn.Module, path: str, new: nn.Module) -> None:
+    parent_path, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent_path) if parent_path else model, name, new)
+
+
+_pending = threading.local()
+
+
+def _labels_given(module: nn.Module, args: tuple, kwargs: dict) -> bool:
+    if kwargs.get("labels") is not None:
+        return True
+    if not args:
+        return False
+    try:
+        bound = inspect.signature(type(module).forward).bind_partial(None, *args, **kwargs)
+    except TypeError:
+        return False
+    return bound.arguments.get("labels") is not None
+
+
+def _loss_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Auto mode: while a causal LM computes its loss from labels, its head returns shards."""
+    stack = _pending.__dict__.setdefault("stack", [])
+    head_path = module.__dict__.get("_smp_tp_vocab_head")
+    head = module.get_submodule(head_path) if head_path is not None else None
+    if isinstance(head, VocabParallelLMHead) and _labels_given(module, args, kwargs):
+        ctx = sharded_logits(head)
+        ctx.__enter__()
+        stack.append(ctx)
+    else:
+        stack.append(None)
+
+
+def _loss_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    stack = _pending.__dict__.get("stack")
+    ctx = stack.pop() if stack else None
+    if ctx is not None:
+        ctx.__exit__(None, None, None)
+
+
+def _apply_vocab_plan(model: nn.Module, owner: nn.Module, plan: VocabPlan) -> None:
+    emb = _resolve(owner, plan.embedding, "get_input_embeddings")
+    if type(emb) is not nn.Embedding or not is_tensor_parallel_enabled(emb):
+        return
+    assert isinstance(emb, nn.Embedding)
+    if emb.max_norm is not None or emb.scale_grad_by_freq:
+        warnings.warn("smp_tp: an nn.Embedding with max_norm or scale_grad_by_freq cannot be "
+                      "vocabulary-parallel", stacklevel=4)
+        return
+    head = _resolve(owner, plan.head, "get_output_embeddings")
+    owners, uses = _ownership(model)
+    paths = {id(m): p for p, m in model.named_modules(remove_duplicate=False)}
+    emb_path = paths[id(emb)]
+    w = emb.weight
+    tied = head is not None and getattr(head, "weight", None) is w
+    usable_head = (
+        type(head) is nn.Linear and is_tensor_parallel_enabled(head)  # type: ignore[arg-type]
+        and tuple(head.weight.shape) == tuple(w.shape) and uses.get(id(head), 1) == 1
+    )
+    if tied and not usable_head:
+        return  # the tie cannot be kept; parallelize() leaves both and warns
+    head_path = paths[id(head)] if usable_head else None
+    allowed = {emb_path, head_path} if tied else {emb_path}
+    if uses.get(id(emb), 1) > 1 or not owners.get(id(w), set()) <= allowed:
+        return
+    if usable_head and not tied:
+        assert isinstance(head, nn.Linear)
+        if any(not owners.get(id(p), set()) <= {head_path} for p in head.parameters()):
+            usable_head = False
+    vemb = VocabParallelEmbedding(
+        emb.num_embeddings, emb.embedding_dim, emb.padding_idx, None, emb.norm_type, False,
+        emb.sparse, dtype=w.dtype, device=w.device,
+    )
+    vemb.load_full_weight(w.detach())
+    vemb.train(emb.training)
+    _set_module(model, emb_path, vemb)
+    if not usable_head:
+        return
+    assert isinstance(head, nn.Linear) and head_path is not None
+    vhead = VocabParallelLMHead(
+        emb.embedding_dim, emb.num_embeddings, head.bias is not None, tie_to=vemb if tied else None,
+        gather_output=None if plan.hf_causal_lm else False, dtype=w.dtype, device=w.device,
+    )
+    vhead.load_full_weight(head.weight.detach(), head.bias.detach() if head.bias is not None else None)
+    vhead.train(head.training)
+    _set_module(model, head_path, vhead)
+    if plan.hf_causal_lm:
+        owner_path = paths[id(owner)]
+        rel = head_path[len(owner_path) + 1:] if owner_path else head_path
+        object.__setattr__(owner, "_smp_tp_vocab_head", rel)
+        if not owner.__dict__.get("_smp_tp_loss_hooks"):
+            owner.register_forward_pre_hook(_loss_pre_hook, with_kwargs=True)
+            owner.register_forward_hook(_loss_post_hook, with_kwargs=True, always_call=True)
+            object.__setattr__(owner, "_smp_tp_loss_hooks", True)
+        owner.loss_function = VocabParallelCausalLMLoss(vhead)  # type: ignore[assignment]
+
+
+def _apply_vocab_plans(model: nn.Module) -> None:
+    """Vocabulary-parallel embeddings/heads of registered models, outermost model first."""
+    for _, owner in list(model.named_modules()):
+        plan = vocab_plan(owner)
+        if plan is not None:
+            _apply_vocab_plan(model, owner, plan)
+
+
 def parallelize(
     model: nn.Module,
     tp_group: ProcessGroup = None,
@@ -106,6 +226,8 @@ def parallelize(
     if tensor_parallel_seed is not None:
         set_tensor_parallel_seed(tensor_parallel_seed)
     register_hf_if_loaded()
+    with tp_config(tp_group=tp_group, prescaled_batch=prescaled_batch, optimize=optimize):
+        _apply_vocab_plans(model)
     owners, uses = _ownership(model)
 
     def eligible(m: nn.Module, path: str) -> bool:

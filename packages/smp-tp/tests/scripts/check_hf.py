@@ -1,5 +1,8 @@
 """Hugging Face GPT-2, BERT and RoBERTa through parallelize(), against the originals.
 
+GPT-2's tied wte/lm_head become one vocabulary-parallel shard per rank (vocab 97 does not
+divide by 2 or 4: padded), its loss comes from vocab_parallel_cross_entropy.
+
 Every rank feeds different samples (scaled batch) or the same ones (prescaled); outputs,
 gradients after sync_gradients and the gathered state dict must match the unwrapped model
 on the concatenated batch; the state dict must load into the original class strictly.
@@ -14,7 +17,7 @@ import warnings
 
 import smp_tp
 import torch
-from common import close, close_dicts, finish, gather_batch, log, setup
+from common import close, close_dicts, finish, gather_batch, log, param_bytes, setup
 
 warnings.filterwarnings("ignore")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -62,7 +65,10 @@ def inputs(seed: int):
 def loss_of(name, model, ids, mask):
     if name == "gpt2":
         out = model(input_ids=ids, labels=ids)
-        return out.logits, out.loss
+        logits = out.logits
+        if isinstance(model.lm_head, smp_tp.VocabParallelLMHead):  # called with labels: vocab shards
+            logits = smp_tp.gather_vocab_parallel_logits(logits.detach(), model.lm_head)
+        return logits, out.loss
     out = model(input_ids=ids, attention_mask=mask)
     h = out.last_hidden_state
     return h, (h ** 2).mean() + out.pooler_output.mean()
@@ -86,8 +92,17 @@ def run(name: str, prescaled: bool, optimize: str) -> None:
     smp_tp.sync_gradients(model)
     got_grads = smp_tp.full_grad_dict(model)
     sd = smp_tp.full_state_dict(model)
+    mean_loss = loss.detach() if prescaled else smp_tp.allreduce_for_tp(loss.detach()) / T
     # all collectives done; now assert
     assert n_layers == 2 and layer_cls not in kinds, kinds
+    close(f"{name} loss", mean_loss, loss_ref)
+    ratio = param_bytes(model) / param_bytes(ref)
+    if name == "gpt2":  # the tied wte/lm_head: one vocabulary shard per rank
+        assert type(model.transformer.wte).__name__ == "VocabParallelEmbedding", kinds
+        assert model.lm_head.weight is model.transformer.wte.weight, "tie lost"
+        assert "Embedding" not in kinds and "Linear" not in kinds, kinds
+        if T == 2 and ratio > 0.55:
+            raise AssertionError(f"gpt2: parameter bytes per rank {ratio:.3f} of the unwrapped model")
     want_grads = {k: p.grad for k, p in ref.named_parameters(remove_duplicate=False) if p.grad is not None}
     close(f"{name} output", y, y_ref if prescaled else y_ref.chunk(T)[rank])
     close_dicts(f"{name} grads", got_grads, want_grads)
@@ -95,7 +110,8 @@ def run(name: str, prescaled: bool, optimize: str) -> None:
     fresh.load_state_dict(sd, strict=True)
     close_dicts(f"{name} state", fresh.state_dict(), ref.state_dict(), 0, 0)
     if rank == 0:
-        log(f"{name} prescaled={prescaled} optimize={optimize}: OK ({n_layers} layers replaced)")
+        log(f"{name} prescaled={prescaled} optimize={optimize}: OK ({n_layers} layers replaced; "
+            f"parameter bytes per rank {ratio:.3f} x unwrapped)")
 
 
 combos = [(False, "speed"), (False, "memory"), (True, "speed"), (True, "memory")]
