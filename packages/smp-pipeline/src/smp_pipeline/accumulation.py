@@ -35,7 +35,7 @@ when gradients land use :meth:`GradAccumulator.register_fold_hook` instead of
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -59,10 +59,15 @@ class GradAccumulator:
 
     Args:
         current_mb: the microbatch of the task holding the execution token (None outside one).
+        enabled: False leaves accumulation to autograd (timing-dependent order, but each
+            parameter's gradient is final as soon as its last backward ran here, which lets a
+            data-parallel reduction overlap the rest of the pipeline's backward); fold hooks
+            are then plain post-accumulate hooks.
     """
 
-    def __init__(self, current_mb: Callable[[], int | None]) -> None:
+    def __init__(self, current_mb: Callable[[], int | None], enabled: bool = True) -> None:
         self._current_mb = current_mb
+        self.enabled = enabled
         self._params: list[torch.Tensor] = []  # tracked, in a fixed order (fold order)
         self._tracked: dict[int, torch.Tensor] = {}
         self._handles: list[Any] = []
@@ -78,6 +83,8 @@ class GradAccumulator:
     def track(self, params: Iterable[torch.Tensor]) -> None:
         """Accumulate these parameters deterministically (those that require grad; a
         parameter already tracked is skipped)."""
+        if not self.enabled:
+            return
         for p in params:
             if id(p) in self._tracked or not p.requires_grad:
                 continue
@@ -89,6 +96,8 @@ class GradAccumulator:
     def register_fold_hook(self, param: torch.Tensor, hook: FoldHook) -> _Handle:
         """``hook(param)`` runs each time a microbatch's gradient of ``param`` is folded into
         ``param.grad`` (once per microbatch that reached it, in microbatch order)."""
+        if not self.enabled:
+            return cast(_Handle, param.register_post_accumulate_grad_hook(hook))
         hooks = self._fold_hooks.setdefault(id(param), [])
         hooks.append(hook)
         return _Handle(hooks, hook)

@@ -61,10 +61,15 @@ class PipelineRuntime:
             leader, every task start is published; followers start tasks in that order.
         abort_ranks: further communicator ranks to notify when this runtime aborts (e.g.
             every rank of the other pipelines, which must use the same ``tag``); they raise too.
-        backward_mode: cross-rank autograd (see :mod:`smp_pipeline.boundary`). ``"auto"``:
+        backward_mode: cross-rank autograd (see :mod:`smp_pipeline.autograd`). ``"auto"``:
             *joined* where a remote call's gradients are CPU tensors (one engine run per
             microbatch context, each local node once), *segments* where they are CUDA
             tensors; ``"joined"`` / ``"segments"`` force one (every rank must agree).
+        deterministic_accumulation: sum each parameter's microbatch gradients in microbatch
+            order whatever the timing (bit-identical runs; see
+            :mod:`smp_pipeline.accumulation`). False leaves the order to autograd: the last
+            bits may differ run to run, but a stage's gradients are final as soon as its own
+            last backward ran, so a data-parallel reduction can overlap other stages' backward.
     """
 
     def __init__(
@@ -87,6 +92,7 @@ class PipelineRuntime:
         order_channel: OrderChannel | None = None,
         abort_ranks: Sequence[int] | None = None,
         backward_mode: str = "auto",
+        deterministic_accumulation: bool = True,
     ) -> None:
         if not 0 <= pp_rank < pp_size:
             raise PipelineConfigError(f"pp_rank {pp_rank} outside 0..{pp_size - 1}")
@@ -125,6 +131,7 @@ class PipelineRuntime:
             order=order_channel,
             abort_ranks=list(abort_ranks or []),
             backward_mode=backward_mode,
+            deterministic_accumulation=deterministic_accumulation,
         )
         self.order_channel = order_channel
         _LIVE.add(self)  # closed at exit, and its threads checked (even once closed)

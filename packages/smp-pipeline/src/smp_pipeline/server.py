@@ -78,6 +78,7 @@ class ExecutionServer:
         order: OrderChannel | None = None,
         abort_ranks: list[int] | None = None,
         backward_mode: str = "auto",
+        deterministic_accumulation: bool = True,
     ) -> None:
         if backward_mode not in BACKWARD_MODES:
             raise PipelineError(
@@ -105,7 +106,7 @@ class ExecutionServer:
         )
         self.records = CallRecords(pp_rank)
         # Gradients of this rank's parameters, summed in microbatch order (see accumulation).
-        self.grads = GradAccumulator(self._current_mb)
+        self.grads = GradAccumulator(self._current_mb, deterministic_accumulation)
         self.remote = RemoteCalls(
             pp_rank, self.transport, self.executor, self.records, execute, backward_mode
         )

@@ -37,6 +37,7 @@ class SMPConfig:
     microbatches: int = 1
     pipeline: str = "interleaved"
     active_microbatches: int | None = None  # None: pipeline_parallel_degree + 2
+    deterministic_accumulation: bool = True
     placement_strategy: str = "cluster"
     auto_partition: bool = True
     default_partition: int = 0

@@ -105,6 +105,7 @@ class PipelineEngine(Engine):
             alpha=cfg.memory_weight,
             schedule=cfg.pipeline,
             active_microbatches=cfg.active_microbatches,
+            deterministic_accumulation=cfg.deterministic_accumulation,
             timeout_s=cfg.timeout_s,
             checkpointing=checkpointing,
             timeline=bool(cfg.timeline),
