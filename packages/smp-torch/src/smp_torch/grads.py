@@ -32,7 +32,7 @@ every rank stays ``None`` (the optimizer then skips it exactly as it would in on
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +72,9 @@ class GradReducer:
             over it.
         bucket_bytes: the size of a bucket.
         overlap: launch buckets during backward (True) or only at the end of the step.
+        wait: waits for one launched collective (default ``work.wait()``); smp's raises if
+            another rank failed meanwhile (see :mod:`smp_torch.watch`), and the reducer is
+            then disarmed by its owner.
     """
 
     def __init__(
@@ -80,8 +83,10 @@ class GradReducer:
         stale_group: Any,
         bucket_bytes: int = 4 << 20,
         overlap: bool = True,
+        wait: Callable[[Any], None] | None = None,
     ) -> None:
         self._lock = threading.Lock()
+        self._wait_work: Callable[[Any], None] = wait or (lambda work: work.wait())
         self._armed = False
         self._overlap = overlap
         self._stale_group = stale_group
@@ -209,7 +214,7 @@ class GradReducer:
     def _wait(self) -> None:
         for b in self._buckets:
             if b.handle is not None:
-                b.handle.wait()
+                self._wait_work(b.handle)
                 b.handle = None
 
     def finish(self) -> None:
@@ -222,7 +227,8 @@ class GradReducer:
         self._wait()
         if self._overlap and self._expected is not None:
             flag = torch.tensor([1.0 if late else 0.0])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._stale_group)
+            work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._stale_group, async_op=True)
+            self._wait_work(work)
             if flag.item() > 0:
                 # Every rank re-reduces everything from its local gradients (still in .grad).
                 self._next = 0
