@@ -56,7 +56,7 @@ from smp_comm.shutdown import (
     unlink_mpi_shared_memory,
     wait_for_threads_at_exit,
 )
-from smp_pipeline.errors import PipelineError
+from smp_pipeline.errors import PipelineError, PipelineInterruptedError
 
 from smp_torch.errors import PeerFailedError
 from smp_torch.liveness import BEAT_TIMEOUT_S, Heartbeats, PeerProcesses, ProcessInfo
@@ -83,10 +83,12 @@ OUTSIDE_GRACE_S = 1.0
 #: A rank inside smp that has not raised after this long (blocked where smp cannot
 #: interrupt it, or computing) is ended.
 INSIDE_GRACE_S = 5.0
-#: After a failure, an interpreter exit that has not finished after this long is cut short.
-EXIT_GRACE_S = 8.0
+#: After a failure, an interpreter exit that has not finished after this long is cut short
+#: (the orderly exit after a failed step takes 1-6 s on a loaded 2-core machine: this is for
+#: exits that hang, not slow ones).
+EXIT_GRACE_S = 10.0
 # The exit alarm rings this long after EXIT_GRACE_S, behind the watcher's own deadline.
-_ALARM_AFTER_S = 1.5
+_ALARM_AFTER_S = 10.0
 _SEND_WAIT_S = 2.0  # how long an uncaught exception waits for its notices to leave
 _EXPLAIN_S = 0.5  # how long a communication error waits for the watcher to explain it
 _STEP_POLL_S = 2e-3
@@ -134,13 +136,25 @@ def first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0][:500]}" if text else type(error).__name__
 
 
-def _maybe_consequence(error: BaseException) -> bool:
-    """Whether ``error`` may be how another rank's failure showed here: a broken
-    connection, an interrupted or aborted pipeline."""
-    if isinstance(error, (PipelineError, CommError, *_DIST_ERRORS)):
+def _maybe_consequence(error: BaseException, rank: int) -> bool:
+    """Whether ``error`` may be how another rank's failure showed here, before this rank's
+    watcher learnt of it: an interrupted pipeline, or a broken connection anywhere in the
+    exception's chain. (A pipeline abort reported by another rank is not: the step's
+    agreement names its origin.)"""
+    if isinstance(error, PipelineInterruptedError):
         return True
-    text = str(error)
-    return isinstance(error, RuntimeError) and any(s in text for s in _CONNECTION_LOST)
+    if isinstance(error, PipelineError) and error.origin not in (None, rank):
+        return False
+    seen: BaseException | None = error
+    for _ in range(8):  # the cause/context chain, bounded
+        if seen is None:
+            break
+        if isinstance(seen, (CommError, *_DIST_ERRORS)):
+            return True
+        if isinstance(seen, RuntimeError) and any(s in str(seen) for s in _CONNECTION_LOST):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 class _Waiting:
@@ -266,7 +280,7 @@ class FailureWatch:
         if isinstance(error, PeerFailedError):
             self.delivered = True
             return error
-        if not _maybe_consequence(error):
+        if not _maybe_consequence(error, self.rank):
             return None
         deadline = time.monotonic() + _EXPLAIN_S
         while self.failure is None and time.monotonic() < deadline:
@@ -277,8 +291,9 @@ class FailureWatch:
         """Call ``interrupt(message)`` (on the watcher's thread) when a failure is learnt, so
         a wait that does not poll :meth:`check` ends (e.g. ``PipelineRuntime.interrupt``)."""
         self._interrupts.append(interrupt)
-        if self.failure is not None:
-            interrupt(str(self.error(self.failure)))
+        f = self.failure
+        if f is not None:
+            interrupt(str(PeerFailedError(f.rank, f.error, f.where, self.where_now(), self.rank)))
 
     # ------------------------------------------------------------------ telling the others
     def announce(self, error: BaseException, where: str | None = None, delivered: bool = True) -> None:
@@ -360,9 +375,12 @@ class FailureWatch:
             try:
                 self._turn(time.monotonic())
             except Exception as exc:  # noqa: BLE001 - the watcher must outlive a bad turn
-                if not self._warned:
-                    self._warned = True
-                    sys.stderr.write(f"smp rank {self.rank}: failure watcher: {exc!r}\n")
+                self._warn(exc)
+
+    def _warn(self, exc: BaseException) -> None:
+        if not self._warned:  # once: a broken MPI fails every turn alike
+            self._warned = True
+            sys.stderr.write(f"smp rank {self.rank}: failure watcher: {exc!r}\n")
 
     def _turn(self, now: float) -> None:
         if self._exiting_at is None:
@@ -370,13 +388,16 @@ class FailureWatch:
             # says so before its process ends, so its end is never taken for the failure.
             ended = [r for r in self.peers.ended() if r not in self.dead]
             notices: list[tuple[Failure, tuple[int, bool] | None]] = []
-            with self._lock:
-                if self._mpi_open:
-                    notices = self._receive(now)
-                    if self.beats.beat_due(now) and self.beats.send_to is not None:
-                        beat = self.comm.isend("beat", dest=self.beats.send_to, tag=_BEAT_TAG)
-                        self._sends.append(beat)
-                    self._sends = [q for q in self._sends if not q.Test()]
+            try:
+                with self._lock:
+                    if self._mpi_open:
+                        notices = self._receive(now)
+                        if self.beats.beat_due(now) and self.beats.send_to is not None:
+                            beat = self.comm.isend("beat", dest=self.beats.send_to, tag=_BEAT_TAG)
+                            self._sends.append(beat)
+                        self._sends = [q for q in self._sends if not q.Test()]
+            except Exception as exc:  # noqa: BLE001 - MPI broke: /proc and deadlines still work
+                self._warn(exc)
             for failure, left in notices:  # (outside the lock: learning takes it)
                 self._learn(failure)
                 if left is not None:
@@ -556,7 +577,7 @@ class FailureWatch:
             while not work.is_completed():
                 self.check()
                 time.sleep(pause)
-                pause = min(1e-3, pause * 2)
+                pause = min(2e-4, pause * 2)  # (bounds the latency polling adds)
         work.wait()
 
     def allreduce_max(self, values: list[int]) -> list[int]:
