@@ -91,6 +91,7 @@ EXIT_GRACE_S = 10.0
 _ALARM_AFTER_S = 10.0
 _SEND_WAIT_S = 2.0  # how long an uncaught exception waits for its notices to leave
 _EXPLAIN_S = 0.5  # how long a communication error waits for the watcher to explain it
+_CONFIRM_S = 0.1  # how long an unexplained process end waits for a notice explaining it
 _STEP_POLL_S = 2e-3
 # Step threads that have not ended (a step that raised elsewhere leaves one blocked).
 _RUNNING: set[threading.Thread] = set()
@@ -224,6 +225,7 @@ class FailureWatch:
         self.dead: set[int] = set()
         #: Ranks that left because of a failure: rank -> whether they finalized MPI first.
         self.left: dict[int, bool] = {}
+        self._ended_at: dict[int, float] = {}  # peer processes seen ended, and when
         self._announced = False
         self._exiting_at: float | None = None
         self._interrupts: list[Callable[[str], None]] = []
@@ -403,11 +405,8 @@ class FailureWatch:
                 if left is not None:
                     self.left[left[0]] = left[1]
             for r in ended:
-                if r in self.left:
-                    if not self.left[r]:  # left without MPI_Finalize: nobody can wait for it
-                        self.dead.add(r)
-                else:
-                    self._peer_ended(r)
+                self._ended_at.setdefault(r, now)
+            self._judge_ended(now)
             silent = self.beats.silent(now)
             if silent is not None:
                 self._node_silent(silent)
@@ -427,6 +426,24 @@ class FailureWatch:
                 rank, error, where, dead, left = msg
                 notices.append((Failure(rank, error, where, dead), left))
         return notices
+
+    def _judge_ended(self, now: float) -> None:
+        """Turn ended peer processes into failures. One that left because of a failure (it
+        said so) is not one; an end nothing explains yet gets :data:`_CONFIRM_S` for its
+        notice to arrive (a rank that leaves within milliseconds of a death can be seen gone
+        together with the dead one), then the earliest end seen is the failure."""
+        for r, finalized in self.left.items():
+            if r in self._ended_at and not finalized:
+                self.dead.add(r)  # left without MPI_Finalize: nobody can wait for it
+        unexplained = sorted(
+            (t, r) for r, t in self._ended_at.items() if r not in self.dead and r not in self.left
+        )
+        if not unexplained:
+            return
+        if self.failure is None and now - unexplained[0][0] < _CONFIRM_S:
+            return
+        for _, r in unexplained:  # the first one is the failure, if none is known yet
+            self._peer_ended(r)
 
     def _peer_ended(self, r: int) -> None:
         info = self.infos[r]
@@ -490,6 +507,9 @@ class FailureWatch:
         assert self.failure is not None
         self._notify(self.failure, self._others(), left=(self.rank, finalized))
         self._settle_sends(0.5)
+        # A send that completed may still sit in MPI's buffers, lost if the process ends at
+        # once (seen: 1 run in 5). The others' 0.1 s wait covers a lost one (_judge_ended).
+        time.sleep(0.05)
         with self._lock:
             self._mpi_open = False
 
