@@ -83,10 +83,10 @@ OUTSIDE_GRACE_S = 1.0
 #: A rank inside smp that has not raised after this long (blocked where smp cannot
 #: interrupt it, or computing) is ended.
 INSIDE_GRACE_S = 5.0
-#: After a failure, an interpreter exit that has not finished after this long is cut short
-#: (the orderly exit after a failed step takes 1-6 s on a loaded 2-core machine: this is for
-#: exits that hang, not slow ones).
-EXIT_GRACE_S = 10.0
+#: After a failure, an interpreter exit that has not finished after this long is cut short,
+#: with the status Python would have used (the orderly exit after a failed step takes 1-5 s
+#: on a loaded 2-core machine, and MPI is usually finalized by then).
+EXIT_GRACE_S = 6.0
 # The exit alarm rings this long after EXIT_GRACE_S, behind the watcher's own deadline.
 _ALARM_AFTER_S = 10.0
 _SEND_WAIT_S = 2.0  # how long an uncaught exception waits for its notices to leave
@@ -471,9 +471,10 @@ class FailureWatch:
             return
         if self._exiting_at is not None:
             if self.dead:
-                self._leave(1, "its exit would wait for the dead rank")
+                self._leave(exit_status(), "its exit would wait for the dead rank")
             if now - max(self._exiting_at, self.failed_at) > EXIT_GRACE_S:
-                self._leave(1, f"its exit did not finish within {EXIT_GRACE_S:g} s")
+                status = exit_status()  # 0 if the program caught the error and ended
+                self._leave(status, f"its exit did not finish within {EXIT_GRACE_S:g} s")
             return
         if self.delivered:
             return
