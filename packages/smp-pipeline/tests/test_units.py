@@ -257,3 +257,40 @@ def test_timeline_png(tmp_path) -> None:
     path = tmp_path / "t.png"
     plot_timeline(events, str(path))
     assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_interrupt_ends_a_wait_for_a_rank_that_never_answers() -> None:
+    """``PipelineRuntime.interrupt`` (another thread) ends the driver's wait for a stage that
+    never serves, at once, with the reason given, and sends nothing to the other rank."""
+    pytest.importorskip("smp_comm")
+    import threading
+    import time
+
+    from smp_comm import CommTimeoutError
+    from smp_comm.testing import LoopbackWorld
+    from smp_pipeline import PipelineInterruptedError, PipelineRuntime
+    from smp_pipeline.protocol import FwdReq, from_wire
+
+    world = LoopbackWorld(2)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    rt = PipelineRuntime(model, world.communicator(0), 0, 2, assignment={"": 0, "1": 1})
+
+    def step(x):
+        return model(x).sum()
+
+    timer = threading.Timer(0.2, rt.interrupt, args=("rank 1 failed: it was killed",))
+    timer.start()
+    start = time.monotonic()
+    with pytest.raises(PipelineInterruptedError, match="rank 1 failed: it was killed"):
+        rt.run_step(step, (torch.randn(2, 4),))
+    assert time.monotonic() - start < 5
+    # The runtime stays interrupted; only the forward request ever reached rank 1.
+    with pytest.raises(PipelineInterruptedError):
+        rt.run_step(step, (torch.randn(2, 4),))
+    peer = world.communicator(1)
+    obj, _, _ = peer.irecv().wait(timeout=1)
+    assert isinstance(from_wire(obj), FwdReq)
+    with pytest.raises(CommTimeoutError):  # nothing else arrives: no abort was broadcast
+        peer.irecv().wait(timeout=0.2)
+    rt.close()
+    world.close()

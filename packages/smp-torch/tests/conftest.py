@@ -6,6 +6,7 @@ import json
 import os
 from typing import Any
 
+import pytest
 from smp_comm.testing import run_mpi
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
@@ -23,3 +24,23 @@ def launch(
 
 def ok_cases(out: str) -> list[str]:
     return [line.split()[1] for line in out.splitlines() if line.startswith("CASE-OK ")]
+
+
+# Rows of the fault suite's table (tests/faults): (fault, config, victim, launcher, seconds
+# from the fault until the last rank ended, message), printed in the terminal summary.
+FAULT_TABLE = pytest.StashKey[list[tuple[str, str, str, str, float, str]]]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[FAULT_TABLE] = []
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    rows = config.stash.get(FAULT_TABLE, [])
+    if not rows:
+        return
+    tr = terminalreporter
+    tr.write_sep("=", "fault table: seconds from the fault until the last rank ended")
+    tr.write_line(f"{'fault':<15}{'config':<8}{'victim':<18}{'launcher':<22}{'last exit s':>11}  message")
+    for fault, cfg, victim, launcher, seconds, message in rows:
+        tr.write_line(f"{fault:<15}{cfg:<8}{victim:<18}{launcher:<22}{seconds:>11.2f}  {message}")

@@ -25,6 +25,17 @@ So, at exit, after a failed step:
    collectives that have just ended while the interpreter can still give them the GIL.
    (Reproduced: pp=1 x tp=2, one rank raising; without the pause about one exit in four on a
    loaded 2-core machine aborted in ``~AsyncAlltoallWork`` on a ``pt_gloo_runloop`` thread.)
+
+Where no orderly exit is possible (a peer process is dead, so ``MPI_Finalize`` and every
+collective close would wait for it; or a thread stays blocked), :func:`leave_now` is the one
+last resort: flush, remove MPI's shared-memory file names, finalize MPI if that can still
+complete, ``os._exit``.
+
+MPICH keeps a named file in ``/dev/shm`` (``mpich_shm_*``) for the job's life and removes it
+in ``MPI_Finalize``: a job whose processes end any other way (a rank killed, the launcher
+killing the rest, :func:`leave_now`) leaves it behind. :func:`unlink_mpi_shared_memory`
+removes the *names* of the files this process has mapped (the mappings stay valid, as for
+smp-comm's own buffers, which are unlinked as soon as every peer mapped them).
 """
 
 from __future__ import annotations
@@ -34,13 +45,15 @@ import sys
 import threading
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NoReturn
 
 __all__ = [
     "SETTLE_S",
     "abandon_collective",
     "exit_status",
+    "leave_now",
     "note_failed_step",
+    "unlink_mpi_shared_memory",
     "wait_for_threads_at_exit",
 ]
 
@@ -149,12 +162,74 @@ def wait_for_threads_at_exit(threads: Iterable[threading.Thread], who: str) -> N
         _settle()
         return
     status = exit_status()
+    leave_now(
+        status,
+        f"{who}: thread(s) {names} still blocked {_AFTER_FINALIZE_S:.0f} s after MPI "
+        f"finalized; leaving with status {status} without interpreter finalization",
+    )
+
+
+# Files MPICH keeps in /dev/shm while a job runs (removed by its MPI_Finalize).
+_MPI_SHM_PREFIXES = ("/dev/shm/mpich_shm_",)
+
+
+def unlink_mpi_shared_memory() -> list[str]:
+    """Remove the names of the MPI library's shared-memory files this process maps (see the
+    module docstring); returns the paths removed. Safe once every process of the node has
+    mapped them (after ``MPI_Init`` returned everywhere): mappings outlive names, and MPICH
+    does not open them again (its ``MPI_Finalize`` ignores a missing name)."""
+    removed: list[str] = []
     try:
-        sys.stderr.write(
-            f"{who}: thread(s) {names} still blocked {_AFTER_FINALIZE_S:.0f} s after MPI "
-            f"finalized; leaving with status {status} without interpreter finalization\n"
-        )
-        sys.stdout.flush()
-        sys.stderr.flush()
+        with open("/proc/self/maps") as maps:
+            paths = {line.split(None, 5)[-1].strip() for line in maps if "/dev/shm/" in line}
+    except OSError:  # not Linux: nothing known to clean
+        return removed
+    for path in sorted(paths):
+        if path.startswith(_MPI_SHM_PREFIXES) and not path.endswith("(deleted)"):
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except OSError:  # a node peer removed it first
+                pass
+    return removed
+
+
+def _flush_streams() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - leaving anyway
+            pass
+
+
+def _bounded(fn: Any, seconds: float, name: str) -> None:
+    """Run ``fn`` on a daemon thread for at most ``seconds`` (it may block forever: a
+    stream another thread holds, an MPI_Finalize that waits for a rank that left)."""
+    try:
+        t = threading.Thread(target=fn, name=name, daemon=True)
+        t.start()
+        t.join(seconds)
+    except RuntimeError:  # interpreter shutting down: no new threads; try here
+        fn()
+
+
+def leave_now(status: int, message: str | None = None, finalize_mpi: bool = False) -> NoReturn:
+    """End the process at once with ``status``, without interpreter finalization: the last
+    resort when an orderly exit would wait forever (see the module docstring). Writes
+    ``message`` (if any) to stderr after flushing both streams, and removes the names of MPI's
+    shared-memory files.
+
+    ``finalize_mpi``: first close the live communicators and finalize MPI (at most 2 s), so
+    that the other ranks' ``MPI_Finalize`` does not wait for this one and the launcher sees
+    an orderly end (MPICH's launcher kills every rank when one ends without it). Only when
+    every peer process is alive: finalizing with a dead peer never completes.
+    """
+    try:
+        unlink_mpi_shared_memory()
+        _bounded(_flush_streams, 1.0, "smp-leave-flush")
+        if message:
+            os.write(2, (message.rstrip("\n") + "\n").encode(errors="replace"))
+        if finalize_mpi:
+            _bounded(_finalize_mpi, 2.0, "smp-leave-finalize")
     finally:
         os._exit(status)

@@ -5,6 +5,7 @@ from smp_pipeline.checkpointing import add_checkpoint_context
 from smp_pipeline.errors import (
     PipelineConfigError,
     PipelineError,
+    PipelineInterruptedError,
     PipelineRemoteError,
     PipelineTimeoutError,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "OrderChannel",
     "PipelineConfigError",
     "PipelineError",
+    "PipelineInterruptedError",
     "PipelineRemoteError",
     "PipelineRuntime",
     "PipelineTimeoutError",

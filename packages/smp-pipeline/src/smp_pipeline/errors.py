@@ -8,7 +8,14 @@ from __future__ import annotations
 
 
 class PipelineError(RuntimeError):
-    """Base class of every error raised by smp_pipeline."""
+    """Base class of every error raised by smp_pipeline.
+
+    Attributes:
+        origin: for an error an abort raised on every rank, the communicator rank that
+            reported it (this rank for the rank where it happened); None otherwise.
+    """
+
+    origin: int | None = None
 
 
 class PipelineConfigError(PipelineError, ValueError):
@@ -27,3 +34,9 @@ class PipelineRemoteError(PipelineError):
 
     Raised on every pipeline rank; the message holds the original traceback text.
     """
+
+
+class PipelineInterruptedError(PipelineError):
+    """The runtime was interrupted from outside (:meth:`PipelineRuntime.interrupt`): raised on
+    this rank only, at its next wait, with the reason the caller gave (e.g. another rank of
+    the job failed outside the pipeline)."""

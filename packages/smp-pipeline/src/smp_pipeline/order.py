@@ -17,6 +17,7 @@ the leader announced, it raises instead of guessing.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,10 +60,21 @@ class OrderChannel:
         if len(self._sends) > 256:
             self._sends = [h for h in self._sends if not h.test()]
 
-    def flush(self, timeout: float | None = None) -> None:
+    def flush(self, timeout: float | None = None, check: Callable[[], None] | None = None) -> None:
+        """Wait until every announcement has left (up to ``timeout`` seconds each); with
+        ``check``, call it every 0.1 s meanwhile (it raises to give up, e.g. on an abort: a
+        send to a follower that died never completes)."""
         handles, self._sends = self._sends, []
         for h in handles:
-            h.wait(timeout=timeout)
+            if check is None:
+                h.wait(timeout=timeout)
+                continue
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while not h.test():
+                check()
+                if deadline is not None and time.monotonic() > deadline:
+                    h.wait(timeout=0)  # raises smp-comm's timeout error, naming the peer
+                time.sleep(1e-3)
 
     # followers ----------------------------------------------------------------------------
     def _drain(self) -> None:

@@ -465,6 +465,14 @@ class PipelineRuntime:
         """Forward and backward requests this rank has served (for overhead measurements)."""
         return self.server.requests_served
 
+    def interrupt(self, reason: str) -> None:
+        """From any thread: make this rank's runtime raise
+        :class:`~smp_pipeline.PipelineInterruptedError` (message ``reason``) at its next wait,
+        and at every later step. For failures learnt outside the pipeline (smp-torch calls it
+        when another rank of the job failed): nothing is sent to the other ranks. After it,
+        the runtime is unusable, as after an abort."""
+        self.server.interrupt(reason)
+
     def close(self) -> None:
         """Stop the server's threads (idempotent). Does not close the communicator."""
         self.server.close()

@@ -412,7 +412,7 @@ class ExecutionServer:
             self.follower_start = None
             if self.order is not None and self.order.is_leader:
                 if ok:
-                    self.order.flush(self.timeout_s)
+                    self.order.flush(self.timeout_s, self.transport.raise_if_aborted)
                 else:
                     # A failed step: a follower that already raised may have closed its
                     # communicator, failing our last announcements to it; that must not
@@ -434,9 +434,14 @@ class ExecutionServer:
         msg = step_ends.pop(step)
         self.drop_step(step)
         if self.order is not None and self.order.is_leader:
-            self.order.flush(self.timeout_s)
+            self.order.flush(self.timeout_s, self.transport.raise_if_aborted)
         self.transport.flush()
         return list(msg.outputs.unpack())
+
+    def interrupt(self, reason: str) -> None:
+        """From any thread: raise :class:`~smp_pipeline.errors.PipelineInterruptedError` on
+        this rank at its next wait (see :meth:`Transport.interrupt`)."""
+        self.transport.interrupt(reason)
 
     # ------------------------------------------------------------------ shutdown
     def threads(self) -> list[threading.Thread]:

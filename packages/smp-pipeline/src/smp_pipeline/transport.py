@@ -8,7 +8,8 @@ inbox, served by kind and then microbatch (:func:`smp_pipeline.protocol.priority
 Failures never hang: :meth:`Transport.abort` sends an :class:`~smp_pipeline.protocol.Abort`
 to every pipeline rank (and ``abort_ranks``), and every rank raises; a request outstanding
 longer than ``timeout_s``, or a rank that makes no progress for that long, aborts with a
-message naming what it waits for.
+message naming what it waits for. :meth:`Transport.interrupt` (any thread) makes this rank
+alone raise at its next wait, for failures learnt outside the pipeline.
 """
 
 from __future__ import annotations
@@ -21,9 +22,16 @@ from typing import Any, NoReturn, cast
 from smp_comm import ANY_SOURCE, CommTimeoutError
 from smp_comm.shutdown import note_failed_step
 
-from smp_pipeline.errors import PipelineError, PipelineRemoteError, PipelineTimeoutError
+from smp_pipeline.errors import (
+    PipelineError,
+    PipelineInterruptedError,
+    PipelineRemoteError,
+    PipelineTimeoutError,
+)
 from smp_pipeline.protocol import Abort, Message, from_wire, priority, to_wire
 
+# Seconds between abort checks while waiting for sends to leave (:meth:`Transport.flush`).
+_FLUSH_SLICE_S = 0.1
 # Idle main loop: drive the communicator for at most this long before sleeping on the
 # receive (see docs/perf-notes.md, "Idle wait").
 _SPIN_S = 2e-4
@@ -187,10 +195,19 @@ class Transport:
                 self.send(r, msg, wake)
 
     def flush(self) -> None:
-        """Wait until every message sent so far has left."""
+        """Wait until every message sent so far has left (raising meanwhile if the step is
+        aborted or interrupted: a send to a rank that died never completes)."""
         handles, self._sends = self._sends, []
+        deadline = time.monotonic() + self.timeout_s
         for h in handles:
-            h.wait(timeout=self.timeout_s)
+            while True:
+                try:
+                    h.wait(timeout=_FLUSH_SLICE_S)
+                    break
+                except CommTimeoutError:
+                    self.raise_if_aborted()
+                    if time.monotonic() > deadline:
+                        raise
 
     # ------------------------------------------------------------------ requests and timeouts
     def expect(self, key: Any, what: str) -> None:
@@ -224,20 +241,34 @@ class Transport:
         return Abort(self.pp_rank, self.comm_rank, error, text)
 
     def raise_if_aborted(self) -> None:
-        """Raise the error an abort message (received, or sent from here) reports."""
+        """Raise the error an abort message (received, sent from here, or an interrupt)
+        reports; its ``origin`` is the reporting communicator rank."""
         msg = self.abort_msg
         if msg is None:
             return
         note_failed_step()  # exit waits for collectives this step left (smp_comm.shutdown)
+        if msg.error == "interrupt":
+            raise PipelineInterruptedError(msg.text)
         text = msg.text
         if msg.comm_rank != self.comm_rank:
             text = (
                 f"{text} [reported by pp rank {msg.src} (communicator rank "
                 f"{msg.comm_rank}), raised on pp rank {self.pp_rank}]"
             )
-        if msg.error == "timeout":
-            raise PipelineTimeoutError(text)
-        raise PipelineRemoteError(text)
+        error: PipelineError = (
+            PipelineTimeoutError(text) if msg.error == "timeout" else PipelineRemoteError(text)
+        )
+        error.origin = msg.comm_rank
+        raise error
+
+    def interrupt(self, reason: str) -> None:
+        """From any thread: make this rank raise :class:`PipelineInterruptedError` with
+        ``reason`` at its next wait (the main loop, a task switch, a flush), unless an abort
+        came first. Nothing is sent: the other ranks learn of the reason on their own."""
+        if self.abort_msg is None:
+            # One reference assignment (atomic); the loop reads it at every turn.
+            self.abort_msg = Abort(self.pp_rank, self.comm_rank, "interrupt", reason)
+        self._wake()
 
     def poll_abort(self) -> None:
         """Take arrived messages; raise if one of them is an abort."""

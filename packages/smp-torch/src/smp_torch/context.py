@@ -12,6 +12,7 @@ of every step, at every pipeline degree.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,11 +20,12 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 from smp_comm.shutdown import note_failed_step
+from smp_pipeline.errors import PipelineError
 
 from smp_torch.config import SMPConfig
-from smp_torch.errors import SMPError
+from smp_torch.errors import PeerFailedError
 from smp_torch.topology import Coord, Topology
-from smp_torch.watch import StepFailedElsewhere, StepWatch
+from smp_torch.watch import Failure, FailureWatch, first_line
 
 __all__ = ["GROUP_KINDS", "SMPContext", "StepOutcome", "create_context"]
 
@@ -39,11 +41,13 @@ class StepOutcome:
         backward_calls: how many ``model.backward`` calls ran here.
         watched: the step ran on a helper thread (pp = 1 with tensor parallelism): peers may
             be blocked inside one of its collectives, so a failure is announced, not agreed.
+        label: what the step did, for messages (``"in step 3, running the step function"``).
     """
 
     error: BaseException | None
     backward_calls: int
     watched: bool = False
+    label: str = ""
 
 
 @dataclass
@@ -61,7 +65,7 @@ class SMPContext:
     groups: dict[str, list[int]]
     process_groups: dict[str, Any]
     mpi_comms: dict[str, Any]
-    watch: StepWatch
+    watch: FailureWatch
     # Objects to close on re-init (pipeline runtimes, communicators).
     closers: list[Any] = field(default_factory=list)
 
@@ -73,32 +77,47 @@ class SMPContext:
         """Collective over the job: agree on how the step ended.
 
         Returns whether any rank ran a backward. Raises on every rank when the step failed
-        anywhere: this rank's own exception, or :class:`SMPError` naming the failed rank.
-        A watched failure is announced to every rank instead (see :mod:`smp_torch.watch`);
-        the others raise from their own ``agree`` (or while blocked in the step).
+        anywhere: this rank's own exception where it happened, :class:`PeerFailedError`
+        naming the failed rank elsewhere. A failure the failure channel already reported
+        (:mod:`smp_torch.watch`), or a watched step's failure (announced on it), raises at
+        once: the failed rank may never join the agreement.
         """
         error = outcome.error
+        watch = self.watch
         if error is not None:
             note_failed_step()  # exit waits for collectives this step left (smp_comm.shutdown)
-        if error is not None and outcome.watched:
-            # A failure learnt from another rank's notice is not announced again.
-            if not isinstance(error, StepFailedElsewhere):
-                self.watch.notify(error)
-            raise error
+            peer = watch.explain(error, outcome.label or None)
+            if peer is error:
+                raise error
+            if peer is not None:
+                raise peer from error
+            if outcome.watched or watch.failure is not None:
+                watch.announce(error, where=outcome.label or None)
+                raise error
         if self.size == 1:
             if error is not None:
                 raise error
             return outcome.backward_calls > 0
-        failed, calls = self.watch.allreduce_max([int(error is not None), outcome.backward_calls])
-        if failed:
+        label = f"in step {watch.step}, waiting for the step's agreement"
+        with watch.waiting(label):
+            failed, calls = watch.allreduce_max([int(error is not None), outcome.backward_calls])
+            if not failed:
+                return calls > 0
             note_failed_step()
-            # Only on failure: the reports themselves, so every rank can name the culprit.
-            report = None if error is None else f"rank {self.rank}: {type(error).__name__}: {error}"
-            failures = [r for r in self.watch.comm.allgather(report) if r]
-            if error is not None:
+            # Only on failure: the reports, so every rank can name the rank it started on (a
+            # pipeline abort raises on every pipeline rank; its origin is the failed one).
+            own = error is not None and not _caused_elsewhere(error, self.rank)
+            mine = None if error is None else (self.rank, own, first_line(error), outcome.label)
+            reports = [r for r in watch.comm.allgather(mine) if r]
+            rank, _, text, where = next((r for r in reports if r[1]), reports[0])
+            failure = Failure(rank, text, where)
+            watch.record(failure)  # the job failed: exit deadlines apply (smp_torch.watch)
+            if error is not None and own:
                 raise error
-            raise SMPError(f"the step failed on another rank: {failures[0]}")
-        return calls > 0
+            peer = watch.error(failure)
+        if error is not None:
+            raise peer from error
+        raise peer
 
     def close(self) -> None:
         """Close what this context opened (runtimes first, then its communicators)."""
@@ -110,6 +129,7 @@ class SMPContext:
         for name, comm in self.mpi_comms.items():
             if name != "world_raw":
                 comm.Free()
+        self.watch.close()
 
 
 def create_context(cfg: SMPConfig) -> SMPContext:
@@ -154,5 +174,13 @@ def create_context(cfg: SMPConfig) -> SMPContext:
         groups=groups,
         process_groups=pgs,
         mpi_comms=comms,
-        watch=StepWatch(world),
+        # SMP_FAILURE_PROC_CHECK=0: heartbeats watch every peer (tests of the heartbeat ring).
+        watch=FailureWatch(world, pid_check=os.environ.get("SMP_FAILURE_PROC_CHECK", "1") != "0"),
     )
+
+
+def _caused_elsewhere(error: BaseException, rank: int) -> bool:
+    """Whether ``error`` reports another rank's failure (not one that happened here)."""
+    if isinstance(error, PeerFailedError):
+        return True
+    return isinstance(error, PipelineError) and error.origin is not None and error.origin != rank

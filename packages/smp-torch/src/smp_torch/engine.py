@@ -93,6 +93,11 @@ class Engine(ABC):
         """Whether steps run on a helper thread watched for peers' failures."""
         return False
 
+    @property
+    def step_label(self) -> str:
+        """What this rank does during a step, in words (for failure messages)."""
+        return "running the step function"
+
     def start(self) -> None:
         """Finish construction once the model subscribed (apply a known assignment)."""
         return None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "SMPError", "NotInitializedError"]
+__all__ = ["ConfigError", "SMPError", "NotInitializedError", "PeerFailedError"]
 
 
 class SMPError(RuntimeError):
@@ -23,3 +23,48 @@ class ConfigError(SMPError, ValueError):
 
 class NotInitializedError(SMPError):
     """An smp function that needs the runtime was called before :func:`smp.init`."""
+
+
+class PeerFailedError(SMPError):
+    """A rank of the job failed: raised on every *other* rank, wherever smp is waiting.
+
+    A rank fails when an exception goes uncaught in any of its threads, when its step raises,
+    or when its process ends without exiting (killed, crashed). The other ranks learn of it
+    through smp's failure channel within a fraction of a second and raise this error at once
+    if they are inside smp (in a step, its agreement, a pipeline wait, a collective smp
+    issues); a rank outside smp that does not enter it within a second is ended instead, with
+    this message on stderr (see the package README, "Failures").
+
+    Attributes:
+        rank: the global rank that failed (this rank itself when one of its own threads
+            failed).
+        error: what happened there: ``"<ExceptionType>: <message>"`` (first line), or how
+            its process ended.
+        where_failed: what the failed rank was doing (``"outside smp, after step 2"``,
+            ``"in step 3, running the step function"``, ``"in thread 'loader'"``...).
+        waiting_for: what this rank was doing when it learnt of it.
+        this_rank: the rank raising it.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        error: str,
+        where_failed: str,
+        waiting_for: str,
+        this_rank: int | None = None,
+    ) -> None:
+        self.rank = rank
+        self.error = error
+        self.where_failed = where_failed
+        self.waiting_for = waiting_for
+        self.this_rank = this_rank
+        who = f"rank {rank}" + (" (this rank)" if rank == this_rank else "")
+        where = f" ({where_failed})" if where_failed else ""
+        here = "this rank" if this_rank is None else f"rank {this_rank}"
+        super().__init__(f"{who} failed{where}: {error}; {here} was {waiting_for}")
+
+    def __reduce__(self) -> tuple[type, tuple[int, str, str, str, int | None]]:
+        # Picklable (exceptions with required arguments are not, by default).
+        args = (self.rank, self.error, self.where_failed, self.waiting_for, self.this_rank)
+        return (type(self), args)

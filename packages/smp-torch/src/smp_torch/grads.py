@@ -77,6 +77,9 @@ class GradReducer:
         register_hook: ``register_hook(param, fn)`` makes ``fn(param)`` run after each
             accumulation into ``param.grad`` and returns a handle with ``remove()``; default
             autograd's ``register_post_accumulate_grad_hook``.
+        wait: waits for one launched collective (default ``work.wait()``); smp's raises if
+            another rank failed meanwhile (see :mod:`smp_torch.watch`), and the reducer is
+            then disarmed by its owner.
     """
 
     def __init__(
@@ -86,8 +89,10 @@ class GradReducer:
         bucket_bytes: int = 4 << 20,
         overlap: bool = True,
         register_hook: Callable[[torch.Tensor, Callable[[torch.Tensor], None]], Any] | None = None,
+        wait: Callable[[Any], None] | None = None,
     ) -> None:
         self._lock = threading.Lock()
+        self._wait_work: Callable[[Any], None] = wait or (lambda work: work.wait())
         self._armed = False
         self._overlap = overlap
         self._stale_group = stale_group
@@ -218,7 +223,7 @@ class GradReducer:
     def _wait(self) -> None:
         for b in self._buckets:
             if b.handle is not None:
-                b.handle.wait()
+                self._wait_work(b.handle)
                 b.handle = None
 
     def finish(self) -> None:
@@ -231,7 +236,8 @@ class GradReducer:
         self._wait()
         if self._overlap and self._expected is not None:
             flag = torch.tensor([1.0 if late else 0.0])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._stale_group)
+            work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._stale_group, async_op=True)
+            self._wait_work(work)
             if flag.item() > 0:
                 # Every rank re-reduces everything from its local gradients (still in .grad).
                 self._next = 0

@@ -183,12 +183,14 @@ class DistributedModel(nn.Module):
             else:
                 dp = cfg.rdp * cfg.tp
                 specs.append(GradSpec(p, ctx.process_groups["dp"], dp, float(dp)))
+        cuda = ctx.device.type == "cuda"
         return GradReducer(
             specs,
             ctx.process_groups["dp"],
             bucket_bytes=self._bucket_bytes,
             overlap=self._overlap,
             register_hook=self.engine.register_grad_hook,
+            wait=lambda work: ctx.watch.wait_work(work, cuda),
         )
 
     # -- parameters ----------------------------------------------------------------------
@@ -257,34 +259,41 @@ class DistributedModel(nn.Module):
 
     def run_step(self, fn: Callable[..., Any], microbatches: Microbatches) -> list[Any]:
         """Run ``fn`` once per microbatch (through the engine), agree on the outcome with
-        every rank, then finish the data-parallel reduction. What ``@smp.step`` calls."""
+        every rank, then finish the data-parallel reduction. What ``@smp.step`` calls.
+
+        Raises :class:`~smp_torch.errors.PeerFailedError` at once if another rank failed
+        (before or during the step), naming it (see :mod:`smp_torch.watch`)."""
         if self._in_step:
             raise SMPError("@smp.step functions cannot be nested")
+        watch = self.context.watch
+        n = watch.begin_step()
+        label = f"in step {n}, {self.engine.step_label}"
         self._in_step = True
         self._backward_calls = 0
         error: BaseException | None = None
         results: list[Any] = []
         try:
-            self.engine.prepare_step(fn, microbatches)
-            if self._reducer is not None:
-                self._reducer.begin()
-            results = self.engine.run_microbatches(fn, microbatches)
+            with watch.waiting(label):
+                self.engine.prepare_step(fn, microbatches)
+                if self._reducer is not None:
+                    self._reducer.begin()
+                results = self.engine.run_microbatches(fn, microbatches)
         except BaseException as exc:  # noqa: BLE001 - shared with every rank below
             error = exc
         finally:
             self._in_step = False
-        outcome = StepOutcome(error, self._backward_calls, watched=self.engine.watched)
+        outcome = StepOutcome(error, self._backward_calls, self.engine.watched, label)
         try:
             backward_ran = self.context.agree(outcome)
+            if self._reducer is not None and backward_ran:
+                with watch.waiting(f"in step {n}, reducing gradients over data-parallel ranks"):
+                    self._reducer.finish()
         except BaseException:
             if self._reducer is not None:
                 self._reducer.disarm()
             raise
-        if self._reducer is not None:
-            if backward_ran:
-                self._reducer.finish()
-            else:
-                self._reducer.disarm()
+        if self._reducer is not None and not backward_ran:
+            self._reducer.disarm()
         return results
 
     # -- state -----------------------------------------------------------------------------

@@ -127,7 +127,8 @@ class DistributedOptimizer:
                 by_dtype.setdefault(p.dtype, []).append(p)
             for _, ps in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
                 flat = torch.cat([p.detach().reshape(-1) for p in ps])
-                dist.broadcast(flat, src=owner, group=s.process_groups[kind])
+                work = dist.broadcast(flat, src=owner, group=s.process_groups[kind], async_op=True)
+                self._wait(work)
                 offset = 0
                 with torch.no_grad():
                     for p in ps:
@@ -147,11 +148,26 @@ class DistributedOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
+    def _wait(self, work: Any) -> None:
+        # Raises PeerFailedError if another rank failed meanwhile (smp_torch.watch).
+        self.context.watch.wait_work(work, self.context.device.type == "cuda")
+
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Unscale (fp16), step the wrapped optimizer on owned parameters, share updates."""
+        """Unscale (fp16), step the wrapped optimizer on owned parameters, share updates.
+
+        Raises :class:`~smp_torch.errors.PeerFailedError` if another rank failed (and this
+        step's collectives would wait for it)."""
+        watch = self.context.watch
+        watch.check()
+        with watch.waiting(f"in the optimizer step after step {watch.step}"):
+            return self._step(closure)
+
+    def _step(self, closure: Callable[[], Any] | None) -> Any:
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         if self.scaler is not None:
-            finite = self.scaler.unscale_and_check(params, self.context.process_groups["world"])
+            finite = self.scaler.unscale_and_check(
+                params, self.context.process_groups["world"], self._wait
+            )
             self.scaler.update(finite)
             if not finite:
                 return None

@@ -114,6 +114,8 @@ class PipelineEngine(Engine):
             abort_ranks=[r for r in range(ctx.size) if r not in ctx.groups["pp"]],
         )
         ctx.closers.append(self.close)
+        # Another rank's failure (smp_torch.watch) ends this rank's pipeline waits at once.
+        ctx.watch.on_failure(self.runtime.interrupt)
         self._pending = assignment
 
     def start(self) -> None:
@@ -121,6 +123,10 @@ class PipelineEngine(Engine):
         if self._pending is not None:
             self._apply(self._pending)
             self._pending = None
+
+    @property
+    def step_label(self) -> str:
+        return "driving the pipeline" if self.pp_rank == 0 else "serving the pipeline"
 
     # -- partitioning ------------------------------------------------------------------------
 

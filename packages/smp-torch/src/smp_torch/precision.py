@@ -9,6 +9,7 @@ adapts the scale (halve on overflow, double after ``growth_interval`` clean step
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,8 +44,14 @@ class LossScaler:
         self.dynamic = dynamic
         self._clean_steps = 0
 
-    def unscale_and_check(self, params: list[torch.Tensor], group: Any = None) -> bool:
-        """Divide gradients by the scale; return True when every rank's grads are finite."""
+    def unscale_and_check(
+        self,
+        params: list[torch.Tensor],
+        group: Any = None,
+        wait: Callable[[Any], None] | None = None,
+    ) -> bool:
+        """Divide gradients by the scale; return True when every rank's grads are finite.
+        ``wait`` waits for the agreement's collective (default: ``work.wait()``)."""
         inv = 1.0 / self.scale
         found = torch.zeros(1, dtype=torch.float32)
         for p in params:
@@ -54,7 +61,11 @@ class LossScaler:
             if not torch.isfinite(p.grad).all():
                 found.fill_(1.0)
         if dist.is_initialized():
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+            work = dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group, async_op=True)
+            if wait is None:
+                work.wait()
+            else:
+                wait(work)
         return bool(found.item() == 0)
 
     def update(self, finite: bool) -> None:

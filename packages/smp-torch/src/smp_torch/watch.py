@@ -1,63 +1,564 @@
-"""Failure notices between ranks for steps that run without a pipeline runtime (pp = 1).
+"""smp's failure channel: when one rank fails, every other rank knows within a second.
 
-With tensor parallelism a step runs collectives inside forward and backward: if one rank's
-step function raises, its tensor-parallel peers would wait in such a collective forever
-(and the failing rank in the step's outcome agreement). So with tp > 1 the step runs on a
-helper thread while the calling thread watches a private communicator; the outcome agreement
-(:meth:`smp_torch.context.SMPContext.agree`, every step at every pipeline degree) polls the same
-communicator for notices. A rank whose step
-raises sends a notice to every other rank and raises at once; every other rank raises
-:class:`StepFailedElsewhere` naming it — whether it is blocked in a collective or already
-waiting for the outcome. (The pipeline runtime has its own abort messages for pp > 1.)
+``smp.init`` opens one private communicator for it (:class:`FailureWatch`) and starts one
+daemon thread per rank, the *watcher*, which every :data:`POLL_S` seconds takes arrived
+notices and checks that the peer processes live (:mod:`smp_torch.liveness`: ``/proc`` on
+this node, heartbeats between nodes). Nothing of it is on a step's path: no collective, no
+message while all goes well; a step reads one attribute to know that all is well.
 
-After such a failure the blocked helper thread stays blocked and the job's collectives are
-unusable: the error is for ending the job cleanly, not for carrying on. At exit, a helper
-thread still blocked is waited for (the collective fails once the peers' processes end)
-before the interpreter finalizes, which would otherwise abort the process (see
-:mod:`smp_comm.shutdown`).
+A rank *fails* when
+
+- an exception goes uncaught in its main thread or any other thread (smp chains
+  ``sys.excepthook`` and ``threading.excepthook``): it sends a notice to every other rank
+  (its rank, the exception's type and message, what it was doing) before the traceback is
+  printed;
+- its step raises and its peers may be blocked in a collective it will never join (pp = 1
+  with tensor parallelism, where the step runs on a helper thread: :meth:`FailureWatch.run`);
+  otherwise a failed step is settled by the step's agreement
+  (:meth:`smp_torch.context.SMPContext.agree`) or the pipeline's own ``Abort``;
+- its process ends without exiting (killed, crashed): the peers on its node see it in
+  ``/proc`` and tell the others; a whole node going silent is found by the heartbeat ring.
+
+A rank that learns of a failure raises :class:`~smp_torch.errors.PeerFailedError` where it
+waits inside smp — the step's agreement, the tensor-parallel step thread, the pipeline
+runtime (interrupted through ``PipelineRuntime.interrupt``), the data-parallel reduction,
+the optimizer's broadcasts, ``smp.barrier`` and the other ``smp`` collectives — or, if it is
+outside smp (user code, a raw ``torch.distributed`` call), when it next enters it. A rank
+that does not reach such a point within :data:`OUTSIDE_GRACE_S` (outside smp) or
+:data:`INSIDE_GRACE_S` (inside, e.g. blocked in a collective smp cannot interrupt) prints the
+error and ends (:func:`smp_comm.shutdown.leave_now`): a failed job never waits for a timeout.
+
+Exit after a failure: a rank whose peer's process died leaves at once when its interpreter
+exits (``MPI_Finalize`` and every collective close would wait for the dead rank forever);
+otherwise the exit is the orderly one of :mod:`smp_comm.shutdown`, given
+:data:`EXIT_GRACE_S` to finish before the rank leaves anyway.
 """
 
 from __future__ import annotations
 
 import array
 import atexit
+import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
+import torch.distributed
 from mpi4py import MPI
-from smp_comm.shutdown import wait_for_threads_at_exit
+from smp_comm.errors import CommError
+from smp_comm.shutdown import (
+    exit_status,
+    leave_now,
+    unlink_mpi_shared_memory,
+    wait_for_threads_at_exit,
+)
+from smp_pipeline.errors import PipelineError, PipelineInterruptedError
 
-from smp_torch.errors import SMPError
+from smp_torch.errors import PeerFailedError
+from smp_torch.liveness import BEAT_TIMEOUT_S, Heartbeats, PeerProcesses, ProcessInfo
+
+__all__ = [
+    "EXIT_GRACE_S",
+    "INSIDE_GRACE_S",
+    "OUTSIDE_GRACE_S",
+    "POLL_S",
+    "Failure",
+    "FailureWatch",
+    "StepFailedElsewhere",
+    "StepWatch",
+    "first_line",
+    "wait_for_step_threads",
+]
 
 _NOTICE_TAG = 7
-_POLL_S = 2e-3
+_BEAT_TAG = 8
+#: The watcher's period (seconds).
+POLL_S = 0.025
+#: A rank outside smp gets this long to enter smp (and raise there) before it is ended.
+OUTSIDE_GRACE_S = 1.0
+#: A rank inside smp that has not raised after this long (blocked where smp cannot
+#: interrupt it, or computing) is ended.
+INSIDE_GRACE_S = 5.0
+#: After a failure, an interpreter exit that has not finished after this long is cut short,
+#: with the status Python would have used (the orderly exit after a failed step takes 1-5 s
+#: on a loaded 2-core machine, and MPI is usually finalized by then).
+EXIT_GRACE_S = 6.0
+# The exit alarm rings this long after EXIT_GRACE_S, behind the watcher's own deadline.
+_ALARM_AFTER_S = 10.0
+_SEND_WAIT_S = 2.0  # how long an uncaught exception waits for its notices to leave
+_EXPLAIN_S = 0.5  # how long a communication error waits for the watcher to explain it
+_CONFIRM_S = 0.1  # how long an unexplained process end waits for a notice explaining it
+_STEP_POLL_S = 2e-3
 # Step threads that have not ended (a step that raised elsewhere leaves one blocked).
 _RUNNING: set[threading.Thread] = set()
+
+# The name of PeerFailedError before the failure channel covered more than steps.
+StepFailedElsewhere = PeerFailedError
 
 
 @atexit.register
 def wait_for_step_threads() -> None:
-    """At exit: wait until no step thread is blocked any more (see the module docstring)."""
+    """At exit: wait until no step thread is blocked any more (see :mod:`smp_comm.shutdown`)."""
     wait_for_threads_at_exit(list(_RUNNING), "smp-torch")
 
 
-class StepFailedElsewhere(SMPError):
-    """The step raised on another rank (named in the message)."""
+@dataclass(frozen=True)
+class Failure:
+    """A failure as the channel carries it.
+
+    Attributes:
+        rank: the rank that failed.
+        error: ``"<type>: <message>"``, or how its process ended.
+        where: what it was doing ("" if unknown).
+        dead: its process is gone (no orderly exit can wait for it).
+    """
+
+    rank: int
+    error: str
+    where: str
+    dead: bool = False
 
 
-class StepWatch:
-    """Runs steps on a helper thread and turns another rank's failure into an error here."""
+# torch.distributed's own errors (a backend's failed collective), and what gloo says when
+# the other end of a connection went away.
+_DIST_ERRORS: tuple[type[BaseException], ...] = tuple(
+    t for t in (getattr(torch.distributed, "DistError", None),) if isinstance(t, type)
+)
+_CONNECTION_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
-    def __init__(self, world: Any) -> None:
-        self.comm = world.Dup()  # collective: every rank builds one
-        self.rank = self.comm.Get_rank()
-        self.size = self.comm.Get_size()
 
+def first_line(error: BaseException) -> str:
+    """``"<type>: <first line of the message>"``, for notices and reports."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:500]}" if text else type(error).__name__
+
+
+def _maybe_consequence(error: BaseException, rank: int) -> bool:
+    """Whether ``error`` may be how another rank's failure showed here, before this rank's
+    watcher learnt of it: an interrupted pipeline, or a broken connection anywhere in the
+    exception's chain. (A pipeline abort reported by another rank is not: the step's
+    agreement names its origin.)"""
+    if isinstance(error, PipelineInterruptedError):
+        return True
+    if isinstance(error, PipelineError) and error.origin not in (None, rank):
+        return False
+    seen: BaseException | None = error
+    for _ in range(8):  # the cause/context chain, bounded
+        if seen is None:
+            break
+        if isinstance(seen, (CommError, *_DIST_ERRORS)):
+            return True
+        if isinstance(seen, RuntimeError) and any(s in str(seen) for s in _CONNECTION_LOST):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+class _Waiting:
+    """``with watch.waiting(label):`` (a class, not a generator: it runs every step)."""
+
+    __slots__ = ("label", "previous", "watch")
+
+    def __init__(self, watch: FailureWatch, label: str) -> None:
+        self.watch = watch
+        self.label = label
+        self.previous: str | None = None
+
+    def __enter__(self) -> None:
+        self.previous = self.watch.where
+        self.watch.where = self.label
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.watch.where = self.previous
+        if exc is not None and not hasattr(exc, "_smp_where"):
+            try:  # the innermost label: what the rank did when it raised (for its notice)
+                exc._smp_where = self.label  # type: ignore[attr-defined]
+            except AttributeError:
+                pass
+
+
+class FailureWatch:
+    """The failure channel of one ``smp.init`` (see the module docstring).
+
+    Collective over ``world``: every rank builds one, in the same order.
+
+    Args:
+        world: the job's communicator (duplicated).
+        pid_check: check same-node peers in ``/proc``; False treats every rank as alone on
+            its node, so heartbeats watch every peer (used by the fault tests).
+    """
+
+    def __init__(self, world: Any, pid_check: bool = True) -> None:
+        self.comm = world.Dup()
+        self.rank: int = self.comm.Get_rank()
+        self.size: int = self.comm.Get_size()
+        node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        node_ranks = sorted(node.allgather(self.rank))
+        node.Free()
+        self.infos: list[ProcessInfo] = self.comm.allgather(ProcessInfo.here())
+        groups = self.comm.allgather(node_ranks)
+        if not pid_check:
+            node_ranks, groups = [self.rank], [[r] for r in range(self.size)]
+        # Every process of this node finished MPI_Init (Split_type was collective): MPI's
+        # shared-memory file names can go now, so a job that dies leaves none behind.
+        if self.rank == node_ranks[0]:
+            unlink_mpi_shared_memory()
+        self.node_ranks = node_ranks
+        unique = {tuple(g): list(g) for g in groups}
+        self.peers = PeerProcesses(self.rank, self.infos, node_ranks)
+        self.beats = Heartbeats(self.rank, list(unique.values()), time.monotonic())
+        #: What this rank is doing inside smp (None: outside), for messages and deadlines.
+        self.where: str | None = None
+        #: ``@smp.step`` calls so far.
+        self.step = 0
+        #: The first failure learnt (any rank's, this one's included), or None.
+        self.failure: Failure | None = None
+        self.failed_at = 0.0
+        #: A PeerFailedError (or this rank's own error) has been raised to the user.
+        self.delivered = False
+        self.dead: set[int] = set()
+        #: Ranks that left because of a failure: rank -> whether they finalized MPI first.
+        self.left: dict[int, bool] = {}
+        self._ended_at: dict[int, float] = {}  # peer processes seen ended, and when
+        self._announced = False
+        self._exiting_at: float | None = None
+        self._interrupts: list[Callable[[str], None]] = []
+        self._sends: list[Any] = []  # unfinished isends: their buffers must stay alive
+        # Guards the failure fields, and MPI use once the interpreter exits (MPI_Finalize
+        # may run on the main thread while the watcher still runs).
+        self._lock = threading.Lock()
+        self._mpi_open = True
+        self._warned = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="smp-torch-watcher", daemon=True)
+        self._thread.start()
+        _install(self)
+
+    # ------------------------------------------------------------------ where this rank is
+    def waiting(self, label: str) -> _Waiting:
+        """Context manager: this rank is inside smp doing ``label`` (for messages, and for
+        the deadline of a rank that learns of a failure)."""
+        return _Waiting(self, label)
+
+    def where_now(self) -> str:
+        """What this rank is doing, in words."""
+        if self.where is not None:
+            return self.where
+        if self.step:
+            return f"outside smp, after step {self.step}"
+        return "outside smp, before the first step"
+
+    def begin_step(self) -> int:
+        """A step starts: raise if a failure is known; returns its number (1, 2, ...)."""
+        self.check()
+        self.step += 1
+        return self.step
+
+    # ------------------------------------------------------------------ raising
+    def check(self) -> None:
+        """Raise :class:`PeerFailedError` if a failure is known (one attribute read)."""
+        if self.failure is not None:
+            raise self.error()
+
+    def error(self, failure: Failure | None = None, waiting_for: str | None = None) -> PeerFailedError:
+        """The error for ``failure`` (default: the one learnt), raised here now while this
+        rank does ``waiting_for`` (default: :meth:`where_now`); from here on the failure
+        counts as delivered to the user."""
+        f = failure or self.failure
+        assert f is not None
+        self.delivered = True
+        return PeerFailedError(f.rank, f.error, f.where, waiting_for or self.where_now(), self.rank)
+
+    def explain(self, error: BaseException, waiting_for: str | None = None) -> PeerFailedError | None:
+        """The :class:`PeerFailedError` that ``error`` (raised by this rank's step, while it
+        did ``waiting_for``) is a consequence of, or None if it is this rank's own. A
+        communication error waits up to 0.5 s for the watcher to learn why."""
+        if isinstance(error, PeerFailedError):
+            self.delivered = True
+            return error
+        if not _maybe_consequence(error, self.rank):
+            return None
+        deadline = time.monotonic() + _EXPLAIN_S
+        while self.failure is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return None if self.failure is None else self.error(waiting_for=waiting_for)
+
+    def on_failure(self, interrupt: Callable[[str], None]) -> None:
+        """Call ``interrupt(message)`` (on the watcher's thread) when a failure is learnt, so
+        a wait that does not poll :meth:`check` ends (e.g. ``PipelineRuntime.interrupt``)."""
+        self._interrupts.append(interrupt)
+        f = self.failure
+        if f is not None:
+            interrupt(str(PeerFailedError(f.rank, f.error, f.where, self.where_now(), self.rank)))
+
+    # ------------------------------------------------------------------ telling the others
+    def announce(self, error: BaseException, where: str | None = None, delivered: bool = True) -> None:
+        """This rank failed with ``error``: tell every other rank (once; waits up to 2 s for
+        the notices to leave, as this process may exit next). ``where`` defaults to what the
+        rank was doing when ``error`` was raised; ``delivered``: ``error`` reaches the user
+        here (False for another thread's error: then this rank's main thread raises
+        :class:`PeerFailedError` too, or is ended, as on the other ranks)."""
+        with self._lock:
+            if self._announced:
+                return
+            self._announced = True
+        place = where or getattr(error, "_smp_where", None) or self.where_now()
+        failure = Failure(self.rank, first_line(error), place)
+        self._learn(failure)
+        if delivered:
+            self.delivered = True
+        self._notify(failure, self._others())
+        self._settle_sends(_SEND_WAIT_S)
+
+    def _notify(self, failure: Failure, dests: list[int], left: tuple[int, bool] | None = None) -> None:
+        """Send ``failure`` to ``dests``. ``left``: (this rank, whether it finalized MPI): it
+        leaves now because of ``failure``; its end is not a failure of its own."""
+        wire = (failure.rank, failure.error, failure.where, failure.dead, left)
+        self._send(_NOTICE_TAG, wire, dests)
+
+    def _others(self, exclude: list[int] | tuple[int, ...] = ()) -> list[int]:
+        return [r for r in range(self.size) if r != self.rank and r not in self.dead and r not in exclude]
+
+    def _send(self, tag: int, msg: Any, dests: list[int]) -> None:
+        with self._lock:
+            if not self._mpi_open:
+                return
+            for r in dests:
+                try:
+                    self._sends.append(self.comm.isend(msg, dest=r, tag=tag))
+                except Exception:  # noqa: BLE001 - best effort: the peer may be gone
+                    pass
+
+    def _settle_sends(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while True:
+            with self._lock:
+                if not self._mpi_open:
+                    return
+                self._sends = [q for q in self._sends if not q.Test()]
+                if not self._sends:
+                    return
+            if time.monotonic() > deadline:
+                return
+            time.sleep(2e-3)
+
+    # ------------------------------------------------------------------ learning
+    def record(self, failure: Failure) -> None:
+        """Note a failure learnt elsewhere than on the channel (the step's agreement), about
+        to be raised to the user here."""
+        self._learn(failure)
+        self.delivered = True
+
+    def _learn(self, failure: Failure) -> None:
+        with self._lock:
+            if failure.dead:
+                self.dead.add(failure.rank)
+            if self.failure is not None:
+                return
+            self.failure = failure
+            self.failed_at = time.monotonic()
+            interrupts = list(self._interrupts)
+        if interrupts:
+            text = str(PeerFailedError(failure.rank, failure.error, failure.where, self.where_now(), self.rank))
+            for interrupt in interrupts:
+                try:
+                    interrupt(text)
+                except Exception:  # noqa: BLE001 - one broken waiter must not stop the others
+                    pass
+
+    def _loop(self) -> None:
+        while not self._stop.wait(POLL_S):
+            try:
+                self._turn(time.monotonic())
+            except Exception as exc:  # noqa: BLE001 - the watcher must outlive a bad turn
+                self._warn(exc)
+
+    def _warn(self, exc: BaseException) -> None:
+        if not self._warned:  # once: a broken MPI fails every turn alike
+            self._warned = True
+            sys.stderr.write(f"smp rank {self.rank}: failure watcher: {exc!r}\n")
+
+    def _turn(self, now: float) -> None:
+        if self._exiting_at is None:
+            # Ended processes first, notices next: a rank that leaves because of a failure
+            # says so before its process ends, so its end is never taken for the failure.
+            ended = [r for r in self.peers.ended() if r not in self.dead]
+            notices: list[tuple[Failure, tuple[int, bool] | None]] = []
+            try:
+                with self._lock:
+                    if self._mpi_open:
+                        notices = self._receive(now)
+                        if self.beats.beat_due(now) and self.beats.send_to is not None:
+                            beat = self.comm.isend("beat", dest=self.beats.send_to, tag=_BEAT_TAG)
+                            self._sends.append(beat)
+                        self._sends = [q for q in self._sends if not q.Test()]
+            except Exception as exc:  # noqa: BLE001 - MPI broke: /proc and deadlines still work
+                self._warn(exc)
+            for failure, left in notices:  # (outside the lock: learning takes it)
+                self._learn(failure)
+                if left is not None:
+                    self.left[left[0]] = left[1]
+            for r in ended:
+                self._ended_at.setdefault(r, now)
+            self._judge_ended(now)
+            silent = self.beats.silent(now)
+            if silent is not None:
+                self._node_silent(silent)
+        self._enforce(now)
+
+    def _receive(self, now: float) -> list[tuple[Failure, tuple[int, bool] | None]]:
+        """Take every arrived message: heartbeats are noted, notices returned (each with
+        its sender's departure, if it leaves: see :meth:`_notify`)."""
+        notices = []
+        status = MPI.Status()
+        while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status):
+            src, tag = status.Get_source(), status.Get_tag()
+            msg = self.comm.recv(source=src, tag=tag)
+            if tag == _BEAT_TAG:
+                self.beats.heard(src, msg == "bye", now)
+            elif tag == _NOTICE_TAG:
+                rank, error, where, dead, left = msg
+                notices.append((Failure(rank, error, where, dead), left))
+        return notices
+
+    def _judge_ended(self, now: float) -> None:
+        """Turn ended peer processes into failures. One that left because of a failure (it
+        said so) is not one; an end nothing explains yet gets :data:`_CONFIRM_S` for its
+        notice to arrive (a rank that leaves within milliseconds of a death can be seen gone
+        together with the dead one), then the earliest end seen is the failure."""
+        for r, finalized in self.left.items():
+            if r in self._ended_at and not finalized:
+                self.dead.add(r)  # left without MPI_Finalize: nobody can wait for it
+        unexplained = sorted(
+            (t, r) for r, t in self._ended_at.items() if r not in self.dead and r not in self.left
+        )
+        if not unexplained:
+            return
+        if self.failure is None and now - unexplained[0][0] < _CONFIRM_S:
+            return
+        for _, r in unexplained:  # the first one is the failure, if none is known yet
+            self._peer_ended(r)
+
+    def _peer_ended(self, r: int) -> None:
+        info = self.infos[r]
+        text = f"its process ended without exiting ({info.describe()}: killed, or crashed)"
+        self._learn(Failure(r, text, "", dead=True))
+        # The peers on this node see it themselves; one of them tells the other nodes.
+        live = [x for x in self.node_ranks if x not in self.dead]
+        if live and live[0] == self.rank:
+            self._notify(Failure(r, text, "", dead=True), self._others(self.node_ranks))
+
+    def _node_silent(self, leader: int) -> None:
+        group = self.beats.watched_group
+        text = (
+            f"no heartbeat from its node (ranks {group}) for {BEAT_TIMEOUT_S:g} s: "
+            "presumed dead"
+        )
+        for r in group:
+            self._learn(Failure(r, text, "", dead=True))
+        self._notify(Failure(leader, text, "", dead=True), self._others(group))
+
+    # ------------------------------------------------------------------ deadlines and exit
+    def _enforce(self, now: float) -> None:
+        f = self.failure
+        if f is None:
+            return
+        if self._exiting_at is not None:
+            if self.dead:
+                self._leave(exit_status(), "its exit would wait for the dead rank")
+            if now - max(self._exiting_at, self.failed_at) > EXIT_GRACE_S:
+                status = exit_status()  # 0 if the program caught the error and ended
+                self._leave(status, f"its exit did not finish within {EXIT_GRACE_S:g} s")
+            return
+        if self.delivered:
+            return
+        if self.where is None:
+            if now - self.failed_at > OUTSIDE_GRACE_S:
+                self._leave(1, f"it did not enter smp within {OUTSIDE_GRACE_S:g} s")
+        elif now - self.failed_at > INSIDE_GRACE_S:
+            self._leave(1, f"smp could not raise there within {INSIDE_GRACE_S:g} s")
+
+    def _leave(self, status: int, why: str) -> None:
+        assert self.failure is not None
+        error = PeerFailedError(
+            self.failure.rank, self.failure.error, self.failure.where, self.where_now(), self.rank
+        )
+        exiting = self._exiting_at is not None
+        finalize = not self.dead and not exiting
+        self._depart(finalize)
+        leave_now(
+            status,
+            f"smp rank {self.rank}: PeerFailedError: {error}; {why}: leaving with status "
+            f"{status} [unix time {time.time():.3f}]",
+            # Finalizing lets the others' MPI_Finalize (and the launcher) see an orderly end;
+            # not with a dead peer (it would wait for it), nor during the exit, whose main
+            # thread may be inside MPI right now.
+            finalize_mpi=finalize,
+        )
+
+    def _depart(self, finalized: bool) -> None:
+        """Before leaving because of the failure: tell the others (up to 0.5 s), so they do
+        not take this rank's end for a failure, then stop using MPI here."""
+        assert self.failure is not None
+        self._notify(self.failure, self._others(), left=(self.rank, finalized))
+        self._settle_sends(0.5)
+        # A send that completed may still sit in MPI's buffers, lost if the process ends at
+        # once (seen: 1 run in 5). The others' 0.1 s wait covers a lost one (_judge_ended).
+        time.sleep(0.05)
+        with self._lock:
+            self._mpi_open = False
+
+    def exiting(self) -> None:
+        """The interpreter exits (smp's first exit handler): stop using MPI here (the main
+        thread finalizes it soon), and leave at once if a peer process is dead."""
+        if self.dead:
+            self._depart(False)
+        with self._lock:
+            if self._mpi_open and self.beats.active and self.beats.send_to is not None:
+                # The next node stops expecting heartbeats: this exit is not a death.
+                try:
+                    self._sends.append(self.comm.isend("bye", dest=self.beats.send_to, tag=_BEAT_TAG))
+                except Exception:  # noqa: BLE001 - exiting anyway
+                    pass
+            self._mpi_open = False
+            self._exiting_at = time.monotonic()
+        if self.failure is not None:
+            _arm_exit_alarm(EXIT_GRACE_S + _ALARM_AFTER_S)
+        if self.dead:
+            status = exit_status()
+            leave_now(
+                status,
+                f"smp rank {self.rank}: rank(s) {sorted(self.dead)} ended without "
+                f"MPI_Finalize: leaving with status {status} without it too (it would wait for "
+                f"them) [unix time {time.time():.3f}]",
+            )
+
+    def close(self) -> None:
+        """Stop the watcher and free the communicator (``smp.init`` again; collective)."""
+        global _CURRENT
+        self._stop.set()
+        self._thread.join(1.0)
+        with self._lock:
+            was_open, self._mpi_open = self._mpi_open, False
+        if _CURRENT is self:
+            _CURRENT = None
+        if was_open:
+            try:
+                self.comm.Free()
+            except Exception:  # noqa: BLE001 - re-initialising anyway
+                pass
+
+    # ------------------------------------------------------------------ waits that raise
     def run(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on a helper thread; re-raise its exception, or raise
-        :class:`StepFailedElsewhere` as soon as another rank reports a failure."""
+        :class:`PeerFailedError` as soon as a failure is known (the helper thread may stay
+        blocked in a collective the failed rank never joins)."""
         box: dict[str, BaseException] = {}
 
         def target() -> None:
@@ -72,47 +573,101 @@ class StepWatch:
         _RUNNING.add(thread)
         thread.start()
         while thread.is_alive():
-            thread.join(_POLL_S)
+            thread.join(_STEP_POLL_S)
             if thread.is_alive():
                 self.check()
         if "error" in box:
             raise box["error"]
 
-    def check(self) -> None:
-        """Raise :class:`StepFailedElsewhere` if another rank sent a failure notice."""
-        status = MPI.Status()
-        if self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=_NOTICE_TAG, status=status):
-            notice = self.comm.recv(source=status.Get_source(), tag=_NOTICE_TAG)
-            raise StepFailedElsewhere(
-                f"the step failed on rank {notice['rank']}: {notice['error']}"
-            )
-
-    def notify(self, error: BaseException) -> None:
-        """Tell every other rank that this rank's step raised ``error`` (waits up to 5 s for
-        the notices to leave, so they are not lost if this process exits next)."""
-        text = f"{type(error).__name__}: {error}".splitlines()[0][:500]
-        notice = {"rank": self.rank, "error": text}
-        requests = [
-            self.comm.isend(notice, dest=r, tag=_NOTICE_TAG)
-            for r in range(self.size)
-            if r != self.rank
-        ]
-        deadline = time.monotonic() + 5.0
-        while requests and time.monotonic() < deadline:
-            requests = [r for r in requests if not r.Test()]
-            if requests:
-                time.sleep(_POLL_S)
-
-    def allreduce_max(self, values: list[int]) -> list[int]:
-        """The element-wise maximum of ``values`` over all ranks (the step's outcome
-        agreement), raising :class:`StepFailedElsewhere` instead if a rank reports a failure
-        meanwhile."""
-        send = array.array("q", values)
-        recv = array.array("q", [0] * len(values))
-        request = self.comm.Iallreduce(send, recv, op=MPI.MAX)
+    def wait_request(self, request: Any) -> None:
+        """Wait for an MPI request, raising :class:`PeerFailedError` meanwhile if a failure
+        is known (a peer that failed never completes it)."""
         pause = 5e-5  # usually done within microseconds: back off from short pauses
         while not request.Test():
             self.check()
             time.sleep(pause)
-            pause = min(_POLL_S, pause * 2)
+            pause = min(_STEP_POLL_S, pause * 2)
+
+    def wait_work(self, work: Any, cuda: bool = False) -> None:
+        """Wait for a ``torch.distributed`` collective (``async_op=True``), raising
+        :class:`PeerFailedError` meanwhile if a failure is known. ``cuda``: NCCL work,
+        waited for as usual (``wait()`` only orders the stream; polling would block the
+        CPU on the device)."""
+        if not cuda:
+            pause = 5e-5
+            while not work.is_completed():
+                self.check()
+                time.sleep(pause)
+                pause = min(2e-4, pause * 2)  # (bounds the latency polling adds)
+        work.wait()
+
+    def allreduce_max(self, values: list[int]) -> list[int]:
+        """The element-wise maximum of ``values`` over all ranks (the step's outcome
+        agreement), raising :class:`PeerFailedError` instead if a failure is known."""
+        send = array.array("q", values)
+        recv = array.array("q", [0] * len(values))
+        self.wait_request(self.comm.Iallreduce(send, recv, op=MPI.MAX))
         return [int(v) for v in recv]
+
+
+# The class's name while it watched steps only.
+StepWatch = FailureWatch
+
+# ---------------------------------------------------------------------- process hooks
+_CURRENT: FailureWatch | None = None
+_HOOKED = False
+
+
+def _install(watch: FailureWatch) -> None:
+    """Make ``watch`` the channel uncaught exceptions are reported on; chain the hooks
+    (once per process) in front of whatever hooks were installed before."""
+    global _CURRENT, _HOOKED
+    _CURRENT = watch
+    if _HOOKED:
+        return
+    _HOOKED = True
+    previous_hook = sys.excepthook
+    previous_thread_hook = threading.excepthook
+
+    def excepthook(
+        exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
+    ) -> None:
+        _uncaught(exc, None)
+        previous_hook(exc_type, exc, tb)
+
+    def thread_excepthook(args: Any) -> None:
+        if args.exc_type is not SystemExit:  # (ends the thread quietly, as by default)
+            _uncaught(args.exc_value, args.thread)
+        previous_thread_hook(args)
+
+    sys.excepthook = excepthook
+    threading.excepthook = thread_excepthook
+    # Registered after smp's other exit handlers: runs before them (atexit is LIFO).
+    atexit.register(_at_exit)
+
+
+def _uncaught(exc: BaseException | None, thread: threading.Thread | None) -> None:
+    watch = _CURRENT
+    if watch is None or exc is None or isinstance(exc, PeerFailedError):
+        return  # (a PeerFailedError is the consequence of a failure already announced)
+    try:
+        where = None if thread is None else f"in thread {thread.name!r}"
+        watch.announce(exc, where=where, delivered=thread is None)
+    except Exception:  # noqa: BLE001 - an exception hook must not fail
+        pass
+
+
+def _arm_exit_alarm(seconds: float) -> None:
+    """End the process with SIGALRM after ``seconds`` whatever it does: the backstop of an
+    exit that blocks after Python's own threads stopped (mpi4py finalizes MPI after the
+    interpreter, where MPICH's MPI_Finalize waits for every rank)."""
+    try:
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)  # the default action ends the process
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+    except (ValueError, OSError, AttributeError):  # not the main thread; no SIGALRM here
+        pass
+
+
+def _at_exit() -> None:
+    if _CURRENT is not None:
+        _CURRENT.exiting()
