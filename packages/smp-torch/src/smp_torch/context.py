@@ -87,9 +87,9 @@ class SMPContext:
         if error is not None:
             note_failed_step()  # exit waits for collectives this step left (smp_comm.shutdown)
             peer = watch.explain(error, outcome.label or None)
-            if peer is error:
-                raise error
             if peer is not None:
+                if peer is error:  # this rank's error already names the failed peer
+                    raise peer
                 raise peer from error
             if outcome.watched or watch.failure is not None:
                 watch.announce(error, where=outcome.label or None)
