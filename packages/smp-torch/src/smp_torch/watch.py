@@ -38,28 +38,25 @@ from __future__ import annotations
 
 import array
 import atexit
-import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-import torch.distributed
 from mpi4py import MPI
-from smp_comm.errors import CommError
 from smp_comm.shutdown import (
     exit_status,
     leave_now,
     unlink_mpi_shared_memory,
     wait_for_threads_at_exit,
 )
-from smp_pipeline.errors import PipelineError, PipelineInterruptedError
 
 from smp_torch.errors import PeerFailedError
+from smp_torch.exit_hooks import arm_exit_alarm, forget, install
 from smp_torch.liveness import BEAT_TIMEOUT_S, Heartbeats, PeerProcesses, ProcessInfo
+from smp_torch.notices import Failure, first_line, maybe_consequence
 
 __all__ = [
     "EXIT_GRACE_S",
@@ -104,58 +101,6 @@ StepFailedElsewhere = PeerFailedError
 def wait_for_step_threads() -> None:
     """At exit: wait until no step thread is blocked any more (see :mod:`smp_comm.shutdown`)."""
     wait_for_threads_at_exit(list(_RUNNING), "smp-torch")
-
-
-@dataclass(frozen=True)
-class Failure:
-    """A failure as the channel carries it.
-
-    Attributes:
-        rank: the rank that failed.
-        error: ``"<type>: <message>"``, or how its process ended.
-        where: what it was doing ("" if unknown).
-        dead: its process is gone (no orderly exit can wait for it).
-    """
-
-    rank: int
-    error: str
-    where: str
-    dead: bool = False
-
-
-# torch.distributed's own errors (a backend's failed collective), and what gloo says when
-# the other end of a connection went away.
-_DIST_ERRORS: tuple[type[BaseException], ...] = tuple(
-    t for t in (getattr(torch.distributed, "DistError", None),) if isinstance(t, type)
-)
-_CONNECTION_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-
-
-def first_line(error: BaseException) -> str:
-    """``"<type>: <first line of the message>"``, for notices and reports."""
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0][:500]}" if text else type(error).__name__
-
-
-def _maybe_consequence(error: BaseException, rank: int) -> bool:
-    """Whether ``error`` may be how another rank's failure showed here, before this rank's
-    watcher learnt of it: an interrupted pipeline, or a broken connection anywhere in the
-    exception's chain. (A pipeline abort reported by another rank is not: the step's
-    agreement names its origin.)"""
-    if isinstance(error, PipelineInterruptedError):
-        return True
-    if isinstance(error, PipelineError) and error.origin not in (None, rank):
-        return False
-    seen: BaseException | None = error
-    for _ in range(8):  # the cause/context chain, bounded
-        if seen is None:
-            break
-        if isinstance(seen, (CommError, *_DIST_ERRORS)):
-            return True
-        if isinstance(seen, RuntimeError) and any(s in str(seen) for s in _CONNECTION_LOST):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
 
 
 class _Waiting:
@@ -238,7 +183,7 @@ class FailureWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="smp-torch-watcher", daemon=True)
         self._thread.start()
-        _install(self)
+        install(self)
 
     # ------------------------------------------------------------------ where this rank is
     def waiting(self, label: str) -> _Waiting:
@@ -282,7 +227,7 @@ class FailureWatch:
         if isinstance(error, PeerFailedError):
             self.delivered = True
             return error
-        if not _maybe_consequence(error, self.rank):
+        if not maybe_consequence(error, self.rank):
             return None
         deadline = time.monotonic() + _EXPLAIN_S
         while self.failure is None and time.monotonic() < deadline:
@@ -529,7 +474,7 @@ class FailureWatch:
             self._mpi_open = False
             self._exiting_at = time.monotonic()
         if self.failure is not None:
-            _arm_exit_alarm(EXIT_GRACE_S + _ALARM_AFTER_S)
+            arm_exit_alarm(EXIT_GRACE_S + _ALARM_AFTER_S)
         if self.dead:
             status = exit_status()
             leave_now(
@@ -541,13 +486,11 @@ class FailureWatch:
 
     def close(self) -> None:
         """Stop the watcher and free the communicator (``smp.init`` again; collective)."""
-        global _CURRENT
         self._stop.set()
         self._thread.join(1.0)
         with self._lock:
             was_open, self._mpi_open = self._mpi_open, False
-        if _CURRENT is self:
-            _CURRENT = None
+        forget(self)
         if was_open:
             try:
                 self.comm.Free()
@@ -613,61 +556,3 @@ class FailureWatch:
 # The class's name while it watched steps only.
 StepWatch = FailureWatch
 
-# ---------------------------------------------------------------------- process hooks
-_CURRENT: FailureWatch | None = None
-_HOOKED = False
-
-
-def _install(watch: FailureWatch) -> None:
-    """Make ``watch`` the channel uncaught exceptions are reported on; chain the hooks
-    (once per process) in front of whatever hooks were installed before."""
-    global _CURRENT, _HOOKED
-    _CURRENT = watch
-    if _HOOKED:
-        return
-    _HOOKED = True
-    previous_hook = sys.excepthook
-    previous_thread_hook = threading.excepthook
-
-    def excepthook(
-        exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
-    ) -> None:
-        _uncaught(exc, None)
-        previous_hook(exc_type, exc, tb)
-
-    def thread_excepthook(args: Any) -> None:
-        if args.exc_type is not SystemExit:  # (ends the thread quietly, as by default)
-            _uncaught(args.exc_value, args.thread)
-        previous_thread_hook(args)
-
-    sys.excepthook = excepthook
-    threading.excepthook = thread_excepthook
-    # Registered after smp's other exit handlers: runs before them (atexit is LIFO).
-    atexit.register(_at_exit)
-
-
-def _uncaught(exc: BaseException | None, thread: threading.Thread | None) -> None:
-    watch = _CURRENT
-    if watch is None or exc is None or isinstance(exc, PeerFailedError):
-        return  # (a PeerFailedError is the consequence of a failure already announced)
-    try:
-        where = None if thread is None else f"in thread {thread.name!r}"
-        watch.announce(exc, where=where, delivered=thread is None)
-    except Exception:  # noqa: BLE001 - an exception hook must not fail
-        pass
-
-
-def _arm_exit_alarm(seconds: float) -> None:
-    """End the process with SIGALRM after ``seconds`` whatever it does: the backstop of an
-    exit that blocks after Python's own threads stopped (mpi4py finalizes MPI after the
-    interpreter, where MPICH's MPI_Finalize waits for every rank)."""
-    try:
-        signal.signal(signal.SIGALRM, signal.SIG_DFL)  # the default action ends the process
-        signal.setitimer(signal.ITIMER_REAL, seconds)
-    except (ValueError, OSError, AttributeError):  # not the main thread; no SIGALRM here
-        pass
-
-
-def _at_exit() -> None:
-    if _CURRENT is not None:
-        _CURRENT.exiting()
