@@ -172,7 +172,8 @@ class FailureWatch:
         self.left: dict[int, bool] = {}
         self._ended_at: dict[int, float] = {}  # peer processes seen ended, and when
         self._announced = False
-        self._exiting_at: float | None = None
+        self._exiting_at: float | None = None  # smp's exit handler ran
+        self._main_ended_at: float | None = None  # the main thread ended (exit began)
         self._interrupts: list[Callable[[str], None]] = []
         self._sends: list[Any] = []  # unfinished isends: their buffers must stay alive
         # Guards the failure fields, and MPI use once the interpreter exits (MPI_Finalize
@@ -330,6 +331,10 @@ class FailureWatch:
             sys.stderr.write(f"smp rank {self.rank}: failure watcher: {exc!r}\n")
 
     def _turn(self, now: float) -> None:
+        if self._main_ended_at is None and not threading.main_thread().is_alive():
+            # The program ended: the exit has begun, even if it never reaches smp's exit
+            # handler (a handler before it, or a thread it joins, may hang).
+            self._main_ended_at = now
         if self._exiting_at is None:
             # Ended processes first, notices next: a rank that leaves because of a failure
             # says so before its process ends, so its end is never taken for the failure.
@@ -362,9 +367,13 @@ class FailureWatch:
         its sender's departure, if it leaves: see :meth:`_notify`)."""
         notices = []
         status = MPI.Status()
-        while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status):
+        while True:
+            # A matched probe: the receive below takes exactly this message, at once.
+            probed = self.comm.improbe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status)
+            if probed is None:
+                break
             src, tag = status.Get_source(), status.Get_tag()
-            msg = self.comm.recv(source=src, tag=tag)
+            msg = probed.recv()
             if tag == _BEAT_TAG:
                 self.beats.heard(src, msg == "bye", now)
             elif tag == _NOTICE_TAG:
@@ -414,10 +423,11 @@ class FailureWatch:
         f = self.failure
         if f is None:
             return
-        if self._exiting_at is not None:
-            if self.dead:
+        exit_began = self._exiting_at or self._main_ended_at
+        if exit_began is not None:
+            if self.dead and self._exiting_at is not None:
                 self._leave(exit_status(), "its exit would wait for the dead rank")
-            if now - max(self._exiting_at, self.failed_at) > EXIT_GRACE_S:
+            if now - max(exit_began, self.failed_at) > EXIT_GRACE_S:
                 status = exit_status()  # 0 if the program caught the error and ended
                 self._leave(status, f"its exit did not finish within {EXIT_GRACE_S:g} s")
             return
@@ -434,7 +444,7 @@ class FailureWatch:
         error = PeerFailedError(
             self.failure.rank, self.failure.error, self.failure.where, self.where_now(), self.rank
         )
-        exiting = self._exiting_at is not None
+        exiting = (self._exiting_at or self._main_ended_at) is not None
         finalize = not self.dead and not exiting
         self._depart(finalize)
         leave_now(
@@ -462,10 +472,14 @@ class FailureWatch:
     def exiting(self) -> None:
         """The interpreter exits (smp's first exit handler): stop using MPI here (the main
         thread finalizes it soon), and leave at once if a peer process is dead."""
+        if self.failure is not None:
+            arm_exit_alarm(EXIT_GRACE_S + _ALARM_AFTER_S)  # first: nothing below may hang it
         if self.dead:
             self._depart(False)
-        with self._lock:
-            if self._mpi_open and self.beats.active and self.beats.send_to is not None:
+        # (Bounded: a watcher turn holding the lock inside a broken MPI must not stop exit.)
+        locked = self._lock.acquire(timeout=1.0)
+        try:
+            if self._mpi_open and locked and self.beats.active and self.beats.send_to is not None:
                 # The next node stops expecting heartbeats: this exit is not a death.
                 try:
                     self._sends.append(self.comm.isend("bye", dest=self.beats.send_to, tag=_BEAT_TAG))
@@ -473,8 +487,9 @@ class FailureWatch:
                     pass
             self._mpi_open = False
             self._exiting_at = time.monotonic()
-        if self.failure is not None:
-            arm_exit_alarm(EXIT_GRACE_S + _ALARM_AFTER_S)
+        finally:
+            if locked:
+                self._lock.release()
         if self.dead:
             status = exit_status()
             leave_now(

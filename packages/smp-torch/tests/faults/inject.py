@@ -15,12 +15,15 @@ CONFIG: ``pp2`` (2 ranks), ``tp2`` (2), ``dp2`` (2), ``pp2dp2`` (4: drivers 0 an
 Printed (one line each): ``RANK r PID p`` and ``RANK r SHM <paths>`` (the ``/dev/shm``
 files this process maps) at start, ``FAULT r <fault> t=<unix time>`` on the victim just
 before the fault, and ``RANK r EXIT status <s> t=<unix time>`` as the very last thing of an
-interpreter exit (an exit handler registered before any other, so it runs after MPI's).
+interpreter exit (an exit handler registered before any other: it runs after smp's, before
+mpi4py's ``MPI_Finalize``). A rank still running 90 s after it started prints every
+thread's stack.
 """
 
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import os
 import signal
 import sys
@@ -29,6 +32,7 @@ import time
 
 RANK = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "-1")))
 FAULT_STEP = 2
+DUMP_AFTER_S = 90.0  # (the test gives a job 120 s)
 
 
 def _exit_line() -> None:
@@ -37,7 +41,9 @@ def _exit_line() -> None:
     print(f"RANK {RANK} EXIT status {status} t={time.time():.3f}", flush=True)
 
 
-atexit.register(_exit_line)  # first registered: runs last, after MPI_Finalize
+atexit.register(_exit_line)  # first registered: runs last (mpi4py finalizes MPI after it)
+# A job still running long after its fault shows where every thread of every rank is.
+faulthandler.dump_traceback_later(DUMP_AFTER_S, exit=False)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -37,7 +37,7 @@ from smp_comm.testing import mpiexec_path
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "inject.py")
 LIMIT_S = 10.0  # every rank must have ended this long after the fault
-JOB_TIMEOUT_S = 90.0  # a hung job is killed (and the case fails) after this long
+JOB_TIMEOUT_S = 120.0  # a hung job is killed (and the case fails) after this long
 
 RANKS = {"pp2": 2, "tp2": 2, "dp2": 2, "pp2dp2": 4}
 ROLES = {
