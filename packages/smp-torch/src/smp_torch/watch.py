@@ -81,9 +81,10 @@ OUTSIDE_GRACE_S = 1.0
 #: interrupt it, or computing) is ended.
 INSIDE_GRACE_S = 5.0
 #: After a failure, an interpreter exit that has not finished after this long is cut short,
-#: with the status Python would have used (the orderly exit after a failed step takes 1-5 s
-#: on a loaded 2-core machine, and MPI is usually finalized by then).
-EXIT_GRACE_S = 6.0
+#: with the status Python would have used. For exits that hang, not slow ones: the orderly
+#: exit after a failed step takes 1-5 s, and over 10 s at a load average of 14-19 on 2 cores,
+#: where cutting it (at 6 s) made the launcher kill the whole job.
+EXIT_GRACE_S = 15.0
 # The exit alarm rings this long after EXIT_GRACE_S, behind the watcher's own deadline.
 _ALARM_AFTER_S = 10.0
 _SEND_WAIT_S = 2.0  # how long an uncaught exception waits for its notices to leave
