@@ -188,6 +188,24 @@ _LLAMA_FAMILY = [
 ]
 
 
+# T5: attention (self and cross) and both feed-forward kinds. The first layer's relative
+# position bias table (buckets, heads) is split over heads, so the bias it returns — which
+# the later layers reuse — holds this rank's heads (``local``: never gathered);
+# cross-attention's encoder states feed k/v (``inputs``).
+_T5_ATTENTION: dict[str, Any] = dict(
+    divide=("n_heads", "inner_dim"), shard={"relative_attention_bias.weight": 1},
+    local=("position_bias",), inputs=("key_value_states",))
+
+
+def _register_t5(mod: Any) -> None:
+    register_builtin_block(mod.T5Attention, ("q", "k", "v"), ("o",), None, **_T5_ATTENTION)
+    register_builtin_block(mod.T5DenseActDense, ("wi",), ("wo",))
+    register_builtin_block(mod.T5DenseGatedActDense, ("wi_0", "wi_1"), ("wo",))
+    register_builtin_vocab(mod.T5ForConditionalGeneration, hf_causal_lm=False, hf_seq2seq_lm=True)
+    register_builtin_vocab(mod.T5Model, hf_causal_lm=False, head="")
+    register_builtin_vocab(mod.T5EncoderModel, hf_causal_lm=False, head="")
+
+
 def register_hf_if_loaded() -> None:
     """Register the Hugging Face mappings of the model modules ``transformers`` has loaded.
 
@@ -217,3 +235,6 @@ def register_hf_if_loaded() -> None:
         register_builtin_block(getattr(mod, f"{prefix}MLP"), _MLP_COLUMN, _MLP_ROW)
         register_builtin_vocab(getattr(mod, f"{prefix}ForCausalLM"), hf_causal_lm=True)
         register_builtin_vocab(getattr(mod, f"{prefix}Model"), hf_causal_lm=False)
+    t5 = sys.modules.get("transformers.models.t5.modeling_t5")
+    if t5 is not None:
+        _register_t5(t5)

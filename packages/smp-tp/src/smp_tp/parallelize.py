@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import threading
 import warnings
@@ -140,6 +141,74 @@ def _loss_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -
         ctx.__exit__(None, None, None)
 
 
+def _seq2seq_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """Encoder-decoder LMs (T5) compute ``CrossEntropyLoss`` on the logits inline: with
+    ``labels``, run the forward without them (decoder inputs from the labels, as the model
+    would) and with the head returning shards; the post-hook computes the loss."""
+    stack = _pending.__dict__.setdefault("stack", [])
+    head_path = module.__dict__.get("_smp_tp_vocab_head")
+    head = module.get_submodule(head_path) if head_path is not None else None
+    sig = inspect.signature(type(module).forward)
+    try:
+        bound = sig.bind(None, *args, **kwargs)
+    except TypeError:
+        bound = None
+    labels = bound.arguments.get("labels") if bound is not None else None
+    if not isinstance(head, VocabParallelLMHead) or labels is None or bound is None:
+        stack.append(None)
+        return None
+    first = next(iter(sig.parameters))
+    call: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = sig.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            call.update(value)
+        elif kind is not inspect.Parameter.VAR_POSITIONAL and name != first:
+            call[name] = value
+    call.pop("labels")
+    if call.get("decoder_input_ids") is None and call.get("decoder_inputs_embeds") is None:
+        call["decoder_input_ids"] = module.prepare_decoder_input_ids_from_labels(labels=labels)  # type: ignore[operator]
+    ctx = sharded_logits(head)
+    ctx.__enter__()
+    stack.append((ctx, head, labels))
+    return (), call
+
+
+def _seq2seq_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    stack = _pending.__dict__.get("stack")
+    entry = stack.pop() if stack else None
+    if entry is None:
+        return None
+    ctx, head, labels = entry
+    ctx.__exit__(None, None, None)
+    if output is None:  # the forward raised (hook called with always_call)
+        return None
+    logits = output[0] if isinstance(output, tuple) else output.logits
+    # T5's own loss: mean cross entropy over the non-ignored labels (-100) of the batch
+    loss = head.cross_entropy(logits.float(), labels.to(logits.device))
+    if isinstance(output, tuple):
+        return (loss, *output)
+    return dataclasses.replace(output, loss=loss)
+
+
+def _same_table(a: nn.Embedding, b: nn.Embedding) -> bool:
+    return (a.num_embeddings, a.embedding_dim, a.padding_idx, a.norm_type, a.sparse, a.max_norm,
+            a.scale_grad_by_freq) == (b.num_embeddings, b.embedding_dim, b.padding_idx, b.norm_type,
+                                      b.sparse, b.max_norm, b.scale_grad_by_freq)
+
+
+def _install_loss(owner: nn.Module, head_rel: str, plan: VocabPlan, vhead: VocabParallelLMHead) -> None:
+    object.__setattr__(owner, "_smp_tp_vocab_head", head_rel)
+    if not plan.hf_seq2seq_lm:
+        owner.loss_function = VocabParallelCausalLMLoss(vhead)  # type: ignore[assignment]
+    if owner.__dict__.get("_smp_tp_loss_hooks"):
+        return
+    pre, post = (_seq2seq_pre_hook, _seq2seq_post_hook) if plan.hf_seq2seq_lm else (_loss_pre_hook, _loss_post_hook)
+    owner.register_forward_pre_hook(pre, with_kwargs=True)
+    owner.register_forward_hook(post, with_kwargs=True, always_call=True)
+    object.__setattr__(owner, "_smp_tp_loss_hooks", True)
+
+
 def _apply_vocab_plan(model: nn.Module, owner: nn.Module, plan: VocabPlan) -> None:
     emb = _resolve(owner, plan.embedding, "get_input_embeddings")
     if type(emb) is not nn.Embedding or not is_tensor_parallel_enabled(emb):
@@ -162,7 +231,11 @@ def _apply_vocab_plan(model: nn.Module, owner: nn.Module, plan: VocabPlan) -> No
     if tied and not usable_head:
         return  # the tie cannot be kept; parallelize() leaves both and warns
     head_path = paths[id(head)] if usable_head else None
-    allowed = {emb_path, head_path} if tied else {emb_path}
+    # further embedding modules holding the same parameter (T5: encoder/decoder.embed_tokens)
+    aliases = [p for p, m in model.named_modules() if m is not emb and type(m) is nn.Embedding
+               and m.weight is w and _same_table(m, emb) and is_tensor_parallel_enabled(m)
+               and uses.get(id(m), 1) == 1]
+    allowed = {emb_path, *aliases} | ({head_path} if tied else set())
     if uses.get(id(emb), 1) > 1 or not owners.get(id(w), set()) <= allowed:
         return
     if usable_head and not tied:
@@ -176,25 +249,31 @@ def _apply_vocab_plan(model: nn.Module, owner: nn.Module, plan: VocabPlan) -> No
     vemb.load_full_weight(w.detach())
     vemb.train(emb.training)
     _set_module(model, emb_path, vemb)
+    for path in aliases:
+        alias = model.get_submodule(path)
+        # built on the meta device, then given the shared shard: one parameter, as before
+        twin = VocabParallelEmbedding(
+            emb.num_embeddings, emb.embedding_dim, emb.padding_idx, None, emb.norm_type, False,
+            emb.sparse, dtype=w.dtype, device="meta",
+        )
+        twin.weight = vemb.weight
+        twin.train(alias.training)
+        _set_module(model, path, twin)
     if not usable_head:
         return
     assert isinstance(head, nn.Linear) and head_path is not None
     vhead = VocabParallelLMHead(
         emb.embedding_dim, emb.num_embeddings, head.bias is not None, tie_to=vemb if tied else None,
-        gather_output=None if plan.hf_causal_lm else False, dtype=w.dtype, device=w.device,
+        gather_output=None if plan.hf_causal_lm or plan.hf_seq2seq_lm else False, dtype=w.dtype,
+        device=w.device,
     )
     vhead.load_full_weight(head.weight.detach(), head.bias.detach() if head.bias is not None else None)
     vhead.train(head.training)
     _set_module(model, head_path, vhead)
-    if plan.hf_causal_lm:
+    if plan.hf_causal_lm or plan.hf_seq2seq_lm:
         owner_path = paths[id(owner)]
         rel = head_path[len(owner_path) + 1:] if owner_path else head_path
-        object.__setattr__(owner, "_smp_tp_vocab_head", rel)
-        if not owner.__dict__.get("_smp_tp_loss_hooks"):
-            owner.register_forward_pre_hook(_loss_pre_hook, with_kwargs=True)
-            owner.register_forward_hook(_loss_post_hook, with_kwargs=True, always_call=True)
-            object.__setattr__(owner, "_smp_tp_loss_hooks", True)
-        owner.loss_function = VocabParallelCausalLMLoss(vhead)  # type: ignore[assignment]
+        _install_loss(owner, rel, plan, vhead)
 
 
 def _apply_vocab_plans(model: nn.Module) -> None:

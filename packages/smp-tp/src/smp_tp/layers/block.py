@@ -25,6 +25,14 @@ and children (column/row linears replaced by :class:`ColumnParallelLinear` /
 class's ``forward`` on itself, between the entry and exit collectives. Its state-dict keys
 are the original's. The row linear's bias is added after the reduction, so the block output
 must be the row linear's output (as in attention and MLP blocks).
+
+Three options cover encoder-decoder blocks (T5): ``shard`` splits further per-head
+parameters (a relative position bias table ``(buckets, heads)`` over its head dimension), so
+what the forward derives from them is per-rank too; ``local`` names arguments that already
+hold per-rank values (the position bias a first layer returns and the next ones reuse) and
+are never gathered; ``inputs`` names further block inputs that go through column linears
+(cross-attention's encoder states), which get the input's collective (prescaled: ``f``;
+scaled: gathered with their gradient).
 """
 
 from __future__ import annotations
@@ -125,6 +133,18 @@ def _gather_side_tensor(t: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return out
 
 
+def _shard_parameter(owner: nn.Module, path: str, dim: int, block: DistributedModule) -> None:
+    """Replace ``owner``'s parameter at ``path`` by an empty per-rank slice along ``dim``."""
+    parent_path, _, name = path.rpartition(".")
+    parent = owner.get_submodule(parent_path) if parent_path else owner
+    full = getattr(parent, name)
+    shape = list(full.shape)
+    shape[dim] //= block.tp_size
+    local = nn.Parameter(torch.empty(shape, dtype=full.dtype, device=full.device), full.requires_grad)
+    mark(local, "shard", dim, block)
+    setattr(parent, name, local)
+
+
 def _gather_side(value: Any, batch: int, group: ProcessGroup, depth: int = 0) -> Any:
     if isinstance(value, torch.Tensor):
         if value.dim() >= 2 and value.shape[0] == batch:
@@ -147,8 +167,14 @@ class DistributedBlock(DistributedModule):
     where heads end). ``divide``: integer attributes of the module (e.g. ``"num_heads"``)
     that the forward reads and that become per-rank values (divided by the degree, which
     must divide them) on the block. ``input_name``: the forward argument holding the block input when it
-    is passed by keyword (the first positional argument otherwise). Parameters outside the
-    column and row linears are not supported (a ``ValueError`` names them).
+    is passed by keyword (the first positional argument otherwise). ``shard``: further
+    parameters (paths inside the module) split along the given dimension, e.g.
+    ``{"relative_attention_bias.weight": 1}`` for a ``(buckets, heads)`` table; any other
+    parameter outside the column and row linears is rejected (a ``ValueError`` names it).
+    ``local``: arguments holding per-rank values, never gathered (scaled batch).
+    ``inputs``: further arguments that are block inputs to column linears (e.g. encoder
+    states of cross-attention): prescaled, their gradient is all-reduced like the input's;
+    scaled, they are gathered with their gradient (as any batch-sized argument).
     """
 
     def __init__(
@@ -160,6 +186,9 @@ class DistributedBlock(DistributedModule):
         sizes: Callable[[nn.Module], dict[str, int]] | None = None,
         divide: Sequence[str] = (),
         input_name: str = "hidden_states",
+        shard: dict[str, int] | None = None,
+        local: Sequence[str] = (),
+        inputs: Sequence[str] = (),
         tp_group: ProcessGroup = None,
         prescaled_batch: bool | None = None,
     ) -> None:
@@ -185,15 +214,31 @@ class DistributedBlock(DistributedModule):
                     f"{self.tp_size}; choose a degree that divides it, or leave this module unreplaced"
                 )
         split = set(column) | set(row)
-        extra = [k for k, _ in module.named_parameters() if k.split(".")[0] not in split]
+        shard = dict(shard or {})
+        params = dict(module.named_parameters())
+        for key, dim in shard.items():
+            if key not in params:
+                continue  # e.g. a relative bias table only the first layer has
+            if params[key].shape[dim] % self.tp_size:
+                raise ValueError(
+                    f"{name}: {key} of shape {tuple(params[key].shape)} cannot be split "
+                    f"{self.tp_size} ways along dim {dim}"
+                )
+        extra = [k for k in params if k.split(".")[0] not in split and k not in shard]
         if extra:
             raise ValueError(
                 f"{name}: parameters outside the column/row linears ({extra}) are not supported "
                 f"by DistributedBlock"
             )
+        full = module.state_dict()  # before ``shard`` replaces parameters of shared children
         object.__setattr__(self, "_smp_tp_orig_cls", cls)
         object.__setattr__(self, "_smp_tp_orig_forward", cls.forward)
         self._smp_tp_layout = (tuple(column), tuple(row), input_name)
+        # argument names of the original forward after ``self`` and the block input, to
+        # recognise ``local``/``inputs`` arguments passed positionally
+        names = [p.name for p in inspect.signature(cls.forward).parameters.values()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][2:]
+        self._smp_tp_args = (tuple(names), frozenset(local), frozenset(inputs))
         for key, value in vars(module).items():
             if key not in self.__dict__:
                 self.__dict__[key] = value
@@ -211,8 +256,11 @@ class DistributedBlock(DistributedModule):
                                           dtype=w.dtype, device=w.device, **mode))
             else:
                 self.add_module(key, child)
+        for key, dim in shard.items():
+            if key in params:
+                _shard_parameter(self, key, dim, self)
         try:
-            load_full_into(self, module.state_dict())
+            load_full_into(self, full)
         except (KeyError, ValueError) as e:  # pragma: no cover - keys are the original's by construction
             raise ValueError(f"{name}: cannot copy the original weights ({e})") from e
         self.train(module.training)
@@ -237,14 +285,24 @@ class DistributedBlock(DistributedModule):
         else:
             raise TypeError(f"{self._smp_tp_orig_cls.__name__}: missing the block input {input_name!r}")
         g = self.tp_group
+        names, local, inputs = self._smp_tp_args
         scaled = self.scaled_batch and self.tp_size > 1
         if scaled:
             batch = x.shape[0]
             x = fused_allgather_for_tp(x, 0, g)
-            rest = tuple(_gather_side(a, batch, g) for a in rest)
-            kwargs = {k: _gather_side(v, batch, g) for k, v in kwargs.items()}
+
+            def side(key: str | None, v: Any) -> Any:
+                return v if key in local else _gather_side(v, batch, g)
         else:
             x = bwd_allreduce_for_tp(x, g)
+
+            def side(key: str | None, v: Any) -> Any:
+                if key in inputs and isinstance(v, torch.Tensor) and v.requires_grad:
+                    return bwd_allreduce_for_tp(v, g)
+                return v
+        if scaled or inputs:
+            rest = tuple(side(names[i] if i < len(names) else None, a) for i, a in enumerate(rest))
+            kwargs = {k: side(k, v) for k, v in kwargs.items()}
         if keyword:
             out = self._smp_tp_orig_forward(self, *rest, **{input_name: x}, **kwargs)
         else:
