@@ -146,3 +146,28 @@ HF_CASES = [
 def test_hugging_face_gpt2_4_ranks() -> None:
     out = launch("equivalence.py", 4, HF_CASES, timeout=300)
     assert ok_cases(out) == [c["name"] for c in HF_CASES], out
+
+
+# A Hugging Face Llama (grouped-query attention, rotary embeddings, SwiGLU, tied head, from a
+# config): smp-tp's Llama mapping makes its attention and MLP column → row blocks and its tied
+# embedding/head vocabulary-parallel; tp=2 (with dp=2) and pp=2 x tp=2 equal one process.
+LLAMA_CASES = [
+    _case("llama-tp2-dp2", tensor_parallel_degree=2, model="llama", optimizer="sgd"),
+    _case(
+        "llama-pp2-tp2",
+        pipeline_parallel_degree=2,
+        tensor_parallel_degree=2,
+        microbatches=2,
+        model="llama",
+        optimizer="sgd",
+    ),
+]
+
+
+@pytest.mark.skipif(
+    not HAS_TP or importlib.util.find_spec("transformers") is None,
+    reason="needs smp_tp and transformers",
+)
+def test_hugging_face_llama_4_ranks() -> None:
+    out = launch("equivalence.py", 4, LLAMA_CASES, timeout=300)
+    assert ok_cases(out) == [c["name"] for c in LLAMA_CASES], out

@@ -51,8 +51,8 @@ def run_case(case: dict) -> None:
     cfg = smp.init(case["config"])
     torch.manual_seed(case.get("seed", 0))
     tp_marks = cfg.tp > 1 or case.get("tp_marks", False)
-    if case.get("model") == "gpt2":
-        model = models.hf_gpt2()
+    if case.get("model") in models.HF_MODELS:
+        model = models.HF_MODELS[case["model"]]()
         if tp_marks:
             smp.set_tensor_parallelism(model)
     else:
@@ -70,9 +70,13 @@ def run_case(case: dict) -> None:
 
         shards = [n for n, p in dmodel.named_parameters() if tp_glue.is_shard(p)]
         assert shards, f"[{name}] tensor parallelism replaced no module"
+        if case.get("model") == "llama":  # the Llama mapping, not per-linear fallbacks
+            kinds = {type(m).__name__ for m in dmodel.modules()}
+            assert {"DistributedBlock", "ColumnParallelLinear"} <= kinds, f"[{name}] {sorted(kinds)}"
+            assert "DistributedLinear" not in kinds, f"[{name}] {sorted(kinds)}"
     opt = smp.DistributedOptimizer(make_opt(case.get("optimizer", "adam"), dmodel.parameters()))
 
-    hf = case.get("model") == "gpt2"
+    hf = case.get("model") in models.HF_MODELS
 
     @smp.step
     def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -112,7 +116,7 @@ def run_case(case: dict) -> None:
         assert all(counts), f"[{name}] a pipeline stage owns no parameter: {counts}"
     elapsed = time.perf_counter() - t0
     # The gathered state dict loads into the unwrapped module, strict.
-    fresh = models.hf_gpt2() if hf else models.TinyLM(tp=False, tied=case.get("tied", True))
+    fresh = models.HF_MODELS[case["model"]]() if hf else models.TinyLM(tp=False, tied=case.get("tied", True))
     fresh.load_state_dict(dmodel.state_dict(), strict=True)
     smp.barrier()
     if smp.rank() == 0:

@@ -75,3 +75,19 @@ def hf_gpt2() -> nn.Module:
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
     )  # fmt: skip
     return GPT2LMHeadModel(cfg)
+
+
+def hf_llama() -> nn.Module:
+    """A tiny Hugging Face Llama (grouped-query attention, tied head) built from a config."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+        tie_word_embeddings=True, use_cache=False, attn_implementation="sdpa",
+        pad_token_id=0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg)
+
+
+HF_MODELS = {"gpt2": hf_gpt2, "llama": hf_llama}
