@@ -2,7 +2,9 @@
 parallel embeddings and heads included), activation memory of optimize="memory" (with and
 without its selective recomputation) vs "speed", and throughput of
 tensor parallelism across data-parallel ranks (scaled batch) vs Megatron-style (prescaled)
-on an embedding-heavy recommendation model.
+on an embedding-heavy recommendation model; and tokens/s of a Llama-shaped decoder stack at
+tp=2 with smp-tp's Llama mapping against PyTorch's own tensor parallelism
+(``parallelize_module`` with ``ColwiseParallel``/``RowwiseParallel`` plans) on the same model.
 
 Run as ``python benchmarks/bench_tp.py``: it launches itself under torch.distributed.run
 with 2 and then 4 CPU processes (gloo) and prints one line of ratios per measurement.
@@ -11,6 +13,7 @@ with 2 and then 4 CPU processes (gloo) and prints one line of ratios per measure
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -148,6 +151,100 @@ def bench_throughput(rank: int, tp: int) -> None:
               flush=True)
 
 
+LLAMA_STACK = dict(hidden_size=256, intermediate_size=704, num_attention_heads=8, num_key_value_heads=4,
+                   vocab_size=32, max_position_embeddings=128, attn_implementation="sdpa", use_cache=False)
+LLAMA_LAYERS, LLAMA_SEQ, LLAMA_BATCH = 2, 64, 8  # global batch: 8 x 64 tokens per step
+
+# PyTorch's Megatron plan for one decoder layer (what torchtitan and HF's tp_plan use)
+TORCH_PLAN = {**{f"self_attn.{n}_proj": "colwise" for n in "qkv"}, "self_attn.o_proj": "rowwise",
+              "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}
+
+
+def bench_llama(rank: int, tp: int) -> None:
+    """Tokens/s of a Llama decoder stack (fwd + bwd + SGD step): smp-tp (both batch modes)
+    vs ``torch.distributed.tensor.parallel`` on the same weights, interleaved in one run."""
+    import smp_tp
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    cfg = LlamaConfig(**LLAMA_STACK)
+
+    class Stack(nn.Module):
+        """Decoder layers only (no embedding or head): the part both libraries split."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.rotary = LlamaRotaryEmbedding(cfg)
+            self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(LLAMA_LAYERS))
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            pos = torch.arange(h.shape[1])[None]
+            cos_sin = self.rotary(h, pos)
+            for layer in self.layers:  # attention_mask=None: sdpa's causal kernel
+                h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=cos_sin)
+            return h
+
+    def nbytes(model: nn.Module) -> int:
+        local = [getattr(p, "_local_tensor", p) for p in model.parameters()]  # DTensor: own shard
+        return sum(t.numel() * t.element_size() for t in local)
+
+    torch.manual_seed(0)
+    reference = Stack()
+    full = nbytes(reference)
+    steps, sizes = {}, {}
+    for name in ("torch", "smp_prescaled", "smp_scaled"):
+        model = Stack()
+        model.load_state_dict(reference.state_dict())
+        if name == "torch":
+            mesh = init_device_mesh("cpu", (tp,))
+            kinds = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+            for layer in model.layers:
+                parallelize_module(layer, mesh, {k: kinds[v]() for k, v in TORCH_PLAN.items()})
+        else:
+            smp_tp.set_tensor_parallelism(model.layers)
+            smp_tp.parallelize(model, prescaled_batch=name == "smp_prescaled")
+        sizes[name] = nbytes(model)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        scaled = name == "smp_scaled"  # own samples: the TP group's batch is the global batch
+        gen = torch.Generator().manual_seed(1 + (rank if scaled else 0))
+        x = torch.randn(LLAMA_BATCH // tp if scaled else LLAMA_BATCH, LLAMA_SEQ, cfg.hidden_size, generator=gen)
+
+        def step(model=model, opt=opt, x=x, smp=name != "torch") -> None:
+            opt.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+            if smp:
+                smp_tp.sync_gradients(model)
+            opt.step()
+
+        step()
+        steps[name] = step
+    best = dict.fromkeys(steps, float("inf"))
+    for _ in range(5):  # interleaved rounds, best of each: the machine is shared
+        for name, step in steps.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(2):
+                step()
+            dist.barrier()
+            best[name] = min(best[name], (time.perf_counter() - t0) / 2)
+    tok = {k: LLAMA_BATCH * LLAMA_SEQ / v for k, v in best.items()}
+    if rank == 0:
+        print(f"RESULT llama tp={tp} torch_tok_s={tok['torch']:.0f} smp_prescaled_tok_s={tok['smp_prescaled']:.0f} "
+              f"smp_scaled_tok_s={tok['smp_scaled']:.0f} ratio={tok['smp_prescaled'] / tok['torch']:.2f} "
+              f"scaled_ratio={tok['smp_scaled'] / tok['torch']:.2f} full_MiB={full / 2**20:.2f} "
+              f"smp_rank_MiB={sizes['smp_prescaled'] / 2**20:.2f} torch_rank_MiB={sizes['torch'] / 2**20:.2f}",
+              flush=True)
+
+
 PARAM_MODELS = {  # name: (family, config); built on the meta device (shapes only, no memory)
     "gpt2-small-124M": ("gpt2", {}),  # GPT2Config() is GPT-2 small: 12 x 768, vocab 50257 (tied)
     "llama-small-tied": ("llama", dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
@@ -201,6 +298,8 @@ def worker() -> None:
         bench_memory(rank, tp)
     if not only or only == "throughput":
         bench_throughput(rank, tp)
+    if (not only or only == "llama") and tp == 2:  # the issue's comparison is at tp=2
+        bench_llama(rank, tp)
     dist.destroy_process_group()
 
 
@@ -214,19 +313,27 @@ def _port() -> int:
 
 
 def main() -> None:
-    """``python benchmarks/bench_tp.py [params|memory|throughput]`` (default: all three)."""
+    """``python benchmarks/bench_tp.py [params|memory|throughput|llama]`` (default: all)."""
     only = sys.argv[1] if len(sys.argv) > 1 else ""
     results: dict[str, dict[int, dict[str, str]]] = {
-        "memory128": {}, "memory32": {}, "time128": {}, "throughput": {},
+        "memory128": {}, "memory32": {}, "time128": {}, "throughput": {}, "llama": {},
         **{f"params_{name}": {} for name in PARAM_MODELS}}
-    for tp in (2, 4):
+    for tp in ((2,) if only == "llama" else (2, 4)):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp),
                "--master-addr", "127.0.0.1", "--master-port", str(_port()), __file__, WORKER_FLAG]
         env = dict(os.environ, OMP_NUM_THREADS="1", SMP_BENCH_TP_ONLY=only)
-        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=170)
-        if out.returncode != 0:
-            sys.exit(f"bench_tp: tp={tp} failed:\n{out.stdout}\n{out.stderr}")
-        for line in out.stdout.splitlines():
+        # own process group: a timeout kills the workers too, not only the launcher
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            sys.exit(f"bench_tp: tp={tp} timed out after 300 s:\n{stdout}\n{stderr}")
+        if proc.returncode != 0:
+            sys.exit(f"bench_tp: tp={tp} failed:\n{stdout}\n{stderr}")
+        for line in stdout.splitlines():
             if line.startswith("RESULT "):
                 kind, *fields = line.split()[1:]
                 values = dict(f.split("=") for f in fields)
@@ -239,7 +346,16 @@ def main() -> None:
                       + (f", {r['unreplaced']} modules left unreplaced" if r["unreplaced"] != "0" else "")
                       + ")" for tp, r in sorted(results[f"params_{name}"].items()))
                   for name in PARAM_MODELS))
-    if only == "params":
+    if not only or only == "llama":
+        r = results["llama"][2]
+        print(f"Llama decoder stack ({LLAMA_LAYERS} layers, hidden {LLAMA_STACK['hidden_size']}, "
+              f"GQA {LLAMA_STACK['num_attention_heads']}/{LLAMA_STACK['num_key_value_heads']}, "
+              f"{LLAMA_BATCH}x{LLAMA_SEQ} tokens per step, fwd+bwd+SGD) tokens/s at tp=2, smp-tp / "
+              f"torch parallelize_module (Colwise/Rowwise): prescaled {r['ratio']}x "
+              f"({r['smp_prescaled_tok_s']} vs {r['torch_tok_s']}), scaled batch {r['scaled_ratio']}x "
+              f"({r['smp_scaled_tok_s']}); parameter bytes per rank: smp-tp {r['smp_rank_MiB']}, "
+              f"torch {r['torch_rank_MiB']} of {r['full_MiB']} MiB")
+    if only in ("params", "llama"):
         return
     parts = []
     for seq in (128, 32):
