@@ -53,44 +53,51 @@ def bench_memory(rank: int, tp: int) -> None:
     cfg = dict(num_attention_heads=8, attention_head_size=32, hidden_size=256, intermediate_size=1024,
                attention_dropout_prob=0.1, hidden_dropout_prob=0.1)
     singles = [dist.new_group([r]) for r in range(tp)]  # every rank creates every group
-    variants = {  # name: (optimize, recompute_activations, group)
-        "speed": ("speed", True, None),
+    variants = {  # name: (optimize, recompute (activations for memory, attention for speed), group)
+        "speed": ("speed", False, None),
+        "speed_recompute": ("speed", True, None),  # selective: the attention core only
         "memory": ("memory", True, None),
         "memory_norecompute": ("memory", False, None),
-        "single": ("speed", True, singles[rank]),  # no TP: one device on its own samples
+        "single": ("speed", False, singles[rank]),  # no TP: one device on its own samples
     }
+
+    def build(optimize: str, recompute: bool, group: object) -> smp_tp.DistributedTransformerLayer:
+        torch.manual_seed(0)
+        switch = ({"recompute_activations": recompute} if optimize == "memory"
+                  else {"recompute_attention": recompute})
+        return smp_tp.DistributedTransformerLayer(**cfg, optimize=optimize, tp_group=group, **switch)
+
     for seq in (128, 32):
         result = {}
-        for name, (optimize, recompute, group) in variants.items():
-            torch.manual_seed(0)
-            layer = smp_tp.DistributedTransformerLayer(
-                **cfg, optimize=optimize, recompute_activations=recompute, tp_group=group)
+        for name, variant in variants.items():
+            layer = build(*variant)
             x = torch.randn(4, seq, 256, requires_grad=True)  # this rank's own samples
             result[name] = saved_activation_bytes(layer, x)
         times = {}
         if seq == 128:  # what recomputation costs: one fwd+bwd of the layer, best of 5
-            for name in ("memory", "memory_norecompute"):
-                optimize, recompute, group = variants[name]
-                torch.manual_seed(0)
-                layer = smp_tp.DistributedTransformerLayer(
-                    **cfg, optimize=optimize, recompute_activations=recompute, tp_group=group)
-                x = torch.randn(4, seq, 256, requires_grad=True)
-                best = float("inf")
-                for _ in range(5):
+            names = ("memory", "memory_norecompute", "speed", "speed_recompute")
+            layers = {name: build(*variants[name]) for name in names}
+            x = torch.randn(4, seq, 256, requires_grad=True)
+            times = dict.fromkeys(names, float("inf"))
+            for _ in range(7):  # interleaved rounds, best of each: the machine is shared
+                for name in names:
                     dist.barrier()
                     t0 = time.perf_counter()
-                    layer(x).sum().backward()
-                    best = min(best, time.perf_counter() - t0)
-                times[name] = best
+                    layers[name](x).sum().backward()
+                    times[name] = min(times[name], time.perf_counter() - t0)
         if rank == 0:
             if times:
                 print(f"RESULT time{seq} tp={tp} recompute_ms={times['memory'] * 1e3:.1f} "
-                      f"stored_ms={times['memory_norecompute'] * 1e3:.1f}", flush=True)
+                      f"stored_ms={times['memory_norecompute'] * 1e3:.1f} "
+                      f"speed_ms={times['speed'] * 1e3:.1f} "
+                      f"speed_recompute_ms={times['speed_recompute'] * 1e3:.1f}", flush=True)
             print(f"RESULT memory{seq} tp={tp} speed_MiB={result['speed'] / 2**20:.2f} "
                   f"memory_MiB={result['memory'] / 2**20:.2f} "
                   f"ratio={result['memory'] / result['speed']:.3f} "
                   f"norecompute_MiB={result['memory_norecompute'] / 2**20:.2f} "
                   f"norecompute_ratio={result['memory_norecompute'] / result['speed']:.3f} "
+                  f"speedrc_MiB={result['speed_recompute'] / 2**20:.2f} "
+                  f"speedrc_ratio={result['speed_recompute'] / result['speed']:.3f} "
                   f"single_MiB={result['single'] / 2**20:.2f}", flush=True)
 
 
@@ -362,18 +369,23 @@ def main() -> None:
         mem = results[f"memory{seq}"]
         parts.append(f"seq={seq}: " + ", ".join(
             f"tp={tp} {mem[tp]['ratio']} ({mem[tp]['memory_MiB']} vs {mem[tp]['speed_MiB']} MiB; "
-            f"without recompute {mem[tp]['norecompute_ratio']}, {mem[tp]['norecompute_MiB']} MiB)"
+            f"without recompute {mem[tp]['norecompute_ratio']}, {mem[tp]['norecompute_MiB']} MiB; "
+            f"speed with recompute_attention {mem[tp]['speedrc_ratio']}, {mem[tp]['speedrc_MiB']} MiB)"
             for tp in sorted(mem)) + f"; no-TP device on its own samples {mem[2]['single_MiB']} MiB")
     print("saved activations per rank of one transformer layer, memory (recompute_activations=True)"
           "/speed: " + " | ".join(parts))
     tm = results["time128"]
-    print("one layer fwd+bwd, seq=128, memory layout with / without recomputation (best of 5, "
+    print("one layer fwd+bwd, seq=128, with / without recomputation (best of 7, interleaved, "
           "shared CPU): " + ", ".join(
-              f"tp={tp} {tm[tp]['recompute_ms']} vs {tm[tp]['stored_ms']} ms" for tp in sorted(tm)))
+              f"tp={tp} memory {tm[tp]['recompute_ms']} vs {tm[tp]['stored_ms']} ms, speed "
+              f"(recompute_attention) {tm[tp]['speed_recompute_ms']} vs {tm[tp]['speed_ms']} ms "
+              f"({float(tm[tp]['speed_recompute_ms']) / float(tm[tp]['speed_ms']) - 1:+.0%})"
+              for tp in sorted(tm)))
     thr = results["throughput"]
-    print("recommendation model samples/s, scaled-batch TP / prescaled TP (equal global batch): "
-          + ", ".join(f"tp={tp}: {thr[tp]['ratio']}x ({thr[tp]['scaled_samples_per_s']} vs "
-                      f"{thr[tp]['prescaled_samples_per_s']})" for tp in sorted(thr)))
+    if thr:
+        print("recommendation model samples/s, scaled-batch TP / prescaled TP (equal global batch): "
+              + ", ".join(f"tp={tp}: {thr[tp]['ratio']}x ({thr[tp]['scaled_samples_per_s']} vs "
+                          f"{thr[tp]['prescaled_samples_per_s']})" for tp in sorted(thr)))
 
 
 if __name__ == "__main__":

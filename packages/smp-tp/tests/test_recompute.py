@@ -1,5 +1,7 @@
-"""Selective recomputation of optimize="memory" in one process (degree 1): recomputing gives
-bit-for-bit the forward and gradients of the plain computation, dropout included.
+"""Selective recomputation in one process (degree 1) — optimize="memory" with
+recompute_activations, optimize="speed" with recompute_attention (attention core only):
+recomputing gives bit-for-bit the forward and gradients of the plain computation, dropout
+included.
 (The multi-rank versions, and the saved-byte counts, are in scripts/check_modules.py.)"""
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ CASES = {
 }
 
 
-def run(recompute: bool, case: str, autocast: bool) -> list[torch.Tensor]:
+def run(recompute: bool, case: str, autocast: bool, optimize: str = "memory") -> list[torch.Tensor]:
     smp_tp.set_tensor_parallel_seed(7)
     torch.manual_seed(0)
+    switch = dict(recompute_activations=recompute) if optimize == "memory" else dict(recompute_attention=recompute)
     layer = smp_tp.DistributedTransformerLayer(
-        4, 8, 32, 64, 0.25, 0.25, optimize="memory", recompute_activations=recompute, **CASES[case])
+        4, 8, 32, 64, 0.25, 0.25, optimize=optimize, **switch, **CASES[case])
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(3, 6, 32, generator=gen).requires_grad_(True)
     cross = torch.randn(3, 4, 32, generator=gen).requires_grad_(True)
@@ -35,10 +38,11 @@ def run(recompute: bool, case: str, autocast: bool) -> list[torch.Tensor]:
     return outs + grads + [p.grad for p in layer.parameters()]
 
 
+@pytest.mark.parametrize("optimize", ["memory", "speed"])
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("autocast", [False, True])
-def test_recompute_is_bitwise_identical(case: str, autocast: bool) -> None:
-    got, want = run(True, case, autocast), run(False, case, autocast)
+def test_recompute_is_bitwise_identical(case: str, autocast: bool, optimize: str) -> None:
+    got, want = run(True, case, autocast, optimize), run(False, case, autocast, optimize)
     assert not torch.equal(got[0], got[1])  # dropout on: the two calls differ
     for i, (g, w) in enumerate(zip(got, want)):
         assert g is not None and w is not None, i
@@ -53,6 +57,26 @@ def test_recompute_is_off_without_grad_and_in_eval() -> None:
     b = layer(x.requires_grad_(True))
     assert torch.equal(a, b.detach())
     assert "Recomputed" not in type(b.grad_fn).__name__
+
+
+def test_speed_recompute_attention_saves_no_scores() -> None:
+    """The speed layout with recompute_attention stores no (batch, heads, seq, seq) tensor."""
+    shapes: dict[bool, list[tuple[int, ...]]] = {}
+    for recompute in (False, True):
+        layer = smp_tp.DistributedTransformerLayer(4, 8, 32, 64, 0.25, 0.25, optimize="speed",
+                                                   recompute_attention=recompute)
+        saved: list[tuple[int, ...]] = []
+
+        def pack(t: torch.Tensor, saved: list = saved) -> torch.Tensor:
+            saved.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = layer(torch.randn(2, 5, 32, requires_grad=True))
+        y.sum().backward()
+        shapes[recompute] = saved
+    assert (2, 4, 5, 5) in shapes[False]
+    assert (2, 4, 5, 5) not in shapes[True]
 
 
 def test_recompute_helpers_save_less() -> None:

@@ -45,6 +45,11 @@ class DistributedAttentionLayer(RegionModule):
     dropout and the context in backward (local to this rank's heads: no collective), and
     redraw the hidden-dropout mask instead of storing it. Results are identical either way;
     see :mod:`smp_tp.recompute`.
+
+    ``recompute_attention`` (default False; ``optimize="speed"``): selective recomputation of
+    the attention core only — scores, softmax, attention dropout and the context are
+    recomputed in backward from the saved q, k, v (no ``(batch, heads, seq, seq)`` tensor is
+    stored); bit-for-bit the same results, one more run of the core in backward.
     """
 
     # parameter containers (plain nn.Module holding weight/bias)
@@ -74,11 +79,13 @@ class DistributedAttentionLayer(RegionModule):
         prescaled_batch: bool | None = None,
         optimize: str | None = None,
         recompute_activations: bool = True,
+        recompute_attention: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__(tp_group=tp_group, prescaled_batch=prescaled_batch, optimize=optimize)
         self.recompute_activations = bool(recompute_activations)
+        self.recompute_attention = bool(recompute_attention)
         self._require_divisible(num_attention_heads=num_attention_heads)
         if self.optimize == "memory":
             self._require_divisible(hidden_size=hidden_size)
@@ -138,7 +145,9 @@ class DistributedAttentionLayer(RegionModule):
         return F.linear(core(gen, q, k, v, mask), self.dense.weight)
 
     def _recompute_active(self) -> bool:
-        return self.optimize == "memory" and self.recompute_activations
+        if self.optimize == "memory":
+            return self.recompute_activations
+        return self.recompute_attention
 
     def _core(
         self, p: float, gen: torch.Generator | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

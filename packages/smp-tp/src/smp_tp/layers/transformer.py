@@ -22,8 +22,10 @@ class DistributedTransformerLayer(RegionModule):
     """Attention (+ optional cross-attention) followed by the MLP output layer.
 
     Children: ``attention``, ``crossattention`` (when ``add_cross_attention``), ``output``.
-    ``recompute_activations`` (default True) applies to ``optimize="memory"`` only: see
-    :class:`~smp_tp.DistributedAttentionLayer` and :mod:`smp_tp.recompute`.
+    ``recompute_activations`` (default True) applies to ``optimize="memory"`` only,
+    ``recompute_attention`` (default False: selective recomputation of the attention core)
+    to ``optimize="speed"``: see :class:`~smp_tp.DistributedAttentionLayer` and
+    :mod:`smp_tp.recompute`.
     """
 
     def __init__(
@@ -47,6 +49,7 @@ class DistributedTransformerLayer(RegionModule):
         prescaled_batch: bool | None = None,
         optimize: str | None = None,
         recompute_activations: bool = True,
+        recompute_attention: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
@@ -61,6 +64,8 @@ class DistributedTransformerLayer(RegionModule):
                 "initializer_range": initializer_range,
                 "use_normal_initialization": use_normal_initialization,
                 "pre_layernorm": pre_layernorm, "post_layernorm": post_layernorm}
+        self.recompute_attention = bool(recompute_attention)
+        attn["recompute_attention"] = self.recompute_attention
         self.attention = DistributedAttentionLayer(**attn, causal_mask_size=causal_mask_size, **mode)
         self.add_cross_attention = add_cross_attention
         if add_cross_attention:
@@ -112,6 +117,7 @@ class DistributedTransformer(RegionModule):
         prescaled_batch: bool | None = None,
         optimize: str | None = None,
         recompute_activations: bool = True,
+        recompute_attention: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
@@ -126,7 +132,7 @@ class DistributedTransformer(RegionModule):
                 add_cross_attention, pre_layernorm, post_layernorm,
                 tp_group=self.tp_group, prescaled_batch=self.prescaled_batch,
                 optimize=self.optimize, recompute_activations=self.recompute_activations,
-                dtype=dtype, device=device,
+                recompute_attention=recompute_attention, dtype=dtype, device=device,
             )
             for _ in range(num_layers)
         )
@@ -181,6 +187,7 @@ class DistributedTransformerLMHead(DistributedModule):
         prescaled_batch: bool | None = None,
         optimize: str | None = None,
         recompute_activations: bool = True,
+        recompute_attention: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
@@ -204,7 +211,7 @@ class DistributedTransformerLMHead(DistributedModule):
             attention_dropout_prob, hidden_dropout_prob, activation, layernorm_epsilon,
             initializer_range, use_normal_initialization, causal_mask_size, add_cross_attention,
             pre_layernorm, post_layernorm, optimize=self.optimize,
-            recompute_activations=self.recompute_activations, **mode,
+            recompute_activations=self.recompute_activations, recompute_attention=recompute_attention, **mode,
         )
         if pre_layernorm:
             self.layernorm = DistributedLayerNorm(hidden_size, layernorm_epsilon, **mode)
