@@ -53,18 +53,20 @@ def bench_memory(rank: int, tp: int) -> None:
     cfg = dict(num_attention_heads=8, attention_head_size=32, hidden_size=256, intermediate_size=1024,
                attention_dropout_prob=0.1, hidden_dropout_prob=0.1)
     singles = [dist.new_group([r]) for r in range(tp)]  # every rank creates every group
-    variants = {  # name: (optimize, recompute (activations for memory, attention for speed), group)
-        "speed": ("speed", False, None),
-        "speed_recompute": ("speed", True, None),  # selective: the attention core only
-        "memory": ("memory", True, None),
-        "memory_norecompute": ("memory", False, None),
-        "single": ("speed", False, singles[rank]),  # no TP: one device on its own samples
+    variants = {  # name: (optimize, recompute (activations for memory, attention for speed), group, sp)
+        "speed": ("speed", False, None, False),
+        "speed_recompute": ("speed", True, None, False),  # selective: the attention core only
+        "speed_sp": ("speed", False, None, True),  # sequence parallel
+        "speed_sp_recompute": ("speed", True, None, True),
+        "memory": ("memory", True, None, False),
+        "memory_norecompute": ("memory", False, None, False),
+        "single": ("speed", False, singles[rank], False),  # no TP: one device on its own samples
     }
 
-    def build(optimize: str, recompute: bool, group: object) -> smp_tp.DistributedTransformerLayer:
+    def build(optimize: str, recompute: bool, group: object, sp: bool) -> smp_tp.DistributedTransformerLayer:
         torch.manual_seed(0)
         switch = ({"recompute_activations": recompute} if optimize == "memory"
-                  else {"recompute_attention": recompute})
+                  else {"recompute_attention": recompute, "sequence_parallel": sp})
         return smp_tp.DistributedTransformerLayer(**cfg, optimize=optimize, tp_group=group, **switch)
 
     for seq in (128, 32):
@@ -75,7 +77,7 @@ def bench_memory(rank: int, tp: int) -> None:
             result[name] = saved_activation_bytes(layer, x)
         times = {}
         if seq == 128:  # what recomputation costs: one fwd+bwd of the layer, best of 5
-            names = ("memory", "memory_norecompute", "speed", "speed_recompute")
+            names = ("memory", "memory_norecompute", "speed", "speed_recompute", "speed_sp", "speed_sp_recompute")
             layers = {name: build(*variants[name]) for name in names}
             x = torch.randn(4, seq, 256, requires_grad=True)
             times = dict.fromkeys(names, float("inf"))
@@ -90,7 +92,9 @@ def bench_memory(rank: int, tp: int) -> None:
                 print(f"RESULT time{seq} tp={tp} recompute_ms={times['memory'] * 1e3:.1f} "
                       f"stored_ms={times['memory_norecompute'] * 1e3:.1f} "
                       f"speed_ms={times['speed'] * 1e3:.1f} "
-                      f"speed_recompute_ms={times['speed_recompute'] * 1e3:.1f}", flush=True)
+                      f"speed_recompute_ms={times['speed_recompute'] * 1e3:.1f} "
+                      f"sp_ms={times['speed_sp'] * 1e3:.1f} "
+                      f"sp_recompute_ms={times['speed_sp_recompute'] * 1e3:.1f}", flush=True)
             print(f"RESULT memory{seq} tp={tp} speed_MiB={result['speed'] / 2**20:.2f} "
                   f"memory_MiB={result['memory'] / 2**20:.2f} "
                   f"ratio={result['memory'] / result['speed']:.3f} "
@@ -98,6 +102,10 @@ def bench_memory(rank: int, tp: int) -> None:
                   f"norecompute_ratio={result['memory_norecompute'] / result['speed']:.3f} "
                   f"speedrc_MiB={result['speed_recompute'] / 2**20:.2f} "
                   f"speedrc_ratio={result['speed_recompute'] / result['speed']:.3f} "
+                  f"sp_MiB={result['speed_sp'] / 2**20:.2f} "
+                  f"sp_ratio={result['speed_sp'] / result['speed']:.3f} "
+                  f"sprc_MiB={result['speed_sp_recompute'] / 2**20:.2f} "
+                  f"sprc_ratio={result['speed_sp_recompute'] / result['speed']:.3f} "
                   f"single_MiB={result['single'] / 2**20:.2f}", flush=True)
 
 
@@ -370,7 +378,9 @@ def main() -> None:
         parts.append(f"seq={seq}: " + ", ".join(
             f"tp={tp} {mem[tp]['ratio']} ({mem[tp]['memory_MiB']} vs {mem[tp]['speed_MiB']} MiB; "
             f"without recompute {mem[tp]['norecompute_ratio']}, {mem[tp]['norecompute_MiB']} MiB; "
-            f"speed with recompute_attention {mem[tp]['speedrc_ratio']}, {mem[tp]['speedrc_MiB']} MiB)"
+            f"speed with recompute_attention {mem[tp]['speedrc_ratio']}, {mem[tp]['speedrc_MiB']} MiB; "
+            f"speed sequence_parallel {mem[tp]['sp_ratio']}, {mem[tp]['sp_MiB']} MiB; "
+            f"sequence_parallel + recompute_attention {mem[tp]['sprc_ratio']}, {mem[tp]['sprc_MiB']} MiB)"
             for tp in sorted(mem)) + f"; no-TP device on its own samples {mem[2]['single_MiB']} MiB")
     print("saved activations per rank of one transformer layer, memory (recompute_activations=True)"
           "/speed: " + " | ".join(parts))
@@ -379,7 +389,10 @@ def main() -> None:
           "shared CPU): " + ", ".join(
               f"tp={tp} memory {tm[tp]['recompute_ms']} vs {tm[tp]['stored_ms']} ms, speed "
               f"(recompute_attention) {tm[tp]['speed_recompute_ms']} vs {tm[tp]['speed_ms']} ms "
-              f"({float(tm[tp]['speed_recompute_ms']) / float(tm[tp]['speed_ms']) - 1:+.0%})"
+              f"({float(tm[tp]['speed_recompute_ms']) / float(tm[tp]['speed_ms']) - 1:+.0%}), "
+              f"speed sequence_parallel {tm[tp]['sp_ms']} ms, + recompute_attention "
+              f"{tm[tp]['sp_recompute_ms']} ms "
+              f"({float(tm[tp]['sp_recompute_ms']) / float(tm[tp]['speed_ms']) - 1:+.0%} vs speed)"
               for tp in sorted(tm)))
     thr = results["throughput"]
     if thr:

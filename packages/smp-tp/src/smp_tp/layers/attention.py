@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from smp_tp.group import ProcessGroup
 from smp_tp.layers.region import RegionModule, affine, region_layer_norm
+from smp_tp.layers.sequence import check_sequence_parallel, gathered_linear
 from smp_tp.mappings import bwd_allreduce_for_tp, fwd_allreduce_for_tp, reduce_scatter_for_tp
 from smp_tp.params import (
     initialize_with_input_partition,
@@ -50,6 +51,10 @@ class DistributedAttentionLayer(RegionModule):
     the attention core only — scores, softmax, attention dropout and the context are
     recomputed in backward from the saved q, k, v (no ``(batch, heads, seq, seq)`` tensor is
     stored); bit-for-bit the same results, one more run of the core in backward.
+
+    ``sequence_parallel`` (default False; ``optimize="speed"``, scaled batch): layer norm,
+    residual and hidden dropout on this rank's own samples, q/k/v input gathered by sample
+    (stored per rank), output reduce-scattered by sample; see :mod:`smp_tp.layers.sequence`.
     """
 
     # parameter containers (plain nn.Module holding weight/bias)
@@ -80,12 +85,14 @@ class DistributedAttentionLayer(RegionModule):
         optimize: str | None = None,
         recompute_activations: bool = True,
         recompute_attention: bool = False,
+        sequence_parallel: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__(tp_group=tp_group, prescaled_batch=prescaled_batch, optimize=optimize)
         self.recompute_activations = bool(recompute_activations)
         self.recompute_attention = bool(recompute_attention)
+        self.sequence_parallel = check_sequence_parallel(self, sequence_parallel)
         self._require_divisible(num_attention_heads=num_attention_heads)
         if self.optimize == "memory":
             self._require_divisible(hidden_size=hidden_size)
@@ -101,8 +108,9 @@ class DistributedAttentionLayer(RegionModule):
         self.pre_ln, self.post_ln = pre_layernorm, post_layernorm
         kw: dict[str, Any] = {"device": device}
         speed = self.optimize == "speed"
-        with parameter_creation_scope(
-            self, dtype=dtype, use_normal=use_normal_initialization, initializer_range=initializer_range
+        with parameter_creation_scope(  # sequence parallel: norms and biases see own samples
+            self, scaled_batch=not self.sequence_parallel, dtype=dtype, use_normal=use_normal_initialization,
+            initializer_range=initializer_range,
         ):
             if speed:  # column-parallel q/k/v (heads), row-parallel dense (Megatron)
                 with initialize_with_output_partition(self):
@@ -181,6 +189,12 @@ class DistributedAttentionLayer(RegionModule):
         names = ("query", "key", "value")
         ws = [getattr(self, n).weight for n in names]
         bs = torch.cat([getattr(self, n).bias for n in names])
+        if self.sequence_parallel:
+            if kv_src is None:
+                return gathered_linear(a, torch.cat(ws), bs, g).chunk(3, dim=-1)
+            q = gathered_linear(a, ws[0], self.query.bias, g)
+            kv = gathered_linear(kv_src, torch.cat(ws[1:]), bs[bs.shape[0] // 3:], g)
+            return (q, *kv.chunk(2, dim=-1))
         if self.optimize == "speed":
             a = bwd_allreduce_for_tp(a, g)
             if kv_src is None:
@@ -209,7 +223,10 @@ class DistributedAttentionLayer(RegionModule):
         q, k, v = self._projections(a, cross if self.cross_attention else None)
         part = self._attend_project(q, k, v, cross_mask if self.cross_attention else mask)
         g = self.tp_group
-        if self.optimize == "speed":
+        if self.sequence_parallel:  # own samples: a per-rank dropout stream
+            o = reduce_scatter_for_tp(part, 0, g) + self.dense.bias
+            o = tp_dropout(o, self.hidden_dropout_prob, self.training, "tp_rank", g)
+        elif self.optimize == "speed":
             o = fwd_allreduce_for_tp(part, g) + self.dense.bias
             o = tp_dropout(o, self.hidden_dropout_prob, self.training, "tp_shared", g)
         else:

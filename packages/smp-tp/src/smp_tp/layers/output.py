@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from smp_tp.group import ProcessGroup
 from smp_tp.layers.region import ACTIVATIONS, RegionModule, affine, region_layer_norm
+from smp_tp.layers.sequence import check_sequence_parallel, gathered_linear
 from smp_tp.mappings import bwd_allreduce_for_tp, fwd_allreduce_for_tp, reduce_scatter_for_tp
 from smp_tp.params import (
     initialize_with_input_partition,
@@ -28,6 +29,8 @@ class DistributedTransformerOutputLayer(RegionModule):
 
     ``recompute_activations`` (default True; ``optimize="memory"`` only): save the
     pre-activation instead of ``activation(pre)`` and redraw the dropout mask in backward.
+    ``sequence_parallel`` (``optimize="speed"``, scaled batch): see
+    :class:`~smp_tp.DistributedAttentionLayer`.
     """
 
     dense_h_to_4h: Any
@@ -51,11 +54,13 @@ class DistributedTransformerOutputLayer(RegionModule):
         prescaled_batch: bool | None = None,
         optimize: str | None = None,
         recompute_activations: bool = True,
+        sequence_parallel: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__(tp_group=tp_group, prescaled_batch=prescaled_batch, optimize=optimize)
         self.recompute_activations = bool(recompute_activations)
+        self.sequence_parallel = check_sequence_parallel(self, sequence_parallel)
         if activation not in ACTIVATIONS:
             raise ValueError(
                 f"DistributedTransformerOutputLayer: activation {activation!r} not in {sorted(ACTIVATIONS)}"
@@ -69,8 +74,9 @@ class DistributedTransformerOutputLayer(RegionModule):
         self.pre_ln, self.post_ln = pre_layernorm, post_layernorm
         kw: dict[str, Any] = {"device": device}
         speed = self.optimize == "speed"
-        with parameter_creation_scope(
-            self, dtype=dtype, use_normal=use_normal_initialization, initializer_range=initializer_range
+        with parameter_creation_scope(  # sequence parallel: norms and biases see own samples
+            self, scaled_batch=not self.sequence_parallel, dtype=dtype, use_normal=use_normal_initialization,
+            initializer_range=initializer_range,
         ):
             if speed:
                 with initialize_with_output_partition(self):
@@ -103,7 +109,11 @@ class DistributedTransformerOutputLayer(RegionModule):
         g = self.tp_group
         a = region_layer_norm(x, self.pre_layernorm, self.eps, self.hidden_size, self) if self.pre_ln else x
         act = ACTIVATIONS[self.activation]
-        if self.optimize == "speed":
+        if self.sequence_parallel:
+            hid = act(gathered_linear(a, self.dense_h_to_4h.weight, self.dense_h_to_4h.bias, g))
+            o = reduce_scatter_for_tp(F.linear(hid, self.dense_4h_to_h.weight), 0, g) + self.dense_4h_to_h.bias
+            o = tp_dropout(o, self.hidden_dropout_prob, self.training, "tp_rank", g)
+        elif self.optimize == "speed":
             hid = act(F.linear(bwd_allreduce_for_tp(a, g), self.dense_h_to_4h.weight, self.dense_h_to_4h.bias))
             o = fwd_allreduce_for_tp(F.linear(hid, self.dense_4h_to_h.weight), g) + self.dense_4h_to_h.bias
             o = tp_dropout(o, self.hidden_dropout_prob, self.training, "tp_shared", g)

@@ -3,7 +3,9 @@
 Inside a transformer region activations cover the whole TP group's batch and are either
 
 * ``optimize="speed"``: replicated on every TP rank (all channels), or
-* ``optimize="memory"``: split over channels (rank i holds channels ``i*h/T:(i+1)*h/T``).
+* ``optimize="memory"``: split over channels (rank i holds channels ``i*h/T:(i+1)*h/T``), or
+* ``optimize="speed", sequence_parallel=True``: this rank's own samples (between the column →
+  row pairs; see :mod:`smp_tp.layers.sequence`).
 
 Entering from per-rank samples (scaled batch) is an all-gather over samples (speed) or an
 all-to-all from samples to channels (memory); with a prescaled (already replicated) input
@@ -32,6 +34,8 @@ from smp_tp.params import ParamSpec, set_param_spec
 def enter(x: torch.Tensor, m: DistributedModule) -> torch.Tensor:
     """Per-rank (or prescaled) activations → region layout."""
     g = m.tp_group
+    if getattr(m, "sequence_parallel", False):  # own samples are the layout already
+        return x
     if m.optimize == "speed":
         return gather_replicated_for_tp(x, 0, g) if m.scaled_batch else x
     return scatter_and_merge_for_tp(x, -1, 0, g) if m.scaled_batch else split_for_tp(x, -1, g)
@@ -40,6 +44,8 @@ def enter(x: torch.Tensor, m: DistributedModule) -> torch.Tensor:
 def leave(x: torch.Tensor, m: DistributedModule) -> torch.Tensor:
     """Region layout → per-rank (or prescaled) activations."""
     g = m.tp_group
+    if getattr(m, "sequence_parallel", False):
+        return x
     if m.optimize == "speed":
         return split_for_tp(x, 0, g) if m.scaled_batch else x
     return scatter_and_merge_for_tp(x, 0, -1, g) if m.scaled_batch else gather_replicated_for_tp(x, -1, g)

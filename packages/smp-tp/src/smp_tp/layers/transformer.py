@@ -15,6 +15,7 @@ from smp_tp.layers.layernorm import DistributedLayerNorm
 from smp_tp.layers.linear import input_split_linear
 from smp_tp.layers.output import DistributedTransformerOutputLayer
 from smp_tp.layers.region import RegionModule
+from smp_tp.layers.sequence import check_sequence_parallel
 from smp_tp.module import DistributedModule
 
 
@@ -25,7 +26,8 @@ class DistributedTransformerLayer(RegionModule):
     ``recompute_activations`` (default True) applies to ``optimize="memory"`` only,
     ``recompute_attention`` (default False: selective recomputation of the attention core)
     to ``optimize="speed"``: see :class:`~smp_tp.DistributedAttentionLayer` and
-    :mod:`smp_tp.recompute`.
+    :mod:`smp_tp.recompute`. ``sequence_parallel`` (speed layout, scaled batch): layer norms,
+    residuals and dropout on this rank's samples; see :mod:`smp_tp.layers.sequence`.
     """
 
     def __init__(
@@ -50,14 +52,16 @@ class DistributedTransformerLayer(RegionModule):
         optimize: str | None = None,
         recompute_activations: bool = True,
         recompute_attention: bool = False,
+        sequence_parallel: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__(tp_group=tp_group, prescaled_batch=prescaled_batch, optimize=optimize)
         self.recompute_activations = bool(recompute_activations)
+        self.sequence_parallel = check_sequence_parallel(self, sequence_parallel)
         mode: dict[str, Any] = {"tp_group": self.tp_group, "prescaled_batch": self.prescaled_batch,
                 "optimize": self.optimize, "recompute_activations": self.recompute_activations,
-                "dtype": dtype, "device": device}
+                "sequence_parallel": self.sequence_parallel, "dtype": dtype, "device": device}
         attn: dict[str, Any] = {"num_attention_heads": num_attention_heads, "attention_head_size": attention_head_size,
                 "hidden_size": hidden_size, "attention_dropout_prob": attention_dropout_prob,
                 "hidden_dropout_prob": hidden_dropout_prob, "layernorm_epsilon": layernorm_epsilon,
@@ -118,11 +122,13 @@ class DistributedTransformer(RegionModule):
         optimize: str | None = None,
         recompute_activations: bool = True,
         recompute_attention: bool = False,
+        sequence_parallel: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__(tp_group=tp_group, prescaled_batch=prescaled_batch, optimize=optimize)
         self.recompute_activations = bool(recompute_activations)
+        self.sequence_parallel = check_sequence_parallel(self, sequence_parallel)
         self.num_layers = num_layers
         self.layers = nn.ModuleList(
             DistributedTransformerLayer(
@@ -132,7 +138,8 @@ class DistributedTransformer(RegionModule):
                 add_cross_attention, pre_layernorm, post_layernorm,
                 tp_group=self.tp_group, prescaled_batch=self.prescaled_batch,
                 optimize=self.optimize, recompute_activations=self.recompute_activations,
-                recompute_attention=recompute_attention, dtype=dtype, device=device,
+                recompute_attention=recompute_attention, sequence_parallel=self.sequence_parallel,
+                dtype=dtype, device=device,
             )
             for _ in range(num_layers)
         )
@@ -188,6 +195,7 @@ class DistributedTransformerLMHead(DistributedModule):
         optimize: str | None = None,
         recompute_activations: bool = True,
         recompute_attention: bool = False,
+        sequence_parallel: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
@@ -211,7 +219,8 @@ class DistributedTransformerLMHead(DistributedModule):
             attention_dropout_prob, hidden_dropout_prob, activation, layernorm_epsilon,
             initializer_range, use_normal_initialization, causal_mask_size, add_cross_attention,
             pre_layernorm, post_layernorm, optimize=self.optimize,
-            recompute_activations=self.recompute_activations, recompute_attention=recompute_attention, **mode,
+            recompute_activations=self.recompute_activations, recompute_attention=recompute_attention,
+            sequence_parallel=sequence_parallel, **mode,
         )
         if pre_layernorm:
             self.layernorm = DistributedLayerNorm(hidden_size, layernorm_epsilon, **mode)

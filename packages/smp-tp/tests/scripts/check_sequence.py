@@ -1,0 +1,172 @@
+"""Sequence parallelism (optimize="speed", sequence_parallel=True, scaled batch) and
+selective recomputation of the attention core (recompute_attention=True) against the
+single-rank modules on the concatenated batch; the collectives per layer; the saved
+activations per rank against the plain speed layout; the errors for prescaled/memory.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import smp_tp
+import torch
+from common import close, close_dicts, finish, gather_batch, log, randomize, setup
+from torch import nn
+
+rank, T, single = setup()
+failures: list[str] = []
+B, S, H = 2, 6, 16
+
+
+def check(label: str, fn, *args) -> None:
+    if os.environ.get("SMP_TP_VERBOSE"):
+        log("check", label)
+    try:
+        fn(*args)
+    except Exception:
+        if os.environ.get("SMP_TP_FAILFAST"):
+            raise
+        failures.append(f"{label}: {traceback.format_exc()}")
+
+
+def hidden(seed: int, s: int = S) -> torch.Tensor:
+    return torch.randn(B, s, H, generator=torch.Generator().manual_seed(seed))
+
+
+def pad_mask(seed: int) -> torch.Tensor:
+    m = torch.ones(B, S)
+    m[:, -1 - seed % 2:] = 0  # differs between ranks: travels with the samples
+    return (1.0 - m)[:, None, None, :] * -1e4
+
+
+# name: (constructor, inputs(seed) -> [(tensor, requires_grad)])
+BUILDERS = {
+    "attention_post": (lambda **k: smp_tp.DistributedAttentionLayer(4, 4, H, 0.0, 0.0, **k),
+                       lambda s: [(hidden(s), True), (pad_mask(s), False)]),
+    "output_gelu": (lambda **k: smp_tp.DistributedTransformerOutputLayer(H, 32, 0.0, "gelu", **k),
+                    lambda s: [(hidden(s), True)]),
+    "layer_cross": (lambda **k: smp_tp.DistributedTransformerLayer(4, 4, H, 32, 0.0, 0.0, "gelu",
+                                                                   add_cross_attention=True, **k),
+                    lambda s: [(hidden(s), True), (pad_mask(s), False), (hidden(s + 7, s=3), True)]),
+    "transformer_pre_causal": (
+        lambda **k: smp_tp.DistributedTransformer(2, 4, 4, H, 32, 0.0, 0.0, "gelu_new", causal_mask_size=S,
+                                                  pre_layernorm=True, post_layernorm=False, **k),
+        lambda s: [(hidden(s), True)]),
+    "lmhead_gpt": (
+        lambda **k: smp_tp.DistributedTransformerLMHead(2, 4, 4, H, 32, 97, 8, 0.0, 0.0, causal_mask_size=8,
+                                                        pre_layernorm=True, post_layernorm=False, **k),
+        lambda s: [(torch.randint(0, 97, (B, S), generator=torch.Generator().manual_seed(s)), False)]),
+}
+OPTIONS = {"sp": dict(sequence_parallel=True), "sp+recompute": dict(sequence_parallel=True, recompute_attention=True)}
+
+
+def compare(name: str, option: str) -> None:
+    build, make_inputs = BUILDERS[name]
+    kwargs = dict(OPTIONS[option])
+    with smp_tp.tp_config(tp_group=single, optimize="speed"):
+        ref = build()  # the plain single-rank module (no option)
+    randomize(ref)
+    with smp_tp.tp_config(optimize="speed"):
+        par = build(**kwargs)
+    smp_tp.load_full_state_dict(par, smp_tp.full_state_dict(ref))
+    local = make_inputs(100 + rank)
+    glob = [(gather_batch(t), g) for t, g in local]
+    local = [t.clone().requires_grad_(g) for t, g in local]
+    glob = [t.clone().requires_grad_(g) for t, g in glob]
+    y_ref, y = ref(*glob), par(*local)
+    (y_ref ** 2).mean().backward()
+    (y ** 2).mean().backward()
+    smp_tp.sync_gradients(par)
+    got_grads, want_grads = smp_tp.full_grad_dict(par), smp_tp.full_grad_dict(ref)
+    # every collective is done: assertions below cannot desynchronise the ranks
+    label = f"{name}/{option}"
+    close(f"{label} output", y, y_ref.chunk(T, 0)[rank])
+    close_dicts(f"{label} grads", got_grads, want_grads)
+    for i, (t, g) in enumerate(zip(local, glob)):
+        if t.requires_grad:
+            close(f"{label} input grad {i}", t.grad, g.grad.chunk(T, 0)[rank] * T)
+    if rank == 0:
+        log(f"{label}: OK")
+
+
+for name in BUILDERS:
+    for option in OPTIONS:
+        if option == "sp+recompute" and name == "output_gelu":
+            continue  # no attention in the MLP block
+        check(f"{name}/{option}", compare, name, option)
+
+
+# Collectives per layer (2-layer minus 1-layer stack): the all-reduce pair of each block
+# becomes an all-gather + reduce-scatter pair, and backward gathers each column linear's
+# input again (it stored only this rank's samples).
+PER_LAYER = {"forward": {"all_gather": 2, "reduce_scatter": 2}, "backward": {"all_gather": 4, "reduce_scatter": 2}}
+
+
+def counts() -> None:
+    got = {}
+    for layers in (1, 2):
+        with smp_tp.tp_config(optimize="speed"):
+            m = smp_tp.DistributedTransformer(layers, 4, 4, H, 32, 0.0, 0.0, sequence_parallel=True,
+                                              recompute_attention=True)
+        with smp_tp.collective_counts() as c:
+            m(hidden(rank).requires_grad_(True)).pow(2).mean().backward()
+        got[layers] = c.total()
+    per_layer = {ph: {k: v - got[1][ph].get(k, 0) for k, v in got[2][ph].items() if v != got[1][ph].get(k, 0)}
+                 for ph in ("forward", "backward")}
+    if per_layer != PER_LAYER:
+        raise AssertionError(f"per-layer collectives {per_layer} != {PER_LAYER}")
+    if rank == 0:
+        log(f"collectives per layer (speed, sequence_parallel): {per_layer}; whole 1-layer stack {got[1]}")
+
+
+check("counts", counts)
+
+
+def saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = model(x)
+    y.sum().backward()
+    return sum(seen.values())
+
+
+def saved() -> None:
+    got = {}
+    for name, kw in (("speed", {}), ("sp", dict(sequence_parallel=True)),
+                     ("sp+recompute", dict(sequence_parallel=True, recompute_attention=True)),
+                     ("recompute", dict(recompute_attention=True))):
+        torch.manual_seed(0)
+        layer = smp_tp.DistributedTransformerLayer(4, 16, 64, 256, 0.1, 0.1, optimize="speed", **kw)
+        got[name] = saved_bytes(layer, torch.randn(2, 32, 64, requires_grad=True))
+    if not got["sp+recompute"] < got["sp"] < got["speed"] or not got["sp+recompute"] < got["recompute"] < got["speed"]:
+        raise AssertionError(f"saved bytes {got}")
+    if rank == 0:
+        log(f"saved bytes per rank (tp={T}): {got}; sp/speed {got['sp'] / got['speed']:.3f}, "
+            f"sp+recompute/speed {got['sp+recompute'] / got['speed']:.3f}")
+
+
+check("saved bytes", saved)
+
+
+def errors() -> None:
+    for kw, text in ((dict(prescaled_batch=True), "scaled-batch"), (dict(optimize="memory"), "optimize='speed'")):
+        try:
+            smp_tp.DistributedTransformerLayer(4, 4, H, 32, sequence_parallel=True, **kw)
+        except ValueError as e:
+            if text not in str(e):
+                raise AssertionError(f"{e!r} lacks {text!r}") from e
+        else:
+            raise AssertionError(f"no error for sequence_parallel with {kw}")
+
+
+check("errors", errors)
+finish(failures)
