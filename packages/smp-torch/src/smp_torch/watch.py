@@ -49,6 +49,7 @@ from mpi4py import MPI
 from smp_comm.shutdown import (
     exit_status,
     leave_now,
+    set_exit_deadline,
     unlink_mpi_shared_memory,
     wait_for_threads_at_exit,
 )
@@ -85,6 +86,10 @@ INSIDE_GRACE_S = 5.0
 #: exit after a failed step takes 1-5 s, and over 10 s at a load average of 14-19 on 2 cores,
 #: where cutting it (at 6 s) made the launcher kill the whole job.
 EXIT_GRACE_S = 15.0
+# Once smp's exit handlers run, their own bounded protocol (smp_comm.shutdown) waits until
+# EXIT_GRACE_S and leaves itself; the watcher cuts the exit only this much later (a hang
+# after them, e.g. in MPI_Finalize), so the two never race.
+_BACKSTOP_S = 3.0
 # The exit alarm rings this long after EXIT_GRACE_S, behind the watcher's own deadline.
 _ALARM_AFTER_S = 10.0
 _SEND_WAIT_S = 2.0  # how long an uncaught exception waits for its notices to leave
@@ -428,9 +433,10 @@ class FailureWatch:
         if exit_began is not None:
             if self.dead and self._exiting_at is not None:
                 self._leave(exit_status(), "its exit would wait for the dead rank")
-            if now - max(exit_began, self.failed_at) > EXIT_GRACE_S:
+            grace = EXIT_GRACE_S + (_BACKSTOP_S if self._exiting_at is not None else 0.0)
+            if now - max(exit_began, self.failed_at) > grace:
                 status = exit_status()  # 0 if the program caught the error and ended
-                self._leave(status, f"its exit did not finish within {EXIT_GRACE_S:g} s")
+                self._leave(status, f"its exit did not finish within {grace:g} s")
             return
         if self.delivered:
             return
@@ -475,6 +481,10 @@ class FailureWatch:
         thread finalizes it soon), and leave at once if a peer process is dead."""
         if self.failure is not None:
             arm_exit_alarm(EXIT_GRACE_S + _ALARM_AFTER_S)  # first: nothing below may hang it
+            # smp_comm.shutdown's exit protocol waits for blocked threads up to this
+            # deadline, which the watcher then no longer enforces itself (see _BACKSTOP_S).
+            began = self._main_ended_at or time.monotonic()
+            set_exit_deadline(max(began, self.failed_at) + EXIT_GRACE_S)
         if self.dead:
             self._depart(False)
         # (Bounded: a watcher turn holding the lock inside a broken MPI must not stop exit.)
