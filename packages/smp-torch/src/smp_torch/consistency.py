@@ -75,7 +75,11 @@ def check_same_config(cfg: SMPConfig, comm: Any) -> None:
     for key in mine:
         values = [c.get(key) for c in every]
         if any(v != values[0] for v in values):
-            raise ConfigError(key, f"ranks disagree: {_by_value(list(enumerate(values)))}")
+            raise ConfigError(
+                key,
+                f"ranks disagree: {_by_value(list(enumerate(values)))}; every rank must pass "
+                "the same configuration",
+            )
 
 
 @dataclass(frozen=True)
