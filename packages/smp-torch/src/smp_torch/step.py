@@ -135,9 +135,9 @@ def step_inputs(
     shapes: list[str] = []
     batch = 0
     for name, value in named:
-        leaves: list[torch.Tensor] = []
-        tree_map(lambda x: leaves.append(x) if isinstance(x, torch.Tensor) else None, value)
-        for t in leaves:
+        leaves: list[Any] = []
+        tree_map(leaves.append, value)
+        for t in (x for x in leaves if isinstance(x, torch.Tensor)):
             shapes.append(f"{name}{tuple(t.shape)}:{str(t.dtype).replace('torch.', '')}")
             axis = axes.get(name, 0)
             if not batch and name not in whole and t.dim() > 0 and -t.dim() <= axis < t.dim():
