@@ -14,7 +14,7 @@
     when it differs, before the optimizer step.
   * Tensor-parallel ranks must pass tensors of the same shapes, or their collectives abort
     or hang inside the backend before the step ends: :func:`check_tp_inputs` costs one
-    4-integer allreduce over the tensor-parallel group before each step, only when
+    2-integer allreduce over the tensor-parallel group before each step, only when
     ``tensor_parallel_degree > 1``, only on the ranks that run the step function.
 
   Ranks of pipeline stages > 0 do not run the step function (stage 0 drives the pipeline),

@@ -111,8 +111,8 @@ class SMPContext:
             if not failed:
                 if calls > 0 and batch_mismatch(batch):  # (without a backward, no harm done)
                     note_failed_step()
-                    mine = None if outcome.inputs is None else outcome.inputs.batch
-                    raise batch_error(watch.step, watch.comm.allgather(mine))
+                    my_batch = None if outcome.inputs is None else outcome.inputs.batch
+                    raise batch_error(watch.step, watch.comm.allgather(my_batch))
                 return calls > 0
             note_failed_step()
             # Only on failure: the reports, so every rank can name the rank it started on (a
