@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from smp_torch import checkpoint as ck
+from smp_torch import checkpoint_files as ck
 from smp_torch.consistency import StepInputs, agreement_values, batch_error, batch_mismatch
 from smp_torch.step import step_inputs
 
@@ -22,9 +22,9 @@ def _make(root: Path, tag: str, value: float) -> str:
     """A complete checkpoint directory ``root/tag`` (one file), as a save writes it."""
     staging = root / f".{tag}.tmp"
     staging.mkdir(parents=True)
-    entry = ck._write_file({"w": torch.full((3,), value)}, str(staging / "model.pt"))
+    entry = ck.write_file({"w": torch.full((3,), value)}, str(staging / "model.pt"))
     manifest = {"format": ck.FORMAT, "tag": tag, "partial": False, "files": {"model.pt": entry}}
-    manifest[ck.SELF_SHA256] = ck._manifest_digest(manifest)
+    manifest[ck.SELF_SHA256] = ck.manifest_digest(manifest)
     (staging / ck.MANIFEST).write_text(json.dumps(manifest))
     ck.recover(str(root), tag)
     return ck.publish(str(staging), str(root), tag)
@@ -32,11 +32,11 @@ def _make(root: Path, tag: str, value: float) -> str:
 
 def _load(root: Path, tag: str | None = None) -> torch.Tensor:
     directory, manifest = ck.read_manifest(str(root), tag)
-    return ck._load(directory, "model.pt", manifest)["w"]
+    return ck.load_file(directory, "model.pt", manifest)["w"]
 
 
 def test_hashing_writer_records_the_bytes_written(tmp_path: Path) -> None:
-    entry = ck._write_file({"a": torch.arange(100)}, str(tmp_path / "f.pt"))
+    entry = ck.write_file({"a": torch.arange(100)}, str(tmp_path / "f.pt"))
     data = (tmp_path / "f.pt").read_bytes()
     assert entry == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
 
@@ -105,7 +105,7 @@ def test_a_pickle_that_runs_code_is_refused(tmp_path: Path) -> None:
     marker = str(tmp_path / "PWNED")
     data = pickle.dumps({"w": _Marker(marker)}, protocol=2)
     with pytest.raises(ck.CheckpointError, match=r"refused to load x\.pt.*GLOBAL posix\.mknod"):
-        ck._unpickle(data, "x.pt")
+        ck.unpickle(data, "x.pt")
     assert not os.path.exists(marker)
     pickle.loads(data)  # (the test's own check: unpickling it does create the marker)
     assert os.path.exists(marker)

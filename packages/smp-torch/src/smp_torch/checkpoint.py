@@ -41,21 +41,32 @@ the other ranks may be blocked in a collective the failed rank will never join.
 
 from __future__ import annotations
 
-import hashlib
-import io
 import json
 import os
-import pickle
 import shutil
 from collections.abc import Callable
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
+from smp_torch.checkpoint_files import (
+    FORMAT,
+    MANIFEST,
+    SELF_SHA256,
+    atomic_text,
+    check_tag,
+    fsync_dir,
+    load_file,
+    manifest_digest,
+    publish,
+    read_manifest,
+    recover,
+    write_file,
+)
 from smp_torch.comm import CommGroup, allgather, barrier
 from smp_torch.config import SMPConfig
 from smp_torch.context import SMPContext
-from smp_torch.errors import PeerFailedError, SMPError
+from smp_torch.errors import CheckpointError, CheckpointPeerError, PeerFailedError
 from smp_torch.model import current_model
 from smp_torch.notices import first_line
 from smp_torch.optimizer import current_optimizer
@@ -67,132 +78,6 @@ __all__ = [
     "CheckpointError",
     "CheckpointPeerError",
 ]
-
-MANIFEST = "manifest.json"
-LATEST = "latest"
-FORMAT = "smp-checkpoint@1"
-#: The manifest's checksum of itself (optional: manifests written before it have none).
-SELF_SHA256 = "manifest_sha256"
-
-
-class CheckpointError(SMPError):
-    """A checkpoint could not be written or is missing, incomplete, corrupt or unsafe."""
-
-
-class CheckpointPeerError(CheckpointError, PeerFailedError):
-    """Saving or loading a checkpoint failed on another rank (``rank``): raised on every
-    rank where it did not fail. Catchable as either base class; its message is
-    :class:`~smp_torch.errors.PeerFailedError`'s (the failed rank, its error, what it and
-    this rank were doing)."""
-
-
-# ---------------------------------------------------------------------------- files
-
-
-class _HashingWriter:
-    """A binary file that hashes and counts what ``torch.save`` writes through it, so the
-    manifest records the bytes as written without reading the file again."""
-
-    def __init__(self, f: BinaryIO) -> None:
-        self._f = f
-        self._hash = hashlib.sha256()
-        self.size = 0
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        self._hash.update(view)
-        self.size += view.nbytes
-        self._f.write(view)
-        return view.nbytes
-
-    def flush(self) -> None:
-        self._f.flush()
-
-    def hexdigest(self) -> str:
-        return self._hash.hexdigest()
-
-
-def _fsync_dir(path: str) -> None:
-    """Make a rename or creation in directory ``path`` durable."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some file systems cannot fsync a directory
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_file(obj: Any, path: str) -> dict[str, Any]:
-    """``torch.save(obj)`` to ``path`` (in the private staging directory), fsynced; returns
-    its manifest entry."""
-    with open(path, "wb") as f:
-        writer = _HashingWriter(f)
-        torch.save(obj, writer)  # type: ignore[arg-type]
-        f.flush()
-        os.fsync(f.fileno())
-    return {"sha256": writer.hexdigest(), "bytes": writer.size}
-
-
-def _atomic_text(text: str, path: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
-
-
-def _manifest_digest(manifest: dict[str, Any]) -> str:
-    body = {k: v for k, v in manifest.items() if k != SELF_SHA256}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-
-
-def _old_dir(path: str, tag: str) -> str:
-    return os.path.join(path, f".{tag}.old")
-
-
-def _complete(directory: str) -> bool:
-    return os.path.isfile(os.path.join(directory, MANIFEST))
-
-
-def recover(path: str, tag: str) -> None:
-    """Before saving ``tag`` (rank 0): finish what a save killed while replacing it left.
-
-    Killed between its two renames, a save leaves ``PATH/TAG`` missing and the previous
-    checkpoint complete in ``PATH/.TAG.old``: put it back. Killed after them, it leaves a
-    stale ``.TAG.old`` next to a complete ``PATH/TAG``: remove it."""
-    final, old = os.path.join(path, tag), _old_dir(path, tag)
-    if not os.path.isdir(old):
-        return
-    if not os.path.exists(final) and _complete(old):
-        os.replace(old, final)
-        _fsync_dir(path)
-    else:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def publish(staging: str, path: str, tag: str) -> str:
-    """Rename the complete ``staging`` directory to ``PATH/TAG`` (replacing an older one,
-    which stays complete under ``.TAG.old`` until the new one is in place) and point
-    ``PATH/latest`` at it. Returns the checkpoint directory."""
-    final, old = os.path.join(path, tag), _old_dir(path, tag)
-    if os.path.exists(final):
-        shutil.rmtree(old, ignore_errors=True)  # stale: recover() ran before this save
-        os.replace(final, old)
-        os.replace(staging, final)
-        _fsync_dir(path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(staging, final)
-        _fsync_dir(path)
-    _atomic_text(tag, os.path.join(path, LATEST))
-    return final
-
 
 # ---------------------------------------------------------------------------- agreement
 
@@ -270,11 +155,6 @@ def _layout(cfg: SMPConfig) -> dict[str, Any]:
     }
 
 
-def _check_tag(tag: str) -> None:
-    if not tag or "/" in tag or tag.startswith(".") or tag == LATEST:
-        raise CheckpointError(f"invalid checkpoint tag {tag!r}")
-
-
 def save_checkpoint(
     path: str,
     tag: str,
@@ -290,7 +170,7 @@ def save_checkpoint(
     :class:`CheckpointError` on every rank if saving failed on any (see the module
     docstring); the previous checkpoint of ``tag``, if any, is then left as it was.
     """
-    _check_tag(tag)
+    check_tag(tag)
     model = model if model is not None else current_model()
     s = model.context
     if optimizer is None:
@@ -358,8 +238,8 @@ def _save(
     try:
         for name, obj in pieces:
             what = f"writing {os.path.join(staging, name)}"
-            entries[name] = _write_file(obj, os.path.join(staging, name))
-        _fsync_dir(staging)
+            entries[name] = write_file(obj, os.path.join(staging, name))
+        fsync_dir(staging)
     except Exception as exc:  # noqa: BLE001 - reported to every rank by _agree
         error = exc
     with s.watch.waiting(f"in {doing}, waiting for the other ranks' files"):
@@ -380,9 +260,9 @@ def _save(
                 "files": files,
                 "torch": torch.__version__,
             }
-            manifest[SELF_SHA256] = _manifest_digest(manifest)
+            manifest[SELF_SHA256] = manifest_digest(manifest)
             text = json.dumps(manifest, indent=1, sort_keys=True)
-            _atomic_text(text, os.path.join(staging, MANIFEST))
+            atomic_text(text, os.path.join(staging, MANIFEST))
             what = f"renaming {staging} to {final}"
             publish(staging, path, tag)
         except Exception as exc:  # noqa: BLE001 - reported to every rank by _agree
@@ -392,90 +272,6 @@ def _save(
 
 
 # ---------------------------------------------------------------------------- loading
-
-
-def _read_verified(directory: str, name: str, manifest: dict[str, Any]) -> bytes:
-    """The bytes of ``name``, checked against its manifest entry."""
-    full = os.path.join(directory, name)
-    entry = manifest["files"].get(name)
-    if not isinstance(entry, dict):
-        raise CheckpointError(f"{full} is not listed in {os.path.join(directory, MANIFEST)}")
-    try:
-        with open(full, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise CheckpointError(f"{full} is missing (listed in the manifest)") from None
-    if len(data) != entry.get("bytes"):
-        raise CheckpointError(
-            f"{full} has {len(data)} bytes where the manifest records {entry.get('bytes')}: "
-            "the file is truncated or was overwritten"
-        )
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != entry.get("sha256"):
-        raise CheckpointError(
-            f"checksum mismatch for {full}: sha256 {digest[:16]}… where the manifest "
-            f"records {str(entry.get('sha256'))[:16]}…: the file is corrupt or was replaced"
-        )
-    return data
-
-
-def _unpickle(data: bytes, full: str) -> Any:
-    """``torch.load(weights_only=True)`` of checked bytes, with a clear refusal."""
-    try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        # torch's message suggests weights_only=False; keep only the line saying what was
-        # refused.
-        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-        why = next((ln for ln in lines if "GLOBAL" in ln or "Unsupported" in ln), lines[-1] if lines else "")
-        raise CheckpointError(
-            f"refused to load {full}: it holds objects other than tensors and plain "
-            f"containers, and unpickling them could run code (torch.load weights_only=True: "
-            f"{why})"
-        ) from None
-    except Exception as exc:
-        raise CheckpointError(f"{full} could not be loaded: {first_line(exc)}") from exc
-
-
-def _load(directory: str, name: str, manifest: dict[str, Any]) -> Any:
-    return _unpickle(_read_verified(directory, name, manifest), os.path.join(directory, name))
-
-
-def read_manifest(path: str, tag: str | None = None) -> tuple[str, dict[str, Any]]:
-    """Resolve ``tag`` (``None``: the latest) and return ``(directory, manifest)``, the
-    manifest checked (format, its own checksum). A checkpoint whose replacement was killed
-    half-way is read from where the save left it complete (``PATH/.TAG.old``)."""
-    if tag is None:
-        latest = os.path.join(path, LATEST)
-        if not os.path.exists(latest):
-            raise CheckpointError(f"no checkpoint in {path!r} (no {LATEST} file)")
-        with open(latest, encoding="utf-8") as f:
-            tag = f.read().strip()
-    _check_tag(tag)
-    directory = os.path.join(path, tag)
-    if not os.path.exists(directory) and _complete(_old_dir(path, tag)):
-        directory = _old_dir(path, tag)
-    mpath = os.path.join(directory, MANIFEST)
-    if not os.path.isdir(directory):
-        raise CheckpointError(f"no checkpoint {tag!r} in {path!r} ({directory} does not exist)")
-    if not os.path.exists(mpath):
-        raise CheckpointError(
-            f"{mpath} is missing: {directory!r} is not a complete smp checkpoint (its save did "
-            "not finish, or the manifest was deleted)"
-        )
-    try:
-        with open(mpath, encoding="utf-8") as f:
-            manifest = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{mpath} is unreadable or corrupt: {first_line(exc)}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise CheckpointError(f"{mpath}: unknown format {got!r}")
-    if SELF_SHA256 in manifest and manifest[SELF_SHA256] != _manifest_digest(manifest):
-        raise CheckpointError(f"{mpath} is corrupt: it does not match its own {SELF_SHA256}")
-    if not isinstance(manifest.get("files"), dict):
-        raise CheckpointError(f"{mpath} lists no files")
-    return directory, manifest
 
 
 def _read_checkpoint(
@@ -490,18 +286,18 @@ def _read_checkpoint(
         opt_parts = []
         for name in sorted(names):
             if name.startswith("model_pp"):
-                model_sd.update(_load(directory, name, manifest))
+                model_sd.update(load_file(directory, name, manifest))
             elif name.startswith("optimizer_pp"):
-                opt_parts.append(_load(directory, name, manifest))
+                opt_parts.append(load_file(directory, name, manifest))
         if not model_sd:
             raise CheckpointError(f"{os.path.join(directory, MANIFEST)} lists no model file")
         opt_sd = _merge_optimizer_parts(opt_parts) if opt_parts else None
     else:
-        model_sd = _load(directory, "model.pt", manifest)
-        opt_sd = _load(directory, "optimizer.pt", manifest) if "optimizer.pt" in names else None
+        model_sd = load_file(directory, "model.pt", manifest)
+        opt_sd = load_file(directory, "optimizer.pt", manifest) if "optimizer.pt" in names else None
     if need_optimizer and opt_sd is None:
         raise CheckpointError(f"{directory} holds no optimizer state")
-    user = _load(directory, "user_content.pt", manifest) if "user_content.pt" in names else None
+    user = load_file(directory, "user_content.pt", manifest) if "user_content.pt" in names else None
     return directory, model_sd, opt_sd, user
 
 
