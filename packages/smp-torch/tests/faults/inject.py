@@ -7,14 +7,15 @@ FAULT: ``before_step`` / ``after_step`` (a user exception between steps), ``forw
 ``optimizer`` (inside the wrapped optimizer's step), ``thread`` (an uncaught exception in a
 user thread), ``raw_collective`` (the victim raises between steps while the other ranks block
 in a ``torch.distributed`` collective of their own, outside smp), ``kill`` (SIGKILL of the
-victim's own process inside a forward).
+victim's own process inside a forward), ``stall`` (a module's forward on the victim never
+returns: blocked in user code; the job runs with ``timeout_s`` = :data:`STALL_TIMEOUT_S`).
 
 CONFIG: ``pp2`` (2 ranks), ``tp2`` (2), ``dp2`` (2), ``pp2dp2`` (4: drivers 0 and 2, servers
 1 and 3).
 
 Printed (one line each): ``RANK r PID p`` and ``RANK r SHM <paths>`` (the ``/dev/shm``
-files this process maps) at start, ``FAULT r <fault> t=<unix time>`` on the victim just
-before the fault, and ``RANK r EXIT status <s> t=<unix time>`` as the very last thing of an
+files this process maps) at start, ``FAULT r <fault> t=<unix time> timeout_s=<s>`` on the
+victim just before the fault, and ``RANK r EXIT status <s> t=<unix time>`` as the very last thing of an
 interpreter exit (an exit handler registered before any other: it runs after smp's, before
 mpi4py's ``MPI_Finalize``). A rank still running 90 s after it started prints every
 thread's stack.
@@ -32,6 +33,7 @@ import time
 
 RANK = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "-1")))
 FAULT_STEP = 2
+STALL_TIMEOUT_S = 4.0  # the stall fault's timeout_s: short, yet far above a step's requests
 DUMP_AFTER_S = 90.0  # (the test gives a job 120 s)
 
 
@@ -76,7 +78,8 @@ def main() -> None:
     print(f"RANK {RANK} PID {os.getpid()}", flush=True)
     shm = [p.replace(" (deleted)", "") for p in _shm_mapped()]
     print(f"RANK {RANK} SHM {','.join(shm) or '-'}", flush=True)
-    cfg = smp.init({**CONFIGS[config], "microbatches": 2, "timeout_s": 120})
+    timeout_s = STALL_TIMEOUT_S if fault == "stall" else 120
+    cfg = smp.init({**CONFIGS[config], "microbatches": 2, "timeout_s": timeout_s})
     me = smp.rank() == victim
     torch.manual_seed(0)
     model = smp.DistributedModel(models.TinyLM(tp=cfg.tp > 1))
@@ -88,7 +91,7 @@ def main() -> None:
         return me and fault == kind and step == FAULT_STEP
 
     def announce() -> None:
-        print(f"FAULT {RANK} {fault} t={time.time():.3f}", flush=True)
+        print(f"FAULT {RANK} {fault} t={time.time():.3f} timeout_s={timeout_s:g}", flush=True)
 
     def fail() -> None:
         announce()
@@ -100,6 +103,9 @@ def main() -> None:
         step = state["step"]
         if now(step, "forward") or now(step, "kill"):
             fail()
+        if now(step, "stall"):
+            announce()
+            threading.Event().wait()  # never set: this rank's worker is stuck here for good
         if now(step, "backward") and isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(lambda grad: fail())
 
