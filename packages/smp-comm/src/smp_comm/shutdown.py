@@ -18,9 +18,16 @@ So, at exit, after a failed step:
 2. if a thread is still blocked after a short wait: close the live communicators and
    finalize MPI here, which lets the exiting peers finish and end their processes; wait
    again: their ends release the blocked call, the thread ends, and the interpreter
-   finalizes normally (mpi4py sees MPI already finalized);
+   finalizes normally (mpi4py sees MPI already finalized). This second wait lasts until the
+   exit deadline a caller set (:func:`set_exit_deadline`: the failure channel of smp-torch
+   sets the one it enforces itself, so the two are one bounded sequence), at least
+   :data:`AFTER_FINALIZE_S`: the peer whose end releases the call may be slow to exit on a
+   loaded machine (seen: over 3 s at a load average of 13 on 2 cores);
 3. if a thread is still blocked after that (a peer that keeps running), leave at once with
-   the status Python would have used, without interpreter finalization;
+   the status Python would have used, without interpreter finalization. A last resort
+   only: MPICH's launcher kills every other rank, with SIGKILL, when a rank that finalized
+   MPI ends without the C library's ``exit`` (reproduced with three ranks: finalize, then
+   ``os._exit(0)`` on one; the others, still running, are killed and the job fails);
 4. otherwise pause briefly (:data:`SETTLE_S`) once, so gloo's worker threads drop the
    collectives that have just ended while the interpreter can still give them the GIL.
    (Reproduced: pp=1 x tp=2, one rank raising; without the pause about one exit in four on a
@@ -48,11 +55,13 @@ from collections.abc import Iterable
 from typing import Any, NoReturn
 
 __all__ = [
+    "AFTER_FINALIZE_S",
     "SETTLE_S",
     "abandon_collective",
     "exit_status",
     "leave_now",
     "note_failed_step",
+    "set_exit_deadline",
     "unlink_mpi_shared_memory",
     "wait_for_threads_at_exit",
 ]
@@ -60,11 +69,14 @@ __all__ = [
 # Seconds to wait for blocked threads: before finalizing MPI (a peer's exit may already have
 # released them), and after (the peers leave MPI_Finalize together with this rank).
 _BEFORE_FINALIZE_S = 1.0
-_AFTER_FINALIZE_S = 3.0
+#: The shortest wait after finalizing MPI (the whole wait when no exit deadline is set).
+AFTER_FINALIZE_S = 3.0
 # Seconds to pause at exit after a failed step, once every blocked call has ended (point 4).
 SETTLE_S = 0.5
 
 _failed_step = False
+# When (time.monotonic()) an exit after a failed step must be over: set_exit_deadline.
+_exit_deadline: float | None = None
 # Collectives (objects with ``wait()``) a failed step left unfinished. Held until the
 # interpreter ends, so their last reference is not dropped on one of gloo's threads.
 _abandoned: list[Any] = []
@@ -75,6 +87,14 @@ def note_failed_step() -> None:
     """Record that a step failed in this process: exit then follows the module's protocol."""
     global _failed_step
     _failed_step = True
+
+
+def set_exit_deadline(when: float | None) -> None:
+    """Let the wait after finalizing MPI (point 2 of the module docstring) last until
+    ``when`` (a :func:`time.monotonic` time), not just :data:`AFTER_FINALIZE_S`: the caller
+    enforces that deadline itself (None: no caller deadline)."""
+    global _exit_deadline
+    _exit_deadline = when
 
 
 def abandon_collective(work: Any) -> None:
@@ -157,15 +177,19 @@ def wait_for_threads_at_exit(threads: Iterable[threading.Thread], who: str) -> N
     )
     sys.stderr.flush()
     _finalize_mpi()
-    pending = _join(pending, _AFTER_FINALIZE_S)
+    finalized_at = time.monotonic()
+    wait = AFTER_FINALIZE_S
+    if _exit_deadline is not None:
+        wait = max(wait, _exit_deadline - finalized_at)
+    pending = _join(pending, wait)
     if not pending:
         _settle()
         return
     status = exit_status()
     leave_now(
         status,
-        f"{who}: thread(s) {names} still blocked {_AFTER_FINALIZE_S:.0f} s after MPI "
-        f"finalized; leaving with status {status} without interpreter finalization",
+        f"{who}: thread(s) {names} still blocked {time.monotonic() - finalized_at:.1f} s "
+        f"after MPI finalized; leaving with status {status} without interpreter finalization",
     )
 
 

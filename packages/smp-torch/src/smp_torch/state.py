@@ -19,7 +19,7 @@ from smp_torch.bootstrap import init_torch_distributed
 from smp_torch.config import SMPConfig, parse_config
 from smp_torch.context import SMPContext, create_context
 from smp_torch.errors import NotInitializedError
-from smp_torch.watch import wait_for_step_threads
+from smp_torch.waits import wait_for_step_threads
 
 __all__ = [
     "init",

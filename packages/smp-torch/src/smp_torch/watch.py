@@ -37,26 +37,20 @@ otherwise the exit is the orderly one of :mod:`smp_comm.shutdown`, given
 from __future__ import annotations
 
 import array
-import atexit
 import sys
 import threading
 import time
 from collections.abc import Callable
-from types import TracebackType
 from typing import Any
 
 from mpi4py import MPI
-from smp_comm.shutdown import (
-    exit_status,
-    leave_now,
-    unlink_mpi_shared_memory,
-    wait_for_threads_at_exit,
-)
+from smp_comm.shutdown import exit_status, leave_now, set_exit_deadline, unlink_mpi_shared_memory
 
 from smp_torch.errors import PeerFailedError
 from smp_torch.exit_hooks import arm_exit_alarm, forget, install
 from smp_torch.liveness import BEAT_TIMEOUT_S, Heartbeats, PeerProcesses, ProcessInfo
 from smp_torch.notices import Failure, first_line, maybe_consequence
+from smp_torch.waits import Waiting, run_raising, wait_request, wait_work
 
 __all__ = [
     "EXIT_GRACE_S",
@@ -65,10 +59,7 @@ __all__ = [
     "POLL_S",
     "Failure",
     "FailureWatch",
-    "StepFailedElsewhere",
-    "StepWatch",
     "first_line",
-    "wait_for_step_threads",
 ]
 
 _NOTICE_TAG = 7
@@ -85,48 +76,15 @@ INSIDE_GRACE_S = 5.0
 #: exit after a failed step takes 1-5 s, and over 10 s at a load average of 14-19 on 2 cores,
 #: where cutting it (at 6 s) made the launcher kill the whole job.
 EXIT_GRACE_S = 15.0
+# Once smp's exit handlers run, their own bounded protocol (smp_comm.shutdown) waits until
+# EXIT_GRACE_S and leaves itself; the watcher cuts the exit only this much later (a hang
+# after them, e.g. in MPI_Finalize), so the two never race.
+_BACKSTOP_S = 3.0
 # The exit alarm rings this long after EXIT_GRACE_S, behind the watcher's own deadline.
 _ALARM_AFTER_S = 10.0
 _SEND_WAIT_S = 2.0  # how long an uncaught exception waits for its notices to leave
 _EXPLAIN_S = 0.5  # how long a communication error waits for the watcher to explain it
 _CONFIRM_S = 0.1  # how long an unexplained process end waits for a notice explaining it
-_STEP_POLL_S = 2e-3
-# Step threads that have not ended (a step that raised elsewhere leaves one blocked).
-_RUNNING: set[threading.Thread] = set()
-
-# The name of PeerFailedError before the failure channel covered more than steps.
-StepFailedElsewhere = PeerFailedError
-
-
-@atexit.register
-def wait_for_step_threads() -> None:
-    """At exit: wait until no step thread is blocked any more (see :mod:`smp_comm.shutdown`)."""
-    wait_for_threads_at_exit(list(_RUNNING), "smp-torch")
-
-
-class _Waiting:
-    """``with watch.waiting(label):`` (a class, not a generator: it runs every step)."""
-
-    __slots__ = ("label", "previous", "watch")
-
-    def __init__(self, watch: FailureWatch, label: str) -> None:
-        self.watch = watch
-        self.label = label
-        self.previous: str | None = None
-
-    def __enter__(self) -> None:
-        self.previous = self.watch.where
-        self.watch.where = self.label
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.watch.where = self.previous
-        if exc is not None and not hasattr(exc, "_smp_where"):
-            try:  # the innermost label: what the rank did when it raised (for its notice)
-                exc._smp_where = self.label  # type: ignore[attr-defined]
-            except AttributeError:
-                pass
 
 
 class FailureWatch:
@@ -188,10 +146,10 @@ class FailureWatch:
         install(self)
 
     # ------------------------------------------------------------------ where this rank is
-    def waiting(self, label: str) -> _Waiting:
+    def waiting(self, label: str) -> Waiting:
         """Context manager: this rank is inside smp doing ``label`` (for messages, and for
         the deadline of a rank that learns of a failure)."""
-        return _Waiting(self, label)
+        return Waiting(self, label)
 
     def where_now(self) -> str:
         """What this rank is doing, in words."""
@@ -428,9 +386,10 @@ class FailureWatch:
         if exit_began is not None:
             if self.dead and self._exiting_at is not None:
                 self._leave(exit_status(), "its exit would wait for the dead rank")
-            if now - max(exit_began, self.failed_at) > EXIT_GRACE_S:
+            grace = EXIT_GRACE_S + (_BACKSTOP_S if self._exiting_at is not None else 0.0)
+            if now - max(exit_began, self.failed_at) > grace:
                 status = exit_status()  # 0 if the program caught the error and ended
-                self._leave(status, f"its exit did not finish within {EXIT_GRACE_S:g} s")
+                self._leave(status, f"its exit did not finish within {grace:g} s")
             return
         if self.delivered:
             return
@@ -475,6 +434,10 @@ class FailureWatch:
         thread finalizes it soon), and leave at once if a peer process is dead."""
         if self.failure is not None:
             arm_exit_alarm(EXIT_GRACE_S + _ALARM_AFTER_S)  # first: nothing below may hang it
+            # smp_comm.shutdown's exit protocol waits for blocked threads up to this
+            # deadline, which the watcher then no longer enforces itself (see _BACKSTOP_S).
+            began = self._main_ended_at or time.monotonic()
+            set_exit_deadline(max(began, self.failed_at) + EXIT_GRACE_S)
         if self.dead:
             self._depart(False)
         # (Bounded: a watcher turn holding the lock inside a broken MPI must not stop exit.)
@@ -516,49 +479,18 @@ class FailureWatch:
     # ------------------------------------------------------------------ waits that raise
     def run(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on a helper thread; re-raise its exception, or raise
-        :class:`PeerFailedError` as soon as a failure is known (the helper thread may stay
-        blocked in a collective the failed rank never joins)."""
-        box: dict[str, BaseException] = {}
-
-        def target() -> None:
-            try:
-                fn()
-            except BaseException as exc:  # noqa: BLE001 - handed to the calling thread
-                box["error"] = exc
-            finally:
-                _RUNNING.discard(threading.current_thread())
-
-        thread = threading.Thread(target=target, name="smp-torch-step", daemon=True)
-        _RUNNING.add(thread)
-        thread.start()
-        while thread.is_alive():
-            thread.join(_STEP_POLL_S)
-            if thread.is_alive():
-                self.check()
-        if "error" in box:
-            raise box["error"]
+        :class:`PeerFailedError` as soon as a failure is known (see :func:`waits.run_raising`)."""
+        run_raising(fn, self.check)
 
     def wait_request(self, request: Any) -> None:
         """Wait for an MPI request, raising :class:`PeerFailedError` meanwhile if a failure
         is known (a peer that failed never completes it)."""
-        pause = 5e-5  # usually done within microseconds: back off from short pauses
-        while not request.Test():
-            self.check()
-            time.sleep(pause)
-            pause = min(_STEP_POLL_S, pause * 2)
+        wait_request(request, self.check)
 
     def wait_work(self, work: Any, cuda: bool = False) -> None:
         """Wait for a ``torch.distributed`` collective (``async_op=True``), raising
-        :class:`PeerFailedError` meanwhile if a failure is known. ``cuda``: NCCL work,
-        waited for as usual (``wait()`` only orders the stream; polling would block the
-        CPU on the device)."""
-        if not cuda:
-            pause = 5e-5
-            while not work.is_completed():
-                self.check()
-                time.sleep(pause)
-                pause = min(2e-4, pause * 2)  # (bounds the latency polling adds)
-        work.wait()
+        :class:`PeerFailedError` meanwhile if a failure is known (see :func:`waits.wait_work`)."""
+        wait_work(work, self.check, cuda)
 
     def allreduce_max(self, values: list[int]) -> list[int]:
         """The element-wise maximum of ``values`` over all ranks (the step's outcome
@@ -567,8 +499,3 @@ class FailureWatch:
         recv = array.array("q", [0] * len(values))
         self.wait_request(self.comm.Iallreduce(send, recv, op=MPI.MAX))
         return [int(v) for v in recv]
-
-
-# The class's name while it watched steps only.
-StepWatch = FailureWatch
-

@@ -1,0 +1,29 @@
+"""The exit protocol after a failed step (smp_comm.shutdown) under a launcher that kills a
+job whose rank leaves without the C library's exit: see mpi_scripts/slow_exit.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from smp_comm.testing import MPIRunError, run_mpi
+
+SCRIPT = Path(__file__).parent / "mpi_scripts" / "slow_exit.py"
+
+
+def test_exit_waits_for_a_slow_peer_until_the_deadline(tmp_path: Path) -> None:
+    """Regression: with the fixed 3 s wait, a peer slower than that to exit made this rank
+    leave with os._exit, and MPICH's launcher killed the job (exit 9)."""
+    out = run_mpi([str(SCRIPT), str(tmp_path), "deadline"], 3, timeout=90)
+    for r in range(3):
+        assert f"rank {r} exits normally" in out, out
+    assert "still blocked" in out and "leaving" not in out, out
+
+
+def test_without_a_deadline_the_launcher_kills_the_job(tmp_path: Path) -> None:
+    """What the deadline prevents (this also shows the test above can fail)."""
+    try:
+        out = run_mpi([str(SCRIPT), str(tmp_path), "none"], 3, timeout=90)
+    except MPIRunError as failed:  # (the launcher's status: 9, or 0 if it saw rank 0 first)
+        out = str(failed)
+    assert "after MPI finalized; leaving with status 0" in out, out
+    assert "rank 2 exits normally" not in out, out  # killed by the launcher
