@@ -33,7 +33,9 @@ import time
 
 RANK = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "-1")))
 FAULT_STEP = 2
-STALL_TIMEOUT_S = 4.0  # the stall fault's timeout_s: short, yet far above a step's requests
+# The stall fault's timeout_s: short, yet far above a healthy step's waits (4 s was not, at
+# a load average of 29 on 2 cores: a rank still finishing the previous step timed out).
+STALL_TIMEOUT_S = 8.0
 DUMP_AFTER_S = 90.0  # (the test gives a job 120 s)
 
 
