@@ -78,7 +78,7 @@ def test_stalled_module_names_the_chain_on_every_rank() -> None:
     timeout whose message holds the chain from rank 0's step function to the blocked module,
     its microbatch, and where its thread is, and names it on the first line. Rank 3 answers
     the stall query while its worker is stuck."""
-    timeout_s, pp, blocked_mb = 1.5, 4, 1
+    timeout_s, pp, blocked_mb = 2.5, 4, 1  # (a healthy request takes milliseconds)
     gate, entered = threading.Event(), threading.Event()
 
     def hook(mb: int) -> None:
