@@ -14,62 +14,136 @@ gathered, so either one resumes onto any pipeline / tensor-parallel layout. A pa
 checkpoint is written by one rank per pipeline stage in parallel and never gathers the whole
 model on one rank.
 
-Atomicity: every file is written into ``PATH/.TAG.tmp``; once every rank reports success,
-rank 0 writes the manifest (temp file + rename) and renames the directory to ``PATH/TAG``
-(replacing an older one), then points ``PATH/latest`` at it. If any rank fails, the staging
-directory is removed and every rank raises — no half-written checkpoint is ever visible.
-Loading uses ``torch.load(weights_only=True)`` after checking every checksum.
+Atomicity: every file is written into ``PATH/.TAG.tmp`` and fsynced; its writer hashes the
+bytes as they are written. Once every rank reports success, rank 0 writes the manifest
+(temp file, fsync, rename) and renames the directory to ``PATH/TAG`` — replacing an older
+one by renaming it to ``PATH/.TAG.old`` first, so that a rank killed between the two
+renames leaves the old checkpoint complete there (loading falls back to it, the next save
+puts it back) — then points ``PATH/latest`` at it. If any rank fails, the staging directory
+is removed and every rank raises; a save killed half-way leaves a staging directory without
+a manifest, which nothing loads. No half-written checkpoint is ever visible.
+
+Loading reads each file once, checks its size and sha256 against the manifest (and the
+manifest against its own ``manifest_sha256``), and only then unpickles it with
+``torch.load(weights_only=True)``: a file replaced by a pickle that would run code is
+refused. Every rank reports how its reading went before anything is loaded into the model,
+so a missing, truncated, corrupt or refused file raises :class:`CheckpointError` on every
+rank, naming the file and the rank that found it.
+
+Errors: the rank where saving or loading failed raises :class:`CheckpointError`; every other
+rank raises :class:`CheckpointPeerError`, which is both a :class:`CheckpointError` and a
+:class:`~smp_torch.errors.PeerFailedError` naming that rank. A failure while writing or
+reading files (local work, after every collective) leaves the ranks in step: the program may
+catch the error and carry on. A failure inside the collective phases (gathering the state to
+save, loading it into the model) is announced on smp's failure channel like a failed step:
+the other ranks may be blocked in a collective the failed rank will never join.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
-import traceback
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from smp_torch.checkpoint_files import (
+    FORMAT,
+    MANIFEST,
+    SELF_SHA256,
+    atomic_text,
+    check_tag,
+    fsync_dir,
+    load_file,
+    manifest_digest,
+    publish,
+    read_manifest,
+    recover,
+    write_file,
+)
 from smp_torch.comm import CommGroup, allgather, barrier
 from smp_torch.config import SMPConfig
-from smp_torch.errors import SMPError
+from smp_torch.context import SMPContext
+from smp_torch.errors import CheckpointError, CheckpointPeerError, PeerFailedError
 from smp_torch.model import current_model
+from smp_torch.notices import first_line
 from smp_torch.optimizer import current_optimizer
 
-__all__ = ["save_checkpoint", "resume_from_checkpoint", "CheckpointError"]
+__all__ = [
+    "save_checkpoint",
+    "resume_from_checkpoint",
+    "read_manifest",
+    "CheckpointError",
+    "CheckpointPeerError",
+]
 
-MANIFEST = "manifest.json"
-LATEST = "latest"
-FORMAT = "smp-checkpoint@1"
-
-
-class CheckpointError(SMPError):
-    """A checkpoint could not be written or is missing, incomplete or corrupt."""
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+# ---------------------------------------------------------------------------- agreement
 
 
-def _atomic_torch_save(obj: Any, path: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+def _describe(error: BaseException) -> str:
+    # Our own errors are written to be read whole; others by their first line.
+    return str(error) if isinstance(error, CheckpointError) else first_line(error)
 
 
-def _atomic_text(text: str, path: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _agree(
+    ctx: SMPContext,
+    doing: str,
+    error: BaseException | None,
+    what: str,
+    payload: Any = None,
+) -> list[Any]:
+    """Collective: every rank's outcome of a local phase. Raise on every rank if the phase
+    failed anywhere (:class:`CheckpointError` where it did, :class:`CheckpointPeerError`
+    naming the first rank where it did elsewhere); else return every rank's ``payload``."""
+    mine = None if error is None else (what, _describe(error))
+    reports = allgather((mine, payload))
+    failed = [(r, rep) for r, (rep, _) in enumerate(reports) if rep is not None]
+    if not failed:
+        return [p for _, p in reports]
+    ranks = [r for r, _ in failed]
+    also = f" (it failed on ranks {ranks})" if len(ranks) > 1 else ""
+    if error is not None:
+        raise CheckpointError(
+            f"rank {ctx.rank}: {doing} failed while {what}: {_describe(error)}{also}"
+        ) from error
+    rank, (their_what, text) = failed[0]
+    raise CheckpointPeerError(
+        rank,
+        text + also,
+        f"in {doing}, {their_what}",
+        f"in {doing}, waiting for the other ranks",
+        ctx.rank,
+    )
+
+
+def _collective(ctx: SMPContext, doing: str, what: str, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` — collective work the other ranks do too (gathering or loading state) —
+    so that this rank raises :class:`PeerFailedError` as soon as another one fails (it runs
+    on a helper thread, which may stay blocked in the collective). Its own failure is
+    announced on the failure channel: the others may be blocked in a collective this rank
+    will never join."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        box["result"] = fn()
+
+    watch = ctx.watch
+    try:
+        with watch.waiting(f"in {doing}, {what}"):
+            watch.run(run)
+    except PeerFailedError:
+        raise
+    except Exception as exc:
+        watch.announce(exc, where=f"in {doing}, {what}")
+        raise CheckpointError(
+            f"rank {ctx.rank}: {doing} failed while {what}: {_describe(exc)}"
+        ) from exc
+    return box["result"]
+
+
+# ---------------------------------------------------------------------------- saving
 
 
 def _layout(cfg: SMPConfig) -> dict[str, Any]:
@@ -79,11 +153,6 @@ def _layout(cfg: SMPConfig) -> dict[str, Any]:
         "data_parallel_degree": cfg.rdp,
         "placement_strategy": cfg.placement_strategy,
     }
-
-
-def _check_tag(tag: str) -> None:
-    if not tag or "/" in tag or tag.startswith(".") or tag == LATEST:
-        raise CheckpointError(f"invalid checkpoint tag {tag!r}")
 
 
 def save_checkpoint(
@@ -97,127 +166,139 @@ def save_checkpoint(
     """Save model, optimizer and ``user_content`` under ``path/tag``; call on every rank.
 
     ``model``/``optimizer`` default to the current ``smp.DistributedModel`` /
-    ``smp.DistributedOptimizer``. Returns the checkpoint directory.
+    ``smp.DistributedOptimizer``. Returns the checkpoint directory. Raises
+    :class:`CheckpointError` on every rank if saving failed on any (see the module
+    docstring); the previous checkpoint of ``tag``, if any, is then left as it was.
     """
-    _check_tag(tag)
+    check_tag(tag)
     model = model if model is not None else current_model()
     s = model.context
     if optimizer is None:
         optimizer = current_optimizer()
-    final = os.path.join(path, tag)
     staging = os.path.join(path, f".{tag}.tmp")
-    error: str | None = None
+    doing = f"smp.save_checkpoint({os.path.join(path, tag)!r})"
+    try:
+        with s.watch.waiting(f"in {doing}"):
+            return _save(s, doing, path, tag, staging, partial, model, optimizer, user_content)
+    except BaseException:
+        if s.rank == 0:  # (a rank killed meanwhile leaves it: nothing loads it, recover() ends it)
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _save(
+    s: SMPContext,
+    doing: str,
+    path: str,
+    tag: str,
+    staging: str,
+    partial: bool,
+    model: Any,
+    optimizer: Any,
+    user_content: Any,
+) -> str:
+    error: BaseException | None = None
     if s.rank == 0:
         try:
             os.makedirs(path, exist_ok=True)
+            recover(path, tag)
             shutil.rmtree(staging, ignore_errors=True)
             os.makedirs(staging)
-        except OSError:
-            error = traceback.format_exc()
-    barrier()
-    files: list[str] = []
-    if error is None:
+        except OSError as exc:
+            error = exc
+    _agree(s, doing, error, "preparing the staging directory")  # (also the barrier)
+
+    # Gathering is collective: every rank computes the pieces, one rank per piece writes.
+    pp_rank = s.index("pp")
+    writer_of_stage = s.index("tp") == 0 and s.index("rdp") == 0
+
+    def gather() -> tuple[Any, Any]:
+        if partial:
+            opt = optimizer.state_dict_stage() if optimizer is not None else None
+            return model.stage_full_state(), opt
+        opt = optimizer.state_dict() if optimizer is not None else None
+        return model.state_dict(), opt
+
+    model_sd, opt_sd = _collective(s, doing, "gathering the model and optimizer state", gather)
+    pieces: list[tuple[str, Any]] = []
+    if partial and writer_of_stage:
+        pieces.append((f"model_pp{pp_rank}.pt", model_sd))
+        if opt_sd is not None:
+            pieces.append((f"optimizer_pp{pp_rank}.pt", opt_sd))
+    elif not partial and s.rank == 0:
+        pieces.append(("model.pt", model_sd))
+        if opt_sd is not None:
+            pieces.append(("optimizer.pt", opt_sd))
+    if s.rank == 0 and user_content is not None:
+        pieces.append(("user_content.pt", user_content))
+
+    entries: dict[str, dict[str, Any]] = {}
+    what = "writing its files"
+    error = None
+    try:
+        for name, obj in pieces:
+            what = f"writing {os.path.join(staging, name)}"
+            entries[name] = write_file(obj, os.path.join(staging, name))
+        fsync_dir(staging)
+    except Exception as exc:  # noqa: BLE001 - reported to every rank by _agree
+        error = exc
+    with s.watch.waiting(f"in {doing}, waiting for the other ranks' files"):
+        reports = _agree(s, doing, error, what, entries)
+
+    final = os.path.join(path, tag)
+    error, what = None, "writing the manifest"
+    if s.rank == 0:
         try:
-            # Gathering is collective: every rank computes the pieces, one rank per piece writes.
-            pp_rank = s.groups["pp"].index(s.rank)
-            writer_of_stage = (
-                s.groups["tp"].index(s.rank) == 0 and s.groups["rdp"].index(s.rank) == 0
-            )
-            if partial:
-                model_sd = model.stage_full_state()
-                opt_sd = optimizer.state_dict_stage() if optimizer is not None else None
-                if writer_of_stage:
-                    name = f"model_pp{pp_rank}.pt"
-                    _atomic_torch_save(model_sd, os.path.join(staging, name))
-                    files.append(name)
-                    if opt_sd is not None:
-                        name = f"optimizer_pp{pp_rank}.pt"
-                        _atomic_torch_save(opt_sd, os.path.join(staging, name))
-                        files.append(name)
-            else:
-                model_sd = model.state_dict()
-                opt_sd = optimizer.state_dict() if optimizer is not None else None
-                if s.rank == 0:
-                    _atomic_torch_save(model_sd, os.path.join(staging, "model.pt"))
-                    files.append("model.pt")
-                    if opt_sd is not None:
-                        _atomic_torch_save(opt_sd, os.path.join(staging, "optimizer.pt"))
-                        files.append("optimizer.pt")
-            if s.rank == 0 and user_content is not None:
-                _atomic_torch_save(user_content, os.path.join(staging, "user_content.pt"))
-                files.append("user_content.pt")
-        except Exception:  # noqa: BLE001 - reported to every rank below
-            error = f"rank {s.rank}: {traceback.format_exc()}"
-    reports = allgather((error, files))
-    errors = [e for e, _ in reports if e]
-    if not errors and s.rank == 0:
-        try:
-            entries = {}
-            for _, fs in reports:
-                for name in fs:
-                    full = os.path.join(staging, name)
-                    entries[name] = {"sha256": _sha256(full), "bytes": os.path.getsize(full)}
-            manifest = {
+            files: dict[str, dict[str, Any]] = {}
+            for part in reports:
+                files.update(part)
+            manifest: dict[str, Any] = {
                 "format": FORMAT,
                 "tag": tag,
                 "partial": partial,
                 "layout": _layout(s.config),
-                "files": entries,
+                "files": files,
                 "torch": torch.__version__,
             }
-            _atomic_text(
-                json.dumps(manifest, indent=1, sort_keys=True), os.path.join(staging, MANIFEST)
-            )
-            if os.path.exists(final):
-                old = os.path.join(path, f".{tag}.old")
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(final, old)
-                os.replace(staging, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(staging, final)
-            _atomic_text(tag, os.path.join(path, LATEST))
-        except Exception:  # noqa: BLE001
-            errors.append(f"rank 0 (manifest): {traceback.format_exc()}")
-    errors = [e for e in allgather(errors[0] if errors else None) if e] or errors
-    if errors:
-        if s.rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-        raise CheckpointError(f"saving checkpoint {final!r} failed:\n{errors[0]}")
+            manifest[SELF_SHA256] = manifest_digest(manifest)
+            text = json.dumps(manifest, indent=1, sort_keys=True)
+            atomic_text(text, os.path.join(staging, MANIFEST))
+            what = f"renaming {staging} to {final}"
+            publish(staging, path, tag)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank by _agree
+            error = exc
+    _agree(s, doing, error, what)
     return final
 
 
-def _load(path: str, name: str, manifest: dict[str, Any]) -> Any:
-    full = os.path.join(path, name)
-    entry = manifest["files"].get(name)
-    if entry is None:
-        raise CheckpointError(f"{name} is not listed in {path}/{MANIFEST}")
-    if not os.path.exists(full):
-        raise CheckpointError(f"checkpoint file {full} is missing")
-    digest = _sha256(full)
-    if digest != entry["sha256"]:
-        raise CheckpointError(f"checksum mismatch for {full}: the file is corrupt")
-    return torch.load(full, map_location="cpu", weights_only=True)
+# ---------------------------------------------------------------------------- loading
 
 
-def read_manifest(path: str, tag: str | None = None) -> tuple[str, dict[str, Any]]:
-    """Resolve ``tag`` (``None``: the latest) and return ``(directory, manifest)``."""
-    if tag is None:
-        latest = os.path.join(path, LATEST)
-        if not os.path.exists(latest):
-            raise CheckpointError(f"no checkpoint in {path!r} (no {LATEST} file)")
-        with open(latest, encoding="utf-8") as f:
-            tag = f.read().strip()
-    _check_tag(tag)
-    directory = os.path.join(path, tag)
-    mpath = os.path.join(directory, MANIFEST)
-    if not os.path.exists(mpath):
-        raise CheckpointError(f"{directory!r} is not a complete smp checkpoint (no manifest)")
-    with open(mpath, encoding="utf-8") as f:
-        manifest = json.load(f)
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{mpath}: unknown format {manifest.get('format')!r}")
-    return directory, manifest
+def _read_checkpoint(
+    path: str, tag: str | None, need_optimizer: bool
+) -> tuple[str, dict[str, Any], Any, Any]:
+    """Every file of the checkpoint, verified and unpickled: ``(directory, model state,
+    optimizer state or None, user content or None)``."""
+    directory, manifest = read_manifest(path, tag)
+    names = manifest["files"]
+    if manifest.get("partial"):
+        model_sd: dict[str, Any] = {}
+        opt_parts = []
+        for name in sorted(names):
+            if name.startswith("model_pp"):
+                model_sd.update(load_file(directory, name, manifest))
+            elif name.startswith("optimizer_pp"):
+                opt_parts.append(load_file(directory, name, manifest))
+        if not model_sd:
+            raise CheckpointError(f"{os.path.join(directory, MANIFEST)} lists no model file")
+        opt_sd = _merge_optimizer_parts(opt_parts) if opt_parts else None
+    else:
+        model_sd = load_file(directory, "model.pt", manifest)
+        opt_sd = load_file(directory, "optimizer.pt", manifest) if "optimizer.pt" in names else None
+    if need_optimizer and opt_sd is None:
+        raise CheckpointError(f"{directory} holds no optimizer state")
+    user = load_file(directory, "user_content.pt", manifest) if "user_content.pt" in names else None
+    return directory, model_sd, opt_sd, user
 
 
 def resume_from_checkpoint(
@@ -229,31 +310,33 @@ def resume_from_checkpoint(
     load_optimizer: bool = True,
 ) -> Any:
     """Load ``path/tag`` (default: the latest) into the model and optimizer; return the
-    saved ``user_content``. Works on any pipeline / tensor-parallel layout."""
+    saved ``user_content``. Works on any pipeline / tensor-parallel layout. Call on every
+    rank; a missing, incomplete, corrupt or unsafe checkpoint raises
+    :class:`CheckpointError` on every rank before anything is loaded."""
     model = model if model is not None else current_model()
     if optimizer is None and load_optimizer:
         optimizer = current_optimizer()
-    directory, manifest = read_manifest(path, tag)
-    names = manifest["files"]
-    if manifest["partial"]:
-        model_sd: dict[str, torch.Tensor] = {}
-        opt_parts = []
-        for name in sorted(names):
-            if name.startswith("model_pp"):
-                model_sd.update(_load(directory, name, manifest))
-            elif name.startswith("optimizer_pp"):
-                opt_parts.append(_load(directory, name, manifest))
-        opt_sd = _merge_optimizer_parts(opt_parts) if opt_parts else None
-    else:
-        model_sd = _load(directory, "model.pt", manifest)
-        opt_sd = _load(directory, "optimizer.pt", manifest) if "optimizer.pt" in names else None
-    model.load_state_dict(model_sd, strict=strict)
-    if load_optimizer and optimizer is not None:
-        if opt_sd is None:
-            raise CheckpointError(f"{directory} holds no optimizer state")
-        optimizer.load_state_dict(opt_sd)
-    user = _load(directory, "user_content.pt", manifest) if "user_content.pt" in names else None
-    barrier(CommGroup.WORLD)
+    s = model.context
+    doing = f"smp.resume_from_checkpoint({path!r}, tag={tag!r})"
+    with s.watch.waiting(f"in {doing}"):
+        error: BaseException | None = None
+        loaded: tuple[str, dict[str, Any], Any, Any] | None = None
+        try:
+            need = load_optimizer and optimizer is not None
+            loaded = _read_checkpoint(path, tag, need)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank by _agree
+            error = exc
+        _agree(s, doing, error, "reading the checkpoint")
+        assert loaded is not None
+        _, model_sd, opt_sd, user = loaded
+
+        def apply() -> None:
+            model.load_state_dict(model_sd, strict=strict)
+            if load_optimizer and optimizer is not None:
+                optimizer.load_state_dict(opt_sd)
+
+        _collective(s, doing, "loading the state into the model and optimizer", apply)
+        barrier(CommGroup.WORLD)
     return user
 
 

@@ -7,7 +7,8 @@ failure channel. :mod:`smp_torch.state` keeps the current one for the public hel
 receive it explicitly.
 
 :meth:`SMPContext.agree` is the one way ranks agree on how a step ended: called at the end
-of every step, at every pipeline degree.
+of every step, at every pipeline degree; it also compares the data-parallel ranks' batch
+sizes (:mod:`smp_torch.consistency`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from smp_comm.shutdown import note_failed_step
 from smp_pipeline.errors import PipelineError
 
 from smp_torch.config import SMPConfig
+from smp_torch.consistency import StepInputs, agreement_values, batch_error, batch_mismatch
 from smp_torch.errors import PeerFailedError
 from smp_torch.topology import Coord, Topology
 from smp_torch.watch import Failure, FailureWatch, first_line
@@ -42,12 +44,15 @@ class StepOutcome:
         watched: the step ran on a helper thread (pp = 1 with tensor parallelism): peers may
             be blocked inside one of its collectives, so a failure is announced, not agreed.
         label: what the step did, for messages (``"in step 3, running the step function"``).
+        inputs: what this rank's step arguments must agree on with the other ranks' (None
+            where the step function does not run: pipeline stages > 0).
     """
 
     error: BaseException | None
     backward_calls: int
     watched: bool = False
     label: str = ""
+    inputs: StepInputs | None = None
 
 
 @dataclass
@@ -100,8 +105,14 @@ class SMPContext:
             return outcome.backward_calls > 0
         label = f"in step {watch.step}, waiting for the step's agreement"
         with watch.waiting(label):
-            failed, calls = watch.allreduce_max([int(error is not None), outcome.backward_calls])
+            # The batch sizes ride along (no message of their own): see smp_torch.consistency.
+            values = [int(error is not None), outcome.backward_calls]
+            failed, calls, *batch = watch.allreduce_max(values + agreement_values(outcome.inputs))
             if not failed:
+                if calls > 0 and batch_mismatch(batch):  # (without a backward, no harm done)
+                    note_failed_step()
+                    my_batch = None if outcome.inputs is None else outcome.inputs.batch
+                    raise batch_error(watch.step, watch.comm.allgather(my_batch))
                 return calls > 0
             note_failed_step()
             # Only on failure: the reports, so every rank can name the rank it started on (a

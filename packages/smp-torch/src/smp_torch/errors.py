@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "SMPError", "NotInitializedError", "PeerFailedError"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointPeerError",
+    "ConfigError",
+    "SMPError",
+    "NotInitializedError",
+    "PeerFailedError",
+]
 
 
 class SMPError(RuntimeError):
@@ -68,3 +75,14 @@ class PeerFailedError(SMPError):
         # Picklable (exceptions with required arguments are not, by default).
         args = (self.rank, self.error, self.where_failed, self.waiting_for, self.this_rank)
         return (type(self), args)
+
+
+class CheckpointError(SMPError):
+    """A checkpoint could not be written or is missing, incomplete, corrupt or unsafe."""
+
+
+class CheckpointPeerError(CheckpointError, PeerFailedError):
+    """Saving or loading a checkpoint failed on another rank (``rank``): raised on every
+    rank where it did not fail. Catchable as either base class; its message is
+    :class:`~smp_torch.errors.PeerFailedError`'s (the failed rank, its error, what it and
+    this rank were doing)."""

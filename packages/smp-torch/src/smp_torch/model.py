@@ -32,6 +32,7 @@ from smp_partition.render import svg, table
 from torch import nn
 
 from smp_torch import tp_glue
+from smp_torch.consistency import StepInputs, check_tp_inputs
 from smp_torch.context import SMPContext, StepOutcome
 from smp_torch.engine import Engine, LocalEngine, Microbatches
 from smp_torch.errors import SMPError
@@ -257,9 +258,15 @@ class DistributedModel(nn.Module):
         self._backward_calls += 1
         self.engine.backward(tensors, tuple(grad_tensors), scale)
 
-    def run_step(self, fn: Callable[..., Any], microbatches: Microbatches) -> list[Any]:
+    def run_step(
+        self, fn: Callable[..., Any], microbatches: Microbatches, inputs: StepInputs | None = None
+    ) -> list[Any]:
         """Run ``fn`` once per microbatch (through the engine), agree on the outcome with
         every rank, then finish the data-parallel reduction. What ``@smp.step`` calls.
+
+        ``inputs``: what the ranks' arguments must agree on (:mod:`smp_torch.consistency`):
+        checked before the step over the tensor-parallel group, and by the agreement across
+        data-parallel ranks.
 
         Raises :class:`~smp_torch.errors.PeerFailedError` at once if another rank failed
         (before or during the step), naming it (see :mod:`smp_torch.watch`)."""
@@ -272,8 +279,13 @@ class DistributedModel(nn.Module):
         self._backward_calls = 0
         error: BaseException | None = None
         results: list[Any] = []
+        # Only the ranks that run the step function (pipeline stage 0) use their arguments.
+        runs_fn = inputs is not None and self.context.index("pp") == 0
         try:
             with watch.waiting(label):
+                if runs_fn and self._cfg.tp > 1:
+                    assert inputs is not None
+                    check_tp_inputs(watch, self.context.mpi_comms["tp"], inputs, n)
                 self.engine.prepare_step(fn, microbatches)
                 if self._reducer is not None:
                     self._reducer.begin()
@@ -282,7 +294,9 @@ class DistributedModel(nn.Module):
             error = exc
         finally:
             self._in_step = False
-        outcome = StepOutcome(error, self._backward_calls, self.engine.watched, label)
+        outcome = StepOutcome(
+            error, self._backward_calls, self.engine.watched, label, inputs if runs_fn else None
+        )
         try:
             backward_ran = self.context.agree(outcome)
             if self._reducer is not None and backward_ran:

@@ -17,6 +17,7 @@ from smp_pipeline import shutdown_runtimes
 
 from smp_torch.bootstrap import init_torch_distributed
 from smp_torch.config import SMPConfig, parse_config
+from smp_torch.consistency import check_same_config
 from smp_torch.context import SMPContext, create_context
 from smp_torch.errors import NotInitializedError
 from smp_torch.waits import wait_for_step_threads
@@ -110,6 +111,8 @@ def init(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> SM
     world = MPI.COMM_WORLD
     # Pure local validation first: nothing below runs if the configuration is wrong.
     cfg = parse_config(config, world.Get_size())
+    # Every rank must pass the same configuration: one allgather, raising on every rank.
+    check_same_config(cfg, world)
     _close_previous()
     if init_torch_distributed(world, cfg.timeout_s) and not _EXIT_REGISTERED:
         _register_exit()

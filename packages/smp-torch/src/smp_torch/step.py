@@ -19,6 +19,7 @@ from typing import Any, TypeVar, overload
 
 import torch
 
+from smp_torch.consistency import StepInputs
 from smp_torch.errors import SMPError
 from smp_torch.model import current_model
 
@@ -116,6 +117,34 @@ def split_inputs(
     return out
 
 
+def step_inputs(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    non_split_inputs: Iterable[str] = (),
+    input_split_axes: Mapping[str, int] | None = None,
+) -> StepInputs:
+    """What the ranks' arguments to a step must agree on (:mod:`smp_torch.consistency`): the
+    first split tensor's length along its split axis, and every tensor's shape and dtype."""
+    axes = dict(input_split_axes or {})
+    whole = set(non_split_inputs)
+    try:
+        named = list(inspect.signature(fn).bind(*args, **kwargs).arguments.items())
+    except (TypeError, ValueError):
+        named = [(str(i), v) for i, v in enumerate([*args, *kwargs.values()])]
+    shapes: list[str] = []
+    batch = 0
+    for name, value in named:
+        leaves: list[Any] = []
+        tree_map(leaves.append, value)
+        for t in (x for x in leaves if isinstance(x, torch.Tensor)):
+            shapes.append(f"{name}{tuple(t.shape)}:{str(t.dtype).replace('torch.', '')}")
+            axis = axes.get(name, 0)
+            if not batch and name not in whole and t.dim() > 0 and -t.dim() <= axis < t.dim():
+                batch = int(t.shape[axis])
+    return StepInputs(batch, tuple(shapes))
+
+
 class StepOutput:
     """One value of a step, for every microbatch (``outputs[i]`` is microbatch ``i``'s)."""
 
@@ -211,7 +240,8 @@ def step(
             model = current_model()
             m = model.context.config.microbatches
             mbs = split_inputs(f, args, kwargs, m, whole, axes)
-            return collect_outputs(model.run_step(f, mbs))
+            inputs = step_inputs(f, args, kwargs, whole, axes)
+            return collect_outputs(model.run_step(f, mbs, inputs))
 
         wrapper.__smp_step__ = True  # type: ignore[attr-defined]
         return wrapper

@@ -9,6 +9,12 @@ Every case runs ``inject.py`` (one rank fails on purpose at its third step) and 
   end by ``os._exit`` or be killed, where it can print nothing more);
 - nothing the job mapped in ``/dev/shm`` is left there.
 
+Checkpoint faults (``inject.py``'s docstring): a damaged checkpoint must be refused on every
+rank (each names the file and itself), never loaded; a save that fails or is killed half-way
+must fail on every rank and leave the previous checkpoint loadable (a second job resumes
+from it), and a pickle that would run code must not run (its marker file must not exist).
+Mismatch faults: every rank must raise an error naming the ranks and their values.
+
 Launchers: the exception faults run under plain ``mpiexec`` (MPICH's hydra). Hydra ends
 every rank within milliseconds of one dying by a signal, before any process can notice (the
 ``kill`` case under plain ``hydra`` shows it; with ``-disable-auto-cleanup`` MPICH ends
@@ -32,6 +38,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from conftest import FAULT_TABLE
@@ -88,7 +95,35 @@ CASES = [
     Case("kill", "dp2", 0, "shell"),
     Case("kill", "dp2", 1, "shell", (("SMP_FAILURE_PROC_CHECK", "0"),)),
     Case("kill", "pp2", 1, "hydra"),
+    Case("truncate", "pp2", 0),
+    Case("flip", "tp2", 1),
+    Case("no_manifest", "dp2", 0),
+    Case("pickle", "pp2", 1),
+    Case("save_kill", "pp2", 1, "shell"),
+    Case("save_kill", "dp2", 0, "shell"),
+    Case("save_error", "pp2", 1),
+    Case("save_gather", "pp2dp2", 3),
+    Case("microbatches", "dp2", 1),
+    Case("batch", "dp2", 1),
+    Case("batch", "pp2dp2", 2),
+    Case("batch", "tp2", 0),
 ]
+
+LOAD_FAULTS = {  # what every rank must say: the damaged file and what is wrong with it
+    "truncate": r"ckpt/model_pp0\.pt has \d+ bytes where the manifest records \d+",
+    "flip": r"checksum mismatch for \S*ckpt/model_pp0\.pt",
+    "no_manifest": r"ckpt/manifest\.json is missing",
+    "pickle": r"refused to load \S*ckpt/model_pp0\.pt.*GLOBAL posix\.mknod",
+}
+SAVE_FAULTS = ("save_kill", "save_error", "save_gather")
+# What every rank must say after a mismatch ({victim}: the rank that differs).
+MISMATCH = {
+    "microbatches": r"ConfigError: smp config key 'microbatches': ranks disagree: "
+    r"(?=.*4 on rank \[{victim}\])(?=.*2 on ranks? \[\d).*",
+    "batch": r"SMPError: step 3: the (?:tensor-parallel )?ranks passed (?:batches of different "
+    r"sizes|different inputs) to the step function \((?=.*2 on rank \[{victim}\]|.*rank "
+    r"{victim}: x\(2, 4\)).*",
+}
 
 
 
@@ -114,9 +149,9 @@ def _state(pid: int) -> str | None:
     return raw[raw.rfind(")") + 2 :].split()[0]
 
 
-def _launch(case: Case) -> Job:
+def _launch(case: Case, root: str = "") -> Job:
     n = RANKS[case.config]
-    argv = [sys.executable, SCRIPT, case.fault, case.config, str(case.victim)]
+    argv = [sys.executable, SCRIPT, case.fault, case.config, str(case.victim), root]
     launcher = [mpiexec_path(), "-prepend-rank"]
     if case.launcher == "shell":
         # Each rank under a shell that waits for it: hydra sees the shell exit (normally),
@@ -201,7 +236,7 @@ def _statuses(case: Case, job: Job) -> dict[int, str]:
         if shell:
             s = int(shell.group(1))
             out[rank] = "killed" if s > 128 else str(s)
-        elif case.fault == "kill" and rank == case.victim:
+        elif case.fault in ("kill", "save_kill") and rank == case.victim:
             out[rank] = "killed"
         elif forced:
             out[rank] = forced.group(1)
@@ -217,9 +252,10 @@ def _shm_entries() -> set[str]:
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_fault(case: Case, request: pytest.FixtureRequest) -> None:
+def test_fault(case: Case, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     before = _shm_entries()
-    job = _launch(case)
+    root = str(tmp_path)
+    job = _launch(case, root)
     out = job.out
     n = RANKS[case.config]
     assert job.rc != -999, f"the job hung past {JOB_TIMEOUT_S:g} s:\n{out}"
@@ -238,13 +274,28 @@ def test_fault(case: Case, request: pytest.FixtureRequest) -> None:
         # Documented behaviour: hydra kills every rank at once; it names the dead pid.
         assert "BAD TERMINATION" in out and "signal 9" in out.lower() or "Killed" in out, out
         message = "(the launcher killed every rank; no rank could say anything)"
+    elif case.fault in LOAD_FAULTS or case.fault in MISMATCH:
+        # Every rank finds the problem itself: each names the file (the values) and itself.
+        for rank in range(n):
+            text = "\n".join(job.by_rank.get(rank, []))
+            if case.fault in LOAD_FAULTS:
+                pattern = rf"CheckpointError: (rank {rank}: .*{LOAD_FAULTS[case.fault]}.*)"
+            else:
+                pattern = "(" + MISMATCH[case.fault].format(victim=case.victim) + ")"
+            said = re.search(pattern, text)
+            assert said, f"rank {rank} did not say {pattern!r}:\n{out}"
+            message = message or said.group(1)
+            assert "RESUMED" not in text and "NO ERROR" not in text, out
+        assert not os.path.exists(os.path.join(root, "PWNED")), "the pickle ran code on load"
     else:
         for rank in survivors:
             text = "\n".join(job.by_rank.get(rank, []))
-            named = re.search(rf"PeerFailedError: (rank {case.victim} failed.*)", text)
+            named = re.search(
+                rf"(?:PeerFailedError|CheckpointPeerError): (rank {case.victim} failed.*)", text
+            )
             assert named, f"rank {rank} did not name rank {case.victim}:\n{out}"
             message = message or named.group(1)
-        if case.fault != "kill":
+        if case.fault not in ("kill", "save_kill"):
             victim_text = "\n".join(job.by_rank.get(case.victim, []))
             assert "Injected" in victim_text, out
     last = max(job.ended.values()) - t_fault
@@ -256,6 +307,9 @@ def test_fault(case: Case, request: pytest.FixtureRequest) -> None:
 
     left = _left_in_shm(job, before)
     assert not left, f"left in /dev/shm: {left}\n{out}"
+
+    if case.fault in SAVE_FAULTS:
+        _check_previous_checkpoint(case, root)
 
 
 def _left_in_shm(job: Job, before: set[str]) -> list[str]:
@@ -309,3 +363,22 @@ def test_stalled_module(request: pytest.FixtureRequest) -> None:
     assert last <= bound, f"last rank ended {last:.2f} s after the stall:\n{out}"
     left = _left_in_shm(job, before)
     assert not left, f"left in /dev/shm: {left}\n{out}"
+
+
+def _check_previous_checkpoint(case: Case, root: str) -> None:
+    """After a failed save: nothing half-written looks like a checkpoint, and a new job
+    resumes from the previous one (saved after step 1)."""
+    manifests = [
+        os.path.relpath(os.path.join(d, f), root)
+        for d, _, files in os.walk(root)
+        for f in files
+        if f == "manifest.json"
+    ]
+    assert manifests == [os.path.join("ckpt", "manifest.json")], manifests
+    with open(os.path.join(root, "latest")) as f:
+        assert f.read().strip() == "ckpt"
+    job = _launch(Case("resume", case.config, -1), root)
+    assert job.rc == 0, f"resuming after the failed save failed:\n{job.out}"
+    for rank in range(RANKS[case.config]):
+        text = "\n".join(job.by_rank.get(rank, []))
+        assert "RESUMED {'step': 1}" in text and "NO ERROR" in text, job.out

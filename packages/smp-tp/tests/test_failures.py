@@ -1,0 +1,62 @@
+"""A failing rank under ``torchrun``: smp-tp alone has no failure channel of its own (that
+is smp-torch's, over MPI); what ends the job is torch's elastic agent, which stops every
+worker once one exits non-zero or dies. These tests pin that down: the job ends within
+seconds of the fault, non-zero, naming the failed rank (see README "When a rank fails")."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from launch import SCRIPTS, free_port
+
+# A behaviour bound (the issue's "every rank ends within 10 s"), not a speed target: the
+# agent polls its workers every 0.1 s and gives them 30 s after SIGTERM by default; the
+# script's ranks are blocked in a gloo collective, which SIGTERM ends at once.
+BOUND_S = 10.0
+
+
+def _torchrun_failing(mode: str, nprocs: int, timeout: float = 120.0) -> tuple[int, str, float]:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nprocs),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        str(SCRIPTS / "check_failure.py"), mode,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCHELASTIC_ERROR_FILE="")
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"check_failure.py {mode} hung ({timeout:.0f} s):\n{out}") from None
+    ended = time.time()
+    fault = re.search(r"FAULT-AT (\d+\.\d+)", out)
+    assert fault is not None, out
+    return proc.returncode, out, ended - float(fault.group(1))
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+@pytest.mark.parametrize("mode", ["raise", "kill"])
+def test_a_failing_rank_ends_the_torchrun_job(mode: str, nprocs: int) -> None:
+    rc, out, seconds = _torchrun_failing(mode, nprocs)
+    assert rc != 0, out
+    assert "NO FAULT SEEN" not in out, out
+    assert out.count("WAITING in step 2") == nprocs - 1, out
+    # The agent's summary names the failed rank first ("Root Cause"), with its exit code.
+    root = out[out.find("Root Cause"):]
+    assert re.search(r"rank\s*:\s*1 ", root), out
+    if mode == "raise":
+        assert "RuntimeError: boom on rank 1 in step 2" in out, out
+    else:
+        assert "Signal 9 (SIGKILL)" in root, out
+    assert seconds < BOUND_S, f"the job ended {seconds:.1f} s after the fault:\n{out}"
+    print(f"{mode} nprocs={nprocs}: job ended {seconds:.2f} s after the fault")
