@@ -76,6 +76,7 @@ class Executor:
         self.ready: collections.deque[tuple[Worker, Any]] = collections.deque()
         self.waiting: dict[Any, Worker] = {}
         self.current: Task[Any] | None = None
+        self.current_since = 0.0  # time.time() of the last token grant (stall reports)
         self.failure: tuple[Task[Any], BaseException, str] | None = None
         self.shutting_down = False
         self.last_progress = time.monotonic()  # a task ran or a message was handled
@@ -163,7 +164,7 @@ class Executor:
             self._order.publish((task.step, task.mb, worker.grant_kind, index))
         worker.grant_kind = "task"
         self.current = task
-        start = time.time()
+        start = self.current_since = time.time()
         worker.give_token()
         while not self._main_sem.acquire(timeout=0.1):
             # A stalled task here: raise if the others gave up on us.

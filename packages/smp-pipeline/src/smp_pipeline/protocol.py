@@ -118,7 +118,28 @@ class Abort:
     text: str
 
 
-Message = FwdReq | FwdResp | BwdReq | BwdResp | MbDone | StepEnd | Abort
+@dataclass(frozen=True, slots=True)
+class StallQuery:
+    """A request of ``src`` timed out: answer with a :class:`StallReport` of this rank's
+    pending work (taken by the transport itself, whatever the rank is doing: see
+    :mod:`smp_pipeline.diagnosis`)."""
+
+    PRIORITY: ClassVar[int] = 0
+    src: int
+    query: int  # the querying rank's query number
+
+
+@dataclass(frozen=True, slots=True)
+class StallReport:
+    """A rank's pending work, answering a :class:`StallQuery`."""
+
+    PRIORITY: ClassVar[int] = 0
+    src: int
+    query: int
+    state: Any  # a smp_pipeline.stall.RankState (plain named tuples)
+
+
+Message = FwdReq | FwdResp | BwdReq | BwdResp | MbDone | StepEnd | Abort | StallQuery | StallReport
 
 # Arrivals that make a running forward yield at its next yield point: work another rank waits
 # for. A forward response resumes a pending caller (on the driver: the loss, then the backward
@@ -134,7 +155,9 @@ def priority(msg: Message) -> tuple[int, int, int]:
 
 
 # Wire codes: a message's position in this tuple (the same on every rank of one installation).
-_KINDS: tuple[type, ...] = (FwdReq, FwdResp, BwdReq, BwdResp, MbDone, StepEnd, Abort)
+_KINDS: tuple[type, ...] = (
+    FwdReq, FwdResp, BwdReq, BwdResp, MbDone, StepEnd, Abort, StallQuery, StallReport,
+)  # fmt: skip
 
 
 def _codec(cls: type) -> tuple[int, Callable[[Any], tuple[Any, ...]], bool]:

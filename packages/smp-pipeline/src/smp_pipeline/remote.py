@@ -104,9 +104,7 @@ class RemoteCalls:
             span,
             Packed(skeleton, [t.detach() for t in tensors], flags),
         )
-        self.transport.expect(
-            ("fwd", key), f"the forward of module '{path}' (microbatch {ctx.mb}) on pp rank {dest}"
-        )
+        self.transport.expect(("fwd", key), dest, path, ctx.mb)
         self.transport.send(dest, msg)
         resp: FwdResp = task.worker.wait(("fwd", key))
         out = resp.outputs
@@ -188,10 +186,7 @@ class RemoteCalls:
         (:attr:`BwdResp.wait_key`)."""
         req = next(self._bwd_reqs)
         key = ("bwd", call.key, req)
-        self.transport.expect(
-            key,
-            f"the backward of module '{call.path}' (microbatch {call.mb}) on pp rank {call.dest}",
-        )
+        self.transport.expect(key, call.dest, call.path, call.mb)
         self.transport.send(
             call.dest,
             BwdReq(

@@ -18,7 +18,8 @@ within a kind, older microbatches first.
 
 Failures never hang: an exception in a task, or a request outstanding longer than
 ``timeout_s``, broadcasts an :class:`~smp_pipeline.protocol.Abort` and raises on every
-pipeline rank.
+pipeline rank; a timeout's message holds the chain of waits behind it, from every rank
+(:class:`~smp_pipeline.diagnosis.StallDiagnosis`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 
 from smp_pipeline.accumulation import GradAccumulator
 from smp_pipeline.autograd import BACKWARD_MODES, CallRecords, RootContext
+from smp_pipeline.diagnosis import StallDiagnosis
 from smp_pipeline.errors import PipelineError
 from smp_pipeline.execution_state import execution_state
 from smp_pipeline.executor import Executor, TimelineEvent
@@ -114,6 +116,10 @@ class ExecutionServer:
             pp_rank, self.transport, self.executor, self.records, self.remote, self.grads
         )
         self._handle = self.handlers.handle  # once per served message: bound once
+        # Answers other ranks' stall queries; asks them all when a wait here times out.
+        self.diagnosis = StallDiagnosis(
+            pp_rank, pp_size, self.transport, self.executor, lambda: self.step
+        )
         # The entry points the runtime calls on hot paths, bound once.
         self.call_remote = self.remote.call_remote
         self.yield_point = self.executor.yield_point

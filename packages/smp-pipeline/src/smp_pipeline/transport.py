@@ -8,8 +8,11 @@ inbox, served by kind and then microbatch (:func:`smp_pipeline.protocol.priority
 Failures never hang: :meth:`Transport.abort` sends an :class:`~smp_pipeline.protocol.Abort`
 to every pipeline rank (and ``abort_ranks``), and every rank raises; a request outstanding
 longer than ``timeout_s``, or a rank that makes no progress for that long, aborts with a
-message naming what it waits for. :meth:`Transport.interrupt` (any thread) makes this rank
-alone raise at its next wait, for failures learnt outside the pipeline.
+message naming what it waits for and, through :attr:`Transport.explain_stall`, the chain of
+waits behind it on every rank (:mod:`smp_pipeline.diagnosis`). Stall queries and reports are
+taken here, by whichever wait of the main thread receives them, never by the inbox.
+:meth:`Transport.interrupt` (any thread) makes this rank alone raise at its next wait, for
+failures learnt outside the pipeline.
 """
 
 from __future__ import annotations
@@ -28,7 +31,16 @@ from smp_pipeline.errors import (
     PipelineRemoteError,
     PipelineTimeoutError,
 )
-from smp_pipeline.protocol import Abort, Message, from_wire, priority, to_wire
+from smp_pipeline.protocol import (
+    Abort,
+    Message,
+    StallQuery,
+    StallReport,
+    from_wire,
+    priority,
+    to_wire,
+)
+from smp_pipeline.stall import request_text
 
 # Seconds between abort checks while waiting for sends to leave (:meth:`Transport.flush`).
 _FLUSH_SLICE_S = 0.1
@@ -78,8 +90,13 @@ class Transport:
         self._recv: Any = None  # the posted receive for the next message
         self._sends: list[Any] = []
         self.abort_msg: Abort | None = None
-        # Requests this rank sent and still waits for: key -> (time sent, description).
-        self.outstanding: dict[Any, tuple[float, str]] = {}
+        # Requests this rank sent and still waits for: key -> (time sent, pp rank, module
+        # path, microbatch); worded only when one times out.
+        self.outstanding: dict[Any, tuple[float, int, str, int]] = {}
+        # Stall diagnosis (set by the server, see smp_pipeline.diagnosis): takes a stall query
+        # or report as it arrives; words a timeout with the chain of waits behind it.
+        self.on_stall_message: Callable[[Message], None] | None = None
+        self.explain_stall: Callable[[str, Any], str] | None = None
 
     # ------------------------------------------------------------------ receiving
     def _arrived(self, handle: Any) -> None:
@@ -104,8 +121,11 @@ class Transport:
             self._recv.add_done_callback(self._arrived)
         return self._recv
 
-    def _take(self, handle: Any, timeout: float | None = None, spin: float | None = None) -> Message:
-        """The message of a completed (or, with ``timeout``, awaited) receive."""
+    def _take(
+        self, handle: Any, timeout: float | None = None, spin: float | None = None
+    ) -> Message | None:
+        """The message of a completed (or, with ``timeout``, awaited) receive; None for a
+        stall query or report, taken here (:attr:`on_stall_message`)."""
         try:
             if timeout is None:
                 obj, _, _ = handle.wait()
@@ -119,8 +139,15 @@ class Transport:
             raise
         self._recv = None
         msg = from_wire(obj)
-        if type(msg) is Abort and self.abort_msg is None:
-            self.abort_msg = msg
+        kind = type(msg)
+        if kind is Abort:
+            if self.abort_msg is None:
+                self.abort_msg = cast(Abort, msg)
+        elif kind is StallQuery or kind is StallReport:
+            # Answered by this (main) thread wherever it waits, even while a worker is stuck.
+            if self.on_stall_message is not None:
+                self.on_stall_message(msg)
+            return None
         return msg
 
     def next_message(self, timeout: float, spin: float | None = None) -> Message | None:
@@ -140,7 +167,7 @@ class Transport:
         # The next receive goes up at once: the task this message starts can then be
         # preempted by what arrives while it runs (the receive's callback flags it).
         self._posted_receive()
-        return obj
+        return obj  # (None for a stall query or report: taken already)
 
     def wait_message(self) -> Message | None:
         """Idle, no device work under way: one blocking receive of up to 50 ms. This thread
@@ -154,7 +181,9 @@ class Transport:
             handle = self._posted_receive()
             if not handle.test():
                 return
-            self.inbox.append(self._take(handle))
+            msg = self._take(handle)
+            if msg is not None:
+                self.inbox.append(msg)
 
     def pick(self, only: tuple[type, ...] | None = None) -> Message | None:
         """The arrived message to serve first (see :func:`~smp_pipeline.protocol.priority`),
@@ -188,6 +217,11 @@ class Transport:
         if len(self._sends) > 512:  # long steps: forget completed sends as we go
             self._sends = [h for h in self._sends if not h.test()]
 
+    def send_note(self, pp_dest: int, msg: Message) -> Any:
+        """Send ``msg`` to pipeline rank ``pp_dest`` from any thread, outside :meth:`flush`'s
+        bookkeeping (a stall query or report: best effort); returns the send's handle."""
+        return self.comm.isend(to_wire(msg), dest=self.comm_ranks[pp_dest], tag=self.tag)
+
     def send_all(self, msg: Message, wake: bool = True) -> None:
         """Send ``msg`` to every other pipeline rank."""
         for r in range(self.pp_size):
@@ -210,9 +244,10 @@ class Transport:
                         raise
 
     # ------------------------------------------------------------------ requests and timeouts
-    def expect(self, key: Any, what: str) -> None:
-        """A request was sent whose answer arrives under ``key``; ``what`` describes it."""
-        self.outstanding[key] = (time.monotonic(), what)
+    def expect(self, key: Any, dest: int, path: str, mb: int) -> None:
+        """A request was sent to pp rank ``dest`` for module ``path`` (microbatch ``mb``)
+        whose answer arrives under ``key``."""
+        self.outstanding[key] = (time.monotonic(), dest, path, mb)
 
     def answered(self, key: Any) -> None:
         self.outstanding.pop(key, None)
@@ -220,21 +255,28 @@ class Transport:
     def check_timeouts(self, last_progress: float, step: int) -> None:
         """Abort if a request waited longer than ``timeout_s``, or nothing progressed."""
         now = time.monotonic()
-        for t0, desc in self.outstanding.values():
+        for key, (t0, dest, path, mb) in self.outstanding.items():
             if now - t0 > self.timeout_s:
-                self.abort(
-                    "timeout",
-                    f"pp rank {self.pp_rank} waited more than {self.timeout_s:g}s for {desc}",
+                what = request_text(key, dest, path, mb)
+                self.stalled(
+                    f"pp rank {self.pp_rank} waited more than {self.timeout_s:g}s for {what}", key
                 )
         if now - last_progress > self.timeout_s:
-            waits = ", ".join(desc for _, desc in self.outstanding.values()) or (
-                "a request from another rank"
-            )
-            self.abort(
-                "timeout",
+            waits = ", ".join(request_text(k, *r[1:]) for k, r in self.outstanding.items())
+            self.stalled(
                 f"pp rank {self.pp_rank} made no progress for {self.timeout_s:g}s in step "
-                f"{step}; it waits for {waits}",
+                f"{step}; it waits for {waits or 'a request from another rank'}",
+                None,
             )
+
+    def stalled(self, reason: str, key: Any) -> NoReturn:
+        """Abort with a timeout: ``reason``, and the chain of waits behind the request
+        ``key`` (None: no request of this rank timed out) when :attr:`explain_stall` can
+        tell it."""
+        if self.explain_stall is not None and self.abort_msg is None:
+            reason = self.explain_stall(reason, key)
+        self.abort("timeout", reason)
+        raise AssertionError("abort() always raises")  # pragma: no cover
 
     # ------------------------------------------------------------------ aborts
     def abort_message(self, error: str, text: str) -> Abort:
@@ -251,9 +293,11 @@ class Transport:
             raise PipelineInterruptedError(msg.text)
         text = msg.text
         if msg.comm_rank != self.comm_rank:
+            # On the first line: a one-line summary of the error (smp-torch's) keeps it.
+            first, nl, rest = text.partition("\n")
             text = (
-                f"{text} [reported by pp rank {msg.src} (communicator rank "
-                f"{msg.comm_rank}), raised on pp rank {self.pp_rank}]"
+                f"{first} [reported by pp rank {msg.src} (communicator rank "
+                f"{msg.comm_rank}), raised on pp rank {self.pp_rank}]{nl}{rest}"
             )
         error: PipelineError = (
             PipelineTimeoutError(text) if msg.error == "timeout" else PipelineRemoteError(text)

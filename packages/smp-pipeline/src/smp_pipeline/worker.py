@@ -169,8 +169,13 @@ class Worker:
                 self.host.report_failure(task, exc, traceback.format_exc())
             self.task = None
             self.state = IDLE
-            self.host.worker_idle(self)
+            if not self.host.shutting_down:
+                self.host.worker_idle(self)
             self.host.token_returned()
+            # Closed while this task ran (resumed to raise, or stuck in user code until now):
+            # end here, as close() may have looked at the idle workers before this one.
+            if self.host.shutting_down:
+                return
 
     def wait_resume(self) -> None:
         """Block until the main loop hands us the token again (after device work)."""

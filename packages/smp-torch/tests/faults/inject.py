@@ -7,7 +7,8 @@ FAULT: ``before_step`` / ``after_step`` (a user exception between steps), ``forw
 ``optimizer`` (inside the wrapped optimizer's step), ``thread`` (an uncaught exception in a
 user thread), ``raw_collective`` (the victim raises between steps while the other ranks block
 in a ``torch.distributed`` collective of their own, outside smp), ``kill`` (SIGKILL of the
-victim's own process inside a forward).
+victim's own process inside a forward), ``stall`` (a module's forward on the victim never
+returns: blocked in user code; the job runs with ``timeout_s`` = :data:`STALL_TIMEOUT_S`).
 
 Checkpoint faults (DIR: where checkpoints go; every rank saves tag ``ckpt`` with
 ``user_content={"step": 1}`` after step 1, then at step ``FAULT_STEP``):
@@ -28,8 +29,8 @@ CONFIG: ``pp2`` (2 ranks), ``tp2`` (2), ``dp2`` (2), ``pp2dp2`` (4: drivers 0 an
 1 and 3).
 
 Printed (one line each): ``RANK r PID p`` and ``RANK r SHM <paths>`` (the ``/dev/shm``
-files this process maps) at start, ``FAULT r <fault> t=<unix time>`` on the victim just
-before the fault, and ``RANK r EXIT status <s> t=<unix time>`` as the very last thing of an
+files this process maps) at start, ``FAULT r <fault> t=<unix time> timeout_s=<s>`` on the
+victim just before the fault, and ``RANK r EXIT status <s> t=<unix time>`` as the very last thing of an
 interpreter exit (an exit handler registered before any other: it runs after smp's, before
 mpi4py's ``MPI_Finalize``). A rank still running 90 s after it started prints every
 thread's stack.
@@ -50,6 +51,9 @@ import time
 
 RANK = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "-1")))
 FAULT_STEP = 2
+# The stall fault's timeout_s: short, yet far above a healthy step's waits (4 s was not, at
+# a load average of 29 on 2 cores: a rank still finishing the previous step timed out).
+STALL_TIMEOUT_S = 8.0
 DUMP_AFTER_S = 90.0  # (the test gives a job 120 s)
 
 
@@ -144,7 +148,8 @@ def main() -> None:
     if fault == "microbatches" and RANK == victim:
         print(f"FAULT {RANK} {fault} t={time.time():.3f}", flush=True)
         microbatches = 4
-    cfg = smp.init({**CONFIGS[config], "microbatches": microbatches, "timeout_s": 120})
+    timeout_s = STALL_TIMEOUT_S if fault == "stall" else 120
+    cfg = smp.init({**CONFIGS[config], "microbatches": microbatches, "timeout_s": timeout_s})
     me = smp.rank() == victim
     torch.manual_seed(0)
     model = smp.DistributedModel(models.TinyLM(tp=cfg.tp > 1))
@@ -156,7 +161,7 @@ def main() -> None:
         return me and fault == kind and step == FAULT_STEP
 
     def announce() -> None:
-        print(f"FAULT {RANK} {fault} t={time.time():.3f}", flush=True)
+        print(f"FAULT {RANK} {fault} t={time.time():.3f} timeout_s={timeout_s:g}", flush=True)
 
     def fail() -> None:
         announce()
@@ -168,6 +173,9 @@ def main() -> None:
         step = state["step"]
         if now(step, "forward") or now(step, "kill"):
             fail()
+        if now(step, "stall"):
+            announce()
+            threading.Event().wait()  # never set: this rank's worker is stuck here for good
         if now(step, "backward") and isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(lambda grad: fail())
 

@@ -23,6 +23,9 @@ them as fast). So the other SIGKILL faults run each rank under a shell that wait
 is how a launcher that leaves the other ranks running behaves, and smp's own detection is
 what ends them. The table of the measured times is
 printed in the terminal summary (``tests/conftest.py``).
+
+A stalled module (``test_stalled_module``) fails nothing: the pipeline's request timeout ends
+the job, and every rank's output must hold the chain of waits down to the stalled module.
 """
 
 from __future__ import annotations
@@ -40,10 +43,14 @@ from pathlib import Path
 import pytest
 from conftest import FAULT_TABLE
 from smp_comm.testing import mpiexec_path
+from smp_torch.watch import EXIT_GRACE_S
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "inject.py")
 LIMIT_S = 10.0  # every rank must have ended this long after the fault
+# A stalled module: the request's timeout, then the exit of a rank whose worker never returns
+# (smp's exit waits for it until its deadline, EXIT_GRACE_S after the failure), plus slack.
+STALL_SLACK_S = 5.0
 JOB_TIMEOUT_S = 120.0  # a hung job is killed (and the case fails) after this long
 
 RANKS = {"pp2": 2, "tp2": 2, "dp2": 2, "pp2dp2": 4}
@@ -223,7 +230,8 @@ def _statuses(case: Case, job: Job) -> dict[int, str]:
     for rank in range(RANKS[case.config]):
         text = "\n".join(job.by_rank.get(rank, []))
         shell = re.search(rf"RANK-STATUS {rank} (\d+)", job.out)
-        forced = re.search(rf"smp rank {rank}: .*leaving with status (\d+)", text)
+        # (smp's failure channel, or smp-pipeline's exit with a worker stuck in user code)
+        forced = re.search(rf"(?:smp rank {rank}|smp-pipeline): .*leaving with status (\d+)", text)
         clean = re.search(rf"RANK {rank} EXIT status (\d+)", text)
         if shell:
             s = int(shell.group(1))
@@ -297,17 +305,64 @@ def test_fault(case: Case, request: pytest.FixtureRequest, tmp_path: Path) -> No
     )  # fmt: skip
     assert last <= LIMIT_S, f"last rank ended {last:.2f} s after the fault:\n{out}"
 
-    # Nothing left in /dev/shm: the files the ranks mapped, and any name with their pids.
-    left = []
-    for line in re.findall(r"RANK \d+ SHM (\S+)", out):
-        left += [p for p in line.split(",") if p != "-" and os.path.exists(p)]
-    pids = {str(p) for p in job.pids.values()}
-    new = _shm_entries() - before
-    left += [e for e in new if any(p in e for p in pids)]
+    left = _left_in_shm(job, before)
     assert not left, f"left in /dev/shm: {left}\n{out}"
 
     if case.fault in SAVE_FAULTS:
         _check_previous_checkpoint(case, root)
+
+
+def _left_in_shm(job: Job, before: set[str]) -> list[str]:
+    """What the job left in /dev/shm: the files its ranks mapped, and any name with their
+    pids (``before``: the entries there before it started)."""
+    left = []
+    for line in re.findall(r"RANK \d+ SHM (\S+)", job.out):
+        left += [p for p in line.split(",") if p != "-" and os.path.exists(p)]
+    pids = {str(p) for p in job.pids.values()}
+    new = _shm_entries() - before
+    left += [e for e in new if any(p in e for p in pids)]
+    return left
+
+
+def test_stalled_module(request: pytest.FixtureRequest) -> None:
+    """pp = 2, ``timeout_s`` = 8: at step 2 a module's forward on rank 1 never returns (its
+    forward hook waits forever). Rank 0's request times out; the stall diagnosis asks rank 1
+    (whose worker is stuck, its main thread answers) for its pending work. Every rank exits
+    non-zero within ``timeout_s`` + ``EXIT_GRACE_S`` + :data:`STALL_SLACK_S` of the stall
+    (rank 1's exit waits for its stuck worker until smp's exit deadline), its output holding
+    the chain: rank 0's step function waits for the module on pp rank 1, whose forward has
+    held the execution token since, in ``inject.py``'s hook."""
+    case = Case("stall", "pp2", 1)
+    before = _shm_entries()
+    job = _launch(case)
+    out = job.out
+    assert job.rc not in (-999, 0), f"the job hung or exited 0 (rc {job.rc}):\n{out}"
+    assert sorted(job.pids) == [0, 1], out
+    fault = re.search(r"FAULT 1 stall t=([\d.]+) timeout_s=([\d.]+)", out)
+    assert fault, f"the module never stalled:\n{out}"
+    t_fault, timeout_s = float(fault.group(1)), float(fault.group(2))
+    statuses = _statuses(case, job)
+    assert all(s != "0" for s in statuses.values()), (statuses, out)
+    module = r"the forward of module '([\w.]+)' \(microbatch (\d+)\)"
+    first = ""
+    for rank in (0, 1):
+        text = "\n".join(job.by_rank.get(rank, []))
+        ends = re.search(rf"the chain of waits ends at pp rank 1: {module} runs for [\d.]+ s", text)
+        assert ends, f"rank {rank} did not say where the chain of waits ends:\n{out}"
+        path, mb = ends.group(1), ends.group(2)
+        waits = f"pp rank 0: the step function's forward (microbatch {mb}) waits ("
+        held = f"pp rank 1: the forward of module '{path}' (microbatch {mb}) has held the execution token"
+        for part in (waits, held, "in user code", "forward_hook (inject.py:"):
+            assert part in text, f"rank {rank}: {part!r} missing from the chain:\n{out}"
+        first = first or text[ends.start() : ends.end()]
+    last = max(job.ended.values()) - t_fault
+    request.config.stash[FAULT_TABLE].append(
+        ("stall", "pp2", "rank 1 (server)", "hydra", last, first[:150])
+    )
+    bound = timeout_s + EXIT_GRACE_S + STALL_SLACK_S
+    assert last <= bound, f"last rank ended {last:.2f} s after the stall:\n{out}"
+    left = _left_in_shm(job, before)
+    assert not left, f"left in /dev/shm: {left}\n{out}"
 
 
 def _check_previous_checkpoint(case: Case, root: str) -> None:
