@@ -18,12 +18,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def torchrun(script: str, nprocs: int, *args: str, timeout: float = 120.0) -> str:
-    """Launch ``nprocs`` ranks of ``scripts/<script>``; return the combined output.
-
-    On a non-zero exit or a timeout the whole process group is killed and every rank's
-    output is shown in the assertion message.
-    """
+def run_torchrun(script: str, nprocs: int, *args: str, timeout: float = 120.0) -> tuple[int, str]:
+    """Launch ``nprocs`` ranks of ``scripts/<script>``; return ``(exit status, combined
+    output)``. On a timeout the whole process group is killed and an AssertionError shows
+    every rank's output."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nprocs),
         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
@@ -40,6 +38,16 @@ def torchrun(script: str, nprocs: int, *args: str, timeout: float = 120.0) -> st
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         raise AssertionError(f"{script} with {nprocs} ranks timed out after {timeout}s:\n{out}") from None
-    if proc.returncode != 0:
-        raise AssertionError(f"{script} with {nprocs} ranks failed (rc={proc.returncode}):\n{out}")
+    return proc.returncode, out
+
+
+def torchrun(script: str, nprocs: int, *args: str, timeout: float = 120.0) -> str:
+    """Launch ``nprocs`` ranks of ``scripts/<script>``; return the combined output.
+
+    On a non-zero exit or a timeout the whole process group is killed and every rank's
+    output is shown in the assertion message.
+    """
+    rc, out = run_torchrun(script, nprocs, *args, timeout=timeout)
+    if rc != 0:
+        raise AssertionError(f"{script} with {nprocs} ranks failed (rc={rc}):\n{out}")
     return out

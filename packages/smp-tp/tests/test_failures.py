@@ -5,15 +5,11 @@ seconds of the fault, non-zero, naming the failed rank (see README "When a rank 
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
 import time
 
 import pytest
-from launch import SCRIPTS, free_port
+from launch import run_torchrun
 
 # A behaviour bound (the issue's "every rank ends within 10 s"), not a speed target: the
 # agent polls its workers every 0.1 s and gives them 30 s after SIGTERM by default; the
@@ -21,27 +17,13 @@ from launch import SCRIPTS, free_port
 BOUND_S = 10.0
 
 
-def _torchrun_failing(mode: str, nprocs: int, timeout: float = 120.0) -> tuple[int, str, float]:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nprocs),
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        str(SCRIPTS / "check_failure.py"), mode,
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCHELASTIC_ERROR_FILE="")
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"check_failure.py {mode} hung ({timeout:.0f} s):\n{out}") from None
+def _torchrun_failing(mode: str, nprocs: int) -> tuple[int, str, float]:
+    """(exit status, output, seconds from the fault to the job's end)."""
+    rc, out = run_torchrun("check_failure.py", nprocs, mode)
     ended = time.time()
     fault = re.search(r"FAULT-AT (\d+\.\d+)", out)
     assert fault is not None, out
-    return proc.returncode, out, ended - float(fault.group(1))
+    return rc, out, ended - float(fault.group(1))
 
 
 @pytest.mark.parametrize("nprocs", [2, 4])

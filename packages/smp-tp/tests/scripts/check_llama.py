@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import copy
 import os
-import traceback
 import warnings
 
 import smp_tp
 import torch
 from common import (
+    FAILURES,
+    check,
     close,
     close_dicts,
     close_norm,
@@ -47,21 +48,10 @@ from transformers import (  # noqa: E402
 )
 
 rank, T, single = setup()
-failures: list[str] = []
+failures = FAILURES
 B, S, V, H = 2, 6, 97, 64
 SIZES = dict(vocab_size=V, hidden_size=H, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
              use_cache=False, pad_token_id=0, bos_token_id=0, eos_token_id=0)
-
-
-def check(label: str, fn, *args) -> None:
-    if os.environ.get("SMP_TP_VERBOSE"):
-        log("check", label)
-    try:
-        fn(*args)
-    except Exception:
-        if os.environ.get("SMP_TP_FAILFAST"):
-            raise
-        failures.append(f"{label}: {traceback.format_exc()}")
 
 
 MODELS = {

@@ -7,27 +7,13 @@ dropout streams, parallelize() of plain torch modules, tp_register, bf16 autocas
 
 from __future__ import annotations
 
-import os
-import traceback
-
 import smp_tp
 import torch
-from common import close, close_dicts, finish, gather_batch, log, randomize, setup
+from common import FAILURES, check, close, close_dicts, finish, gather_batch, log, randomize, setup
 from torch import nn
 
 rank, T, single = setup()
-failures: list[str] = []
-
-
-def check(label: str, fn, *args) -> None:
-    if os.environ.get("SMP_TP_VERBOSE"):
-        log("check", label)
-    try:
-        fn(*args)
-    except Exception:
-        if os.environ.get("SMP_TP_FAILFAST"):
-            raise  # collect and keep going: the report shows every failure
-        failures.append(f"{label}: {traceback.format_exc()}")
+failures = FAILURES
 
 
 def compare(label, build, make_inputs, prescaled, optimize, rtol=1e-5, atol=1e-6, autocast=False):

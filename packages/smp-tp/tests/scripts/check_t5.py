@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import copy
 import os
-import traceback
 import warnings
 
 import smp_tp
 import torch
 from common import (
+    FAILURES,
+    check,
     close,
     close_dicts,
     close_norm,
@@ -42,22 +43,11 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 from transformers import T5Config, T5EncoderModel, T5ForConditionalGeneration  # noqa: E402
 
 rank, T, single = setup()
-failures: list[str] = []
+failures = FAILURES
 B, S_ENC, S_DEC, V, D = 2, 7, 5, 97, 32
 SIZES = dict(vocab_size=V, d_model=D, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
              relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
              use_cache=False, pad_token_id=0, decoder_start_token_id=0, eos_token_id=1)
-
-
-def check(label: str, fn, *args) -> None:
-    if os.environ.get("SMP_TP_VERBOSE"):
-        log("check", label)
-    try:
-        fn(*args)
-    except Exception:
-        if os.environ.get("SMP_TP_FAILFAST"):
-            raise
-        failures.append(f"{label}: {traceback.format_exc()}")
 
 
 def _untied(model: T5ForConditionalGeneration) -> T5ForConditionalGeneration:

@@ -15,29 +15,27 @@ from __future__ import annotations
 
 import copy
 import os
-import traceback
 
 import smp_tp
 import torch
 import torch.nn.functional as F
-from common import close, close_dicts, close_norm_dicts, finish, gather_batch, log, setup
+from common import (
+    FAILURES,
+    check,
+    close,
+    close_dicts,
+    close_norm_dicts,
+    finish,
+    gather_batch,
+    log,
+    setup,
+)
 from torch import nn
 
 rank, T, single = setup()
-failures: list[str] = []
+failures = FAILURES
 B, S, H = 3, 4, 12
 IGNORE = -100
-
-
-def check(label: str, fn, *args) -> None:
-    if os.environ.get("SMP_TP_VERBOSE"):
-        log("check", label)
-    try:
-        fn(*args)
-    except Exception:
-        if os.environ.get("SMP_TP_FAILFAST"):
-            raise
-        failures.append(f"{label}: {traceback.format_exc()}")
 
 
 class TinyLM(nn.Module):

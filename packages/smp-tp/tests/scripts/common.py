@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
+from collections.abc import Callable
 
 import smp_tp
 import torch
@@ -119,3 +121,20 @@ def finish(failures: list[str]) -> None:
 
 
 __all__ = ["smp_tp", "os"]
+
+
+#: The failed checks of this rank (``check``), reported by ``finish(FAILURES)``.
+FAILURES: list[str] = []
+
+
+def check(label: str, fn: Callable[..., object], *args: object) -> None:
+    """Run one check, recording its traceback in :data:`FAILURES` instead of stopping (every
+    rank runs every check, so the collectives stay in step); ``SMP_TP_FAILFAST=1`` raises."""
+    if os.environ.get("SMP_TP_VERBOSE"):
+        log("check", label)
+    try:
+        fn(*args)
+    except Exception:
+        if os.environ.get("SMP_TP_FAILFAST"):
+            raise
+        FAILURES.append(f"{label}: {traceback.format_exc()}")
