@@ -35,3 +35,9 @@ def test_registers_without_process_group() -> None:
 
     assert "smp" in dist.Backend.backend_list
     assert tb.BACKEND_NAME == "smp"
+
+
+@pytest.mark.parametrize("case", ["fsdp2", "ddp"])
+def test_fsdp2_and_ddp_match_gloo(mpi_job, assert_case, case: str) -> None:
+    job = mpi_job("fsdp_ddp.py", n=2, timeout=300)
+    assert_case(job, case, range(2))

@@ -141,6 +141,17 @@ class SmpProcessGroup(ProcessGroup):
         self._thread = threading.Thread(target=self._serve, name="smp-collectives", daemon=True)
         self._thread.start()
 
+    # c10d keeps a group's name on its backend objects, and this group has none, so the
+    # name torch gives it is kept here (DeviceMesh, hence FSDP2, reads it).
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+        super()._set_group_name(name)
+
+    @property
+    def group_name(self) -> str:
+        """The name torch.distributed gave this group."""
+        return getattr(self, "_group_name", "")
+
     def getBackendName(self) -> str:  # noqa: N802 - the name c10d calls
         """The backend's name, ``"smp"``."""
         return BACKEND_NAME
