@@ -29,9 +29,8 @@ def test_dead_peer_raises(mpi_job, assert_case) -> None:
 
 
 def test_registers_without_process_group() -> None:
-    import torch.distributed as dist
-
     import smp_comm.torch_backend as tb
+    import torch.distributed as dist
 
     assert "smp" in dist.Backend.backend_list
     assert tb.BACKEND_NAME == "smp"

@@ -30,8 +30,8 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch._C._distributed_c10d as c10d
+import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup, ProcessGroupGloo, ReduceOp, Work
 from torch.futures import Future
 
@@ -68,7 +68,7 @@ class SmpWork(Work):
         if error is None:
             self._future.set_result(self._result)
         else:
-            self._future.set_exception(error)
+            self._future.set_exception(error)  # type: ignore[arg-type]
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Block until the collective finished; raise its error if it failed."""
@@ -122,10 +122,14 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 class SmpProcessGroup(ProcessGroup):
-    """A process group whose collectives run through smp-comm's shared-memory collectives."""
+    """A process group whose collectives run through smp-comm's shared-memory collectives.
+
+    (The ``type: ignore`` marks below: torch's stubs give the user-level overloads of these
+    methods; c10d calls a Python group with the low-level signatures used here.)
+    """
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> None:
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]
         self._store, self._timeout = store, timeout
         # Made now, by every rank together: a fallback made on first use could deadlock in a
         # send/recv that only two ranks enter.
@@ -145,10 +149,10 @@ class SmpProcessGroup(ProcessGroup):
     # name torch gives it is kept here (DeviceMesh, hence FSDP2, reads it).
     def _set_group_name(self, name: str) -> None:
         self._group_name = name
-        super()._set_group_name(name)
+        super()._set_group_name(name)  # type: ignore[arg-type]
 
     @property
-    def group_name(self) -> str:
+    def group_name(self) -> str:  # type: ignore[override]
         """The name torch.distributed gave this group."""
         return getattr(self, "_group_name", "")
 
@@ -189,7 +193,7 @@ class SmpProcessGroup(ProcessGroup):
 
     def _nccl_group(self) -> Any:
         if self._nccl is None:
-            self._nccl = dist.ProcessGroupNCCL(
+            self._nccl = dist.ProcessGroupNCCL(  # type: ignore[call-arg]
                 dist.PrefixStore("smp-nccl/", self._store), self.rank(), self.size()
             )
         return self._nccl
@@ -203,7 +207,7 @@ class SmpProcessGroup(ProcessGroup):
         return None
 
     # -- the collectives it implements ---------------------------------------------------
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:  # type: ignore[override]
         """In-place all-reduce of each tensor (one per device; here one CPU tensor)."""
         opts = opts if opts is not None else c10d.AllreduceOptions()
         if (other := self._fallback(tensors)) is not None:
@@ -242,7 +246,7 @@ class SmpProcessGroup(ProcessGroup):
 
         return self._submit(run, tensors)
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:  # type: ignore[override]
         """Every rank's tensor = the root's."""
         opts = opts if opts is not None else c10d.BroadcastOptions()
         if (other := self._fallback(tensors)) is not None:
@@ -278,7 +282,7 @@ class SmpProcessGroup(ProcessGroup):
 
     _allgather_base = all_gather_single  # the name torch used before 2.13
 
-    def allgather(
+    def allgather(  # type: ignore[override]
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
         opts: Any = None,
     ) -> Work:
@@ -321,9 +325,9 @@ class SmpProcessGroup(ProcessGroup):
 
         return self._submit(run, [output])
 
-    _reduce_scatter_base = reduce_scatter_single  # the name torch used before 2.13
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]  # pre-2.13 name
 
-    def reduce_scatter(
+    def reduce_scatter(  # type: ignore[override]
         self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
         opts: Any = None,
     ) -> Work:
@@ -366,15 +370,15 @@ class SmpProcessGroup(ProcessGroup):
         """``all_gather_coalesced``, by gloo or NCCL."""
         return self._other(inputs).allgather_coalesced(outputs, inputs, *args)
 
-    def reduce(self, tensors: list[torch.Tensor], *args: Any) -> Work:
+    def reduce(self, tensors: list[torch.Tensor], *args: Any) -> Work:  # type: ignore[override]
         """``reduce``, by gloo or NCCL."""
         return self._other(tensors).reduce(tensors, *args)
 
-    def gather(self, outputs: Any, inputs: list[torch.Tensor], *args: Any) -> Work:
+    def gather(self, outputs: Any, inputs: list[torch.Tensor], *args: Any) -> Work:  # type: ignore[override]
         """``gather``, by gloo or NCCL."""
         return self._other(inputs).gather(outputs, inputs, *args)
 
-    def scatter(self, outputs: list[torch.Tensor], inputs: Any, *args: Any) -> Work:
+    def scatter(self, outputs: list[torch.Tensor], inputs: Any, *args: Any) -> Work:  # type: ignore[override]
         """``scatter``, by gloo or NCCL."""
         return self._other(outputs).scatter(outputs, inputs, *args)
 
@@ -388,7 +392,7 @@ class SmpProcessGroup(ProcessGroup):
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Work:
         """Receive from any rank, by gloo."""
-        return self._gloo.recv_anysource(tensors, tag)
+        return self._gloo.recv_anysource(tensors, tag)  # type: ignore[attr-defined]
 
     # -- helpers -------------------------------------------------------------------------
     @staticmethod

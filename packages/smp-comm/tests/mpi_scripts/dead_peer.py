@@ -6,12 +6,11 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
+import smp_comm.torch_backend  # noqa: F401
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
 from payloads import case_ok, main_guard
-
-import smp_comm.torch_backend  # noqa: F401
 from smp_comm.collectives.shm import PeerFailedError
 
 

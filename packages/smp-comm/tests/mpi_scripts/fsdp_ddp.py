@@ -7,6 +7,7 @@ import copy
 import os
 from datetime import timedelta
 
+import smp_comm.torch_backend  # noqa: F401
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
@@ -14,8 +15,6 @@ from payloads import case_ok, main_guard
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
-
-import smp_comm.torch_backend  # noqa: F401
 
 STEPS = 3
 

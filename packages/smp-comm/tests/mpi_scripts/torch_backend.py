@@ -13,8 +13,8 @@ import sys
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 import torch._C._distributed_c10d as c10d
+import torch.distributed as dist
 from mpi4py import MPI
 from payloads import case_ok, main_guard
 
@@ -112,10 +112,10 @@ def check_reduction(case: str, got: torch.Tensor, op: str, xs: list[torch.Tensor
     assert not everywhere or same_everywhere(got, gloo), f"{case}: ranks differ"
 
 
-def gloo_ok(fn) -> bool:
+def gloo_ok(fn, *args, **kwargs) -> bool:
     """Run a gloo collective; False if gloo refuses the dtype or reduction."""
     try:
-        fn()
+        fn(*args, **kwargs)
     except (RuntimeError, ValueError, TypeError):
         return False
     return True
@@ -138,7 +138,7 @@ def test_reductions(gloo) -> None:
                 ref = None
                 if op != "avg":
                     ref = xs[RANK].clone()
-                    ref = ref if gloo_ok(lambda: dist.all_reduce(ref, rop, group=gloo)) else None
+                    ref = ref if gloo_ok(dist.all_reduce, ref, rop, group=gloo) else None
                 check_reduction(case, t, op, xs, gloo, ref)
                 again = xs[RANK].clone()
                 dist.all_reduce(again, op=rop)
@@ -159,7 +159,7 @@ def test_reductions(gloo) -> None:
                 if op != "avg":
                     rref = torch.empty(n, dtype=dtype)
                     rs = dist.reduce_scatter_tensor
-                    rref = rref if gloo_ok(lambda: rs(rref, ins[RANK], rop, group=gloo)) else None
+                    rref = rref if gloo_ok(rs, rref, ins[RANK], rop, group=gloo) else None
                 check_reduction("reduce_scatter-" + case, out, op, blocks, gloo, rref, False)
                 lst = torch.empty(n, dtype=dtype)
                 dist.reduce_scatter(lst, list(ins[RANK].view(SIZE, n)), op=rop)
@@ -178,7 +178,7 @@ def test_gather_broadcast(gloo) -> None:
             want = torch.cat(xs)
             assert torch.equal(raw(out), raw(want)), (dtype, n)
             ref = torch.empty_like(out)
-            if gloo_ok(lambda: dist.all_gather_into_tensor(ref, xs[RANK], group=gloo)):
+            if gloo_ok(dist.all_gather_into_tensor, ref, xs[RANK], group=gloo):
                 assert torch.equal(raw(out), raw(ref)), (dtype, n)
             rows = [torch.empty(n, dtype=dtype) for _ in range(SIZE)]
             dist.all_gather(rows, xs[RANK])

@@ -14,8 +14,8 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch._C._distributed_c10d as c10d
+import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroupGloo
 
 from smp_comm.collectives.local import LocalCollectives, reduce_into
