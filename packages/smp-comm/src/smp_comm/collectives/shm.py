@@ -1,0 +1,211 @@
+"""One shared-memory segment per group of ranks on a host, and the step clock that orders it.
+
+The segment holds a *control line* per rank and a data region of two *phases*, each with one
+slot per rank::
+
+    [ line 0 | line 1 | ... | line n-1 ]  (page aligned)  [ phase 0: slot 0 .. slot n-1 ]
+                                                           [ phase 1: slot 0 .. slot n-1 ]
+
+A collective is a sequence of *steps*, numbered on from the group's creation and the same on
+every rank. In step ``s`` a rank writes only into its own slot of phase ``s % 2`` (and its
+own control line), then *publishes* ``s`` in its line, then waits until every rank has
+published ``s``, then reads any slot of that phase. Writing phase ``s % 2`` again, at step
+``s + 2``, is safe: every rank has published ``s + 1``, which it does only after it finished
+reading step ``s``. So one wait per step is the only synchronisation, with no locks and no
+atomic read-modify-write (each word has one writer).
+
+Waiting spins briefly, then sleeps on a futex on the awaited rank's sequence word (a
+publisher wakes it); between sleeps it checks the peers' processes, so a dead peer raises
+:class:`PeerFailedError` instead of hanging, and a rank that fails inside a collective marks
+its line so the others raise too.
+
+torch-free (numpy and ctypes only): it moves no tensors, it only orders their copies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import platform
+import time
+import uuid
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["PeerFailedError", "Segment", "segment_bytes"]
+
+LINE = 128  # bytes per control line: no two ranks' words share a cache line
+_WORDS = LINE // 8
+_SEQ, _FAILED, _PID = 0, 1, 2
+_DESC = 4  # two descriptors (by step parity) of _DESC_LEN words each, from word 4
+DESC_LEN = 6
+_PAGE = 4096
+_SPIN = 200  # polls before sleeping: a peer a few microseconds behind is not worth a syscall
+_SLEEP_S = 0.05  # futex sleep bound: how often a waiter looks for dead peers
+
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
+
+
+class PeerFailedError(RuntimeError):
+    """A peer of a shared-memory group died or failed inside a collective."""
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True) if _SYS_FUTEX is not None else None
+
+
+def _futex_wait(addr: int, expected: int, seconds: float) -> None:
+    if _libc is None:
+        time.sleep(min(seconds, 1e-4))
+        return
+    ts = _Timespec(int(seconds), int((seconds % 1) * 1e9))
+    # ctypes drops the GIL around the call: other threads of this rank run meanwhile.
+    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAIT, ctypes.c_uint32(expected),
+                  ctypes.byref(ts), None, 0)
+
+
+def _futex_wake(addr: int) -> None:
+    if _libc is not None:
+        _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a dead child not yet reaped by its launcher is a zombie: as good as dead
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+def segment_bytes(size: int, slot_bytes: int) -> int:
+    """Bytes of a segment for ``size`` ranks with ``slot_bytes`` per slot."""
+    return _data_offset(size) + 2 * size * slot_bytes
+
+
+def _data_offset(size: int) -> int:
+    return -(-size * LINE // _PAGE) * _PAGE
+
+
+class Segment:
+    """A mapped segment and this rank's place in it (see the module docstring).
+
+    Build it with :meth:`create` on one rank and ``Segment(path, ...)`` on the others, passing
+    the path between them out of band (the torch backend uses its c10d store).
+    """
+
+    def __init__(self, path: str, rank: int, size: int, slot_bytes: int, timeout: float) -> None:
+        self.path, self.rank, self.size, self.slot_bytes = path, rank, size, slot_bytes
+        self.timeout = timeout
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self.mm = mmap.mmap(fd, segment_bytes(size, slot_bytes))
+        finally:
+            os.close(fd)
+        self._lines = np.frombuffer(self.mm, dtype=np.int64, count=size * _WORDS).reshape(
+            size, _WORDS
+        )
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
+        self._seq_addr = [base + r * LINE for r in range(size)]  # low 32 bits: the futex word
+        self.data_offset = _data_offset(size)
+        self.step = int(self._lines[rank, _SEQ])  # 0 in a new segment
+        self._lines[rank, _PID] = os.getpid()
+        self._lines[rank, _FAILED] = 0
+        self.pids: list[int] = []
+
+    @classmethod
+    def create(cls, size: int, slot_bytes: int, rank: int, timeout: float) -> Segment:
+        """Create a zero-filled segment in ``/dev/shm`` and map it (the creator's side)."""
+        path = os.path.join("/dev/shm", f"smp-coll-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, segment_bytes(size, slot_bytes))
+        finally:
+            os.close(fd)
+        return cls(path, rank, size, slot_bytes, timeout)
+
+    def start(self) -> None:
+        """Record every rank's pid (call once all ranks have attached)."""
+        self.pids = [int(p) for p in self._lines[:, _PID]]
+
+    def unlink(self) -> None:
+        """Remove the segment's name (once every rank has mapped it)."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def slot_offset(self, step: int, rank: int) -> int:
+        """Byte offset of ``rank``'s slot in the phase of ``step``."""
+        return self.data_offset + ((step % 2) * self.size + rank) * self.slot_bytes
+
+    def phase_offset(self, step: int) -> int:
+        """Byte offset of the phase of ``step`` (its ``size`` slots are contiguous)."""
+        return self.data_offset + (step % 2) * self.size * self.slot_bytes
+
+    def set_descriptor(self, step: int, desc: Sequence[int]) -> None:
+        """Describe this rank's collective in its line, read by peers at ``step``."""
+        at = _DESC + (step % 2) * DESC_LEN
+        self._lines[self.rank, at : at + len(desc)] = desc
+
+    def descriptors(self, step: int) -> np.ndarray:
+        """Every rank's descriptor of ``step`` (valid once :meth:`advance` returned)."""
+        at = _DESC + (step % 2) * DESC_LEN
+        return np.array(self._lines[:, at : at + DESC_LEN])
+
+    def next_step(self) -> int:
+        """The number of the step this rank is about to take."""
+        return self.step + 1
+
+    def advance(self) -> int:
+        """Publish the next step and wait until every rank has published it; return it."""
+        s = self.step + 1
+        self.step = s
+        self._lines[self.rank, _SEQ] = s
+        _futex_wake(self._seq_addr[self.rank])
+        deadline = time.monotonic() + self.timeout
+        for r in range(self.size):
+            if r != self.rank:
+                self._wait_for(r, s, deadline)
+        return s
+
+    def _wait_for(self, r: int, s: int, deadline: float) -> None:
+        lines = self._lines
+        for _ in range(_SPIN):
+            if lines[r, _SEQ] >= s:
+                return
+        while True:
+            seen = int(lines[r, _SEQ])
+            if seen >= s:
+                return
+            self._check(r, s, deadline)
+            _futex_wait(self._seq_addr[r], seen & 0xFFFFFFFF, _SLEEP_S)
+
+    def _check(self, r: int, s: int, deadline: float) -> None:
+        failed = [q for q in range(self.size) if self._lines[q, _FAILED]]
+        if failed:
+            raise PeerFailedError(f"rank(s) {failed} of this group failed inside a collective")
+        if self.pids and not _alive(self.pids[r]):
+            raise PeerFailedError(f"rank {r} of this group (pid {self.pids[r]}) died")
+        if time.monotonic() > deadline:
+            raise PeerFailedError(f"timed out waiting for rank {r} at collective step {s}")
+
+    def fail(self) -> None:
+        """Mark this rank failed (peers waiting on it raise) and wake them."""
+        self._lines[self.rank, _FAILED] = 1
+        _futex_wake(self._seq_addr[self.rank])
+
+    def failed(self) -> bool:
+        """Whether any rank of the group marked itself failed."""
+        return bool(self._lines[:, _FAILED].any())

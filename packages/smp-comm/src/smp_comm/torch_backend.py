@@ -1,0 +1,421 @@
+"""The ``smp`` torch.distributed backend: collectives through shared memory.
+
+Importing this module registers the backend::
+
+    import smp_comm.torch_backend  # noqa: F401
+    dist.init_process_group("smp")            # or dist.new_group(backend="smp")
+
+On CPU tensors, ``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_reduce``,
+``broadcast`` and ``barrier`` (and the list forms ``all_gather`` and ``reduce_scatter``) run
+through a shared-memory segment per group and host (:mod:`smp_comm.collectives.local`), and
+hierarchically when the group spans hosts (:mod:`smp_comm.collectives.hierarchy`). Every
+other collective goes to a gloo group made alongside; CUDA tensors go to NCCL.
+
+Each group runs its collectives in call order on a thread of its own, so ``async_op=True``
+returns at once and the caller computes meanwhile; ``Work.wait()`` raises what the collective
+raised. Ranks on one host are grouped by hostname, or by ``SMP_COMM_NODE_ID`` when set
+(``{rank}`` in it is replaced by the group rank; tests use it to force the cross-host path).
+``SMP_COMM_COLL_SLOT_BYTES`` (default 8 MiB, a multiple of 4096) sizes each rank's slot;
+a group's segment holds ``2 * ranks_on_host`` slots.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch._C._distributed_c10d as c10d
+import torch.distributed as dist
+from torch._C._distributed_c10d import ProcessGroup, ProcessGroupGloo, ReduceOp, Work
+from torch.futures import Future
+
+from smp_comm.collectives.hierarchy import build_collectives
+from smp_comm.collectives.local import REDUCE_OPS, CollectiveMismatchError, check_reduce
+from smp_comm.collectives.shm import PeerFailedError
+
+__all__ = ["BACKEND_NAME", "SmpProcessGroup", "SmpWork", "create_backend"]
+
+BACKEND_NAME = "smp"
+_DEFAULT_SLOT_BYTES = 8 << 20
+
+_RED_OPS = {
+    ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.PRODUCT: "product",
+    ReduceOp.MIN: "min", ReduceOp.MAX: "max", ReduceOp.BAND: "band",
+    ReduceOp.BOR: "bor", ReduceOp.BXOR: "bxor",
+}
+assert set(_RED_OPS.values()) == set(REDUCE_OPS)
+
+
+class SmpWork(Work):
+    """The handle of one collective of an :class:`SmpProcessGroup` (completed by its thread)."""
+
+    def __init__(self, result: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._result = result
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._future: Future[list[torch.Tensor]] = Future()
+
+    def _finish(self, error: BaseException | None) -> None:
+        self._error = error
+        self._done.set()
+        if error is None:
+            self._future.set_result(self._result)
+        else:
+            self._future.set_exception(error)  # type: ignore[arg-type]
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Block until the collective finished; raise its error if it failed."""
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        if not self._done.wait(seconds if seconds else None):
+            raise TimeoutError(f"smp backend: collective not done after {seconds} s")
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        """Whether the collective finished (successfully or not)."""
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        """Whether the collective finished without error."""
+        return self._done.is_set() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        """The collective's error, if it failed."""
+        return self._error
+
+    def get_future(self) -> Future[list[torch.Tensor]]:
+        """A future completed with the output tensors (DDP's communication hooks use it)."""
+        return self._future
+
+    def result(self) -> list[torch.Tensor]:
+        """The output tensors."""
+        return self._result
+
+
+def _node_id(rank: int) -> str:
+    raw = os.environ.get("SMP_COMM_NODE_ID")
+    return raw.replace("{rank}", str(rank)) if raw else socket.gethostname()
+
+
+def _slot_bytes() -> int:
+    value = int(os.environ.get("SMP_COMM_COLL_SLOT_BYTES", _DEFAULT_SLOT_BYTES))
+    if value <= 0 or value % 4096:
+        raise ValueError(f"SMP_COMM_COLL_SLOT_BYTES must be a positive multiple of 4096: {value}")
+    return value
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """A flat contiguous tensor with ``t``'s elements (``t`` itself when it is contiguous)."""
+    if not t.is_contiguous():
+        t = t.contiguous()
+    # as_strided, not view: a contiguous tensor of one element may have any stride, and a
+    # byte view of it needs stride 1.
+    return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
+class SmpProcessGroup(ProcessGroup):
+    """A process group whose collectives run through smp-comm's shared-memory collectives.
+
+    (The ``type: ignore`` marks below: torch's stubs give the user-level overloads of these
+    methods; c10d calls a Python group with the low-level signatures used here.)
+    """
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> None:
+        super().__init__(rank, size)  # type: ignore[call-arg]
+        self._store, self._timeout = store, timeout
+        # Made now, by every rank together: a fallback made on first use could deadlock in a
+        # send/recv that only two ranks enter.
+        self._gloo = ProcessGroupGloo(dist.PrefixStore("smp-gloo/", store), rank, size, timeout)
+        self._nccl: Any = None
+        self._coll = build_collectives(
+            store, rank, size, _node_id(rank), _slot_bytes(), timeout.total_seconds()
+        )
+        self._broken: BaseException | None = None
+        self._queue: queue.SimpleQueue[tuple[Callable[[], None], SmpWork] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._serve, name="smp-collectives", daemon=True)
+        self._thread.start()
+
+    # c10d keeps a group's name on its backend objects, and this group has none, so the
+    # name torch gives it is kept here (DeviceMesh, hence FSDP2, reads it).
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+        super()._set_group_name(name)  # type: ignore[arg-type]
+
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        """The name torch.distributed gave this group."""
+        return getattr(self, "_group_name", "")
+
+    def getBackendName(self) -> str:  # noqa: N802 - the name c10d calls
+        """The backend's name, ``"smp"``."""
+        return BACKEND_NAME
+
+    # -- the collective thread -----------------------------------------------------------
+    def _serve(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            run, work = item
+            if self._broken is not None:
+                work._finish(PeerFailedError(f"smp backend: group unusable: {self._broken}"))
+                continue
+            try:
+                run()
+            except BaseException as exc:  # handed to the waiter, never lost
+                if not isinstance(exc, CollectiveMismatchError):
+                    # The ranks are out of step now: tell them, and refuse later calls.
+                    self._broken = exc
+                    self._coll.fail()
+                work._finish(exc)
+            else:
+                work._finish(None)
+
+    def _submit(self, run: Callable[[], None], result: list[torch.Tensor]) -> SmpWork:
+        work = SmpWork(result)
+        self._queue.put((run, work))
+        return work
+
+    def shutdown(self) -> None:
+        """Stop the collective thread once queued collectives are done."""
+        self._queue.put(None)
+        self._thread.join()
+
+    def _nccl_group(self) -> Any:
+        if self._nccl is None:
+            self._nccl = dist.ProcessGroupNCCL(  # type: ignore[call-arg]
+                dist.PrefixStore("smp-nccl/", self._store), self.rank(), self.size()
+            )
+        return self._nccl
+
+    def _fallback(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """The group for ``tensors`` if they are not CPU tensors, else ``None``."""
+        if any(t.device.type != "cpu" for t in tensors):
+            if any(t.device.type == "cuda" for t in tensors):
+                return self._nccl_group()
+            raise ValueError(f"smp backend: unsupported device {tensors[0].device}")
+        return None
+
+    # -- the collectives it implements ---------------------------------------------------
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:  # type: ignore[override]
+        """In-place all-reduce of each tensor (one per device; here one CPU tensor)."""
+        opts = opts if opts is not None else c10d.AllreduceOptions()
+        if (other := self._fallback(tensors)) is not None:
+            return other.allreduce(tensors, opts)
+        op = self._reduce_op(opts.reduceOp)
+        for t in tensors:
+            check_reduce(t.dtype, op)
+
+        def run() -> None:
+            for t in tensors:
+                flat = _flat(t)
+                self._coll.all_reduce(flat, op)
+                if flat.data_ptr() != t.data_ptr() or not t.is_contiguous():
+                    t.copy_(flat.view(t.shape))
+
+        return self._submit(run, tensors)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
+        """All-reduce of several tensors of one dtype as one flat buffer."""
+        opts = opts if opts is not None else c10d.AllreduceCoalescedOptions()
+        if (other := self._fallback(tensors)) is not None:
+            return other.allreduce_coalesced(tensors, opts)
+        op = self._reduce_op(opts.reduceOp)
+        if len({t.dtype for t in tensors}) > 1:
+            raise ValueError("smp backend: allreduce_coalesced needs tensors of one dtype")
+        for t in tensors:
+            check_reduce(t.dtype, op)
+
+        def run() -> None:
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            self._coll.all_reduce(flat, op)
+            at = 0
+            for t in tensors:
+                t.copy_(flat[at : at + t.numel()].view(t.shape))
+                at += t.numel()
+
+        return self._submit(run, tensors)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:  # type: ignore[override]
+        """Every rank's tensor = the root's."""
+        opts = opts if opts is not None else c10d.BroadcastOptions()
+        if (other := self._fallback(tensors)) is not None:
+            return other.broadcast(tensors, opts)
+        root = opts.rootRank
+
+        def run() -> None:
+            for t in tensors:
+                flat = _flat(t)
+                self._coll.broadcast(flat, root)
+                if not t.is_contiguous():
+                    t.copy_(flat.view(t.shape))
+
+        return self._submit(run, tensors)
+
+    def barrier(self, opts: Any = None) -> Work:
+        """Completes once every rank of the group has called it."""
+        return self._submit(self._coll.barrier, [])
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:  # noqa: A002
+        """``all_gather_into_tensor``: ``output`` = every rank's ``input``, in rank order."""
+        if (other := self._fallback([output, input])) is not None:
+            return other._allgather_base(output, input, opts or c10d.AllgatherOptions())
+        self._check_sizes(output, input, self.size(), "all_gather_into_tensor")
+
+        def run() -> None:
+            out = _flat(output) if output.is_contiguous() else torch.empty(output.numel(), dtype=output.dtype)
+            self._coll.all_gather(out, _flat(input))
+            if not output.is_contiguous():
+                output.copy_(out.view(output.shape))
+
+        return self._submit(run, [output])
+
+    _allgather_base = all_gather_single  # the name torch used before 2.13
+
+    def allgather(  # type: ignore[override]
+        self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+        opts: Any = None,
+    ) -> Work:
+        """``all_gather``: ``output_tensors[0][r]`` = rank ``r``'s ``input_tensors[0]``."""
+        if (other := self._fallback([*input_tensors, *output_tensors[0]])) is not None:
+            return other.allgather(output_tensors, input_tensors, opts or c10d.AllgatherOptions())
+        if len(input_tensors) != 1 or len(output_tensors) != 1:
+            raise ValueError("smp backend: all_gather takes one input tensor per rank")
+        inp, outs = input_tensors[0], output_tensors[0]
+        if len(outs) != self.size() or any(
+            o.numel() != inp.numel() or o.dtype != inp.dtype for o in outs
+        ):
+            raise ValueError("smp backend: all_gather needs size() outputs shaped like the input")
+
+        def run() -> None:
+            gathered = torch.empty((self.size(), inp.numel()), dtype=inp.dtype)
+            self._coll.all_gather(gathered.view(-1), _flat(inp))
+            for o, row in zip(outs, gathered):
+                o.copy_(row.view(o.shape))
+
+        return self._submit(run, outs)
+
+    def reduce_scatter_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None  # noqa: A002
+    ) -> Work:
+        """``reduce_scatter_tensor``: ``output`` = the reduction of block ``rank`` of
+        every rank's ``input``."""
+        opts = opts if opts is not None else c10d.ReduceScatterOptions()
+        if (other := self._fallback([output, input])) is not None:
+            return other._reduce_scatter_base(output, input, opts)
+        op = self._reduce_op(opts.reduceOp)
+        check_reduce(input.dtype, op)
+        self._check_sizes(input, output, self.size(), "reduce_scatter_tensor")
+
+        def run() -> None:
+            out = _flat(output) if output.is_contiguous() else torch.empty(output.numel(), dtype=output.dtype)
+            self._coll.reduce_scatter(out, _flat(input), op)
+            if not output.is_contiguous():
+                output.copy_(out.view(output.shape))
+
+        return self._submit(run, [output])
+
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]  # pre-2.13 name
+
+    def reduce_scatter(  # type: ignore[override]
+        self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+        opts: Any = None,
+    ) -> Work:
+        """``reduce_scatter``: ``output_tensors[0]`` = the reduction over ranks of
+        ``input_tensors[0][rank]``."""
+        opts = opts if opts is not None else c10d.ReduceScatterOptions()
+        if (other := self._fallback([*output_tensors, *input_tensors[0]])) is not None:
+            return other.reduce_scatter(output_tensors, input_tensors, opts)
+        if len(output_tensors) != 1 or len(input_tensors) != 1:
+            raise ValueError("smp backend: reduce_scatter takes one output tensor per rank")
+        out, ins = output_tensors[0], input_tensors[0]
+        if len(ins) != self.size() or any(
+            i.numel() != out.numel() or i.dtype != out.dtype for i in ins
+        ):
+            raise ValueError("smp backend: reduce_scatter needs size() inputs shaped like output")
+        op = self._reduce_op(opts.reduceOp)
+        check_reduce(out.dtype, op)
+
+        def run() -> None:
+            stacked = torch.cat([i.reshape(-1) for i in ins])
+            flat = torch.empty(out.numel(), dtype=out.dtype)
+            self._coll.reduce_scatter(flat, stacked, op)
+            out.copy_(flat.view(out.shape))
+
+        return self._submit(run, [out])
+
+    # -- everything else: gloo (CPU) or NCCL (CUDA) ---------------------------------------
+    def _other(self, tensors: Sequence[torch.Tensor]) -> Any:
+        return self._fallback(tensors) or self._gloo
+
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, *args: Any) -> Work:  # noqa: A002
+        """``all_to_all_single``, by gloo or NCCL."""
+        return self._other([output, input]).alltoall_base(output, input, *args)
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], *args: Any) -> Work:
+        """``all_to_all``, by gloo or NCCL."""
+        return self._other([*outputs, *inputs]).alltoall(outputs, inputs, *args)
+
+    def allgather_coalesced(self, outputs: Any, inputs: list[torch.Tensor], *args: Any) -> Work:
+        """``all_gather_coalesced``, by gloo or NCCL."""
+        return self._other(inputs).allgather_coalesced(outputs, inputs, *args)
+
+    def reduce(self, tensors: list[torch.Tensor], *args: Any) -> Work:  # type: ignore[override]
+        """``reduce``, by gloo or NCCL."""
+        return self._other(tensors).reduce(tensors, *args)
+
+    def gather(self, outputs: Any, inputs: list[torch.Tensor], *args: Any) -> Work:  # type: ignore[override]
+        """``gather``, by gloo or NCCL."""
+        return self._other(inputs).gather(outputs, inputs, *args)
+
+    def scatter(self, outputs: list[torch.Tensor], inputs: Any, *args: Any) -> Work:  # type: ignore[override]
+        """``scatter``, by gloo or NCCL."""
+        return self._other(outputs).scatter(outputs, inputs, *args)
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Work:
+        """Point-to-point send, by gloo or NCCL."""
+        return self._other(tensors).send(tensors, dst, tag)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Work:
+        """Point-to-point receive, by gloo or NCCL."""
+        return self._other(tensors).recv(tensors, src, tag)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Work:
+        """Receive from any rank, by gloo."""
+        return self._gloo.recv_anysource(tensors, tag)  # type: ignore[attr-defined]
+
+    # -- helpers -------------------------------------------------------------------------
+    @staticmethod
+    def _reduce_op(op: Any) -> str:
+        name = _RED_OPS.get(getattr(op, "op", op))
+        if name is None:
+            raise ValueError(f"smp backend: unsupported reduction {op} on CPU")
+        return name
+
+    @staticmethod
+    def _check_sizes(big: torch.Tensor, small: torch.Tensor, n: int, what: str) -> None:
+        if big.dtype != small.dtype:
+            raise ValueError(f"smp backend: {what}: dtypes differ ({big.dtype}, {small.dtype})")
+        if big.numel() != n * small.numel():
+            raise ValueError(
+                f"smp backend: {what}: {big.numel()} elements is not {n} x {small.numel()}"
+            )
+
+
+def create_backend(store: dist.Store, rank: int, size: int, timeout: timedelta) -> SmpProcessGroup:
+    """The creator torch calls for ``init_process_group("smp")`` / ``new_group(backend="smp")``."""
+    return SmpProcessGroup(store, rank, size, timeout)
+
+
+if BACKEND_NAME.upper() not in dist.Backend._plugins:  # importing twice registers once
+    dist.Backend.register_backend(BACKEND_NAME, create_backend, devices=["cpu", "cuda"])

@@ -1,0 +1,41 @@
+"""A rank of an ``smp`` group dies between collectives: the others' next collective raises
+(within seconds, not the group timeout) instead of hanging."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import smp_comm.torch_backend  # noqa: F401
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+from payloads import case_ok, main_guard
+from smp_comm.collectives.shm import PeerFailedError
+
+
+def main() -> None:
+    world = MPI.COMM_WORLD
+    rank, size = world.rank, world.size
+    port = world.bcast(29400 + os.getpid() % 1000 if rank == 0 else None)
+    store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timedelta(seconds=60))
+    # A long group timeout: only the dead-peer check can end the wait in time.
+    dist.init_process_group("smp", store=store, rank=rank, world_size=size,
+                            timeout=timedelta(seconds=600))
+    t = torch.ones(10)
+    dist.all_reduce(t)
+    if rank == size - 1:
+        case_ok("dead-peer")
+        os._exit(0)  # dies without a word to anyone
+    try:
+        dist.all_reduce(t)
+    except PeerFailedError as exc:
+        assert "died" in str(exc) or "failed" in str(exc), exc
+    else:
+        raise AssertionError("a collective with a dead peer returned")
+    case_ok("dead-peer")
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main_guard(main)

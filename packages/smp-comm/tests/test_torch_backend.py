@@ -1,0 +1,42 @@
+"""The ``smp`` torch.distributed backend (smp_comm.torch_backend) against gloo, under mpiexec.
+
+One MPI job per layout: one host with 2 and 4 ranks, and two pretend hosts (the node-identity
+override) with 3 ranks (hosts {0, 1}, {2}) and 4 ranks (hosts {0, 2}, {1, 3}), so the
+hierarchical path runs. 8 KiB slots make the larger cases take several steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+LAYOUTS = [(2, "one"), (3, "split"), (4, "one"), (4, "interleave")]
+CASES = ["gather-broadcast", "reductions", "names-fallback", "mismatch-async", "subgroup"]
+ENV = {"SMP_COMM_COLL_SLOT_BYTES": "8192"}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize(("n", "hosts"), LAYOUTS)
+def test_backend(mpi_job, assert_case, n: int, hosts: str, case: str) -> None:
+    job = mpi_job("torch_backend.py", hosts, n=n, timeout=300, env=ENV)
+    assert_case(job, case, range(n))
+
+
+def test_dead_peer_raises(mpi_job, assert_case) -> None:
+    job = mpi_job("dead_peer.py", n=3, timeout=120)
+    assert_case(job, "dead-peer", range(3))
+
+
+def test_registers_without_process_group() -> None:
+    import smp_comm.torch_backend as tb
+    import torch.distributed as dist
+
+    assert "smp" in dist.Backend.backend_list
+    assert tb.BACKEND_NAME == "smp"
+
+
+@pytest.mark.parametrize("case", ["fsdp2", "ddp"])
+def test_fsdp2_and_ddp_match_gloo(mpi_job, assert_case, case: str) -> None:
+    job = mpi_job("fsdp_ddp.py", n=2, timeout=300)
+    assert_case(job, case, range(2))
