@@ -294,3 +294,31 @@ def test_interrupt_ends_a_wait_for_a_rank_that_never_answers() -> None:
         peer.irecv().wait(timeout=0.2)
     rt.close()
     world.close()
+
+
+def test_late_contribution_warns_and_turns_early_folds_off() -> None:
+    """A gradient of a microbatch that was already folded (its rank judged its backward
+    complete too early) is still added, but warns, and from then on folds wait for the
+    driver (``complete``): ``complete_locally`` and streaming are ignored."""
+    from smp_pipeline.accumulation import GradAccumulator
+
+    w = nn.Parameter(torch.tensor([1.0, 2.0]))
+    mb: list[int | None] = [None]
+    acc = GradAccumulator(lambda: mb[0], single_run=lambda step, k: True)
+    acc.track([w])
+    acc.begin(1)
+    mb[0] = 0
+    (w * 3.0).sum().backward()  # microbatch 0, streamed (single run, nothing earlier)
+    assert torch.equal(w.grad, torch.tensor([3.0, 3.0]))
+    acc.complete_locally(1, 0)
+    with pytest.warns(RuntimeWarning, match="arrived after it was folded"):
+        (w * 0.5).sum().backward()  # microbatch 0 again: late
+    assert not acc.early and torch.equal(w.grad, torch.tensor([3.5, 3.5]))
+    mb[0] = 1
+    (w * 2.0).sum().backward()  # no streaming any more: buffered until complete()
+    assert torch.equal(w.grad, torch.tensor([3.5, 3.5]))
+    acc.complete_locally(1, 1)
+    assert torch.equal(w.grad, torch.tensor([3.5, 3.5]))
+    acc.complete(1, 1)
+    assert torch.equal(w.grad, torch.tensor([5.5, 5.5]))
+    acc.end()
