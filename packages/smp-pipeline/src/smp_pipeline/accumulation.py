@@ -22,10 +22,11 @@ only:
 - *Streaming*: where a microbatch's backward on this rank is one engine run (the driver's
   step, or the only call it served, joined, asked once; see
   :meth:`smp_pipeline.autograd.CallRecords.single_run`), each parameter gets one contribution
-  from it, final when it arrives; if every earlier microbatch is folded, it is added to
-  ``.grad`` right away instead of buffered. The same sum, in the same order, but fold hooks
-  run as the backward reaches each parameter (the last microbatch on the first stage,
-  typically), not after it.
+  from it, final when it arrives. If the parameter's gradient of every earlier microbatch is
+  in ``.grad`` already (folded, or streamed itself), the contribution is added to ``.grad``
+  right away instead of buffered. The same sums in the same order per parameter, but fold
+  hooks run as the backward reaches each parameter (on the first stage, its backward of
+  the last microbatch, typically), not after the microbatch.
 - Parameters of a microbatch are folded in reverse registration order, roughly the order
   backward produces them and the order a data-parallel reducer launches its buckets in.
 
@@ -98,7 +99,8 @@ class GradAccumulator:
         self._current_mb = current_mb
         self.enabled = enabled
         self._single_run = single_run
-        self._streams: dict[int, bool] = {}  # mb -> single_run's answer, this step
+        self._single: dict[int, bool] = {}  # mb -> single_run's answer, this step
+        self._streamed: dict[int, set[int]] = {}  # mb -> id(param) streamed into .grad
         # Local completion and streaming: off for good after a late contribution (module doc).
         self.early = True
         self._params: list[torch.Tensor] = []  # tracked, in a fixed order (fold order)
@@ -167,20 +169,12 @@ class GradAccumulator:
         if mb is None or mb < self._next:
             # Outside a microbatch's task, or after its microbatch was folded: no order to
             # keep; accumulate as autograd would.
-            if mb is not None and self.early:
-                self.early = False
-                warnings.warn(
-                    f"deterministic accumulation: a gradient of microbatch {mb} arrived after "
-                    "it was folded (a step function that runs forward and backward again "
-                    "after its backward?); from now on folds wait for the driver's step "
-                    "function to return",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+            if mb is not None:
+                self._late(mb)
             self._add_to_grad(p, contribution)
             return
-        if mb == self._next and self._streamed(mb):
-            self._add_to_grad(p, contribution)  # its only contribution, every earlier folded
+        if self._stream(key, mb):
+            self._add_to_grad(p, contribution)
             return
         buffers = self._buffers.get(mb)
         if buffers is None:
@@ -192,14 +186,45 @@ class GradAccumulator:
         else:
             buf += contribution
 
-    def _streamed(self, mb: int) -> bool:
-        """Whether microbatch ``mb``'s contributions go straight to ``.grad`` (module doc)."""
-        stream = self._streams.get(mb)
-        if stream is None:
+    def _stream(self, key: int, mb: int) -> bool:
+        """Whether this contribution of microbatch ``mb`` to parameter ``key`` goes straight
+        to ``.grad`` (module doc): ``mb`` is one engine run here, nothing of it is buffered
+        for the parameter, and every earlier unfolded microbatch streamed the parameter."""
+        if not self.early:
+            return False
+        single = self._single.get(mb)
+        if single is None:
             assert self._step is not None
             ask = self._single_run
-            stream = self._streams[mb] = ask is not None and ask(self._step, mb)
-        return stream and self.early
+            single = self._single[mb] = ask is not None and ask(self._step, mb)
+        if not single or key in self._buffers.get(mb, ()):
+            return False
+        streamed = self._streamed.setdefault(mb, set())
+        if key in streamed:
+            # A second contribution in "one engine run" (a reentrant checkpoint, a second
+            # backward in the step function): in order unless a later microbatch streamed it.
+            if any(key in s for k, s in self._streamed.items() if k > mb):
+                self._late(mb)
+            return True
+        if all(key in self._streamed.get(k, ()) for k in range(self._next, mb)):
+            streamed.add(key)
+            return True
+        return False
+
+    def _late(self, mb: int) -> None:
+        """A gradient of ``mb`` arrived out of order: warn once, fold only on the driver's
+        word from now on (module doc)."""
+        if not self.early:
+            return
+        self.early = False
+        warnings.warn(
+            f"deterministic accumulation: a gradient of microbatch {mb} arrived after a later "
+            "microbatch's was added, or after it was folded (a step function that runs "
+            "forward and backward again after its backward?); from now on folds wait for the "
+            "driver's step function to return",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     # ------------------------------------------------------------------ steps
     def begin(self, step: int) -> None:
@@ -208,7 +233,8 @@ class GradAccumulator:
         self._aside.clear()
         self._buffers.clear()
         self._complete.clear()
-        self._streams.clear()
+        self._single.clear()
+        self._streamed.clear()
         self._next = 0
 
     def complete(self, step: int, mb: int) -> None:
@@ -220,6 +246,7 @@ class GradAccumulator:
         while self._next in self._complete:
             self._complete.discard(self._next)
             self._fold(self._next)
+            self._streamed.pop(self._next, None)
             self._next += 1
 
     def complete_locally(self, step: int, mb: int) -> None:
@@ -240,7 +267,8 @@ class GradAccumulator:
         self._step = None
         self._aside.clear()
         self._complete.clear()
-        self._streams.clear()
+        self._single.clear()
+        self._streamed.clear()
 
     def _fold(self, mb: int) -> None:
         buffers = self._buffers.pop(mb, None)
