@@ -44,6 +44,12 @@ each firing is its own request, and each response carries only the gradient accu
 the previous response (input leaves' ``.grad`` is reset after being sent). The price: local
 graph shared by two segments (a residual path around a remote call) is differentiated
 once per segment, which joined mode avoids.
+
+A caller whose backward is one engine run (:attr:`Context.single_run`: a root, or a call
+asked once, with no segment-mode call) marks its requests ``once``: each of its calls gets
+that one request, so an owner that answered every call of a microbatch it served knows its
+backward of the microbatch is complete (:meth:`CallRecords.finish`) without waiting for the
+driver, and gradients can be folded (:mod:`smp_pipeline.accumulation`).
 """
 
 from __future__ import annotations
