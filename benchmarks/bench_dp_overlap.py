@@ -19,8 +19,12 @@ machine load:
 
 Each pair runs with ``deterministic_accumulation`` off and on (the default): in-order
 accumulation makes a stage's gradients final only when the driver's last microbatch ends,
-which leaves the overlap nothing to hide. Prints the median step time of each and the ratio
-(at end / overlap: above 1 means the overlap is faster).
+which left the overlap nothing to hide until a stage folded its last microbatch as soon as
+its own backward of it ended (issue 20). Prints the median step time of each and the ratio
+(at end / overlap: above 1 means the overlap is faster), then, per stage, the median time
+the step spends in the reducer's ``finish`` (waiting for the buckets still in flight, and
+launching the rest): the reduction the overlap did not hide. Step times on a loaded machine
+vary by several percent between runs; this one measures the overlap itself.
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ def _worker() -> None:
     # (deterministic_accumulation, overlap_grad_reduction) -> step times
     variants = [(False, True), (False, False), (True, True), (True, False)]
     times: dict[tuple[bool, bool], list[float]] = {v: [] for v in variants}
+    exposed: dict[tuple[bool, bool], list[float]] = {v: [] for v in variants}
     for _ in range(ROUNDS):
         for det, overlap in variants:
             smp.init({
@@ -105,7 +110,17 @@ def _worker() -> None:
 
             g = torch.Generator().manual_seed(smp.dp_rank())
             x, y = torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, 1, generator=g)
+            finish_s: list[float] = []
             for step in range(WARMUP + STEPS):
+                reducer = model.grad_reducer
+                if step == WARMUP and reducer is not None:
+
+                    def timed_finish(orig=reducer.finish, out=finish_s) -> None:  # type: ignore[no-untyped-def]
+                        t = time.perf_counter()
+                        orig()
+                        out.append(time.perf_counter() - t)
+
+                    reducer.finish = timed_finish  # type: ignore[method-assign]
                 smp.barrier()
                 t0 = time.perf_counter()
                 opt.zero_grad()
@@ -114,6 +129,7 @@ def _worker() -> None:
                 smp.barrier()
                 if step >= WARMUP:
                     times[(det, overlap)].append(time.perf_counter() - t0)
+            exposed[(det, overlap)] += finish_s
     if smp.rank() == 0:
         for det in (False, True):
             on = statistics.median(times[(det, True)])
@@ -125,6 +141,19 @@ def _worker() -> None:
                 f"ratio at-end/overlap {off / on:.3f}",
                 flush=True,
             )
+    smp.barrier()
+    for stage in range(2):
+        if smp.pp_rank() == stage and smp.dp_rank() == 0:
+            for det in (False, True):
+                on = statistics.median(exposed[(det, True)])
+                off = statistics.median(exposed[(det, False)])
+                print(
+                    f"  stage {stage}, deterministic_accumulation={det}: time in the reducer's "
+                    f"finish, overlap {on * 1e3:.1f} ms, at end {off * 1e3:.1f} ms",
+                    flush=True,
+                )
+        time.sleep(0.5)  # (stage 0's lines first)
+        smp.barrier()
 
 
 def main() -> None:

@@ -671,6 +671,9 @@ def accumulating_reference(
     return out
 
 
+# A gradient arriving after its microbatch was folded (a rank judged its backward complete
+# too early) warns: here it fails the rank that saw it.
+@pytest.mark.filterwarnings("error:deterministic accumulation")
 @pytest.mark.parametrize("name", list(DET_CASES))
 def test_accumulation_is_deterministic_under_jitter(name: str) -> None:
     """Gradients are accumulated in microbatch order whatever the timing: three runs with
@@ -724,3 +727,86 @@ def test_accumulation_is_deterministic_under_jitter(name: str) -> None:
                         continue
                     diff = (g - ref).abs().max().item()
                     assert torch.equal(g, ref), f"{where}: differs from the reference by {diff:.3g}"
+
+
+@pytest.mark.parametrize(
+    "assignment, where",
+    [
+        # Rank 1 serves one call per microbatch (children 2-4 as one span): its backward is
+        # one engine run, so its contributions go to .grad as they arrive, in the segment.
+        ({"2": 1, "3": 1, "4": 1}, "segment"),
+        # Two calls per microbatch (the span, then child 6): folded by the task of the
+        # second once it has answered.
+        ({"2": 1, "3": 1, "4": 1, "6": 1}, "task"),
+    ],
+    ids=["one-call", "two-calls"],
+)
+def test_fold_happens_before_the_driver_ends_the_microbatch(
+    assignment: dict[str, int], where: str
+) -> None:
+    """A rank folds a microbatch's gradients as soon as its own records show that its
+    backward of the microbatch is done, not when the driver's ``MbDone`` arrives: the
+    driver's step function, after ``backward``, waits until rank 1 folded that microbatch
+    (``MbDone`` is sent only after the step function returns: waiting for it times out).
+    Where a rank's backward of a microbatch is one engine run, the fold happens inside it,
+    as the engine reaches the parameter (one microbatch in flight at a time: the earlier
+    ones are folded by then). Gradients stay bitwise equal to one thread accumulating the
+    microbatches in order."""
+    torch.manual_seed(11)
+    base = relu_mlp()
+    m, steps = 4, 2
+    case = Case(relu_mlp, regression, assignment, m=m)
+    expected = accumulating_reference(copy.deepcopy(base), case, steps)
+    copies = [copy.deepcopy(base) for _ in range(2)]
+    split = split_microbatches(None, case.batch(), None, m)
+    mbs = [((args[0], i), {}) for i, (args, _) in enumerate(split)]
+    ys = [args[1] for args, _ in split]
+    folded = {(s, k): threading.Event() for s in range(steps) for k in range(m)}
+    waits: list[tuple[int, int, bool]] = []  # driver: (step, mb, rank 1 folded it in time)
+    seen: list[list[tuple[int, int, str]]] = [[], []]  # per rank: (step, mb, where)
+
+    def rank_main(comm: LoopbackCommunicator) -> list[dict[str, torch.Tensor]]:
+        model = copies[comm.rank]
+        rt = PipelineRuntime(
+            model, comm, comm.rank, 2, assignment=assignment, timeout_s=10, active_microbatches=1
+        )
+        now = {"step": 0, "folds": 0}
+
+        def step(x: torch.Tensor, i: int) -> torch.Tensor:
+            loss = F.mse_loss(model(x), ys[i])
+            rt.backward(loss)
+            # Waits holding the token: nothing more comes from this rank until it returns.
+            waits.append((now["step"], i, folded[(now["step"], i)].wait(timeout=3.0)))
+            return loss
+
+        def on_fold(_p: torch.Tensor) -> None:
+            k = now["folds"]  # every microbatch reaches the parameter: the k-th fold is mb k
+            now["folds"] += 1
+            task = rt.server.executor.current
+            at = "loop" if task is None else "segment" if task.in_segment else "task"
+            seen[comm.rank].append((now["step"], k, at))
+            if comm.rank == 1:
+                folded[(now["step"], k)].set()
+
+        name = "0.weight" if comm.rank == 0 else "2.weight"
+        rt.register_grad_hook(dict(model.named_parameters())[name], on_fold)
+        try:
+            out = []
+            for s in range(steps):
+                now["step"], now["folds"] = s, 0
+                rt.run_microbatches(step, mbs if comm.rank == 0 else [])
+                out.append({n: p.grad.clone() for n, p in rt.named_local_parameters()})
+            return out
+        finally:
+            rt.close()
+
+    results = values(run_ranks(2, rank_main, deadline_s=40.0))
+    late = [(s, k) for s, k, in_time in waits if not in_time]
+    assert not late, f"rank 1 folded (step, microbatch) {late} only after MbDone: {seen[1]}"
+    want = [(s, k) for s in range(steps) for k in range(m)]
+    assert seen[1] == [(s, k, where) for s, k in want], seen[1]
+    assert seen[0] == [(s, k, "segment") for s, k in want], seen[0]
+    for rank, per_step in enumerate(results):
+        for s, grads in enumerate(per_step):
+            for n, g in grads.items():
+                assert torch.equal(g, expected[s][1][n]), f"rank {rank} step {s}: {n}"

@@ -294,3 +294,64 @@ def test_interrupt_ends_a_wait_for_a_rank_that_never_answers() -> None:
         peer.irecv().wait(timeout=0.2)
     rt.close()
     world.close()
+
+
+def test_late_contribution_warns_and_turns_early_folds_off() -> None:
+    """A gradient of a microbatch that was already folded (its rank judged its backward
+    complete too early) is still added, but warns, and from then on folds wait for the
+    driver (``complete``): ``complete_locally`` and streaming are ignored."""
+    from smp_pipeline.accumulation import GradAccumulator
+
+    w = nn.Parameter(torch.tensor([1.0, 2.0]))
+    mb: list[int | None] = [None]
+    acc = GradAccumulator(lambda: mb[0], single_run=lambda step, k: True)
+    acc.track([w])
+    acc.begin(1)
+    mb[0] = 0
+    (w * 3.0).sum().backward()  # microbatch 0, streamed (single run, nothing earlier)
+    assert torch.equal(w.grad, torch.tensor([3.0, 3.0]))
+    acc.complete_locally(1, 0)
+    with pytest.warns(RuntimeWarning, match="after it was folded"):
+        (w * 0.5).sum().backward()  # microbatch 0 again: late
+    assert not acc.early and torch.equal(w.grad, torch.tensor([3.5, 3.5]))
+    mb[0] = 1
+    (w * 2.0).sum().backward()  # no streaming any more: buffered until complete()
+    assert torch.equal(w.grad, torch.tensor([3.5, 3.5]))
+    acc.complete_locally(1, 1)
+    assert torch.equal(w.grad, torch.tensor([3.5, 3.5]))
+    acc.complete(1, 1)
+    assert torch.equal(w.grad, torch.tensor([5.5, 5.5]))
+    acc.end()
+
+
+def test_streaming_keeps_each_parameters_microbatch_order() -> None:
+    """Where every microbatch is one engine run, a parameter's contribution goes straight
+    into ``.grad`` once its contributions of all earlier unfolded microbatches did: here
+    microbatch 1 reaches ``a`` after microbatch 0 did (streamed before 0 is complete) but
+    ``b`` before microbatch 0 did (buffered, folded when 1 completes). Fold hooks see each
+    parameter's microbatches in order; the sums equal adding them in microbatch order."""
+    from smp_pipeline.accumulation import GradAccumulator
+
+    a, b = nn.Parameter(torch.tensor([1.0])), nn.Parameter(torch.tensor([2.0]))
+    mb: list[int | None] = [None]
+    acc = GradAccumulator(lambda: mb[0], single_run=lambda step, k: True)
+    acc.track([a, b])
+    seen: list[tuple[str, float]] = []
+    acc.register_fold_hook(a, lambda p: seen.append(("a", p.grad.item())))
+    acc.register_fold_hook(b, lambda p: seen.append(("b", p.grad.item())))
+    acc.begin(1)
+    mb[0] = 0
+    (a * 0.1).sum().backward()  # a of 0: streamed
+    mb[0] = 1
+    (a * 0.2).sum().backward()  # a of 1: streamed (a of 0 is in .grad)
+    (b * 0.3).sum().backward()  # b of 1: buffered (b of 0 is not)
+    assert seen == [("a", pytest.approx(0.1)), ("a", pytest.approx(0.3))] and b.grad is None
+    mb[0] = 0
+    (b * 0.4).sum().backward()  # b of 0: streamed
+    acc.complete(1, 0)
+    acc.complete(1, 1)  # b of 1 folded
+    acc.end()
+    assert [n for n, _ in seen] == ["a", "a", "b", "b"]
+    assert torch.equal(a.grad, torch.tensor([0.1]) + torch.tensor([0.2]))
+    assert torch.equal(b.grad, torch.tensor([0.4]) + torch.tensor([0.3]))
+    assert acc.early

@@ -11,9 +11,24 @@ only:
   contribution alone; a post-accumulate hook takes it and puts ``.grad`` back) and added to a
   buffer of the microbatch whose task produced it. ``.grad`` itself never changes then.
 - A microbatch's buffer is *folded* into ``.grad`` (``grad += buffer``, or ``grad = buffer``
-  if there was none) once that microbatch's backward is complete on every rank (the driver's
-  step function returned; elsewhere its ``MbDone`` note) and every earlier microbatch is
-  folded; what is left is folded in order at the end of the step.
+  if there was none) once that microbatch's backward is complete on this rank and every
+  earlier microbatch is folded; what is left is folded in order at the end of the step.
+  Complete means: the driver's step function returned (:meth:`complete`, and its ``MbDone``
+  note elsewhere), or, sooner, this rank saw that every call of the microbatch it served has
+  run its only backward (:meth:`complete_locally`; see
+  :meth:`smp_pipeline.autograd.CallRecords.finish`). A stage's last fold, and so a
+  data-parallel reduction hooked on folds, thus starts as soon as its own backward is done,
+  while earlier stages still run theirs.
+- *Streaming*: where a microbatch's backward on this rank is one engine run (the driver's
+  step, or the only call it served, joined, asked once; see
+  :meth:`smp_pipeline.autograd.CallRecords.single_run`), each parameter gets one contribution
+  from it, final when it arrives. If the parameter's gradient of every earlier microbatch is
+  in ``.grad`` already (folded, or streamed itself), the contribution is added to ``.grad``
+  right away instead of buffered. The same sums in the same order per parameter, but fold
+  hooks run as the backward reaches each parameter (on the first stage, its backward of
+  the last microbatch, typically), not after the microbatch.
+- Parameters of a microbatch are folded in reverse registration order, roughly the order
+  backward produces them and the order a data-parallel reducer launches its buckets in.
 
 This is what one process computes accumulating the microbatches in order (each
 ``(loss_i / m).backward()``): autograd's per-run sum of a parameter's uses, then
@@ -26,6 +41,12 @@ process in any order (addition is commutative).
 Memory: one gradient-sized buffer per parameter and per microbatch whose backward reached the
 parameter here but is not folded yet (bounded by the microbatches in flight).
 
+A contribution arriving for a microbatch already folded (only if a step function runs
+forward and backward again after a backward in one microbatch: the rank's records said that
+microbatch was done) is added to ``.grad`` directly; the sum is right but its order may
+differ, so it warns and from then on folds wait for the driver's word (no local completion,
+no streaming).
+
 Hooks run wherever autograd runs, always while the execution token is held, so the task
 holding it (``current_mb``) names the microbatch; no lock is needed. Users who need to know
 when gradients land use :meth:`GradAccumulator.register_fold_hook` instead of
@@ -34,6 +55,7 @@ when gradients land use :meth:`GradAccumulator.register_fold_hook` instead of
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, cast
 
@@ -63,11 +85,24 @@ class GradAccumulator:
             parameter's gradient is final as soon as its last backward ran here, which lets a
             data-parallel reduction overlap the rest of the pipeline's backward); fold hooks
             are then plain post-accumulate hooks.
+        single_run: ``single_run(step, mb)``: whether microbatch ``mb``'s backward on this
+            rank is one engine run (asked at its first contribution, once the microbatch's
+            forward is over): its contributions may then be streamed (module doc).
     """
 
-    def __init__(self, current_mb: Callable[[], int | None], enabled: bool = True) -> None:
+    def __init__(
+        self,
+        current_mb: Callable[[], int | None],
+        enabled: bool = True,
+        single_run: Callable[[int, int], bool] | None = None,
+    ) -> None:
         self._current_mb = current_mb
         self.enabled = enabled
+        self._single_run = single_run
+        self._single: dict[int, bool] = {}  # mb -> single_run's answer, this step
+        self._streamed: dict[int, set[int]] = {}  # mb -> id(param) streamed into .grad
+        # Local completion and streaming: off for good after a late contribution (module doc).
+        self.early = True
         self._params: list[torch.Tensor] = []  # tracked, in a fixed order (fold order)
         self._tracked: dict[int, torch.Tensor] = {}
         self._handles: list[Any] = []
@@ -133,7 +168,12 @@ class GradAccumulator:
         mb = self._current_mb()
         if mb is None or mb < self._next:
             # Outside a microbatch's task, or after its microbatch was folded: no order to
-            # keep (never happens in a pipelined step); accumulate as autograd would.
+            # keep; accumulate as autograd would.
+            if mb is not None:
+                self._late(mb)
+            self._add_to_grad(p, contribution)
+            return
+        if self._stream(key, mb):
             self._add_to_grad(p, contribution)
             return
         buffers = self._buffers.get(mb)
@@ -146,6 +186,46 @@ class GradAccumulator:
         else:
             buf += contribution
 
+    def _stream(self, key: int, mb: int) -> bool:
+        """Whether this contribution of microbatch ``mb`` to parameter ``key`` goes straight
+        to ``.grad`` (module doc): ``mb`` is one engine run here, nothing of it is buffered
+        for the parameter, and every earlier unfolded microbatch streamed the parameter."""
+        if not self.early:
+            return False
+        single = self._single.get(mb)
+        if single is None:
+            assert self._step is not None
+            ask = self._single_run
+            single = self._single[mb] = ask is not None and ask(self._step, mb)
+        if not single or key in self._buffers.get(mb, ()):
+            return False
+        streamed = self._streamed.setdefault(mb, set())
+        if key in streamed:
+            # A second contribution in "one engine run" (a reentrant checkpoint, a second
+            # backward in the step function): in order unless a later microbatch streamed it.
+            if any(key in s for k, s in self._streamed.items() if k > mb):
+                self._late(mb)
+            return True
+        if all(key in self._streamed.get(k, ()) for k in range(self._next, mb)):
+            streamed.add(key)
+            return True
+        return False
+
+    def _late(self, mb: int) -> None:
+        """A gradient of ``mb`` arrived out of order: warn once, fold only on the driver's
+        word from now on (module doc)."""
+        if not self.early:
+            return
+        self.early = False
+        warnings.warn(
+            f"deterministic accumulation: a gradient of microbatch {mb} arrived after a later "
+            "microbatch's was added, or after it was folded (a step function that runs "
+            "forward and backward again after its backward?); from now on folds wait for the "
+            "driver's step function to return",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
     # ------------------------------------------------------------------ steps
     def begin(self, step: int) -> None:
         """Start accumulating ``step``'s gradients in microbatch order."""
@@ -153,6 +233,8 @@ class GradAccumulator:
         self._aside.clear()
         self._buffers.clear()
         self._complete.clear()
+        self._single.clear()
+        self._streamed.clear()
         self._next = 0
 
     def complete(self, step: int, mb: int) -> None:
@@ -164,7 +246,14 @@ class GradAccumulator:
         while self._next in self._complete:
             self._complete.discard(self._next)
             self._fold(self._next)
+            self._streamed.pop(self._next, None)
             self._next += 1
+
+    def complete_locally(self, step: int, mb: int) -> None:
+        """This rank's backward of microbatch ``mb`` is complete by its own records: fold as
+        :meth:`complete` does (unless a late contribution turned local completion off)."""
+        if self.early:
+            self.complete(step, mb)
 
     def end(self) -> None:
         """The step ended (or failed): fold what is left in microbatch order and stop."""
@@ -178,12 +267,14 @@ class GradAccumulator:
         self._step = None
         self._aside.clear()
         self._complete.clear()
+        self._single.clear()
+        self._streamed.clear()
 
     def _fold(self, mb: int) -> None:
         buffers = self._buffers.pop(mb, None)
         if not buffers:
             return
-        for p in self._params:
+        for p in reversed(self._params):  # backward's order: a reducer's buckets leave sooner
             buf = buffers.get(id(p))
             if buf is not None:
                 self._add_to_grad(p, buf)

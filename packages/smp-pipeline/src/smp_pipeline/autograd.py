@@ -44,6 +44,12 @@ each firing is its own request, and each response carries only the gradient accu
 the previous response (input leaves' ``.grad`` is reset after being sent). The price: local
 graph shared by two segments (a residual path around a remote call) is differentiated
 once per segment, which joined mode avoids.
+
+A caller whose backward is one engine run (:attr:`Context.single_run`: a root, or a call
+asked once, with no segment-mode call) marks its requests ``once``: each of its calls gets
+that one request, so an owner that answered every call of a microbatch it served knows its
+backward of the microbatch is complete (:meth:`CallRecords.finish`) without waiting for the
+driver, and gradients can be folded (:mod:`smp_pipeline.accumulation`).
 """
 
 from __future__ import annotations
@@ -68,6 +74,15 @@ class Context:
         # A remote call made in this context uses segment mode: backward may run through this
         # context's graph more than once, so it must be retained (joined mode frees it).
         self.segment_calls = False
+        # Backward reaches this context once only (a root; a call whose caller said so).
+        self.once = False
+
+    @property
+    def single_run(self) -> bool:
+        """Whether this context's backward is one engine run, never repeated: reached once,
+        and no segment-mode call (whose responses would start further segments here). Its
+        joined calls then get one backward request each, and that is their last."""
+        return self.once and not self.segment_calls
 
 
 class RootContext(Context):
@@ -76,6 +91,7 @@ class RootContext(Context):
     def __init__(self, step: int, mb: int) -> None:
         super().__init__(step, mb)
         self.admitted = False  # the schedule let this microbatch's backward start
+        self.once = True  # the step function's backward(loss)
 
 
 class IncomingCall(Context):
@@ -88,6 +104,7 @@ class IncomingCall(Context):
         self.inputs = inputs  # leaves that require grad, in flat order
         self.outputs: list[torch.Tensor] = []  # outputs that require grad, in flat order
         self.open: list[int] = []  # backward request numbers awaiting a response
+        self.finished = False  # its only backward request is answered (CallRecords.finish)
 
 
 class OutgoingCall:
@@ -178,6 +195,32 @@ class CallRecords:
         self.outgoing: dict[CallKey, OutgoingCall] = {}
         self.incoming: dict[CallKey, IncomingCall] = {}
         self.roots: dict[tuple[int, int], RootContext] = {}
+        # The incoming calls that may run backward here, per (step, microbatch).
+        self._served: dict[tuple[int, int], list[IncomingCall]] = {}
+
+    def add_incoming(self, rec: IncomingCall) -> None:
+        """Keep the record of a served call whose outputs require grad."""
+        self.incoming[rec.key] = rec
+        self._served.setdefault((rec.step, rec.mb), []).append(rec)
+
+    def finish(self, rec: IncomingCall) -> bool:
+        """``rec`` answered its only backward request (``rec.once``): True if with it every
+        call of its microbatch served here did, and no step function of it runs here (the
+        driver's own backward ends with its step function). The microbatch's backward is
+        then complete on this rank: every forward request of a microbatch is answered before
+        its first backward request is sent, so no further call of it can come."""
+        rec.finished = True
+        key = (rec.step, rec.mb)
+        return key not in self.roots and all(r.finished for r in self._served.get(key, ()))
+
+    def single_run(self, step: int, mb: int) -> bool:
+        """Whether microbatch ``mb``'s backward on this rank is one engine run (once its
+        forward is over): one context of it here, and :attr:`Context.single_run`."""
+        contexts: list[Context] = list(self._served.get((step, mb), ()))
+        root = self.roots.get((step, mb))
+        if root is not None:
+            contexts.append(root)
+        return len(contexts) == 1 and contexts[0].single_run
 
     def new_root(self, step: int, mb: int) -> RootContext:
         root = RootContext(step, mb)
@@ -214,6 +257,7 @@ class CallRecords:
             for k in [k for k, r in d.items() if r.step == step and r.mb == mb]:
                 del d[k]
         self.roots.pop((step, mb), None)
+        self._served.pop((step, mb), None)
 
     def drop_step(self, step: int) -> None:
         """Forget every record of ``step`` and earlier."""
@@ -222,6 +266,8 @@ class CallRecords:
                 del d[k]
         for k in [k for k in self.roots if k[0] <= step]:
             del self.roots[k]
+        for k in [k for k in self._served if k[0] <= step]:
+            del self._served[k]
 
 
 def run_segment(

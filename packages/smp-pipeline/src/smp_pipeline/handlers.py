@@ -5,7 +5,7 @@ The server's main loops choose *when* a message is served (:mod:`smp_pipeline.se
 runs the module; a forward response wakes the caller waiting for it; a backward request
 starts the owner's backward segment; a backward response wakes a joined backward or starts
 the caller's segment; ``MbDone`` drops a finished microbatch's records and folds its
-gradients (:mod:`smp_pipeline.accumulation`); ``StepEnd`` is kept until the step's serve
+gradients if this rank's own records have not already (:mod:`smp_pipeline.accumulation`); ``StepEnd`` is kept until the step's serve
 loop ends; an ``Abort`` raises. A handler starts tasks and wakes
 workers through the executor; it never waits, so the main loop stays free.
 """
@@ -33,7 +33,8 @@ class MessageHandlers:
         executor: starts tasks and wakes waiting workers.
         records: the cross-rank autograd records backward messages refer to.
         remote: the task functions of cross-rank calls.
-        grads: folds a microbatch's gradients once ``MbDone`` says its backward is complete.
+        grads: folds a microbatch's gradients at the latest when ``MbDone`` says its backward
+            is complete.
     """
 
     def __init__(
@@ -106,6 +107,8 @@ class MessageHandlers:
             )
             return
         rec.open.append(msg.req)
+        if msg.once:
+            rec.once = True
         run = self.remote.run_callee_segment
         self.executor.start(Task(run, rec.mb, rec.path, "backward", rec, rec.step, msg))
 

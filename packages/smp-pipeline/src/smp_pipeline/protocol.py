@@ -66,6 +66,7 @@ class BwdReq:
     step: int
     mb: int
     joined: bool  # joined mode: answered once, so the owner may free its graph
+    once: bool  # the caller's backward is one run: no further request for this call comes
     grads: Packed
 
 

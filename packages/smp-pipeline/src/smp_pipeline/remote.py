@@ -51,6 +51,7 @@ class RemoteCalls:
         records: CallRecords,
         execute: Execute,
         backward_mode: str,
+        on_backward_done: Callable[[int, int], None] | None = None,
     ) -> None:
         self.pp_rank = pp_rank
         self.transport = transport
@@ -58,6 +59,8 @@ class RemoteCalls:
         self.records = records
         self.execute = execute
         self.backward_mode = backward_mode
+        # (step, mb): this rank's backward of the microbatch is complete by its own records.
+        self.on_backward_done = on_backward_done
         self._calls = itertools.count()
         self._bwd_reqs = itertools.count()
 
@@ -136,7 +139,7 @@ class RemoteCalls:
         flags = [bool(msg.grad and t.requires_grad) for t in tensors]
         if any(flags):
             rec.outputs = [t for t, f in zip(tensors, flags) if f]
-            self.records.incoming[msg.key] = rec
+            self.records.add_incoming(rec)
         resp = FwdResp(
             self.pp_rank,
             msg.key,
@@ -191,7 +194,7 @@ class RemoteCalls:
             call.dest,
             BwdReq(
                 self.pp_rank, call.key, req, call.path, call.step, call.mb, joined,
-                pack(grads, False),
+                call.parent.single_run, pack(grads, False),
             ),
         )  # fmt: skip
         return key
@@ -247,6 +250,11 @@ class RemoteCalls:
         if isinstance(ctx, IncomingCall):
             for resp in self.records.responses(ctx):
                 self.transport.send(ctx.key[0], resp)
+            # Answered (the caller first: it waits), its last request: maybe the microbatch's
+            # backward is complete here, and its gradients can be folded.
+            if ctx.once and not ctx.open and self.records.finish(ctx):
+                if self.on_backward_done is not None:
+                    self.on_backward_done(ctx.step, ctx.mb)
         elif isinstance(ctx, RootContext):
             key = ("bwd_done", ctx.step, ctx.mb)
             if key in self.executor.waiting:

@@ -24,11 +24,12 @@ from smp_pipeline.checkpointing import (
     plan_checkpointing,
 )
 from smp_pipeline.dispatch import ModuleDispatch
-from smp_pipeline.errors import PipelineConfigError, PipelineError
+from smp_pipeline.errors import PipelineConfigError
 from smp_pipeline.execution_state import capture
 from smp_pipeline.microbatch import split_microbatches
 from smp_pipeline.order import OrderChannel
-from smp_pipeline.partition import canonical_modules, partition_model, resolve_assignment
+from smp_pipeline.ownership import Ownership, merge_state_dicts
+from smp_pipeline.partition import partition_model, resolve_assignment
 from smp_pipeline.schedule import Scheduler, ScheduleSpec
 from smp_pipeline.server import ExecutionServer
 from smp_pipeline.timeline import plot_timeline, write_chrome_trace
@@ -67,9 +68,10 @@ class PipelineRuntime:
             tensors; ``"joined"`` / ``"segments"`` force one (every rank must agree).
         deterministic_accumulation: sum each parameter's microbatch gradients in microbatch
             order whatever the timing (bit-identical runs; see
-            :mod:`smp_pipeline.accumulation`). False leaves the order to autograd: the last
-            bits may differ run to run, but a stage's gradients are final as soon as its own
-            last backward ran, so a data-parallel reduction can overlap other stages' backward.
+            :mod:`smp_pipeline.accumulation`). A stage still folds its last microbatch as soon
+            as its own backward of it is done (joined mode), so a data-parallel reduction
+            hooked on folds overlaps the earlier stages' backward. False leaves the order to
+            autograd: the last bits may differ run to run.
     """
 
     def __init__(
@@ -112,10 +114,9 @@ class PipelineRuntime:
         self.tag = tag
         self.trace_device = trace_device
         self._ckpt_config: dict[str, str | None] = dict(checkpointing or {})
-        self.assignment: dict[str, int] | None = None
+        self._ownership = Ownership(module, pp_rank)
         self.plan = CheckpointPlan()
         self._dispatch = ModuleDispatch(module, pp_rank)
-        self._modules = self._dispatch.modules
         self._tracing = False
         self._num_microbatches = 1
         self._local_params: list[nn.Parameter] = []
@@ -156,7 +157,7 @@ class PipelineRuntime:
             raise PipelineConfigError("the model is already partitioned")
         full = resolve_assignment(self.module, assignment, self.pp_size)
         self.plan = plan_checkpointing(self.module, self._ckpt_config, full)
-        self.assignment = full
+        self._ownership.assignment = full
         self._dispatch.install(full, self.plan, self.server)
         self._local_params = self.local_parameters()
         self.server.grads.track(self._local_params)
@@ -316,30 +317,23 @@ class PipelineRuntime:
         self.server.backward(ts, grads)
 
     # ------------------------------------------------------------------ parameters and state
+    # (What this rank owns follows from the placement: see smp_pipeline.ownership.)
+    @property
+    def assignment(self) -> dict[str, int] | None:
+        """The placement ``{canonical module path: pp rank}`` (None before partitioning)."""
+        return self._ownership.assignment
+
     def owned_modules(self) -> list[str]:
         """Canonical paths of the modules this rank owns (all, before partitioning)."""
-        if self.assignment is None:
-            return list(self._modules)
-        return [p for p, r in self.assignment.items() if r == self.pp_rank]
+        return self._ownership.owned_modules()
 
     def owner(self, path: str) -> int:
         """The pp rank owning module ``path`` (any alias path works)."""
-        if self.assignment is None:
-            raise PipelineError("the model is not partitioned yet")
-        by_alias = dict(self.module.named_modules(remove_duplicate=False))
-        if path not in by_alias:
-            raise PipelineConfigError(f"no module '{path}'")
-        return self.assignment[canonical_modules(self.module)[id(by_alias[path])]]
+        return self._ownership.owner(path)
 
     def named_local_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """``(name, parameter)`` for the parameters of owned modules (tied ones once)."""
-        owned = set(self.owned_modules())
-        out = []
-        for name, p in self.module.named_parameters():
-            mod = name.rsplit(".", 1)[0] if "." in name else ""
-            if self._canonical(mod) in owned:
-                out.append((name, p))
-        return out
+        return self._ownership.named_local_parameters()
 
     def local_parameters(self) -> list[nn.Parameter]:
         """The parameters this rank trains (give these to the optimizer / DP all-reduce)."""
@@ -355,46 +349,14 @@ class PipelineRuntime:
         folded in order."""
         return self.server.grads.register_fold_hook(param, hook)
 
-    def _canonical(self, alias: str) -> str:
-        by_alias = getattr(self, "_alias_cache", None)
-        if by_alias is None:
-            canon = canonical_modules(self.module)
-            by_alias = {
-                n: canon[id(m)] for n, m in self.module.named_modules(remove_duplicate=False)
-            }
-            self._alias_cache = by_alias
-        return by_alias[alias]
-
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """The entries of ``module.state_dict()`` that belong to owned modules."""
-        owned = set(self.owned_modules())
-        out = {}
-        for key, value in self.module.state_dict().items():
-            mod = key.rsplit(".", 1)[0] if "." in key else ""
-            if self._canonical(mod) in owned:
-                out[key] = value
-        return out
+        return self._ownership.local_state_dict()
 
     def load_state_dict_local(self, state_dict: Mapping[str, torch.Tensor]) -> list[str]:
-        """Copy the owned entries of a full (or local) state dict into this rank's modules.
-
-        Entries of modules owned elsewhere are ignored. Returns the keys loaded here.
-        """
-        own = self.local_state_dict()
-        live = self.module.state_dict(keep_vars=True)
-        loaded = []
-        with torch.no_grad():
-            for key, value in state_dict.items():
-                if key in own:
-                    target = live[key]
-                    if target.shape != value.shape:
-                        raise PipelineConfigError(
-                            f"state dict entry '{key}' has shape {tuple(value.shape)}, the model "
-                            f"has {tuple(target.shape)}"
-                        )
-                    target.copy_(value)
-                    loaded.append(key)
-        return loaded
+        """Copy the owned entries of a full (or local) state dict into this rank's modules
+        (entries of modules owned elsewhere are ignored); returns the keys loaded here."""
+        return self._ownership.load_state_dict_local(state_dict)
 
     def full_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
         """Collective: gather the full ``state_dict`` (loadable into the unwrapped model).
@@ -403,13 +365,7 @@ class PipelineRuntime:
         """
         local = {k: v.detach().cpu() for k, v in self.local_state_dict().items()}
         parts = self._gather(local, dst)
-        if parts is None:
-            return None
-        merged: dict[str, torch.Tensor] = {}
-        for part in parts:
-            merged.update(part)
-        order = list(self.module.state_dict().keys())
-        return {k: merged[k] for k in order if k in merged}
+        return None if parts is None else merge_state_dicts(self.module, parts)
 
     # ------------------------------------------------------------------ timeline
     def timeline_events(self) -> list[tuple[int, int, str, str, float, float]]:

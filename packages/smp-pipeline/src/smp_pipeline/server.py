@@ -108,10 +108,13 @@ class ExecutionServer:
         )
         self.records = CallRecords(pp_rank)
         # Gradients of this rank's parameters, summed in microbatch order (see accumulation).
-        self.grads = GradAccumulator(self._current_mb, deterministic_accumulation)
-        self.remote = RemoteCalls(
-            pp_rank, self.transport, self.executor, self.records, execute, backward_mode
+        self.grads = GradAccumulator(
+            self._current_mb, deterministic_accumulation, self.records.single_run
         )
+        self.remote = RemoteCalls(
+            pp_rank, self.transport, self.executor, self.records, execute, backward_mode,
+            self.grads.complete_locally,
+        )  # fmt: skip
         self.handlers = MessageHandlers(
             pp_rank, self.transport, self.executor, self.records, self.remote, self.grads
         )
