@@ -98,7 +98,11 @@ def test_speed_recompute_mlp_activation_saves_the_pre_activation_only() -> None:
         layer = smp_tp.DistributedTransformerOutputLayer(32, 64, 0.0, "gelu", optimize="speed",
                                                          recompute_mlp_activation=recompute)
         saved: list[torch.Tensor] = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        def pack(t: torch.Tensor, saved: list = saved) -> torch.Tensor:
+            saved.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             y = layer(torch.randn(2, 5, 32, requires_grad=True))
         y.sum().backward()
         # distinct storages holding 2 x 5 x 64 elements (3-D or flattened views)
