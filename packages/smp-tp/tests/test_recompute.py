@@ -1,5 +1,6 @@
 """Selective recomputation in one process (degree 1) — optimize="memory" with
-recompute_activations, optimize="speed" with recompute_attention (attention core only):
+recompute_activations, optimize="speed" with recompute_attention (attention core only) and
+recompute_mlp_activation (the MLP's activation function only), each alone and together:
 recomputing gives bit-for-bit the forward and gradients of the plain computation, dropout
 included.
 (The multi-rank versions, and the saved-byte counts, are in scripts/check_modules.py.)"""
@@ -18,10 +19,20 @@ CASES = {
 }
 
 
-def run(recompute: bool, case: str, autocast: bool, optimize: str = "memory") -> list[torch.Tensor]:
+# option: (optimize, the recompute keywords it switches on)
+OPTIONS = {
+    "memory": ("memory", ("recompute_activations",)),
+    "speed": ("speed", ("recompute_attention",)),
+    "speed_mlp": ("speed", ("recompute_mlp_activation",)),
+    "speed_both": ("speed", ("recompute_attention", "recompute_mlp_activation")),
+}
+
+
+def run(recompute: bool, case: str, autocast: bool, option: str = "memory") -> list[torch.Tensor]:
     smp_tp.set_tensor_parallel_seed(7)
     torch.manual_seed(0)
-    switch = dict(recompute_activations=recompute) if optimize == "memory" else dict(recompute_attention=recompute)
+    optimize, keys = OPTIONS[option]
+    switch = dict.fromkeys(keys, recompute)
     layer = smp_tp.DistributedTransformerLayer(
         4, 8, 32, 64, 0.25, 0.25, optimize=optimize, **switch, **CASES[case])
     gen = torch.Generator().manual_seed(1)
@@ -38,11 +49,11 @@ def run(recompute: bool, case: str, autocast: bool, optimize: str = "memory") ->
     return outs + grads + [p.grad for p in layer.parameters()]
 
 
-@pytest.mark.parametrize("optimize", ["memory", "speed"])
+@pytest.mark.parametrize("option", sorted(OPTIONS))
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("autocast", [False, True])
-def test_recompute_is_bitwise_identical(case: str, autocast: bool, optimize: str) -> None:
-    got, want = run(True, case, autocast, optimize), run(False, case, autocast, optimize)
+def test_recompute_is_bitwise_identical(case: str, autocast: bool, option: str) -> None:
+    got, want = run(True, case, autocast, option), run(False, case, autocast, option)
     assert not torch.equal(got[0], got[1])  # dropout on: the two calls differ
     for i, (g, w) in enumerate(zip(got, want)):
         assert g is not None and w is not None, i
@@ -77,6 +88,26 @@ def test_speed_recompute_attention_saves_no_scores() -> None:
         shapes[recompute] = saved
     assert (2, 4, 5, 5) in shapes[False]
     assert (2, 4, 5, 5) not in shapes[True]
+
+
+def test_speed_recompute_mlp_activation_saves_the_pre_activation_only() -> None:
+    """recompute_mlp_activation: the MLP stores its (tokens, intermediate) pre-activation once
+    (not also the activation's output); without the option it stores both."""
+    counts: dict[bool, int] = {}
+    for recompute in (False, True):
+        layer = smp_tp.DistributedTransformerOutputLayer(32, 64, 0.0, "gelu", optimize="speed",
+                                                         recompute_mlp_activation=recompute)
+        saved: list[torch.Tensor] = []
+        def pack(t: torch.Tensor, saved: list = saved) -> torch.Tensor:
+            saved.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = layer(torch.randn(2, 5, 32, requires_grad=True))
+        y.sum().backward()
+        # distinct storages holding 2 x 5 x 64 elements (3-D or flattened views)
+        counts[recompute] = len({t.untyped_storage().data_ptr() for t in saved if t.numel() == 2 * 5 * 64})
+    assert counts == {False: 2, True: 1}, counts
 
 
 def test_recompute_helpers_save_less() -> None:

@@ -58,7 +58,9 @@ BUILDERS = {
                                                         pre_layernorm=True, post_layernorm=False, **k),
         lambda s: [(torch.randint(0, 97, (B, S), generator=torch.Generator().manual_seed(s)), False)]),
 }
-OPTIONS = {"sp": dict(sequence_parallel=True), "sp+recompute": dict(sequence_parallel=True, recompute_attention=True)}
+OPTIONS = {"sp": dict(sequence_parallel=True), "sp+recompute": dict(sequence_parallel=True, recompute_attention=True),
+           "sp+recompute+mlp": dict(sequence_parallel=True, recompute_attention=True, recompute_mlp_activation=True),
+           "mlp": dict(sequence_parallel=True, recompute_mlp_activation=True)}  # the MLP block's own
 
 
 def compare(name: str, option: str) -> None:
@@ -90,10 +92,10 @@ def compare(name: str, option: str) -> None:
         log(f"{label}: OK")
 
 
+# the MLP block has no attention, the attention block no MLP
+ONLY = {"output_gelu": ("sp", "mlp"), "attention_post": ("sp", "sp+recompute")}
 for name in BUILDERS:
-    for option in OPTIONS:
-        if option == "sp+recompute" and name == "output_gelu":
-            continue  # no attention in the MLP block
+    for option in ONLY.get(name, ("sp", "sp+recompute", "sp+recompute+mlp")):
         check(f"{name}/{option}", compare, name, option)
 
 
@@ -123,6 +125,39 @@ def counts() -> None:
 check("counts", counts)
 
 
+def bitwise() -> None:
+    """With dropout on, each recomputation option gives bit-for-bit the outputs (two calls:
+    the dropout streams move on), input gradients and parameter gradients of storing."""
+    def run(label: str, **kw) -> list[torch.Tensor]:
+        smp_tp.set_tensor_parallel_seed(7)
+        torch.manual_seed(0)
+        with smp_tp.tp_config(optimize="speed"):
+            m = smp_tp.DistributedTransformer(2, 4, 4, H, 32, 0.2, 0.2, "gelu_new", causal_mask_size=S,
+                                              pre_layernorm=True, post_layernorm=False, **kw)
+        x = hidden(200 + rank).requires_grad_(True)
+        ys = [m(x), m(x)]
+        (ys[0].pow(2).mean() + ys[1].pow(3).mean()).backward()
+        return [*ys, x.grad, *(p.grad for p in m.parameters())]
+
+    for sp in (False, True):
+        want = run("stored", sequence_parallel=sp)
+        if torch.equal(want[0], want[1]):
+            raise AssertionError("dropout is off: the two calls are equal")
+        for label, kw in (("recompute", dict(recompute_attention=True)),
+                          ("mlp", dict(recompute_mlp_activation=True)),
+                          ("both", dict(recompute_attention=True, recompute_mlp_activation=True))):
+            got = run(label, sequence_parallel=sp, **kw)
+            for i, (g, w) in enumerate(zip(got, want)):
+                if g is None or w is None or not torch.equal(g, w):
+                    diff = None if g is None or w is None else (g - w).abs().max().item()
+                    raise AssertionError(f"sp={sp} {label}: tensor {i} differs from storing ({diff})")
+    if rank == 0:
+        log("bitwise: recompute_attention / recompute_mlp_activation / both == stored, with and without sp")
+
+
+check("bitwise", bitwise)
+
+
 def saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
@@ -143,15 +178,21 @@ def saved() -> None:
     got = {}
     for name, kw in (("speed", {}), ("sp", dict(sequence_parallel=True)),
                      ("sp+recompute", dict(sequence_parallel=True, recompute_attention=True)),
+                     ("sp+recompute+mlp", dict(sequence_parallel=True, recompute_attention=True,
+                                               recompute_mlp_activation=True)),
                      ("recompute", dict(recompute_attention=True))):
         torch.manual_seed(0)
         layer = smp_tp.DistributedTransformerLayer(4, 16, 64, 256, 0.1, 0.1, optimize="speed", **kw)
         got[name] = saved_bytes(layer, torch.randn(2, 32, 64, requires_grad=True))
     if not got["sp+recompute"] < got["sp"] < got["speed"] or not got["sp+recompute"] < got["recompute"] < got["speed"]:
         raise AssertionError(f"saved bytes {got}")
+    # the activation function's output, (tokens of the TP group, intermediate / T) floats, is no longer stored
+    if got["sp+recompute"] - got["sp+recompute+mlp"] != 2 * T * 32 * 256 // T * 4:
+        raise AssertionError(f"saved bytes {got}: recompute_mlp_activation should drop one (tokens, 256/T) tensor")
     if rank == 0:
         log(f"saved bytes per rank (tp={T}): {got}; sp/speed {got['sp'] / got['speed']:.3f}, "
-            f"sp+recompute/speed {got['sp+recompute'] / got['speed']:.3f}")
+            f"sp+recompute/speed {got['sp+recompute'] / got['speed']:.3f}, "
+            f"sp+recompute+mlp/speed {got['sp+recompute+mlp'] / got['speed']:.3f}")
 
 
 check("saved bytes", saved)

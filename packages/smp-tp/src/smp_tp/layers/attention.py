@@ -191,9 +191,9 @@ class DistributedAttentionLayer(RegionModule):
         bs = torch.cat([getattr(self, n).bias for n in names])
         if self.sequence_parallel:
             if kv_src is None:
-                return gathered_linear(a, torch.cat(ws), bs, g).chunk(3, dim=-1)
+                return gathered_linear(a, ws, bs, g).chunk(3, dim=-1)
             q = gathered_linear(a, ws[0], self.query.bias, g)
-            kv = gathered_linear(kv_src, torch.cat(ws[1:]), bs[bs.shape[0] // 3:], g)
+            kv = gathered_linear(kv_src, ws[1:], bs[bs.shape[0] // 3:], g)
             return (q, *kv.chunk(2, dim=-1))
         if self.optimize == "speed":
             a = bwd_allreduce_for_tp(a, g)

@@ -29,6 +29,10 @@ class DistributedTransformerOutputLayer(RegionModule):
 
     ``recompute_activations`` (default True; ``optimize="memory"`` only): save the
     pre-activation instead of ``activation(pre)`` and redraw the dropout mask in backward.
+    ``recompute_mlp_activation`` (default False; ``optimize="speed"``, either batch mode):
+    the same for the speed layout's MLP — only the pre-activation is stored and the
+    activation function (elementwise, no matmul) is rerun in backward; bit-for-bit the same
+    results. The memory layout ignores it (``recompute_activations`` covers it there).
     ``sequence_parallel`` (``optimize="speed"``, scaled batch): see
     :class:`~smp_tp.DistributedAttentionLayer`.
     """
@@ -54,12 +58,14 @@ class DistributedTransformerOutputLayer(RegionModule):
         prescaled_batch: bool | None = None,
         optimize: str | None = None,
         recompute_activations: bool = True,
+        recompute_mlp_activation: bool = False,
         sequence_parallel: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__(tp_group=tp_group, prescaled_batch=prescaled_batch, optimize=optimize)
         self.recompute_activations = bool(recompute_activations)
+        self.recompute_mlp_activation = bool(recompute_mlp_activation)
         self.sequence_parallel = check_sequence_parallel(self, sequence_parallel)
         if activation not in ACTIVATIONS:
             raise ValueError(
@@ -109,14 +115,21 @@ class DistributedTransformerOutputLayer(RegionModule):
         g = self.tp_group
         a = region_layer_norm(x, self.pre_layernorm, self.eps, self.hidden_size, self) if self.pre_ln else x
         act = ACTIVATIONS[self.activation]
-        if self.sequence_parallel:
-            hid = act(gathered_linear(a, self.dense_h_to_4h.weight, self.dense_h_to_4h.bias, g))
-            o = reduce_scatter_for_tp(F.linear(hid, self.dense_4h_to_h.weight), 0, g) + self.dense_4h_to_h.bias
-            o = tp_dropout(o, self.hidden_dropout_prob, self.training, "tp_rank", g)
-        elif self.optimize == "speed":
-            hid = act(F.linear(bwd_allreduce_for_tp(a, g), self.dense_h_to_4h.weight, self.dense_h_to_4h.bias))
-            o = fwd_allreduce_for_tp(F.linear(hid, self.dense_4h_to_h.weight), g) + self.dense_4h_to_h.bias
-            o = tp_dropout(o, self.hidden_dropout_prob, self.training, "tp_shared", g)
+        if self.optimize == "speed":
+            if self.sequence_parallel:
+                pre = gathered_linear(a, self.dense_h_to_4h.weight, self.dense_h_to_4h.bias, g)
+            else:
+                pre = F.linear(bwd_allreduce_for_tp(a, g), self.dense_h_to_4h.weight, self.dense_h_to_4h.bias)
+            if self.recompute_mlp_activation and torch.is_grad_enabled():  # keep pre, not act(pre)
+                part = activation_linear(pre, self.dense_4h_to_h.weight, act)
+            else:
+                part = F.linear(act(pre), self.dense_4h_to_h.weight)
+            if self.sequence_parallel:
+                o = reduce_scatter_for_tp(part, 0, g) + self.dense_4h_to_h.bias
+                o = tp_dropout(o, self.hidden_dropout_prob, self.training, "tp_rank", g)
+            else:
+                o = fwd_allreduce_for_tp(part, g) + self.dense_4h_to_h.bias
+                o = tp_dropout(o, self.hidden_dropout_prob, self.training, "tp_shared", g)
         else:
             pre = reduce_scatter_for_tp(F.linear(a, self.dense_h_to_4h.weight), -1, g) + self.dense_h_to_4h.bias
             if self.recompute_activations and torch.is_grad_enabled():  # keep pre, not act(pre)

@@ -20,6 +20,7 @@ which needs the layer-norm gradients summed over the group; that is not implemen
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -46,31 +47,41 @@ def check_sequence_parallel(m: DistributedModule, sequence_parallel: bool) -> bo
 class _GatheredLinear(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: ProcessGroup,
+        ctx: Any, x: torch.Tensor, bias: torch.Tensor | None, group: ProcessGroup, *weights: torch.Tensor,
     ) -> torch.Tensor:
         full = _all_gather(x, 0, group, "forward")
-        ctx.save_for_backward(x, weight)
+        # the weights, not their concatenation, are saved: no copy of them lives until backward
+        ctx.save_for_backward(x, *weights)
         ctx.group, ctx.has_bias = group, bias is not None
-        return F.linear(full, weight, bias)
+        return F.linear(full, _joined(weights), bias)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> Any:
-        x, weight = ctx.saved_tensors
+        x, *weights = ctx.saved_tensors
+        weight = _joined(weights)
         # operands in the output's dtype: what autocast used in forward
         full = _all_gather(x, 0, ctx.group, "backward").to(g.dtype)
         g2 = g.reshape(-1, g.shape[-1])
         grad_x = _reduce_scatter(g.matmul(weight.to(g.dtype)), 0, ctx.group, "backward").to(x.dtype)
         grad_w = g2.t().matmul(full.reshape(-1, full.shape[-1])).to(weight.dtype)
         grad_b = g2.sum(0).to(weight.dtype) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None
+        grad_ws = grad_w.split([w.shape[0] for w in weights]) if len(weights) > 1 else (grad_w,)
+        return (grad_x, grad_b, None, *grad_ws)
+
+
+def _joined(weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    return weights[0] if len(weights) == 1 else torch.cat(list(weights))
 
 
 def gathered_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: ProcessGroup,
+    x: torch.Tensor, weight: torch.Tensor | Sequence[torch.Tensor], bias: torch.Tensor | None, group: ProcessGroup,
 ) -> torch.Tensor:
     """``F.linear(all_gather(x over samples), weight, bias)``, storing only this rank's ``x``.
 
+    ``weight`` may be a sequence of weights stacked by output row (``[W_q; W_k; W_v]``): they
+    are concatenated in forward and again in backward, so the concatenation is not kept.
     Backward: all-gather ``x`` again (weight gradient) and reduce-scatter the input gradient
     by sample. Collectives: forward 1 all-gather; backward 1 all-gather + 1 reduce-scatter.
     """
-    return _GatheredLinear.apply(x, weight, bias, group)
+    weights = (weight,) if isinstance(weight, torch.Tensor) else tuple(weight)
+    return _GatheredLinear.apply(x, bias, group, *weights)

@@ -25,7 +25,8 @@ class DistributedTransformerLayer(RegionModule):
     Children: ``attention``, ``crossattention`` (when ``add_cross_attention``), ``output``.
     ``recompute_activations`` (default True) applies to ``optimize="memory"`` only,
     ``recompute_attention`` (default False: selective recomputation of the attention core)
-    to ``optimize="speed"``: see :class:`~smp_tp.DistributedAttentionLayer` and
+    and ``recompute_mlp_activation`` (default False: the MLP's activation function) to
+    ``optimize="speed"``: see :class:`~smp_tp.DistributedAttentionLayer` and
     :mod:`smp_tp.recompute`. ``sequence_parallel`` (speed layout, scaled batch): layer norms,
     residuals and dropout on this rank's samples; see :mod:`smp_tp.layers.sequence`.
     """
@@ -52,6 +53,7 @@ class DistributedTransformerLayer(RegionModule):
         optimize: str | None = None,
         recompute_activations: bool = True,
         recompute_attention: bool = False,
+        recompute_mlp_activation: bool = False,
         sequence_parallel: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
@@ -74,9 +76,11 @@ class DistributedTransformerLayer(RegionModule):
         self.add_cross_attention = add_cross_attention
         if add_cross_attention:
             self.crossattention = DistributedAttentionLayer(**attn, cross_attention=True, **mode)
+        self.recompute_mlp_activation = bool(recompute_mlp_activation)
         self.output = DistributedTransformerOutputLayer(
             hidden_size, intermediate_size, hidden_dropout_prob, activation, layernorm_epsilon,
-            initializer_range, use_normal_initialization, pre_layernorm, post_layernorm, **mode,
+            initializer_range, use_normal_initialization, pre_layernorm, post_layernorm,
+            recompute_mlp_activation=self.recompute_mlp_activation, **mode,
         )
 
     def forward_region(
@@ -122,6 +126,7 @@ class DistributedTransformer(RegionModule):
         optimize: str | None = None,
         recompute_activations: bool = True,
         recompute_attention: bool = False,
+        recompute_mlp_activation: bool = False,
         sequence_parallel: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
@@ -138,7 +143,8 @@ class DistributedTransformer(RegionModule):
                 add_cross_attention, pre_layernorm, post_layernorm,
                 tp_group=self.tp_group, prescaled_batch=self.prescaled_batch,
                 optimize=self.optimize, recompute_activations=self.recompute_activations,
-                recompute_attention=recompute_attention, sequence_parallel=self.sequence_parallel,
+                recompute_attention=recompute_attention, recompute_mlp_activation=recompute_mlp_activation,
+                sequence_parallel=self.sequence_parallel,
                 dtype=dtype, device=device,
             )
             for _ in range(num_layers)
@@ -195,6 +201,7 @@ class DistributedTransformerLMHead(DistributedModule):
         optimize: str | None = None,
         recompute_activations: bool = True,
         recompute_attention: bool = False,
+        recompute_mlp_activation: bool = False,
         sequence_parallel: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
@@ -220,7 +227,7 @@ class DistributedTransformerLMHead(DistributedModule):
             initializer_range, use_normal_initialization, causal_mask_size, add_cross_attention,
             pre_layernorm, post_layernorm, optimize=self.optimize,
             recompute_activations=self.recompute_activations, recompute_attention=recompute_attention,
-            sequence_parallel=sequence_parallel, **mode,
+            recompute_mlp_activation=recompute_mlp_activation, sequence_parallel=sequence_parallel, **mode,
         )
         if pre_layernorm:
             self.layernorm = DistributedLayerNorm(hidden_size, layernorm_epsilon, **mode)
