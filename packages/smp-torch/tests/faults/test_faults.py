@@ -216,11 +216,16 @@ def _launch(case: Case, root: str = "") -> Job:
         if _state(pid) not in (None, "Z", "X"):
             os.kill(pid, signal.SIGKILL)
     job = Job(rc, lines, pids, ended, finished, out="\n".join(lines))
-    for line in lines:
-        m = re.match(r"\[(\d+)\] ?(.*)", line)
-        if m:
-            text = re.sub(r"\[\d+\]\s*$", "", m.group(2))
-            job.by_rank.setdefault(int(m.group(1)), []).append(text)
+    # Hydra labels every *write* of rank r with "[r] ", not every line: a line a rank writes
+    # in pieces (Python prints a traceback's last line that way) arrives with labels inside
+    # it, possibly with another rank's writes in between. Splitting the whole output at the
+    # labels gives back each rank's own stream (content never holds "[digits] ").
+    streams: dict[int, list[str]] = {}
+    pieces = re.split(r"\[(\d+)\] ", job.out)
+    for label, text in zip(pieces[1::2], pieces[2::2]):
+        streams.setdefault(int(label), []).append(text)
+    for rank, texts in streams.items():
+        job.by_rank[rank] = "".join(texts).splitlines()
     return job
 
 
