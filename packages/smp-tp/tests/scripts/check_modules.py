@@ -9,7 +9,18 @@ from __future__ import annotations
 
 import smp_tp
 import torch
-from common import FAILURES, check, close, close_dicts, finish, gather_batch, log, randomize, setup
+from common import (
+    FAILURES,
+    check,
+    close,
+    close_dicts,
+    finish,
+    gather_batch,
+    log,
+    randomize,
+    saved_bytes,
+    setup,
+)
 from torch import nn
 
 rank, T, single = setup()
@@ -429,22 +440,6 @@ for prescaled in (False, True):
 
 
 # ---- saved activation bytes of one layer per rank (deterministic; the bench's figure)
-def saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = model(x)
-    y.sum().backward()
-    return sum(seen.values())
-
-
 def saved_activation_counts() -> None:
     b, s, h, n, d, inter = 2, 32, 64, 4, 16, 256
     A, N, rng = n * d, T * b * s, torch.Generator().get_state().numel()

@@ -6,28 +6,24 @@ activations per rank against the plain speed layout; the errors for prescaled/me
 
 from __future__ import annotations
 
-import os
-import traceback
-
 import smp_tp
 import torch
-from common import close, close_dicts, finish, gather_batch, log, randomize, setup
-from torch import nn
+from common import (
+    FAILURES,
+    check,
+    close,
+    close_dicts,
+    finish,
+    gather_batch,
+    log,
+    randomize,
+    saved_bytes,
+    setup,
+)
 
 rank, T, single = setup()
-failures: list[str] = []
+failures = FAILURES
 B, S, H = 2, 6, 16
-
-
-def check(label: str, fn, *args) -> None:
-    if os.environ.get("SMP_TP_VERBOSE"):
-        log("check", label)
-    try:
-        fn(*args)
-    except Exception:
-        if os.environ.get("SMP_TP_FAILFAST"):
-            raise
-        failures.append(f"{label}: {traceback.format_exc()}")
 
 
 def hidden(seed: int, s: int = S) -> torch.Tensor:
@@ -157,21 +153,6 @@ def bitwise() -> None:
 
 check("bitwise", bitwise)
 
-
-def saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = model(x)
-    y.sum().backward()
-    return sum(seen.values())
 
 
 def saved() -> None:

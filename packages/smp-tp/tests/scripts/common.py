@@ -138,3 +138,21 @@ def check(label: str, fn: Callable[..., object], *args: object) -> None:
         if os.environ.get("SMP_TP_FAILFAST"):
             raise
         FAILURES.append(f"{label}: {traceback.format_exc()}")
+
+
+def saved_bytes(model: torch.nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd saves for backward in one forward of
+    ``model`` on ``x`` (parameters excluded); runs the backward too."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = model(x)
+    y.sum().backward()
+    return sum(seen.values())
