@@ -25,5 +25,14 @@ def test_without_a_deadline_the_launcher_kills_the_job(tmp_path: Path) -> None:
         out = run_mpi([str(SCRIPT), str(tmp_path), "none"], 3, timeout=90)
     except MPIRunError as failed:  # (the launcher's status: 9, or 0 if it saw rank 0 first)
         out = str(failed)
-    assert "after MPI finalized; leaving with status 0" in out, out
+    assert "after MPI finalized (the exit deadline passed); leaving with status 0" in out, out
     assert "rank 2 exits normally" not in out, out  # killed by the launcher
+
+
+def test_exit_ends_once_every_peer_has_ended(tmp_path: Path) -> None:
+    """A thread blocked for good (a module that never returns) holds the exit only until
+    every other rank's process has ended, not until the deadline (60 s ahead here): rank 1
+    leaves about when rank 0 ends, and the launcher kills nobody (rank 0 ends normally)."""
+    out = run_mpi([str(SCRIPT), str(tmp_path), "peers_ended"], 2, timeout=40)
+    assert "rank 0 exits normally" in out, out
+    assert "after MPI finalized (every other rank has ended); leaving with status 0" in out, out

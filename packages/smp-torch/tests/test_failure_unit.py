@@ -35,11 +35,15 @@ def test_peer_processes_sees_a_killed_process_even_unreaped() -> None:
         peers = PeerProcesses(0, [me, child_info, wrong], [0, 1, 2])
         assert peers.checked == [1]  # the pid that names another process is not checked
         assert peers.ended() == []
+        alone = PeerProcesses(0, [me, child_info], [0, 1])
+        assert not alone.all_ended(2)
         child.kill()
         deadline = time.monotonic() + 5
         while not peers.ended() and time.monotonic() < deadline:
             time.sleep(0.01)
         assert peers.ended() == [1]  # a zombie (not yet reaped) counts as ended
+        assert alone.all_ended(2)
+        assert not peers.all_ended(3)  # rank 2 cannot be seen: not known to have ended
     finally:
         child.kill()
         child.wait()

@@ -23,6 +23,10 @@ So, at exit, after a failed step:
    sets the one it enforces itself, so the two are one bounded sequence), at least
    :data:`AFTER_FINALIZE_S`: the peer whose end releases the call may be slow to exit on a
    loaded machine (seen: over 3 s at a load average of 13 on 2 cores);
+   The wait ends early once every other rank's process has ended (a caller's check,
+   :func:`set_peers_ended_check`: smp-torch's watcher sees same-node peers in ``/proc``):
+   nothing is left that could release the thread (it is blocked in user code, e.g. a
+   module that never returns), and nobody is left for the launcher to kill;
 3. if a thread is still blocked after that (a peer that keeps running), leave at once with
    the status Python would have used, without interpreter finalization. A last resort
    only: MPICH's launcher kills every other rank, with SIGKILL, when a rank that finalized
@@ -51,7 +55,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
 __all__ = [
@@ -62,6 +66,7 @@ __all__ = [
     "leave_now",
     "note_failed_step",
     "set_exit_deadline",
+    "set_peers_ended_check",
     "unlink_mpi_shared_memory",
     "wait_for_threads_at_exit",
 ]
@@ -77,6 +82,10 @@ SETTLE_S = 0.5
 _failed_step = False
 # When (time.monotonic()) an exit after a failed step must be over: set_exit_deadline.
 _exit_deadline: float | None = None
+# Whether every other rank's process has ended: set_peers_ended_check.
+_peers_ended: Callable[[], bool] | None = None
+# How often the wait after finalizing MPI asks _peers_ended.
+_PEERS_POLL_S = 0.05
 # Collectives (objects with ``wait()``) a failed step left unfinished. Held until the
 # interpreter ends, so their last reference is not dropped on one of gloo's threads.
 _abandoned: list[Any] = []
@@ -95,6 +104,25 @@ def set_exit_deadline(when: float | None) -> None:
     enforces that deadline itself (None: no caller deadline)."""
     global _exit_deadline
     _exit_deadline = when
+
+
+def set_peers_ended_check(check: Callable[[], bool] | None) -> None:
+    """Let the wait after finalizing MPI (point 2 of the module docstring) end as soon as
+    ``check()`` returns True: every other rank's process has ended, so nothing can release
+    a blocked thread any more. ``check`` must be cheap and must never block (None: no
+    check; the wait lasts until the deadline)."""
+    global _peers_ended
+    _peers_ended = check
+
+
+def _all_peers_ended() -> bool:
+    check = _peers_ended
+    if check is None:
+        return False
+    try:
+        return bool(check())
+    except Exception:  # noqa: BLE001 - a broken check must not change the exit
+        return False
 
 
 def abandon_collective(work: Any) -> None:
@@ -148,6 +176,19 @@ def _join(threads: list[threading.Thread], seconds: float) -> list[threading.Thr
     return [t for t in threads if t.is_alive()]
 
 
+def _join_until_peers_end(threads: list[threading.Thread], seconds: float) -> list[threading.Thread]:
+    """:func:`_join`, ending early once every other rank's process has ended."""
+    deadline = time.monotonic() + seconds
+    pending = [t for t in threads if t.is_alive()]
+    while pending and not _all_peers_ended():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        pending[0].join(min(_PEERS_POLL_S, left))
+        pending = [t for t in pending if t.is_alive()]
+    return pending
+
+
 def _finalize_mpi() -> None:
     from smp_comm.communicator import close_live_communicators
 
@@ -181,15 +222,17 @@ def wait_for_threads_at_exit(threads: Iterable[threading.Thread], who: str) -> N
     wait = AFTER_FINALIZE_S
     if _exit_deadline is not None:
         wait = max(wait, _exit_deadline - finalized_at)
-    pending = _join(pending, wait)
+    pending = _join_until_peers_end(pending, wait)
     if not pending:
         _settle()
         return
     status = exit_status()
+    why = "every other rank has ended" if _all_peers_ended() else "the exit deadline passed"
     leave_now(
         status,
         f"{who}: thread(s) {names} still blocked {time.monotonic() - finalized_at:.1f} s "
-        f"after MPI finalized; leaving with status {status} without interpreter finalization",
+        f"after MPI finalized ({why}); leaving with status {status} without interpreter "
+        "finalization",
     )
 
 

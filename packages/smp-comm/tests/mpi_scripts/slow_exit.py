@@ -1,4 +1,4 @@
-"""Usage: slow_exit.py MARKER_DIR [deadline|none]. The exit protocol of
+"""Usage: slow_exit.py MARKER_DIR [deadline|none|peers_ended]. The exit protocol of
 :mod:`smp_comm.shutdown` after a failed step, where the call a thread is blocked in is
 released only when a peer that is slow to exit ends.
 
@@ -9,6 +9,11 @@ With ``deadline`` the blocked ranks' caller sets an exit deadline 20 s ahead, so
 for rank 2 and every rank exits normally. With ``none`` they give up 3 s after finalizing
 MPI and leave without the C library's exit, and MPICH's launcher then kills the others (the
 job fails): what the deadline is for.
+
+``peers_ended`` (two ranks): rank 1's thread is blocked for good (a module that never
+returns); rank 0 exits normally, slowly. Rank 1's deadline is far ahead, but its check of
+rank 0's process (as smp-torch's watcher does in ``/proc``) ends the wait once rank 0 has
+ended, so the job ends soon after rank 0 and nobody is killed.
 """
 
 from __future__ import annotations
@@ -29,7 +34,10 @@ def main() -> None:
     marker_dir, mode = sys.argv[1], sys.argv[2]
     rank = MPI.COMM_WORLD.Get_rank()
     marker = os.path.join(marker_dir, "rank2-ended")
-    MPI.COMM_WORLD.Barrier()
+    pids = MPI.COMM_WORLD.allgather(os.getpid())
+    if mode == "peers_ended":
+        peers_ended(rank, pids[0])
+        return
     if rank == 2:
 
         def slow_exit() -> None:
@@ -57,6 +65,40 @@ def main() -> None:
         print(f"rank {rank} exits normally", flush=True)
 
     atexit.register(at_exit)  # (after mpi4py's: runs before MPI_Finalize)
+
+
+def _ended(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state in ("Z", "X")
+
+
+def peers_ended(rank: int, pid0: int) -> None:
+    if rank == 0:
+
+        def slow_exit() -> None:
+            MPI.Finalize()
+            time.sleep(SLOW_EXIT_S / 2)
+            print("rank 0 exits normally", flush=True)
+
+        atexit.register(slow_exit)
+        return
+    never = threading.Event()
+    thread = threading.Thread(target=never.wait, name="stuck-module", daemon=True)
+    thread.start()
+    shutdown.note_failed_step()
+    began = time.monotonic()
+    shutdown.set_exit_deadline(began + 60.0)
+    shutdown.set_peers_ended_check(lambda: _ended(pid0))
+
+    def at_exit() -> None:
+        print(f"rank 1 exit began after {time.monotonic() - began:.1f} s", flush=True)
+        shutdown.wait_for_threads_at_exit([thread], "rank 1")
+
+    atexit.register(at_exit)
 
 
 if __name__ == "__main__":

@@ -95,6 +95,13 @@ class PeerProcesses:
                 gone.append(r)
         return gone
 
+    def all_ended(self, world_size: int) -> bool:
+        """Whether every other rank's process is known to have ended (only peers on this
+        node can be seen: with a rank elsewhere, False)."""
+        if len(self.checked) != world_size - 1:
+            return False
+        return len(self.ended()) == len(self.checked)
+
 
 class Heartbeats:
     """The heartbeat ring between nodes (see the module docstring), for one rank.

@@ -44,7 +44,13 @@ from collections.abc import Callable
 from typing import Any
 
 from mpi4py import MPI
-from smp_comm.shutdown import exit_status, leave_now, set_exit_deadline, unlink_mpi_shared_memory
+from smp_comm.shutdown import (
+    exit_status,
+    leave_now,
+    set_exit_deadline,
+    set_peers_ended_check,
+    unlink_mpi_shared_memory,
+)
 
 from smp_torch.errors import PeerFailedError
 from smp_torch.exit_hooks import arm_exit_alarm, forget, install
@@ -438,6 +444,9 @@ class FailureWatch:
             # deadline, which the watcher then no longer enforces itself (see _BACKSTOP_S).
             began = self._main_ended_at or time.monotonic()
             set_exit_deadline(max(began, self.failed_at) + EXIT_GRACE_S)
+            # ...and ends early once no peer is left to release a blocked thread (one stuck
+            # in a module that never returns would otherwise hold the exit to the deadline).
+            set_peers_ended_check(lambda: self.peers.all_ended(self.size))
         if self.dead:
             self._depart(False)
         # (Bounded: a watcher turn holding the lock inside a broken MPI must not stop exit.)
