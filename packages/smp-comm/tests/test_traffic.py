@@ -6,7 +6,17 @@ from __future__ import annotations
 
 import pytest
 
-MODES = [("shm", 3), ("rma", 3), ("mpi-disabled", 3), ("mpi-tiny", 2), ("mixed", 4)]
+MODES = [
+    ("shm", 3),
+    ("rma", 3),
+    ("mpi-disabled", 3),
+    ("mpi-tiny", 2),
+    ("mixed", 4),
+    ("stream", 3),
+    ("stream-copy", 2),
+    ("stream-rma", 2),
+    ("stream-mpi", 2),
+]
 CASES = ["threaded-traffic", "views-survive", "first-posted-wins", "path-stats", "close"]
 
 

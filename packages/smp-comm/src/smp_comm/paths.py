@@ -118,9 +118,12 @@ class DirectPaths:
                 settings.buffer_bytes,
                 settings.gpu_buffer_bytes,
                 cuda_ok,
+                settings.shm_zero_copy,
             )
         )
         keys = [i[0] for i in info]
+        # Which ranks copy shm payloads out on receipt (smp_comm.stream: worth streaming).
+        self._copies_out = [not i[5] for i in info]
         colors = sorted(set(keys))
         self.node_of = keys
         self.node = cc.Split(colors.index(keys[rank]), rank)
@@ -277,6 +280,40 @@ class DirectPaths:
     def release(self, path: str, dest: int, region: int) -> None:
         """``dest`` copied a payload out of ``region``: it may be reused."""
         self._alloc[(path, dest)].release(region)
+
+    def slice_bytes(self, path: str, dest: int) -> int:
+        """Size of this rank's slice of ``dest``'s ``path`` buffer."""
+        return self._alloc[(path, dest)].size
+
+    def copies_out(self, path: str, dest: int) -> bool:
+        """Whether ``dest`` copies a payload out of its ``path`` buffer on receipt (rma
+        always; shm with ``shm_zero_copy=False``): then a streamed send overlaps the two
+        copies (:mod:`smp_comm.stream`)."""
+        return path == "rma" or (path == "shm" and self._copies_out[dest])
+
+    def write_bytes(self, path: str, dest: int, region: int, src: np.ndarray) -> None:
+        """Copy the flat bytes ``src`` into ``dest``'s host buffer at ``region`` (one
+        chunk of a streamed payload; shm or rma)."""
+        if path == "shm":
+            self._shm_views[dest][region : region + src.size] = src
+            return
+        win = self._rma_win
+        assert win is not None
+        win.Lock(dest, MPI.LOCK_SHARED)
+        win.Put([src, MPI.BYTE], dest, target=(region, src.size, MPI.BYTE))
+        win.Unlock(dest)
+
+    def read_bytes(self, path: str, region: int, dst: np.ndarray) -> None:
+        """Copy ``dst.size`` bytes at ``region`` of this rank's own host buffer into
+        ``dst`` (the receiving side of :meth:`write_bytes`)."""
+        if path == "shm":
+            dst[:] = self._shm_views[self.rank][region : region + dst.size]
+            return
+        win, own = self._rma_win, self._rma_own
+        assert win is not None and own is not None
+        win.Lock(self.rank, MPI.LOCK_SHARED)
+        dst[:] = own[region : region + dst.size]
+        win.Unlock(self.rank)
 
     # ---------------------------------------------------------------- copies
 

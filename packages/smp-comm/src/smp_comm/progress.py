@@ -25,7 +25,17 @@ from smp_comm.handles import Handle
 from smp_comm.matching import MatchingTable
 from smp_comm.paths import DirectPaths
 from smp_comm.state import Backlog, Lifecycle, nothing, start_thread
-from smp_comm.wire import ANY_SOURCE, ANY_TAG, FAST, T_BYE, T_DRAINED, T_FREE, T_HEADER, Header
+from smp_comm.wire import (
+    ANY_SOURCE,
+    ANY_TAG,
+    FAST,
+    T_BYE,
+    T_CHUNK,
+    T_DRAINED,
+    T_FREE,
+    T_HEADER,
+    Header,
+)
 
 __all__ = ["Progress", "Tracked"]
 
@@ -89,15 +99,19 @@ class Progress:
         self._post_queued_free: Callable[[str, int, int], tuple[bool, MPI.Request | None]] = (
             _unattached
         )
+        self._on_chunk: Callable[[int, Any], None] = _unattached
 
     def attach(
         self,
         on_header: Callable[[int, int, Header], None],
         post_queued_free: Callable[[str, int, int], tuple[bool, MPI.Request | None]],
+        on_chunk: Callable[[int, Any], None],
     ) -> None:
-        """Give the receiver's handlers: a header's turn, and a FREE queued for the tracker
-        (returns whether it was sent, and its request if still in flight)."""
+        """Give the receiver's handlers: a header's turn, a FREE queued for the tracker
+        (returns whether it was sent, and its request if still in flight), and a streamed
+        chunk's arrival (:mod:`smp_comm.stream`)."""
         self._on_header, self._post_queued_free = on_header, post_queued_free
+        self._on_chunk = on_chunk
 
     def start(self) -> None:
         """Start the tracker thread."""
@@ -210,6 +224,8 @@ class Progress:
         elif tag == T_FREE:
             path, region = body
             self._paths.release(path, source, region)
+        elif tag == T_CHUNK:
+            self._on_chunk(source, body)
         elif tag == T_DRAINED:
             self._table.on_drained(source)
         else:  # pragma: no cover - only our own tags travel on this communicator

@@ -4,7 +4,9 @@ On a header's turn the polling thread matches it (:class:`~smp_comm.matching.Mat
 and posts the payload ``Irecv``\\ s of an MPI-path message; the ``postproc`` thread
 (CommPostprocessing, D2D recv) copies payloads out of the receive buffer (or hands out
 views of it), has the region freed (a ``FREE`` message back to the sender) and rebuilds
-the object. Small payloads are rebuilt on the polling thread itself.
+the object. Small payloads are rebuilt on the polling thread itself. A streamed payload
+(:mod:`smp_comm.stream`) gets its tensors when its header arrives; the postproc thread
+copies each chunk in as it lands and frees its region at once.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,6 +27,7 @@ from smp_comm.progress import Progress
 from smp_comm.serialize import finish_tensor, from_blobs, new_buffers, unpack
 from smp_comm.settings import CommSettings
 from smp_comm.state import STOP, Backlog, Lifecycle, PathStats, nothing, start_thread
+from smp_comm.stream import Assembly, ChunkBody, scratch_views
 from smp_comm.wire import T_DRAINED, T_FREE, Header
 
 __all__ = ["Receiver"]
@@ -57,7 +61,12 @@ class Receiver:
         self._free_lock = threading.Lock()
         self._drained = False  # set once this rank sends no more FREEs
         self._thread: threading.Thread | None = None
-        progress.attach(self.on_header, self._post_queued_free)
+        # Streamed messages being assembled, by (source, msg_id): touched by the polling
+        # thread (new ones, their chunks' arrival) and postproc (chunks landed, completion);
+        # single dict operations only, atomic under the GIL.
+        self._streams: dict[tuple[int, int], tuple[Incoming, Assembly]] = {}
+        self._early: dict[tuple[int, int], list[ChunkBody]] = {}
+        progress.attach(self.on_header, self._post_queued_free, self.on_chunk)
 
     def start(self) -> None:
         """Start the postproc thread."""
@@ -78,7 +87,9 @@ class Receiver:
         """A header's turn (polling thread): match it, then receive or rebuild its payload."""
         inc = Incoming(source, h.tag, seq, h.path, h.region, h.skeleton, h.stubs, h.inline)
         self._table.on_header(inc)
-        if inc.path == "mpi" and inc.inline is None:
+        if inc.path == "stream":
+            self._open_stream(inc)
+        elif inc.path == "mpi" and inc.inline is None:
             try:
                 inc.finals, inc.views = new_buffers(inc.stubs, self.rank)
             except Exception as exc:  # noqa: BLE001 - e.g. torch missing here
@@ -109,6 +120,15 @@ class Receiver:
         else:
             self._to_postproc(inc)
 
+    def on_chunk(self, source: int, body: ChunkBody) -> None:
+        """A chunk of a streamed message landed (polling thread)."""
+        key = (source, body[0])
+        entry = self._streams.get(key)
+        if entry is None:  # before its header's turn
+            self._early.setdefault(key, []).append(body)
+            return
+        self._take_chunk(source, entry[1], body)
+
     def stop_frees(self, ranks: Iterable[int]) -> list[MPI.Request]:
         """Send DRAINED to ``ranks``: no FREE follows it (the caller holds the progress
         lock, under which the tracker sends queued FREEs)."""
@@ -118,10 +138,52 @@ class Receiver:
 
     # ------------------------------------------------------------------ helpers
 
-    def _to_postproc(self, inc: Incoming) -> None:
+    def _to_postproc(self, inc: Incoming | _Landed) -> None:
         self._backlog.put(Backlog.POSTPROC, self._post_q, inc)
 
-    def _finish(self, inc: Incoming) -> None:
+    def _open_stream(self, inc: Incoming) -> None:
+        try:
+            inc.finals, inc.views = new_buffers(inc.stubs, self.rank)
+        except Exception as exc:  # noqa: BLE001 - still drained, then reported
+            inc.finals, inc.views = [], scratch_views(inc.stubs)
+            inc.error = CommError(str(exc))
+        asm = Assembly(inc.views, sum(s.nbytes for s in inc.stubs))
+        key = (inc.source, inc.msg_id)
+        self._streams[key] = (inc, asm)
+        for body in self._early.pop(key, []):
+            self._take_chunk(inc.source, asm, body)
+
+    def _take_chunk(self, source: int, asm: Assembly, body: ChunkBody) -> None:
+        """Copy a chunk in (postproc), or receive an MPI piece into place."""
+        msg_id, index, start, nbytes, path, region = body
+        asm.via = path
+        landed = _Landed(source, msg_id, index, start, nbytes, path, region)
+        if region >= 0:
+            self._to_postproc(landed)
+            return
+        data_tag = msg_id % (self._tag_ub + 1)
+        req = self._dc.Irecv([asm.target(index, start, nbytes), MPI.BYTE], source=source, tag=data_tag)
+        self._progress.track([req], lambda: self._to_postproc(landed))
+
+    def _land(self, piece: _Landed) -> None:
+        """Postproc: one chunk's bytes are in place (copied here from the buffer, or
+        received by MPI); the last one completes the message."""
+        key = (piece.source, piece.msg_id)
+        inc, asm = self._streams[key]
+        if piece.region >= 0:
+            try:
+                self._paths.read_bytes(piece.path, piece.region, asm.target(piece.index, piece.start, piece.nbytes))
+            finally:
+                self._send_free((piece.path, piece.source, piece.region))
+        if asm.landed(piece.nbytes):
+            del self._streams[key]
+            inc.path = asm.via  # (counted as a message of its direct path)
+            self._finish(inc)
+
+    def _finish(self, inc: Incoming | _Landed) -> None:
+        if isinstance(inc, _Landed):
+            self._land(inc)
+            return
         try:
             if inc.error is None:
                 values = self._payload(inc)
@@ -136,10 +198,10 @@ class Receiver:
         self._table.finished(inc)
 
     def _payload(self, inc: Incoming) -> list[Any]:
-        if inc.path == "mpi":
-            if inc.inline is None:
-                return inc.finals
+        if inc.inline is not None:
             return from_blobs(inc.stubs, inc.inline, self.rank)
+        if inc.region < 0:  # received into its own tensors (the MPI path, or streamed)
+            return inc.finals
         # The region goes back to its sender (a FREE message) once copied out or, for
         # zero-copy views, once the last view is garbage collected. The callback holds no
         # reference to the message, so it cannot keep those views alive.
@@ -188,6 +250,20 @@ class Receiver:
         leaves at once, eagerly: then nobody has to poll for it)."""
         req = self._cc.isend((path, region), dest=source, tag=T_FREE)
         return None if req.Test() else req
+
+
+@dataclass
+class _Landed:
+    """One chunk of a streamed message: in the receive buffer at ``region``, or (-1)
+    received by MPI straight into place."""
+
+    source: int
+    msg_id: int
+    index: int
+    start: int
+    nbytes: int
+    path: str
+    region: int
 
 
 class _Once:

@@ -3,7 +3,8 @@
 ``router``     (CommInitiator) picks the path and, for a direct path, reserves room in
                the destination's persistent buffer (else: the MPI fallback);
 ``direct``     (D2D send) copies the payload into the reserved region (shm memcpy, RMA
-               ``Put``, CUDA IPC copy), then posts the header;
+               ``Put``, CUDA IPC copy), then posts the header; or streams a payload that
+               finds no room, chunk by chunk (:mod:`smp_comm.stream`);
 ``requester``  (CommPreprocessing + CommRequester) stages GPU tensors to host and posts the
                header and payload ``Isend``\\ s of the MPI path.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -27,7 +29,15 @@ from smp_comm.paths import DirectPaths
 from smp_comm.progress import Progress
 from smp_comm.serialize import Packed
 from smp_comm.state import STOP, Backlog, PathStats, start_thread
-from smp_comm.wire import T_HEADER, WireHeader
+from smp_comm.stream import (
+    CHUNK_BYTES,
+    MIN_STREAM_BYTES,
+    ROOM_WAIT_S,
+    chunks_of,
+    source_bytes,
+    wait_for_room,
+)
+from smp_comm.wire import T_CHUNK, T_HEADER, WireHeader
 
 __all__ = ["Outgoing", "Sender"]
 
@@ -45,6 +55,7 @@ class Outgoing:
     path: str = "mpi"
     region: int = -1
     wake: bool = True  # ring the destination's doorbell (isend's ``wake``)
+    via: str = ""  # a streamed message's direct path (path is then "stream")
 
 
 class Sender:
@@ -102,6 +113,12 @@ class Sender:
         assert packed is not None
         gpu = packed.on_gpu()
         candidates = self._paths.candidates(op.dest, all_gpu=all(gpu), any_gpu=any(gpu))
+        host = [p for p in candidates if p in ("shm", "rma")] if not any(gpu) else []
+        big = packed.nbytes >= MIN_STREAM_BYTES
+        if big and host and packed.nbytes >= 2 * CHUNK_BYTES:
+            if self._paths.copies_out(host[0], op.dest):  # two copies: overlap them
+                self._stream(op, host[0])
+                return
         for path in candidates:
             region = self._paths.reserve(path, op.dest, packed.region_bytes)
             if region is not None:
@@ -112,6 +129,9 @@ class Sender:
                     # several threads at once is not safe
                     self._backlog.put(Backlog.DIRECT, self._direct_q, op)
                 return
+        if big and host and self._paths.slice_bytes(host[0], op.dest) >= 4 * (64 << 10):
+            self._stream(op, host[0])  # no room now: stream it through as room frees
+            return
         self._fall_back_to_mpi(op, inline, counted=bool(candidates))
 
     def post_header(self, op: Outgoing, header: WireHeader, extra: list[MPI.Request]) -> None:
@@ -144,7 +164,62 @@ class Sender:
         else:
             self._backlog.put(Backlog.REQUESTER, self._requester_q, op)
 
+    def _stream(self, op: Outgoing, via: str) -> None:
+        op.path, op.via, op.region = "stream", via, -1
+        self._backlog.put(Backlog.DIRECT, self._direct_q, op)
+
+    def _poll(self) -> None:
+        """Drive MPI progress from this thread (while waiting for room: the FREEs that
+        make it arrive as control messages)."""
+        progress = self._progress
+        if progress.lock.acquire(timeout=1e-3):
+            try:
+                progress.poll_once()
+            finally:
+                progress.lock.release()
+
+    def _stream_send(self, op: Outgoing) -> None:
+        """Send ``op`` as a header, then chunks through ``op.via`` as room frees up (the
+        direct thread; :mod:`smp_comm.stream`)."""
+        p = op.packed
+        assert p is not None
+        path, dest, paths = op.via, op.dest, self._paths
+        header: WireHeader = (op.msg_id, op.tag, "stream", -1, p.skeleton, p.stubs, None)
+        reqs = [self._cc.isend(header, dest=dest, tag=T_HEADER)]
+        if op.wake:
+            self._progress.ring(dest)
+        chunk = max(64 << 10, min(CHUNK_BYTES, paths.slice_bytes(path, dest) // 4))
+        data_tag = op.msg_id % (self._tag_ub + 1)
+        over_mpi = False  # once room failed to come, the rest goes over MPI
+        for i, start, n in chunks_of(p.stubs, chunk):
+            src = source_bytes(p.sources[i])[start : start + n]
+            region = None
+            if not over_mpi:
+                region = wait_for_room(partial(paths.reserve, path, dest, n), self._poll, ROOM_WAIT_S)
+            if region is not None:
+                try:
+                    paths.write_bytes(path, dest, region, src)
+                except Exception:  # noqa: BLE001 - the MPI path still delivers it
+                    paths.release(path, dest, region)
+                    region = None
+            if region is None:
+                over_mpi = True
+                reqs.append(self._cc.isend((op.msg_id, i, start, n, path, -1), dest=dest, tag=T_CHUNK))
+                reqs.append(self._dc.Isend([src, MPI.BYTE], dest=dest, tag=data_tag))
+            else:
+                reqs.append(self._cc.isend((op.msg_id, i, start, n, path, region), dest=dest, tag=T_CHUNK))
+            self._progress.ring(dest)
+        if over_mpi:
+            self._stats.fallback()
+        self._stats.streamed(path)
+        op.path = path  # (counted as a message of its direct path)
+        nbytes = p.nbytes
+        self._progress.track(reqs, lambda: self._sent(op, nbytes))
+
     def _direct_send(self, op: Outgoing, inline: bool = False) -> None:
+        if op.path == "stream":
+            self._stream_send(op)
+            return
         assert op.packed is not None
         if op.cuda_event is not None:
             op.cuda_event.synchronize()

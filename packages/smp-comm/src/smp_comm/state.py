@@ -53,7 +53,13 @@ class PathStats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts = {
-            p: {"messages_sent": 0, "bytes_sent": 0, "messages_received": 0, "bytes_received": 0}
+            p: {
+                "messages_sent": 0,
+                "bytes_sent": 0,
+                "messages_received": 0,
+                "bytes_received": 0,
+                "streamed_sent": 0,
+            }
             for p in PATHS
         }
         self._fallbacks = 0
@@ -64,6 +70,11 @@ class PathStats:
             s = self._counts[path]
             s[f"messages_{direction}"] += 1
             s[f"bytes_{direction}"] += nbytes
+
+    def streamed(self, path: str) -> None:
+        """One message sent through ``path`` in chunks (:mod:`smp_comm.stream`)."""
+        with self._lock:
+            self._counts[path]["streamed_sent"] += 1
 
     def fallback(self) -> None:
         """A direct path could have carried a message but its buffer lacked room."""

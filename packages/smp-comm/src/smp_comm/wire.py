@@ -21,6 +21,7 @@ __all__ = [
     "ANY_TAG",
     "FAST",
     "T_BYE",
+    "T_CHUNK",
     "T_DRAINED",
     "T_FREE",
     "T_HEADER",
@@ -36,6 +37,7 @@ T_HEADER = 1  # body: a WireHeader
 T_FREE = 2  # body: (path, region): the receiver copied the region out; it is free again
 T_BYE = 3  # body: the sender's next sequence number; it sends nothing after this
 T_DRAINED = 4  # body: None; the sender will post no more FREEs
+T_CHUNK = 5  # body: a smp_comm.stream.ChunkBody: one chunk of a streamed payload landed
 FAST = 0  # not a tag: a fast-path frame waiting for its turn in its sender's order
 
 # The header as sent: (msg_id, tag, path, region, skeleton, stubs, inline).
@@ -47,7 +49,7 @@ class Header(NamedTuple):
 
     msg_id: int  # the sender's per-destination sequence number (also the payload MPI tag)
     tag: int  # the user's tag
-    path: str  # "mpi", "shm", "rma" or "cuda_ipc"
+    path: str  # "mpi", "shm", "rma", "cuda_ipc", or "stream" (chunks follow: T_CHUNK)
     region: int  # offset of the reserved region in the receiver's buffer (-1 on mpi)
     skeleton: bytes  # the pickled object with tensors replaced by stubs
     stubs: list[TensorStub]

@@ -1,6 +1,12 @@
 """Random-order traffic from several threads in both directions, one path forced by argv.
 
-usage: traffic.py MODE   with MODE in shm | rma | mpi-disabled | mpi-tiny | mixed
+usage: traffic.py MODE   with MODE in shm | rma | mpi-disabled | mpi-tiny | mixed |
+                         stream | stream-copy | stream-rma | stream-mpi
+
+The ``stream`` modes send ~10 MiB payloads that go through the direct path in chunks
+(smp_comm.stream): ``stream``, a shm buffer slice smaller than one payload; ``stream-copy``,
+receivers that copy out (``shm_zero_copy=False``); ``stream-rma``, every rank its own node;
+``stream-mpi``, no chunk ever finds room, so every chunk follows over MPI.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from smp_comm import ANY_SOURCE, ANY_TAG, Communicator
 MODE = sys.argv[1]
 THREADS = 3
 PER_THREAD = 4  # messages per sender thread per peer
+# Bytes of each of the two big tensors of a payload: past MIN_STREAM_BYTES and 2 chunks.
+BIG = (5 << 20) if MODE.startswith("stream") else (1 << 18)
 
 
 def main() -> None:
@@ -35,6 +43,16 @@ def main() -> None:
         kwargs["buffer_bytes"] = 4096
     elif MODE == "mixed":
         kwargs["node_id"] = f"node{world.rank // 2}"  # 0,1 share a node; 2,3 the other
+    elif MODE in ("stream", "stream-mpi"):
+        kwargs["buffer_bytes"] = "8M"  # 4 MiB per writer: less than one payload
+    elif MODE == "stream-copy":
+        kwargs["shm_zero_copy"] = False
+    elif MODE == "stream-rma":
+        kwargs["node_id"] = f"node{world.rank}"
+    if MODE == "stream-mpi":
+        import smp_comm.sender
+
+        smp_comm.sender.wait_for_room = lambda *args: None  # never any room for a chunk
     comm = Communicator(world, **kwargs)
     assert not own_shm_files(), own_shm_files()
     rank, size = comm.rank, comm.size
@@ -50,7 +68,7 @@ def main() -> None:
     def sender(k: int) -> None:
         work = [(p, k * 100 + i) for p in peers for i in range(PER_THREAD)]
         random.Random(rank * 31 + k).shuffle(work)
-        handles = [comm.isend(make(rank, p, t), dest=p, tag=t) for p, t in work]
+        handles = [comm.isend(make(rank, p, t, BIG), dest=p, tag=t) for p, t in work]
         for h in handles:
             assert h.wait(timeout=60) is None
 
@@ -62,7 +80,7 @@ def main() -> None:
         for s, t, h in handles:
             obj, src, tag = h.wait(timeout=60)
             assert (src, tag) == (s, t), f"wanted ({s},{t}) got ({src},{tag})"
-            check(obj, s, rank, t)
+            check(obj, s, rank, t, BIG)
             kept.append((obj, s, t))
 
     @guarded
@@ -71,7 +89,7 @@ def main() -> None:
         for _ in peers:
             obj, src, t = comm.irecv(source=ANY_SOURCE, tag=tag).wait(timeout=60)
             assert t == tag
-            check(obj, src, rank, t)
+            check(obj, src, rank, t, BIG)
             kept.append((obj, src, t))
             seen.append(src)
         assert sorted(seen) == peers, seen
@@ -90,7 +108,7 @@ def main() -> None:
     # Received tensors may be views of the receive buffer: they must still hold their
     # bytes after all later traffic (no region is reused while a view is alive).
     for obj, src, t in kept:
-        check(obj, src, rank, t)
+        check(obj, src, rank, t, BIG)
     kept.clear()
     case_ok("views-survive")
 
@@ -135,6 +153,10 @@ def main() -> None:
         per_peer = THREADS * PER_THREAD
         assert stats["rma"]["messages_sent"] == per_peer * len(other_node), stats
         assert stats["shm"]["messages_sent"] == per_peer * len(same_node), stats
+    elif MODE.startswith("stream"):
+        path = "rma" if MODE == "stream-rma" else "shm"
+        assert stats[path]["streamed_sent"] == sent == stats[path]["messages_received"], stats
+        assert (stats["mpi"]["fallbacks"] == sent) == (MODE == "stream-mpi"), stats
     assert stats["cuda_ipc"]["messages"] == 0
     case_ok("path-stats")
     comm.close()

@@ -1,0 +1,209 @@
+"""smp-comm under the traffic a pipeline makes, against raw mpi4py doing the same.
+
+Run ``python benchmarks/bench_traffic.py``: it starts ``mpiexec`` on itself (2 ranks, then 4
+for the many-to-one pattern) and prints one line per pattern with both bandwidths and the
+ratio. Every message is a 64 MiB float32 CPU tensor; every receiver drops each tensor once
+it has it (as a pipeline stage does after using an activation), so the raw mpi4py receiver
+allocates a fresh buffer per message (``np.empty``, as ``torch.empty`` would) and smp-comm
+runs with its default settings (zero-copy shm receive buffer of 128 MiB per rank).
+
+Patterns (each a batch of :data:`COUNT` messages per sender; the best of :data:`REPS`
+batches, contenders alternating batch by batch so both see the same load):
+
+``stream k=K``   rank 0 sends to rank 1 with K messages in flight (a sliding window: a new
+                 ``isend`` as soon as the oldest completes); the receiver keeps K receives
+                 posted.
+``both ways``    each rank streams to the other at once, 4 in flight each way.
+``3 -> 1``       ranks 1, 2, 3 stream to rank 0 at once, 4 in flight each (the receive
+                 buffer is split three ways: 42 MiB each, less than one message).
+``copy-out``     ``stream k=1`` with ``shm_zero_copy=False`` (the receiver copies each
+                 payload out of the shm buffer) against one ``memcpy`` of 64 MiB into a
+                 fresh buffer on one core (``np.copyto``), the bound a copy-out receive
+                 approaches.
+
+Bandwidth is payload bytes received per second at the receiver (all senders together).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections import deque
+
+MIB = 1 << 20
+BIG = 64 * MIB
+COUNT = 10
+REPS = 5
+
+
+def _stream_smp(comm, rank: int, senders: list[int], receiver: int, k: int, t) -> None:
+    """Every sender streams COUNT messages to ``receiver`` with ``k`` in flight."""
+    if rank in senders:
+        window: deque = deque()
+        for _ in range(COUNT):
+            if len(window) == k:
+                window.popleft().wait(120)
+            window.append(comm.isend(t, dest=receiver, tag=7))
+        while window:
+            window.popleft().wait(120)
+    if rank == receiver:
+        posted: deque = deque()
+        total = COUNT * len(senders)
+        got = 0
+        for _ in range(min(k * len(senders), total)):
+            posted.append(comm.irecv(tag=7))
+        while got < total:
+            out = posted.popleft().wait(120)
+            del out  # dropped after use
+            got += 1
+            if got + len(posted) < total:
+                posted.append(comm.irecv(tag=7))
+
+
+def _stream_mpi(world, rank: int, senders: list[int], receiver: int, k: int, buf) -> None:
+    import numpy as np
+    from mpi4py import MPI
+
+    if rank in senders:
+        window: deque = deque()
+        for _ in range(COUNT):
+            if len(window) == k:
+                window.popleft().Wait()
+            window.append(world.Isend([buf, MPI.BYTE], dest=receiver, tag=7))
+        while window:
+            window.popleft().Wait()
+    if rank == receiver:
+        total = COUNT * len(senders)
+        posted: deque = deque()
+        got = 0
+        for _ in range(min(k * len(senders), total)):
+            out = np.empty_like(buf)
+            posted.append((world.Irecv([out, MPI.BYTE], source=MPI.ANY_SOURCE, tag=7), out))
+        while got < total:
+            req, out = posted.popleft()
+            req.Wait()
+            del out
+            got += 1
+            if got + len(posted) < total:
+                out = np.empty_like(buf)
+                posted.append((world.Irecv([out, MPI.BYTE], source=MPI.ANY_SOURCE, tag=7), out))
+
+
+def worker() -> None:
+    import numpy as np
+    import torch
+    from mpi4py import MPI
+    from smp_comm import Communicator
+
+    torch.set_num_threads(1)
+    world = MPI.COMM_WORLD
+    rank, size = world.rank, world.size
+    comm = Communicator(world)
+    copy_comm = Communicator(world, shm_zero_copy=False)
+    t = torch.randn(BIG // 4)
+    buf = t.numpy()
+    if size == 2:
+        patterns = {
+            "stream k=1": ([0], 1, 1),
+            "stream k=4": ([0], 1, 4),
+            "stream k=10": ([0], 1, 10),
+            "both ways k=4": (None, None, 4),
+        }
+    else:
+        patterns = {"3 -> 1 k=4": ([1, 2, 3], 0, 4)}
+
+    def run(kind: str, pattern: tuple, c=comm) -> None:
+        senders, receiver, k = pattern
+        if senders is None:  # both ways: two streams at once, one per direction
+            import threading
+
+            fn = _stream_smp if kind == "smp" else _stream_mpi
+            target = c if kind == "smp" else world
+            data = t if kind == "smp" else buf
+            other = threading.Thread(target=fn, args=(target, rank, [rank], 1 - rank, k, data))
+            other.start()
+            fn(target, rank, [1 - rank], rank, k, data)
+            other.join()
+        elif kind == "smp":
+            _stream_smp(c, rank, senders, receiver, k, t)
+        else:
+            _stream_mpi(world, rank, senders, receiver, k, buf)
+
+    results: dict[str, dict[str, float]] = {}
+    for name, pattern in patterns.items():
+        best = {"smp": float("inf"), "mpi": float("inf")}
+        for rep in range(REPS + 1):  # the first round warms both up
+            for kind in ("smp", "mpi"):
+                world.Barrier()
+                t0 = time.perf_counter()
+                run(kind, pattern)
+                world.Barrier()
+                if rep:
+                    best[kind] = min(best[kind], time.perf_counter() - t0)
+        results[name] = best
+    stats = comm.stats()
+    copy_line = None
+    if size == 2:
+        best_copy = float("inf")
+        best_memcpy = float("inf")
+        for rep in range(REPS + 1):
+            world.Barrier()
+            t0 = time.perf_counter()
+            run("smp", ([0], 1, 1), copy_comm)
+            world.Barrier()
+            took = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for _ in range(COUNT):
+                out = np.empty_like(buf)
+                np.copyto(out, buf)
+                del out
+            mem = time.perf_counter() - t0
+            if rep:
+                best_copy, best_memcpy = min(best_copy, took), min(best_memcpy, mem)
+        copy_line = (best_copy, best_memcpy)
+    comm.close()
+    copy_comm.close()
+    if rank == 0:
+        for name, best in results.items():
+            senders = patterns[name][0]
+            streams = 2 if senders is None else len(senders)
+            nbytes = COUNT * BIG * streams
+            smp_gbs, mpi_gbs = nbytes / best["smp"] / 1e9, nbytes / best["mpi"] / 1e9
+            print(
+                f"traffic {name} ({size} ranks, 64MiB x {COUNT} per stream): smp_comm "
+                f"{smp_gbs:.2f} GB/s | mpi4py {mpi_gbs:.2f} GB/s | smp/mpi "
+                f"{smp_gbs / mpi_gbs:.2f}x (target >=1.0)"
+            )
+        print(
+            f"traffic paths on rank 0 ({size} ranks, all patterns, smp_comm default settings): "
+            f"shm messages {stats['shm']['messages']}, MPI messages {stats['mpi']['messages']}, "
+            f"of which fallbacks (buffer full) {stats['mpi']['fallbacks']}"
+        )
+        if copy_line is not None:
+            copy_gbs = COUNT * BIG / copy_line[0] / 1e9
+            mem_gbs = COUNT * BIG / copy_line[1] / 1e9
+            print(
+                f"traffic copy-out k=1 (shm_zero_copy=False): smp_comm {copy_gbs:.2f} GB/s | "
+                f"memcpy into a fresh buffer {mem_gbs:.2f} GB/s | copy/memcpy "
+                f"{copy_gbs / mem_gbs:.2f}x (target >=0.8)"
+            )
+
+
+def main() -> None:
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not os.access(mpiexec, os.X_OK):
+        mpiexec = "mpiexec"
+    env = dict(os.environ, OMP_NUM_THREADS="1", SMP_COMM_BENCH_WORKER="1")
+    print(f"(load average before: {os.getloadavg()[0]:.1f})", flush=True)
+    for n in (2, 4):
+        cmd = [mpiexec, "-n", str(n), sys.executable, os.path.abspath(__file__)]
+        subprocess.run(cmd, env=env, check=True, timeout=300)
+
+
+if __name__ == "__main__":
+    if os.environ.get("SMP_COMM_BENCH_WORKER"):
+        worker()
+    else:
+        main()
