@@ -73,6 +73,14 @@ def close_bf16(what: str, got: torch.Tensor, want: torch.Tensor, start: torch.Te
 def run_case(case: dict) -> None:
     name = case["name"]
     config = case["config"]
+    if "nodes" in case:
+        # Pretend the ranks sit on ``nodes`` machines (smp-comm's node-identity override).
+        from mpi4py import MPI
+
+        world = MPI.COMM_WORLD
+        os.environ["SMP_COMM_NODE_ID"] = f"node{world.Get_rank() * case['nodes'] // world.Get_size()}"
+    else:
+        os.environ.pop("SMP_COMM_NODE_ID", None)
     cfg = smp.init(config)
     torch.manual_seed(case.get("seed", 0))
     model = models.TinyLM(tied=case.get("tied", True), layers=case.get("layers", 2))
@@ -85,7 +93,14 @@ def run_case(case: dict) -> None:
     assert plan is not None and plan.units[-1] == "", plan
     if "units" in case:
         assert plan.units == case["units"], (name, plan.units)
-    bf16 = bool(config.get("bf16"))
+    if "forward_prefetch" in case:
+        assert plan.forward_prefetch == case["forward_prefetch"], (name, plan.forward_prefetch)
+    if "reshard_after_forward" in case:
+        assert plan.reshard_after_forward == case["reshard_after_forward"], (name, plan)
+    # fp16 is checked with the same bound (its unit roundoff, 2**-11, is smaller); the
+    # reference skips loss scaling: multiplying by a power of two is exact without overflow.
+    bf16 = bool(config.get("bf16")) or bool(config.get("fp16"))
+    half = torch.float16 if config.get("fp16") else torch.bfloat16
     clip = float(config.get("sdp_gradient_clipping", 0.0))
 
     @smp.step
@@ -95,16 +110,17 @@ def run_case(case: dict) -> None:
         return loss
 
     batch = case.get("batch", 8)
+    clipped = 0
     t0 = time.perf_counter()
     for step in range(case.get("steps", 3)):
         x, y = models.global_batch(step, batch)
         ref_opt.zero_grad()
-        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+        ctx = torch.autocast("cpu", dtype=half) if bf16 else contextlib.nullcontext()
         with ctx:
             ref_loss = models.lm_loss(ref(x), y)
         ref_loss.backward()
         if clip > 0:
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+            clipped += float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)) > clip
         ref_opt.step()
 
         opt.zero_grad()
@@ -128,6 +144,7 @@ def run_case(case: dict) -> None:
             else:
                 check_close(f"{k} after step {step}", full[k], v, name)
     elapsed = time.perf_counter() - t0
+    assert clip == 0 or clipped, f"[{name}] the clipping bound never applied: choose a smaller one"
     fresh = models.TinyLM(tied=case.get("tied", True), layers=case.get("layers", 2))
     fresh.load_state_dict(dmodel.state_dict(), strict=True)
     # The gathered optimizer state loads back exactly (state_dict -> load_state_dict round trip).
