@@ -58,6 +58,8 @@ def test_prefetch_respects_the_live_bound() -> None:
     assert bwd == {"c": ["b"], "b": ["a"], "a": []}
     fwd, _ = prefetch_plan(units, ["", "a", "b", "c"], max_live=10**9)
     assert fwd["a"] == ["b", "c"]
+    fwd, _ = prefetch_plan(units, ["", "a", "b", "c"], max_live=10**9, depth=1)
+    assert fwd["a"] == ["b"]
     fwd, _ = prefetch_plan(units, ["", "a", "b", "c"], max_live=0)
     assert all(not v for v in fwd.values())
 

@@ -15,9 +15,10 @@ what FSDP2 leaves to its user:
   tied embedding and head) stays in the unit of their common ancestor, as FSDP2 requires.
 - **A bound on gathered parameters** (:func:`prefetch_plan`): ``sdp_max_live_parameters`` is
   mapped to FSDP2's explicit prefetch lists: a unit prefetches the next units (forward order,
-  reversed in backward) only while the root unit, itself and the prefetched units hold at most
-  that many elements. FSDP2 itself always prefetches one unit in backward (an empty list means
-  its default), so the bound can be exceeded by that one unit.
+  reversed in backward; at most two) only while the root unit, itself and the prefetched
+  units hold at most that many elements. FSDP2 itself always prefetches one unit in backward
+  (an empty list means its default), so the bound can be exceeded by that one unit. On CPU
+  no explicit prefetch is set: FSDP2's all-gathers block there, so prefetching cannot overlap.
 - **Data parallelism beyond the sharding group**: when the data-parallel degree is a multiple
   of the sharding degree, the mesh is 2-D (replicate × shard, FSDP2's HSDP): shards are
   reduce-scattered within a sharding group and all-reduced across groups.
@@ -149,10 +150,11 @@ def choose_units(module: nn.Module, threshold: int, bucket: int) -> list[tuple[s
 
 
 def prefetch_plan(
-    units: list[tuple[str, int]], order: list[str], max_live: int
+    units: list[tuple[str, int]], order: list[str], max_live: int, depth: int = 2
 ) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
     """Forward and backward prefetch lists for the non-root units in forward ``order``: a
-    unit prefetches the following units while root + itself + them hold <= ``max_live``."""
+    unit prefetches the following units (at most ``depth``: FSDP2's "aggressive" setting is
+    two) while root + itself + them hold <= ``max_live``."""
     sizes = dict(units)
     root = sizes.get("", 0)
     seq = [n for n in order if n in sizes and n != ""]
@@ -162,7 +164,7 @@ def prefetch_plan(
         for i, name in enumerate(items):
             live = root + sizes[name]
             picked: list[str] = []
-            for nxt in items[i + 1 :]:
+            for nxt in items[i + 1 : i + 1 + depth]:
                 if live + sizes[nxt] > max_live:
                     break
                 live += sizes[nxt]
@@ -252,12 +254,16 @@ def shard_module(module: nn.Module, ctx: Any) -> ShardPlan:
     fully_shard(module, mesh=mesh)
     order = [n for n, _ in module.named_modules()]  # definition order stands for forward order
     fwd, bwd = prefetch_plan(units, order, cfg.sdp_max_live_parameters)
-    for name, targets in fwd.items():
-        if targets:
-            _fsdp(modules[name]).set_modules_to_forward_prefetch([_fsdp(modules[t]) for t in targets])
-    for name, targets in bwd.items():
-        if targets:
-            _fsdp(modules[name]).set_modules_to_backward_prefetch([_fsdp(modules[t]) for t in targets])
+    # On CPU FSDP2's all-gathers block (no streams: unshard_async_op is False), so a prefetch
+    # cannot overlap anything and would only hold gathered parameters earlier: measured in
+    # benchmarks/bench_sdp.py, prefetching under the default bound cost time and memory.
+    if ctx.device.type != "cpu":
+        for name, targets in fwd.items():
+            if targets:
+                _fsdp(modules[name]).set_modules_to_forward_prefetch([_fsdp(modules[t]) for t in targets])
+        for name, targets in bwd.items():
+            if targets:
+                _fsdp(modules[name]).set_modules_to_backward_prefetch([_fsdp(modules[t]) for t in targets])
     return ShardPlan(
         units=[n for n, _ in units],
         sizes=dict(units),
