@@ -50,3 +50,11 @@ def test_recsys_tensor_parallel_embeddings() -> None:
     assert "recsys: 20 steps on 2 processes (tp=2)" in out
     first, last = out.split("loss ")[1].split(" -> ")
     assert float(last.split()[0]) < float(first)
+
+
+def test_sharded_gpt_fits_the_budget() -> None:
+    out = _run("sharded/train.py", 4, "--sdp", "4", "--steps", "6", "--dim", "128", "--layers", "2",
+               "--seq", "32", "--batch", "8", "--budget-mib", "2.5")  # fmt: skip
+    assert "sdp=4" in out and "within the budget (plain data parallelism would not fit)" in out, out
+    first, last = out.split("loss ")[1].split(" -> ")
+    assert float(last.split()[0].rstrip(";")) < float(first)

@@ -57,6 +57,13 @@ class SMPConfig:
     trace_device: str = "cpu"
     timeout_s: float = 300.0
     timeline: str | None = None
+    # Sharded data parallelism (smp_torch.sharded, on FSDP2's fully_shard).
+    sharded_data_parallel_degree: int = 1
+    sdp_reduce_bucket_size: int = 500_000_000
+    sdp_param_persistence_threshold: int = 1_000_000
+    sdp_max_live_parameters: int = 1_000_000_000
+    sdp_hierarchical_allgather: bool = False
+    sdp_gradient_clipping: float = 0.0
     # Derived by validation, not a user key.
     data_parallel_degree: int = field(default=1, metadata={"derived": True})
 
@@ -67,6 +74,11 @@ class SMPConfig:
     @property
     def tp(self) -> int:
         return self.tensor_parallel_degree
+
+    @property
+    def sdp(self) -> int:
+        """Sharded data-parallel degree: ranks that each keep 1/sdp of every parameter."""
+        return self.sharded_data_parallel_degree
 
     @property
     def rdp(self) -> int:
@@ -246,3 +258,48 @@ def _validate_values(cfg: SMPConfig, world_size: int) -> None:
             f"world size {world_size}",
         )
     cfg.data_parallel_degree = world_size // mp
+    _validate_sharding(cfg)
+
+
+def _validate_sharding(cfg: SMPConfig) -> None:
+    """The ``sdp_*`` keys (see :mod:`smp_torch.sharded`); combinations not supported yet are
+    refused here rather than ignored."""
+    for key in ("sdp_reduce_bucket_size", "sdp_param_persistence_threshold", "sdp_max_live_parameters"):
+        if getattr(cfg, key) < 0:
+            raise ConfigError(key, f"must be >= 0, got {getattr(cfg, key)}")
+    if cfg.sdp_gradient_clipping < 0:
+        raise ConfigError("sdp_gradient_clipping", f"must be >= 0 (0: off), got {cfg.sdp_gradient_clipping}")
+    sdp = cfg.sharded_data_parallel_degree
+    if sdp < 1:
+        raise ConfigError("sharded_data_parallel_degree", f"must be >= 1, got {sdp}")
+    if sdp == 1:
+        return
+    if cfg.data_parallel_degree % sdp:
+        raise ConfigError(
+            "sharded_data_parallel_degree",
+            f"{sdp} does not divide the data-parallel degree {cfg.data_parallel_degree} "
+            "(world size / (pipeline_parallel_degree * tensor_parallel_degree))",
+        )
+    if cfg.shard_optimizer_state:
+        raise ConfigError(
+            "shard_optimizer_state",
+            "cannot be combined with sharded_data_parallel_degree > 1 (sharded data "
+            "parallelism already shards the optimizer state)",
+        )
+    if not cfg.ddp:
+        raise ConfigError("ddp", "sharded_data_parallel_degree > 1 requires ddp=True")
+    if cfg.pipeline_parallel_degree > 1:
+        raise ConfigError(
+            "sharded_data_parallel_degree",
+            "sharded data parallelism with pipeline_parallel_degree > 1 is not supported yet",
+        )
+    if cfg.tensor_parallel_degree > 1:
+        raise ConfigError(
+            "sharded_data_parallel_degree",
+            "sharded data parallelism with tensor_parallel_degree > 1 is not supported yet",
+        )
+    if cfg.delayed_parameter_initialization:
+        raise ConfigError(
+            "delayed_parameter_initialization",
+            "is not supported with sharded_data_parallel_degree > 1 yet",
+        )

@@ -20,7 +20,7 @@ from smp_pipeline.checkpointing import checkpoint_in_place
 from smp_tp import checkpoint_context as tp_checkpoint_context
 from torch import nn
 
-from smp_torch import tp_glue
+from smp_torch import sharded, tp_glue
 from smp_torch.annotations import checkpoint_options
 from smp_torch.context import SMPContext
 from smp_torch.errors import SMPError
@@ -164,6 +164,8 @@ class LocalEngine(Engine):
         config, options = checkpoint_options(self.module)
         checkpoint_in_place(self.module, config, options)
         self._microbatches = cfg.microbatches
+        # Sharded data parallelism: FSDP2 units over this rank's sharding mesh (collective).
+        self.shard_plan = sharded.shard_module(self.module, ctx) if cfg.sdp > 1 else None
 
     @property
     def partitioned(self) -> bool:
@@ -171,8 +173,16 @@ class LocalEngine(Engine):
 
     @property
     def watched(self) -> bool:
-        # With tensor parallelism a failing rank could leave peers inside a TP collective.
-        return self.ctx.config.tp > 1 and self.ctx.size > 1
+        # With tensor parallelism (or FSDP2's gathers) a failing rank could leave peers inside
+        # a collective of the step.
+        cfg = self.ctx.config
+        return (cfg.tp > 1 or cfg.sdp > 1) and self.ctx.size > 1
+
+    def load_full_state(self, sd: dict[str, torch.Tensor], strict: bool) -> Any:
+        if self.shard_plan is not None:
+            sharded.load_full(self.module, dict(sd), strict)
+            return None
+        return super().load_full_state(sd, strict)
 
     def run_microbatches(self, fn: Callable[..., Any], microbatches: Microbatches) -> list[Any]:
         cfg = self.ctx.config

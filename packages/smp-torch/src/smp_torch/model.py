@@ -31,7 +31,7 @@ import torch.distributed as dist
 from smp_partition.render import svg, table
 from torch import nn
 
-from smp_torch import tp_glue
+from smp_torch import sharded, tp_glue
 from smp_torch.consistency import StepInputs, check_tp_inputs
 from smp_torch.context import SMPContext, StepOutcome
 from smp_torch.engine import Engine, LocalEngine, Microbatches
@@ -173,6 +173,8 @@ class DistributedModel(nn.Module):
         ctx, cfg = self.context, self._cfg
         if not cfg.ddp or (cfg.rdp == 1 and cfg.tp == 1):
             return None
+        if cfg.sdp > 1:
+            return None  # FSDP2 reduce-scatters (and all-reduces across sharding groups)
         # ddp=False with tp > 1 is rejected by the config, so TP scaling always happens here.
         specs: list[GradSpec] = []
         for _, p in self.named_parameters():
@@ -316,7 +318,8 @@ class DistributedModel(nn.Module):
         """This rank's parameters and buffers (its stage, its TP shards), wrapped names."""
         sd = self.module.state_dict()
         keys = set(self.local_state_dict_keys())
-        return {k: v.detach().clone() for k, v in sd.items() if k in keys}
+        # Sharded data parallelism: this rank's shards (plain tensors).
+        return {k: sharded.local_tensor(v).detach().clone() for k, v in sd.items() if k in keys}
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
         """The full model's state dict, gathered over pipeline and tensor-parallel ranks.
@@ -330,6 +333,8 @@ class DistributedModel(nn.Module):
 
     def stage_full_state(self) -> dict[str, torch.Tensor]:
         """This pipeline stage's entries of the full state dict (TP shards gathered)."""
+        if self._cfg.sdp > 1:
+            return sharded.full_state(self.module)
         full = tp_glue.full_state_dict(self.module, self._cfg.tp)
         return {k: v.detach().to("cpu").clone() for k, v in full.items() if self.owns_full_key(k)}
 
@@ -339,6 +344,14 @@ class DistributedModel(nn.Module):
         """Load either a full (unwrapped-model) or a local (this rank's) state dict."""
         local_keys = set(self.local_state_dict_keys())
         keys = set(state_dict)
+        if self._cfg.sdp > 1 and keys == local_keys and self._is_shard_form(state_dict):
+            with torch.no_grad():
+                mine = self.module.state_dict()
+                for k, v in state_dict.items():
+                    sharded.local_tensor(mine[k]).copy_(v)
+            return None
+        if self._cfg.sdp > 1:
+            return self.engine.load_full_state(dict(state_dict), strict)
         if keys == local_keys and self._is_local_form(state_dict):
             return self.module.load_state_dict(state_dict, strict=False)
         return self.engine.load_full_state(dict(state_dict), strict)
@@ -347,6 +360,15 @@ class DistributedModel(nn.Module):
         sd = self.module.state_dict()
         owned = self.engine.owned_state_names()
         return [k for k in sd if owned is None or k in owned]
+
+    def _is_shard_form(self, sd: dict[str, torch.Tensor]) -> bool:
+        # Full form: every sharded entry has its global shape; else this rank's shards.
+        mine = self.module.state_dict()
+        return any(
+            sharded.is_sharded(mine[k]) and tuple(v.shape) != tuple(mine[k].shape)
+            for k, v in sd.items()
+            if k in mine
+        )
 
     def _is_local_form(self, sd: dict[str, torch.Tensor]) -> bool:
         mine = self.module.state_dict()
@@ -360,6 +382,9 @@ class DistributedModel(nn.Module):
         Call after the step, before ``optimizer.step()``. Returns the total norm.
         """
         ctx, cfg = self.context, self._cfg
+        plan = getattr(self.engine, "shard_plan", None)
+        if plan is not None:
+            return sharded.clip_grad_norm(list(self.parameters()), max_norm, plan.shard_group, norm_type)
         local = torch.zeros((), dtype=torch.float64)
         distributed = torch.zeros((), dtype=torch.float64)
         for p in self.parameters():

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from smp_torch import reshard, tp_glue
+from smp_torch import reshard, sharded, tp_glue
 from smp_torch.errors import SMPError
 from smp_torch.model import DistributedModel, current_model
 from smp_torch.precision import LossScaler
@@ -171,6 +171,9 @@ class DistributedOptimizer:
             self.scaler.update(finite)
             if not finite:
                 return None
+        if self._cfg.sdp_gradient_clipping > 0:
+            # After unscaling: the norm of the true gradient, over every shard and stage.
+            self.model.clip_grad_norm_(self._cfg.sdp_gradient_clipping)
         if not self._owner:
             return self.optimizer.step(closure)
         hidden: dict[int, torch.Tensor] = {}
@@ -199,11 +202,12 @@ class DistributedOptimizer:
 
     def _named_state(self) -> dict[str, dict[str, Any]]:
         """Optimizer state by parameter name, sharded state gathered from its owners."""
+        # Parameter order (the same on every rank): sharded state is gathered collectively.
         named = {
-            self._names[id(p)]: {
-                k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in st.items()
-            }
-            for p, st in self.optimizer.state.items()
+            self._names[id(p)]: {k: _gathered(v) for k, v in self.optimizer.state[p].items()}
+            for g in self.optimizer.param_groups
+            for p in g["params"]
+            if p in self.optimizer.state
         }
         if not self._owner:
             return named
@@ -289,7 +293,9 @@ class DistributedOptimizer:
                     continue
                 st = {}
                 for k, v in named[name].items():
-                    if torch.is_tensor(v) and v.dim() > 0:
+                    if sharded.is_sharded(p) and torch.is_tensor(v) and v.shape == p.shape:
+                        st[k] = sharded.shard_like(v, p)  # type: ignore[arg-type]
+                    elif torch.is_tensor(v) and v.dim() > 0:
                         st[k] = v.to(
                             device=p.device, dtype=p.dtype if v.is_floating_point() else v.dtype
                         ).clone()
@@ -298,3 +304,12 @@ class DistributedOptimizer:
                     else:
                         st[k] = v
                 self.optimizer.state[by_name[name]] = st
+
+
+def _gathered(v: Any) -> Any:
+    """A state value on CPU, whole: sharded (DTensor) state is all-gathered (collective)."""
+    if not torch.is_tensor(v):
+        return v
+    if sharded.is_sharded(v):
+        v = v.full_tensor()
+    return v.detach().cpu()

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 __all__ = ["autocast_context", "LossScaler"]
 
@@ -57,8 +58,11 @@ class LossScaler:
         for p in params:
             if p.grad is None:
                 continue
-            p.grad.mul_(inv)
-            if not torch.isfinite(p.grad).all():
+            # A sharded gradient (DTensor) is checked on this rank's shard; the all-reduce
+            # below covers the others.
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            g.mul_(inv)
+            if not torch.isfinite(g).all():
                 found.fill_(1.0)
         if dist.is_initialized():
             work = dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group, async_op=True)

@@ -1,0 +1,373 @@
+"""Sharded data parallelism (``sharded_data_parallel_degree``) on FSDP2's ``fully_shard``.
+
+Each rank of a *sharding group* (``sharded_data_parallel_degree`` consecutive members of the
+data-parallel group) keeps 1/N of every parameter, of its gradient and of its optimizer state.
+PyTorch's FSDP2 (:func:`torch.distributed.fsdp.fully_shard`) does the sharding, the
+all-gather before a unit runs, the freeing after it and the gradient reduce-scatter; smp adds
+what FSDP2 leaves to its user:
+
+- **Shard units from the module tree** (:func:`choose_units`): bottom-up, a module becomes its
+  own unit (one all-gather, one reduce-scatter) once the parameters it would hold reach
+  ``sdp_param_persistence_threshold``; smaller modules stay with their parent, and whatever is
+  left goes to the root's unit. A small child is made a unit of its own anyway when keeping it
+  would make its parent's unit larger than ``sdp_reduce_bucket_size`` (the largest gradient
+  reduce-scatter smp asks of FSDP2, in elements). A parameter shared by several modules (a
+  tied embedding and head) stays in the unit of their common ancestor, as FSDP2 requires.
+- **A bound on gathered parameters** (:func:`prefetch_plan`): ``sdp_max_live_parameters`` is
+  mapped to FSDP2's explicit prefetch lists: a unit prefetches the next units (forward order,
+  reversed in backward; at most two) only while the root unit, itself and the prefetched
+  units hold at most that many elements. FSDP2 itself always prefetches one unit in backward
+  (an empty list means its default), so the bound can be exceeded by that one unit. On CPU
+  no explicit prefetch is set: FSDP2's all-gathers block there, so prefetching cannot overlap.
+- **Data parallelism beyond the sharding group**: when the data-parallel degree is a multiple
+  of the sharding degree, the mesh is 2-D (replicate × shard, FSDP2's HSDP): shards are
+  reduce-scattered within a sharding group and all-reduced across groups.
+- **Hierarchical all-gather** (``sdp_hierarchical_allgather``): non-root units are resharded
+  after forward to the sharding-group ranks on this node (FSDP2's integer
+  ``reshard_after_forward``), so the backward all-gather stays inside a node. Where the whole
+  sharding group is on one node (or its nodes are not contiguous in it) there is no
+  cross-node gather to avoid and units reshard fully, as without the key.
+- **Exact whole-model gradient norm over shards** (:func:`clip_grad_norm`): each rank sums the
+  squares of its shards in float64 and the sums are all-reduced over the sharding group.
+- **Full state dicts**: :func:`full_state` all-gathers every sharded tensor, :func:`load_full`
+  slices a full tensor into this rank's shard (no communication), so checkpoints stay in the
+  unwrapped model's layout-free form and resume onto any sharding degree or plain data
+  parallelism.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+__all__ = [
+    "ShardPlan",
+    "choose_units",
+    "prefetch_plan",
+    "post_forward_reshard",
+    "shard_module",
+    "is_sharded",
+    "local_tensor",
+    "full_state",
+    "load_full",
+    "shard_like",
+    "grad_norm",
+    "clip_grad_norm",
+]
+
+
+@dataclass
+class ShardPlan:
+    """How a module was sharded: units (bottom-up, root last) and the groups used."""
+
+    units: list[str]
+    sizes: dict[str, int]
+    mesh: Any = None
+    shard_group: Any = None
+    forward_prefetch: dict[str, list[str]] = field(default_factory=dict)
+    backward_prefetch: dict[str, list[str]] = field(default_factory=dict)
+    reshard_after_forward: bool | int = True
+
+
+# ---------------------------------------------------------------------------- planning
+
+
+def _tree(module: nn.Module) -> tuple[dict[str, list[str]], dict[str, nn.Module]]:
+    """Children of every module by name (a reused module under its first parent only)."""
+    modules: dict[str, nn.Module] = {}
+    seen: set[int] = set()
+    children: dict[str, list[str]] = {}
+
+    def visit(name: str, m: nn.Module) -> None:
+        seen.add(id(m))
+        modules[name] = m
+        children[name] = []
+        for child_name, child in m.named_children():
+            if id(child) in seen:
+                continue
+            full = f"{name}.{child_name}" if name else child_name
+            children[name].append(full)
+            visit(full, child)
+
+    visit("", module)
+    return children, modules
+
+
+def choose_units(module: nn.Module, threshold: int, bucket: int) -> list[tuple[str, int]]:
+    """The shard units of ``module`` as ``(name, elements)``, bottom-up, the root (``""``)
+    last; see the module docstring for the rule. Pure: no communication."""
+    children, modules = _tree(module)
+    sharers: dict[int, set[str]] = {}
+    for name, m in modules.items():
+        for p in m._parameters.values():
+            if p is not None:
+                sharers.setdefault(id(p), set()).add(name)
+    numel = {id(p): p.numel() for p in module.parameters()}
+    units: list[tuple[str, int]] = []
+
+    def inside(name: str, pid: int) -> bool:
+        return all(s == name or s.startswith(name + ".") or name == "" for s in sharers[pid])
+
+    def can_unit(name: str, pending: set[int]) -> bool:
+        return bool(pending) and all(inside(name, pid) for pid in pending)
+
+    def visit(name: str) -> set[int]:
+        pending = {id(p) for p in modules[name]._parameters.values() if p is not None}
+        left: list[tuple[str, set[int]]] = []
+        for child in children[name]:
+            rest = visit(child)
+            if rest:
+                left.append((child, rest))
+        for _, rest in left:
+            pending |= rest
+        if name and bucket > 0:
+            # Split the largest small children off while this unit would exceed the bucket.
+            for child, rest in sorted(left, key=lambda cr: -sum(numel[p] for p in cr[1])):
+                if sum(numel[p] for p in pending) <= bucket:
+                    break
+                if can_unit(child, rest):
+                    units.append((child, sum(numel[p] for p in rest)))
+                    pending -= rest
+        size = sum(numel[p] for p in pending)
+        if name and size >= threshold and can_unit(name, pending):
+            units.append((name, size))
+            return set()
+        return pending
+
+    rest = visit("")
+    units.append(("", sum(numel[p] for p in rest)))
+    return units
+
+
+def prefetch_plan(
+    units: list[tuple[str, int]], order: list[str], max_live: int, depth: int = 2
+) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """Forward and backward prefetch lists for the non-root units in forward ``order``: a
+    unit prefetches the following units (at most ``depth``: FSDP2's "aggressive" setting is
+    two) while root + itself + them hold <= ``max_live``."""
+    sizes = dict(units)
+    root = sizes.get("", 0)
+    seq = [n for n in order if n in sizes and n != ""]
+
+    def ahead(items: list[str]) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for i, name in enumerate(items):
+            live = root + sizes[name]
+            picked: list[str] = []
+            for nxt in items[i + 1 : i + 1 + depth]:
+                if live + sizes[nxt] > max_live:
+                    break
+                live += sizes[nxt]
+                picked.append(nxt)
+            out[name] = picked
+        return out
+
+    return ahead(seq), ahead(list(reversed(seq)))
+
+
+def post_forward_reshard(shard_ranks: list[int], node_of: list[str], hierarchical: bool) -> bool | int:
+    """FSDP2's ``reshard_after_forward`` for non-root units: with ``hierarchical``, the number
+    of this sharding group's ranks per node when the nodes are contiguous blocks of equal size
+    that split the group (else True: reshard fully)."""
+    if not hierarchical:
+        return True
+    nodes = [node_of[r] for r in shard_ranks]
+    blocks: list[str] = []
+    for n in nodes:
+        if not blocks or blocks[-1] != n:
+            blocks.append(n)
+    if len(blocks) != len(set(blocks)) or len(blocks) == 1:
+        return True  # not contiguous, or one node: no cross-node gather to avoid
+    per = len(nodes) // len(blocks)
+    if per * len(blocks) != len(nodes) or any(nodes.count(b) != per for b in blocks) or per == 1:
+        return True
+    return per
+
+
+# ---------------------------------------------------------------------------- applying
+
+
+def _mesh(ctx: Any) -> tuple[DeviceMesh, Any, list[int]]:
+    """Collective over the job: the sharding mesh of this rank, its shard group and ranks.
+
+    Every data-parallel group is cut into rows of ``sdp`` consecutive members (the sharding
+    groups); columns are the replicate groups. ``new_group`` is called for every row and
+    column of every group in the same order on every rank, as torch.distributed requires."""
+    sdp = ctx.config.sdp
+    device_type = ctx.device.type
+    shard_pg = rep_pg = None
+    rows_mine: list[list[int]] = []
+    shard_ranks: list[int] = []
+    for members in ctx.topology.all_groups("dp"):
+        rows = [members[i : i + sdp] for i in range(0, len(members), sdp)]
+        for row in rows:
+            pg = dist.new_group(ranks=row)
+            if ctx.rank in row:
+                shard_pg, shard_ranks = pg, row
+        if len(rows) > 1:
+            for j in range(sdp):
+                col = members[j::sdp]
+                pg = dist.new_group(ranks=col)
+                if ctx.rank in col:
+                    rep_pg = pg
+        if ctx.rank in members:
+            rows_mine = rows
+    if len(rows_mine) == 1:
+        return DeviceMesh.from_group(shard_pg, device_type), shard_pg, shard_ranks
+    mesh = DeviceMesh.from_group(
+        [rep_pg, shard_pg],
+        device_type,
+        mesh=torch.tensor(rows_mine),
+        mesh_dim_names=("replicate", "shard"),
+    )
+    return mesh, shard_pg, shard_ranks
+
+
+def _node_ids(ctx: Any) -> list[str]:
+    # SMP_COMM_NODE_ID: smp-comm's override to pretend ranks are on different nodes (tests).
+    mine = os.environ.get("SMP_COMM_NODE_ID") or socket.gethostname()
+    return list(ctx.mpi_comms["world"].allgather(mine))
+
+
+def shard_module(module: nn.Module, ctx: Any) -> ShardPlan:
+    """Collective: apply ``fully_shard`` to ``module``'s units (bottom-up, root last) over
+    this rank's sharding mesh, and set the prefetch lists; see the module docstring."""
+    cfg = ctx.config
+    units = choose_units(module, cfg.sdp_param_persistence_threshold, cfg.sdp_reduce_bucket_size)
+    mesh, shard_pg, shard_ranks = _mesh(ctx)
+    raf = post_forward_reshard(shard_ranks, _node_ids(ctx), cfg.sdp_hierarchical_allgather)
+    modules = dict(module.named_modules())
+    for name, _ in units:
+        if name:
+            fully_shard(modules[name], mesh=mesh, reshard_after_forward=raf)
+    # The root keeps its parameters gathered from forward to backward (FSDP2's default).
+    fully_shard(module, mesh=mesh)
+    order = [n for n, _ in module.named_modules()]  # definition order stands for forward order
+    fwd, bwd = prefetch_plan(units, order, cfg.sdp_max_live_parameters)
+    # On CPU FSDP2's all-gathers block (no streams: unshard_async_op is False), so a prefetch
+    # cannot overlap anything and would only hold gathered parameters earlier: measured in
+    # benchmarks/bench_sdp.py, prefetching under the default bound cost time and memory.
+    if ctx.device.type != "cpu":
+        for name, targets in fwd.items():
+            if targets:
+                _fsdp(modules[name]).set_modules_to_forward_prefetch([_fsdp(modules[t]) for t in targets])
+        for name, targets in bwd.items():
+            if targets:
+                _fsdp(modules[name]).set_modules_to_backward_prefetch([_fsdp(modules[t]) for t in targets])
+    return ShardPlan(
+        units=[n for n, _ in units],
+        sizes=dict(units),
+        mesh=mesh,
+        shard_group=shard_pg,
+        forward_prefetch=fwd,
+        backward_prefetch=bwd,
+        reshard_after_forward=raf,
+    )
+
+
+def _fsdp(m: nn.Module) -> FSDPModule:
+    assert isinstance(m, FSDPModule), type(m).__name__
+    return m
+
+
+# ---------------------------------------------------------------------------- tensors
+
+
+def is_sharded(t: Any) -> bool:
+    """Whether ``t`` is a sharded (DTensor) parameter, gradient or state tensor."""
+    return isinstance(t, DTensor)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a view that writes through), else ``t`` itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Collective over the sharding mesh: ``module.state_dict()`` with every shard gathered
+    (the unwrapped model's keys and shapes), on CPU."""
+    out: dict[str, torch.Tensor] = {}
+    for k, v in module.state_dict().items():
+        full = v.full_tensor() if isinstance(v, DTensor) else v
+        out[k] = full.detach().to("cpu").clone()
+    return out
+
+
+def shard_like(value: torch.Tensor, like: DTensor) -> DTensor:
+    """The DTensor laid out like ``like`` holding this rank's slice of the full ``value``
+    (every rank passes the same ``value``: sliced locally, no communication)."""
+    value = value.to(device=like.device, dtype=like.dtype)
+    return distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None)
+
+
+def load_full(module: nn.Module, sd: dict[str, torch.Tensor], strict: bool = True) -> None:
+    """Load a full (unwrapped-model) state dict into a sharded ``module``; no communication."""
+    expected = set(module.state_dict())
+    missing = sorted(expected - set(sd))
+    unexpected = sorted(set(sd) - expected)
+    if strict and (missing or unexpected):
+        raise RuntimeError(
+            f"Error(s) in loading state_dict: missing keys {missing}, unexpected keys {unexpected}"
+        )
+    targets: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
+    targets.update(dict(module.named_buffers(remove_duplicate=False)))
+    with torch.no_grad():
+        for k, v in sd.items():
+            t = targets.get(k)
+            if t is None:
+                continue
+            if tuple(v.shape) != tuple(t.shape):
+                raise RuntimeError(f"size mismatch for {k}: {tuple(v.shape)} vs {tuple(t.shape)}")
+            if isinstance(t, DTensor):
+                t.to_local().copy_(shard_like(v, t).to_local())
+            else:
+                t.copy_(v)
+
+
+# ---------------------------------------------------------------------------- clipping
+
+
+def grad_norm(params: Iterable[torch.Tensor], shard_group: Any, norm_type: float = 2.0) -> torch.Tensor:
+    """Collective over ``shard_group``: the norm of the whole gradient from its shards.
+
+    Replicas of a shard (HSDP's replicate dimension) hold the same values, so summing over the
+    sharding group alone counts each element once. Sums are float64."""
+    total = torch.zeros((), dtype=torch.float64)
+    replicated = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        value = local_tensor(g).detach().double().norm(norm_type) ** norm_type
+        if isinstance(g, DTensor):
+            total += value
+        else:
+            replicated += value  # a plain gradient is whole on every rank: count it once
+    dist.all_reduce(total, group=shard_group)
+    return (total + replicated) ** (1.0 / norm_type)
+
+
+def clip_grad_norm(
+    params: list[torch.Tensor], max_norm: float, shard_group: Any, norm_type: float = 2.0
+) -> torch.Tensor:
+    """Scale every gradient shard by ``max_norm / (norm + 1e-6)`` when that is below 1
+    (``torch.nn.utils.clip_grad_norm_``'s rule) with the norm of the whole model's gradient.
+    Returns the norm (float32)."""
+    norm = grad_norm(params, shard_group, norm_type)
+    coef = max_norm / (float(norm) + 1e-6)
+    if coef < 1.0:
+        with torch.no_grad():
+            for p in params:
+                if p.grad is not None:
+                    local_tensor(p.grad).mul_(coef)
+    return norm.float()

@@ -1,0 +1,47 @@
+"""Bad sharded-data-parallel configurations raise smp.ConfigError on every rank, naming the key.
+
+Run on 4 ranks; prints ``RANK <r> CONFIGERROR <case> <key>`` for every case.
+"""
+
+from __future__ import annotations
+
+import smp_torch as smp
+
+SDP2 = {"sharded_data_parallel_degree": 2}
+CASES = [
+    ("not-dividing", {"sharded_data_parallel_degree": 3}, "sharded_data_parallel_degree"),
+    ("not-dividing-dp", {"sharded_data_parallel_degree": 4, "pipeline_parallel_degree": 2}, "sharded_data_parallel_degree"),
+    ("zero", {"sharded_data_parallel_degree": 0}, "sharded_data_parallel_degree"),
+    ("string", {"sharded_data_parallel_degree": "2"}, "sharded_data_parallel_degree"),
+    ("with-shard-optimizer-state", {**SDP2, "shard_optimizer_state": True}, "shard_optimizer_state"),
+    ("negative-bucket", {**SDP2, "sdp_reduce_bucket_size": -1}, "sdp_reduce_bucket_size"),
+    ("negative-threshold", {**SDP2, "sdp_param_persistence_threshold": -5}, "sdp_param_persistence_threshold"),
+    ("negative-live", {**SDP2, "sdp_max_live_parameters": -1}, "sdp_max_live_parameters"),
+    ("negative-clipping", {**SDP2, "sdp_gradient_clipping": -1.0}, "sdp_gradient_clipping"),
+    ("hierarchical-int", {**SDP2, "sdp_hierarchical_allgather": 1}, "sdp_hierarchical_allgather"),
+    ("with-pipeline", {**SDP2, "pipeline_parallel_degree": 2}, "sharded_data_parallel_degree"),
+    ("with-tensor-parallel", {**SDP2, "tensor_parallel_degree": 2}, "sharded_data_parallel_degree"),
+    ("without-ddp", {**SDP2, "ddp": False}, "ddp"),
+    ("with-delayed-init", {**SDP2, "delayed_parameter_initialization": True}, "delayed_parameter_initialization"),
+]
+
+
+def main() -> None:
+    from mpi4py import MPI
+
+    rank = MPI.COMM_WORLD.Get_rank()
+    for case, config, key in CASES:
+        try:
+            smp.init(config)
+        except smp.ConfigError as exc:
+            assert exc.key == key, (case, exc.key, key)
+            assert repr(key) in str(exc), (case, str(exc))
+            print(f"RANK {rank} CONFIGERROR {case} {key}", flush=True)
+        else:
+            raise AssertionError(f"config {config} was accepted")
+    assert not smp.is_initialized()
+    print(f"RANK {rank} ALL {len(CASES)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
