@@ -203,6 +203,25 @@ def seq_model(d: int = 8) -> nn.Sequential:
     return nn.Sequential(*[Block(d) for _ in range(5)], nn.Linear(d, 1))
 
 
+def nested_seq_model(d: int = 8, n: int = 4) -> nn.Sequential:
+    """A Sequential of Sequential blocks and a head: a placement that cuts inside a block
+    gives a run crossing the nested container's boundary (fast_mode flattens it)."""
+    blocks = [nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Linear(d, d)) for _ in range(n)]
+    return nn.Sequential(*blocks, nn.Linear(d, 1))
+
+
+def halve_output(_module: nn.Module, _args: object, out: torch.Tensor) -> torch.Tensor:
+    """A forward hook that changes the output (a skipped call of its module would show)."""
+    return out * 0.5
+
+
+def hooked_nested_seq_model(d: int = 8, n: int = 4) -> nn.Sequential:
+    """:func:`nested_seq_model` with a forward hook on block 1, so it is not flattened."""
+    net = nested_seq_model(d, n)
+    net[1].register_forward_hook(halve_output)
+    return net
+
+
 def mse_step(model: nn.Module, backward):
     def step(x, y):
         out = model(x)

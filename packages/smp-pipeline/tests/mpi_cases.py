@@ -1,6 +1,6 @@
 """Run under mpiexec by test_mpi.py: pipeline training vs one process, many cases per launch.
 
-Usage: python mpi_cases.py SUITE   (SUITE: pp2 | pp4 | failures)
+Usage: python mpi_cases.py SUITE   (SUITE: pp2 | pp4 | failures | tp | fast | fast4)
 
 For every case each rank builds the model from the same seed, keeps an untouched copy as the
 single-process reference, trains it on the whole batch (mean loss), then runs the same step
@@ -374,6 +374,55 @@ def suite_pp4(comm):
              backward_mode="segments")
 
 
+def check_served(comm, rt, name, per_mb, m, steps=2):
+    """``per_mb[r]``: requests (forward + backward) pp rank r serves per microbatch."""
+    served = comm_allgather(rt.requests_served)
+    want = [n * m * steps for n in per_mb]
+    assert served == want, f"{name}: requests served per rank {served}, expected {want}"
+    if comm.rank == 0:
+        print(f"CASE-OK {name}-served {served}", flush=True)
+
+
+def suite_fast(comm):
+    """fast_mode (pp=2): runs of Sequential children as one request, on and off, bitwise."""
+    seq_assign = {"1": 1, "2": 1, "3": 1, "5": 1}
+    for fast in (True, False):
+        suffix = "" if fast else "-fast-off"
+        # seq_model: children 1-3 are one run, 5 a lone child: 2 (fast) or 4 forward requests.
+        rt = run_case(comm, f"seqrun{suffix}", models.seq_model, data(), seq_assign, 4, fast_mode=fast)
+        check_served(comm, rt, f"seqrun{suffix}", [0, 4 if fast else 8], 4)
+        run_case(comm, f"seqrun-ckpt{suffix}", models.seq_model, data(), seq_assign, 4,
+                 checkpointing={"2": None, "4": None}, fast_mode=fast)
+        # The placement cuts inside block 1: one request for 1.1, 1.2, 2, 3 (nested flattened).
+        nested = {"1.1": 1, "1.2": 1, "2": 1, "3": 1}
+        rt = run_case(comm, f"nested-seq{suffix}", models.nested_seq_model, data(), nested, 4,
+                      fast_mode=fast)
+        check_served(comm, rt, f"nested-seq{suffix}", [0, 2 if fast else 8], 4)
+        # Control flow: the branch taken differs per microbatch; right's two blocks are a run.
+        rt = run_case(comm, f"branch-run{suffix}", models.Branch, data(sign_pattern=True),
+                      {"right.0": 1, "right.1": 1}, 4, per_microbatch_reference=True,
+                      fast_mode=fast)
+    # A forward hook on block 1 keeps it from being flattened: runs 1.1-1.2, then 2-3.
+    rt = run_case(comm, "nested-seq-hooked", models.hooked_nested_seq_model, data(), nested, 4)
+    check_served(comm, rt, "nested-seq-hooked", [0, 4], 4)
+    rt = run_case(comm, "nested-seq-segments", models.nested_seq_model, data(), nested, 4,
+                  backward_mode="segments")
+    check_served(comm, rt, "nested-seq-segments", [0, 2], 4)
+
+
+def suite_fast4(comm):
+    """fast_mode (pp=4): one run per stage, on and off; control flow across three stages."""
+    runs = {"1": 1, "2": 1, "3": 2, "4": 2, "5": 3, "6": 3}
+    for fast in (True, False):
+        suffix = "" if fast else "-fast-off"
+        rt = run_case(comm, f"seq4-runs{suffix}", lambda: models.nested_seq_model(n=7), data(n=16),
+                      runs, 8, fast_mode=fast)
+        check_served(comm, rt, f"seq4-runs{suffix}", [0, 2, 2, 2] if fast else [0, 4, 4, 4], 8)
+        run_case(comm, f"branch4-run{suffix}", models.Branch, data(sign_pattern=True),
+                 {"pre": 1, "left": 2, "right.0": 3, "right.1": 3}, 4,
+                 per_microbatch_reference=True, fast_mode=fast)
+
+
 class Boom(torch.nn.Module):
     def forward(self, x):
         raise ValueError("boom inside a module")
@@ -574,7 +623,10 @@ def main() -> None:
     comm = Communicator(MPI.COMM_WORLD)
     suite = sys.argv[1]
     t0 = time.monotonic()
-    suites = {"pp2": suite_pp2, "pp4": suite_pp4, "failures": suite_failures, "tp": suite_tp}
+    suites = {
+        "pp2": suite_pp2, "pp4": suite_pp4, "failures": suite_failures, "tp": suite_tp,
+        "fast": suite_fast, "fast4": suite_fast4,
+    }  # fmt: skip
     suites[suite](comm)
     if comm.rank == 0:
         print(f"SUITE-OK {suite} in {time.monotonic() - t0:.1f}s", flush=True)

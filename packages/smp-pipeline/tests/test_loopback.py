@@ -174,6 +174,7 @@ class Case:
     loss: Callable[..., torch.Tensor] = mse
     backward_mode: str = "auto"
     served: tuple[int, ...] | None = None  # requests each rank serves over the test's steps
+    fast_mode: bool = True
 
 
 CASES = {
@@ -185,6 +186,31 @@ CASES = {
     "seq-relu-interleaved": Case(
         relu_mlp, regression, {"2": 1, "3": 1, "4": 1, "6": 1}, served=(0, 32)
     ),
+    # fast_mode off: one request per child (2-4 and 6): 2 steps x 4 microbatches x 4 x 2.
+    "seq-relu-fast-off": Case(
+        relu_mlp, regression, {"2": 1, "3": 1, "4": 1, "6": 1}, served=(0, 64), fast_mode=False
+    ),
+    # The placement cuts inside block 1: fast_mode flattens the nested Sequential, so
+    # 1.1, 1.2, 2 and 3 are one request (forward + backward: 2 x 4 x 2) ...
+    "nested-seq": Case(
+        models.nested_seq_model, regression, {"1.1": 1, "1.2": 1, "2": 1, "3": 1}, served=(0, 16)
+    ),
+    # ... one per child without fast_mode (1.1, 1.2, 2, 3: 2 x 4 x 8) ...
+    "nested-seq-fast-off": Case(
+        models.nested_seq_model, regression, {"1.1": 1, "1.2": 1, "2": 1, "3": 1},
+        served=(0, 64), fast_mode=False,
+    ),  # fmt: skip
+    # ... and two runs when block 1 has a forward hook (its call cannot be skipped): 1.1-1.2
+    # inside block 1, then 2-3 (2 x 4 x 4); the hook halves block 1's output on rank 0.
+    "nested-seq-hooked": Case(
+        models.hooked_nested_seq_model, regression, {"1.1": 1, "1.2": 1, "2": 1, "3": 1},
+        served=(0, 32),
+    ),  # fmt: skip
+    # Three runs on three ranks: one forward and one backward request each per microbatch.
+    "seq-pp4-runs": Case(
+        lambda: models.nested_seq_model(n=7), regression,
+        {"1": 1, "2": 1, "3": 2, "4": 2, "5": 3, "6": 3}, pp=4, served=(0, 16, 16, 16),
+    ),  # fmt: skip
     # embed and head share one weight, both on rank 1; rank 0 keeps the middle block.
     "tied": Case(
         models.TiedLM, tokens, {"": 0, "embed": 1, "head": 1, "blocks.1": 0}, loss=token_ce
@@ -245,6 +271,7 @@ def pipeline_steps(
         timeout_s=10,
         backward_mode=case.backward_mode,
         deterministic_accumulation=deterministic_accumulation,
+        fast_mode=case.fast_mode,
     )
 
     def step(*args: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,9 @@ SUITES = {
     "failures": Suite(2, 100, ENV),
     # pp=2 x tp=2: collectives inside stage modules stay matched across pipelines.
     "tp": Suite(4, 160, {**ENV, "MASTER_PORT": str(29000 + os.getpid() % 2000)}),
+    # fast_mode on and off: Sequential runs as one request, counted per rank.
+    "fast": Suite(2, 160, ENV),
+    "fast4": Suite(4, 160, ENV),
 }
 
 PP2_CASES = [
@@ -52,6 +55,19 @@ PP4_CASES = [
     "device4-interleaved", "branch4", "gpt2-4-auto", "t5-4-auto", "branch4-segments",
 ]  # fmt: skip
 TP_CASES = ["tp-interleaved-m4", "tp-simple-m4", "tp-interleaved-m8"]
+FAST_CASES = [
+    name
+    for suffix in ("", "-fast-off")
+    for base, counted in (("seqrun", True), ("seqrun-ckpt", False), ("nested-seq", True),
+                          ("branch-run", False))
+    for name in [base + suffix] + ([f"{base}{suffix}-served"] if counted else [])
+] + ["nested-seq-hooked", "nested-seq-hooked-served", "nested-seq-segments",
+     "nested-seq-segments-served"]  # fmt: skip
+FAST4_CASES = [
+    name
+    for suffix in ("", "-fast-off")
+    for name in (f"seq4-runs{suffix}", f"seq4-runs{suffix}-served", f"branch4-run{suffix}")
+]
 
 
 def _cases(out: str) -> list[str]:
@@ -96,6 +112,23 @@ def test_pp4_equivalence(suite_output: Callable[[str], str], case: str) -> None:
     out = suite_output("pp4")
     if case == "SUITE-OK":
         assert "SUITE-OK pp4" in out, out
+    else:
+        assert case in _cases(out), (case, out)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    ("suite", "case"),
+    [*(("fast", c) for c in [*FAST_CASES, "SUITE-OK"]),
+     *(("fast4", c) for c in [*FAST4_CASES, "SUITE-OK"])],
+)  # fmt: skip
+def test_fast_mode(suite_output: Callable[[str], str], suite: str, case: str) -> None:
+    """fast_mode on and off equal one process bit for bit; ``*-served``: each rank served the
+    expected requests per microbatch (one forward and one backward per run with fast_mode,
+    one per child without)."""
+    out = suite_output(suite)
+    if case == "SUITE-OK":
+        assert f"SUITE-OK {suite}" in out, out
     else:
         assert case in _cases(out), (case, out)
 

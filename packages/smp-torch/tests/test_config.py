@@ -17,7 +17,8 @@ def test_defaults_follow_the_spec() -> None:
     assert cfg.placement == "DPT" and cfg.auto_partition and cfg.default_partition == 0
     assert cfg.memory_weight == 0.8 and cfg.optimize == "speed" and cfg.ddp
     assert not any([cfg.prescaled_batch, cfg.fp16, cfg.bf16, cfg.shard_optimizer_state])
-    assert not any([cfg.offload_activations, cfg.static_mode, cfg.fast_mode])
+    assert not any([cfg.offload_activations, cfg.static_mode])
+    assert cfg.fast_mode  # on where exact (issue 15): Sequential runs as one request
     assert cfg.activation_loading_horizon == 4 and cfg.tensor_parallel_seed == 0
     assert cfg.trace_device == "cpu" and cfg.timeline is None
     assert set(cfg.to_dict()) == {
@@ -42,6 +43,8 @@ def test_alias_partitions_and_derived_degree() -> None:
         ({"placement_strategy": "DDT"}, "placement_strategy"),
         ({"placement_strategy": 3}, "placement_strategy"),
         ({"optimize": "fast"}, "optimize"),
+        ({"fast_mode": "yes"}, "fast_mode"),
+        ({"fast_mode": 1}, "fast_mode"),
         ({"trace_device": "tpu"}, "trace_device"),
         ({"default_partition": 1}, "default_partition"),
         ({"fp16": True, "bf16": True}, "bf16"),

@@ -19,7 +19,10 @@ HAS_TP = importlib.util.find_spec("smp_tp") is not None
 def _case(name: str, **config: object) -> dict:
     extra = {
         k: config.pop(k)
-        for k in ("optimizer", "checkpoint_blocks", "tied", "steps", "batch", "manual", "model")
+        for k in (
+            "optimizer", "checkpoint_blocks", "tied", "steps", "batch", "manual", "model",
+            "served_per_mb",
+        )  # fmt: skip
         if k in config
     }
     return {"name": name, "config": config, **extra}
@@ -41,7 +44,15 @@ PP2_CASES = [
     _case("pp2-manual", pipeline_parallel_degree=2, microbatches=2, auto_partition=False, manual=True),
     _case("pp2-checkpointing", pipeline_parallel_degree=2, microbatches=2, checkpoint_blocks=True),
     _case("pp2-mb1-sgd-untied", pipeline_parallel_degree=2, optimizer="sgd", tied=False),
-]
+    # fast_mode on an nn.Sequential: stage 1's run (last block, norm, head) is one forward
+    # and one backward request per microbatch; without it, one per child (3 + 3).
+    _case("pp2-seq-fast", pipeline_parallel_degree=2, microbatches=4, auto_partition=False,
+          model="seq", manual=True, served_per_mb=2),
+    _case("pp2-seq-fast-off", pipeline_parallel_degree=2, microbatches=4, auto_partition=False,
+          model="seq", manual=True, served_per_mb=6, fast_mode=False),
+    _case("pp2-seq-auto-checkpointing", pipeline_parallel_degree=2, microbatches=4, model="seq",
+          checkpoint_blocks=True),
+]  # fmt: skip
 
 
 def test_pipeline_2_ranks() -> None:
@@ -53,6 +64,8 @@ PP4_CASES = [
     _case("pp2-dp2", pipeline_parallel_degree=2, microbatches=2),
     _case("pp2-dp2-shard-spread", pipeline_parallel_degree=2, microbatches=2, shard_optimizer_state=True, placement_strategy="spread"),
     _case("pp4-mb4", pipeline_parallel_degree=4, microbatches=4, tied=False),
+    _case("pp4-seq-fast", pipeline_parallel_degree=4, microbatches=4, model="seq"),
+    _case("pp4-seq-fast-off", pipeline_parallel_degree=4, microbatches=4, model="seq", fast_mode=False),
 ]
 
 
@@ -100,7 +113,9 @@ PPTP4_CASES = [
         shard_optimizer_state=True,
         pipeline="simple",
     ),
-]
+    _case("pp2-tp2-seq", pipeline_parallel_degree=2, tensor_parallel_degree=2, microbatches=4,
+          model="seq", optimizer="sgd"),
+]  # fmt: skip
 
 
 @pytest.mark.skipif(not HAS_TP, reason="smp_tp not installed")

@@ -32,6 +32,7 @@ import torch
 from smp_pipeline.errors import PipelineError
 from smp_pipeline.executor import Executor
 from smp_pipeline.protocol import BwdReq, FwdReq, Message, StallQuery, StallReport
+from smp_pipeline.seqruns import span_label
 from smp_pipeline.stall import (
     DEVICE,
     READY,
@@ -159,7 +160,7 @@ class StallDiagnosis:
                 TaskState(task.module, task.mb, task.phase, state, serves, waits.get(id(worker)), age, where)
             )  # fmt: skip
         queued = tuple(
-            Queued(_request_key(m), m.src, m.path, m.mb)
+            Queued(_request_key(m), m.src, span_label(m.path, m.span) if type(m) is FwdReq else m.path, m.mb)
             for m in list(tr.inbox)
             if isinstance(m, (FwdReq, BwdReq))
         )

@@ -3,8 +3,8 @@
 Once a placement is known, every module's ``_call_impl`` is replaced: a module owned by
 another rank becomes a request to it, a checkpointed one runs under checkpointing, and a
 sequential container owned here sends each run of consecutive children living on one other
-rank as one request (Appendix B). The owner side (:meth:`ModuleDispatch.execute_owned`) runs
-what requests ask for.
+rank as one request (Appendix B; ``fast_mode``, see :mod:`smp_pipeline.seqruns`). The owner
+side (:meth:`ModuleDispatch.execute_owned`) runs what requests ask for.
 """
 
 from __future__ import annotations
@@ -19,6 +19,13 @@ from torch import nn
 from smp_pipeline.checkpointing import CheckpointPlan, grouped_sequential_forward, run_checkpointed
 from smp_pipeline.errors import PipelineError
 from smp_pipeline.partition import canonical_modules
+from smp_pipeline.seqruns import (
+    SequentialPlan,
+    global_hooks,
+    has_own_hooks,
+    is_plain_sequential,
+    plan_sequential,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from smp_pipeline.server import ExecutionServer
@@ -27,14 +34,17 @@ if TYPE_CHECKING:  # pragma: no cover
 class ModuleDispatch:
     """The module-call routing of one rank's copy of the model."""
 
-    def __init__(self, module: nn.Module, pp_rank: int) -> None:
+    def __init__(self, module: nn.Module, pp_rank: int, fast_mode: bool = True) -> None:
         self.module = module
         self.pp_rank = pp_rank
+        self.fast_mode = fast_mode
+        self._fast_forwards: set[nn.Module] = set()  # containers whose forward is a plan
         self.modules = {name: m for name, m in module.named_modules()}
         self.assignment: dict[str, int] | None = None
         self.plan = CheckpointPlan()
         self.server: ExecutionServer | None = None
         self._yield_hooks: list[Any] = []
+        self._yield_ids: set[int] = set()  # handle ids of the yield hooks (not user hooks)
 
     def install(
         self, assignment: dict[str, int], plan: CheckpointPlan, server: ExecutionServer
@@ -65,6 +75,7 @@ class ModuleDispatch:
         for handle in self._yield_hooks:
             handle.remove()
         self._yield_hooks = []
+        self._yield_ids = set()
         assert self.server is not None
         if not self.server.preemption:
             return
@@ -77,6 +88,7 @@ class ModuleDispatch:
                 child_path = f"{path}.{name}" if path else name
                 if self.assignment.get(child_path) == self.pp_rank:
                     self._yield_hooks.append(child.register_forward_pre_hook(hook))
+        self._yield_ids = {h.id for h in self._yield_hooks}
 
     def _yield_hook(self, _module: nn.Module, _args: Any) -> None:
         assert self.server is not None
@@ -85,6 +97,10 @@ class ModuleDispatch:
     def _install_calls(self) -> None:
         assert self.assignment is not None and self.server is not None
         self._install_yield_points()
+        for m in self._fast_forwards:  # a second placement: plan again from the plain forward
+            m.__dict__.pop("forward", None)
+        self._fast_forwards = set()
+        canon = canonical_modules(self.module)
         for path, m in self.modules.items():
             owner = self.assignment[path]
             if owner != self.pp_rank:
@@ -96,50 +112,48 @@ class ModuleDispatch:
                 assert isinstance(m, nn.Sequential)
                 m.forward = grouped_sequential_forward(m, groups)  # type: ignore[method-assign]
             elif (
-                owner == self.pp_rank
+                self.fast_mode
+                and owner == self.pp_rank
                 and isinstance(m, nn.Sequential)
-                and type(m).forward is nn.Sequential.forward
+                and is_plain_sequential(m, self._is_fast)
             ):
-                runs = self._remote_runs(m)
-                if runs:
-                    m.forward = self._sequential_forward(path, m, runs)  # type: ignore[method-assign]
+                plan = plan_sequential(m, canon, self.assignment, self.pp_rank, self._expandable)
+                if plan.useful:
+                    m.forward = self._sequential_forward(path, plan)  # type: ignore[method-assign]
+                    self._fast_forwards.add(m)
 
-    def _remote_runs(self, seq: nn.Sequential) -> dict[int, tuple[int, int]]:
-        """Runs of >= 2 consecutive children owned by one other rank: ``start -> (end, rank)``."""
-        assert self.assignment is not None
-        canon = canonical_modules(self.module)
-        owners = [self.assignment[canon[id(c)]] for c in seq]
-        runs: dict[int, tuple[int, int]] = {}
-        i = 0
-        while i < len(owners):
-            j = i + 1
-            while j < len(owners) and owners[j] == owners[i]:
-                j += 1
-            if owners[i] != self.pp_rank and j - i >= 2:
-                runs[i] = (j, owners[i])
-            i = j
-        return runs
+    def _is_fast(self, m: nn.Module) -> bool:
+        return m in self._fast_forwards
 
-    def _sequential_forward(
-        self, path: str, seq: nn.Sequential, runs: dict[int, tuple[int, int]]
-    ) -> Callable[[Any], Any]:
-        """``seq.forward`` sending each run of children living on one other rank as one
-        request (Appendix B), instead of one request per child."""
-        children = list(seq)
+    def _expandable(self, child: nn.Module, path: str) -> bool:
+        """A nested container that may be flattened into its parent's plan (statically; hooks
+        are checked at every call)."""
+        return (
+            is_plain_sequential(child, self._is_fast)
+            and path not in self.plan.modules
+            and path not in self.plan.groups
+        )
+
+    def _sequential_forward(self, path: str, plan: SequentialPlan) -> Callable[[Any], Any]:
+        """``seq.forward`` under ``fast_mode``: each run of children living on one other rank
+        is one request (Appendix B), instead of one request per child (see
+        :mod:`smp_pipeline.seqruns`)."""
         server = self.server
         assert server is not None
+        yield_ids = self._yield_ids
 
         def forward(x: Any) -> Any:
-            i = 0
-            while i < len(children):
-                run = runs.get(i)
-                if run is not None:
-                    end, owner = run
-                    x = server.call_remote(path, owner, (x,), {}, False, (i, end))
-                    i = end
+            items = plan.flat
+            if plan.expanded and (
+                global_hooks() or any(has_own_hooks(c, yield_ids) for c in plan.expanded)
+            ):
+                items = plan.shallow  # a flattened container's call would be skipped
+            for item in items:
+                if isinstance(item, tuple):
+                    owner, paths = item
+                    x = server.call_remote(path, owner, (x,), {}, False, paths)
                 else:
-                    x = children[i](x)
-                    i += 1
+                    x = item(x)
             return x
 
         return forward
@@ -158,24 +172,25 @@ class ModuleDispatch:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         checkpoint: bool,
-        span: tuple[int, int] | None = None,
+        span: tuple[str, ...] | None = None,
     ) -> Any:
-        """Run owned module ``path`` for a request (``span``: children i..j-1 of a Sequential)."""
-        if span is not None:  # consecutive children of a Sequential, all owned here
-            seq = self.modules.get(path)
-            if not isinstance(seq, nn.Sequential):
-                raise PipelineError(f"pp rank {self.pp_rank}: '{path}' is not an nn.Sequential")
+        """Run owned module ``path`` for a request; ``span``: the module paths of a run of a
+        Sequential's (possibly flattened) children, all owned here, called in order."""
+        if span is not None:
             (x,) = args
-            for child in list(seq)[span[0] : span[1]]:
-                x = child(x)
+            for p in span:
+                x = self._owned(p)(x)  # its own __call__: hooks, checkpointing, yield points
             return x
-        m = self.modules.get(path)
-        if m is None or self.assignment is None or self.assignment[path] != self.pp_rank:
-            raise PipelineError(
-                f"pp rank {self.pp_rank} was asked to run module '{path}', which it does not own"
-            )
+        m = self._owned(path)
         call = functools.partial(type(m)._call_impl, m)
         if checkpoint:
             return run_checkpointed(call, args, kwargs)
         return call(*args, **kwargs)
 
+    def _owned(self, path: str) -> nn.Module:
+        m = self.modules.get(path)
+        if m is None or self.assignment is None or self.assignment[path] != self.pp_rank:
+            raise PipelineError(
+                f"pp rank {self.pp_rank} was asked to run module '{path}', which it does not own"
+            )
+        return m

@@ -20,6 +20,7 @@ from smp_pipeline.errors import PipelineError
 from smp_pipeline.executor import Executor
 from smp_pipeline.protocol import Abort, BwdReq, BwdResp, FwdReq, FwdResp, MbDone, Message, StepEnd
 from smp_pipeline.remote import RemoteCalls
+from smp_pipeline.seqruns import span_label
 from smp_pipeline.transport import Transport
 from smp_pipeline.worker import Task
 
@@ -85,9 +86,7 @@ class MessageHandlers:
 
     def _on_forward_request(self, msg: FwdReq) -> None:
         self.requests_served += 1
-        label = msg.path
-        if msg.span:
-            label = "{}[{}:{}]".format(label or "<root>", *msg.span)
+        label = span_label(msg.path, msg.span)
         run = self.remote.run_forward_request
         self.executor.start(Task(run, msg.mb, label, "forward", None, msg.step, msg))
 

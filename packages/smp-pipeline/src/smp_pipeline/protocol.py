@@ -38,7 +38,7 @@ class FwdReq:
     grad: bool  # the caller's grad mode
     autocast: list[tuple[str, str]]  # the caller's autocast contexts (device type, dtype)
     checkpoint: bool  # run the module under activation checkpointing
-    span: tuple[int, int] | None  # children i..j-1 of the nn.Sequential at ``path``
+    span: tuple[str, ...] | None  # fast_mode: a run of children of the Sequential at ``path``
     inputs: Packed  # (args, kwargs)
 
 

@@ -32,12 +32,13 @@ from smp_pipeline.execution_state import capture, execution_state
 from smp_pipeline.executor import Executor
 from smp_pipeline.messages import Packed, flatten, pack, unflatten, unpack_leaves
 from smp_pipeline.protocol import BwdReq, BwdResp, CallKey, FwdReq, FwdResp
+from smp_pipeline.seqruns import span_label
 from smp_pipeline.transport import Transport
 from smp_pipeline.worker import Task
 
-# Runs an owned module: (path, args, kwargs, checkpoint, span) -> outputs, where span=(i, j)
-# asks for children i..j-1 of an nn.Sequential (Appendix B).
-Execute = Callable[[str, tuple[Any, ...], dict[str, Any], bool, "tuple[int, int] | None"], Any]
+# Runs an owned module: (path, args, kwargs, checkpoint, span) -> outputs, where span (module
+# paths) asks for a run of an nn.Sequential's children, called in order (Appendix B).
+Execute = Callable[[str, tuple[Any, ...], dict[str, Any], bool, "tuple[str, ...] | None"], Any]
 
 
 class RemoteCalls:
@@ -72,12 +73,12 @@ class RemoteCalls:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         checkpoint: bool,
-        span: tuple[int, int] | None = None,
+        span: tuple[str, ...] | None = None,
     ) -> Any:
         """Run module ``path`` on pp rank ``dest`` for the current task (caller side).
 
-        ``span=(i, j)``: run children ``i..j-1`` of the ``nn.Sequential`` at ``path`` in one
-        request (they all live on ``dest``).
+        ``span``: the module paths of a run of children of the ``nn.Sequential`` at ``path``
+        (``fast_mode``), called in order in one request (they all live on ``dest``).
         """
         task = self.executor.current
         if task is None or task.worker is None or task.context is None:
@@ -107,7 +108,8 @@ class RemoteCalls:
             span,
             Packed(skeleton, [t.detach() for t in tensors], flags),
         )
-        self.transport.expect(("fwd", key), dest, path, ctx.mb)
+        label = span_label(path, span)
+        self.transport.expect(("fwd", key), dest, label, ctx.mb)
         self.transport.send(dest, msg)
         resp: FwdResp = task.worker.wait(("fwd", key))
         out = resp.outputs
@@ -115,7 +117,6 @@ class RemoteCalls:
         oflags = out.flags
         if any(oflags):
             inputs = [t for t, f in zip(tensors, flags) if f]
-            label = path if span is None else f"{path or '<root>'}[{span[0]}:{span[1]}]"
             call = OutgoingCall(self, key, dest, label, ctx, inputs)
             self.records.outgoing[key] = call
             idx = [i for i, f in enumerate(oflags) if f]

@@ -72,6 +72,11 @@ class PipelineRuntime:
             as its own backward of it is done (joined mode), so a data-parallel reduction
             hooked on folds overlaps the earlier stages' backward. False leaves the order to
             autograd: the last bits may differ run to run.
+        fast_mode: an ``nn.Sequential``'s consecutive children owned by one other rank run
+            as one request per microbatch (and one backward request), nested plain
+            Sequentials flattened in, instead of one request per child (see
+            :mod:`smp_pipeline.seqruns`: exact, with the fallbacks listed there). Every rank
+            must agree. False: one request per child (the paper's baseline).
     """
 
     def __init__(
@@ -95,6 +100,7 @@ class PipelineRuntime:
         abort_ranks: Sequence[int] | None = None,
         backward_mode: str = "auto",
         deterministic_accumulation: bool = True,
+        fast_mode: bool = True,
     ) -> None:
         if not 0 <= pp_rank < pp_size:
             raise PipelineConfigError(f"pp_rank {pp_rank} outside 0..{pp_size - 1}")
@@ -116,7 +122,10 @@ class PipelineRuntime:
         self._ckpt_config: dict[str, str | None] = dict(checkpointing or {})
         self._ownership = Ownership(module, pp_rank)
         self.plan = CheckpointPlan()
-        self._dispatch = ModuleDispatch(module, pp_rank)
+        if not isinstance(fast_mode, bool):
+            raise PipelineConfigError(f"fast_mode must be a bool, got {fast_mode!r}")
+        self.fast_mode = fast_mode
+        self._dispatch = ModuleDispatch(module, pp_rank, self.fast_mode)
         self._tracing = False
         self._num_microbatches = 1
         self._local_params: list[nn.Parameter] = []

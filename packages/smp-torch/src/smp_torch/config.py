@@ -51,7 +51,9 @@ class SMPConfig:
     offload_activations: bool = False
     activation_loading_horizon: int = 4
     static_mode: bool = False
-    fast_mode: bool = False
+    # On by default: exact (smp_pipeline.seqruns), and the runtime's behaviour before the key
+    # did anything (Sequential runs were already one request).
+    fast_mode: bool = True
     tensor_parallel_seed: int = 0
     delayed_parameter_initialization: bool = False
     trace_device: str = "cpu"

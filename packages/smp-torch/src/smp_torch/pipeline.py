@@ -106,6 +106,7 @@ class PipelineEngine(Engine):
             schedule=cfg.pipeline,
             active_microbatches=cfg.active_microbatches,
             deterministic_accumulation=cfg.deterministic_accumulation,
+            fast_mode=cfg.fast_mode,
             timeout_s=cfg.timeout_s,
             checkpointing=checkpointing,
             timeline=bool(cfg.timeline),

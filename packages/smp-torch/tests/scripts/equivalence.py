@@ -56,11 +56,10 @@ def run_case(case: dict) -> None:
         if tp_marks:
             smp.set_tensor_parallelism(model)
     else:
-        model = models.TinyLM(
-            tp=tp_marks, tied=case.get("tied", True), manual=case.get("manual", False)
-        )
+        model = models.build(case, tp_marks)
     if case.get("checkpoint_blocks"):
-        for block in model.blocks:
+        blocks = getattr(model, "blocks", None) or [m for m in model.children() if isinstance(m, models.MLPBlock)]
+        for block in blocks:
             smp.set_activation_checkpointing(block)
     ref = copy.deepcopy(model)
     ref_opt = make_opt(case.get("optimizer", "adam"), ref.parameters())
@@ -111,12 +110,17 @@ def run_case(case: dict) -> None:
         # smp-pipeline always has the OrderChannel now (the "serial" fallback is gone).
         want = "leader"
         assert dmodel.engine.ordering == want, (dmodel.engine.ordering, want)
+    if case.get("served_per_mb") is not None and smp.pp_rank() == 1:
+        # fast_mode: the requests stage 1 served (forward + backward), per microbatch.
+        served = dmodel.engine.runtime.requests_served
+        want = case["served_per_mb"] * cfg.microbatches * case.get("steps", 3)
+        assert served == want, f"[{name}] stage 1 served {served} requests, expected {want}"
     if cfg.pp > 1:
         counts = smp.allgather(len(list(dmodel.parameters())), smp.PP_GROUP)
         assert all(counts), f"[{name}] a pipeline stage owns no parameter: {counts}"
     elapsed = time.perf_counter() - t0
     # The gathered state dict loads into the unwrapped module, strict.
-    fresh = models.HF_MODELS[case["model"]]() if hf else models.TinyLM(tp=False, tied=case.get("tied", True))
+    fresh = models.HF_MODELS[case["model"]]() if hf else models.build(case, False)
     fresh.load_state_dict(dmodel.state_dict(), strict=True)
     smp.barrier()
     if smp.rank() == 0:

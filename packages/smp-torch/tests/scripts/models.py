@@ -47,6 +47,27 @@ class TinyLM(nn.Module):
         return self.head(self.ln(h))
 
 
+def seq_lm(tp: bool = False, layers: int = 3, manual: bool = False) -> nn.Sequential:
+    """A plain ``nn.Sequential`` LM (embedding, residual MLP blocks, norm, untied head): the
+    ``fast_mode`` path, where a run of children on one stage is one request. ``manual``: the
+    last block, the norm and the head go to stage 1 (one run of three children)."""
+    mods: list[nn.Module] = [nn.Embedding(VOCAB, HIDDEN)]
+    with smp.tensor_parallelism(enabled=tp) if tp else _null():
+        for i in range(layers):
+            with smp.partition(1) if manual and i == layers - 1 else _null():
+                mods.append(MLPBlock(HIDDEN))
+    with smp.partition(1) if manual else _null():
+        mods += [nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, VOCAB, bias=False)]
+    return nn.Sequential(*mods)
+
+
+def build(case: dict, tp: bool) -> nn.Module:
+    """The case's model: ``"seq"`` (:func:`seq_lm`) or :class:`TinyLM` (the default)."""
+    if case.get("model") == "seq":
+        return seq_lm(tp=tp, manual=case.get("manual", False))
+    return TinyLM(tp=tp, tied=case.get("tied", True), manual=case.get("manual", False))
+
+
 class _null:
     def __enter__(self) -> None:
         return None

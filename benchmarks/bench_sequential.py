@@ -1,0 +1,242 @@
+"""A plain ``nn.Sequential`` pipelined over 2 CPU processes: smp with and without
+``fast_mode`` vs one process, and vs ``torch.distributed.pipelining`` on the same split.
+
+Run: python benchmarks/bench_sequential.py      (spawns the workers itself; ~3-5 minutes)
+
+The model is an ``nn.Sequential`` of 8 blocks, each an ``nn.Sequential(LayerNorm, Linear(w,
+4w), GELU, Linear(4w, w))``: nothing but a sequential container, the case a static pipeline
+handles best. Every process uses one thread (``torch.set_num_threads(1)``), so two processes
+have twice the compute of one. Per shape (width, rows per microbatch; 8 microbatches), runs
+of these kinds alternate (best of ``BENCH_SEQ_ROUNDS`` runs, each the median of its steps):
+
+- one process, plain PyTorch on the whole batch (the baseline of every ratio);
+- one process accumulating the same 8 microbatches: what splitting the batch costs by
+  itself, and from it the *ceiling* of a balanced two-stage pipeline with no overhead
+  (2 x 8/9 of that rate);
+- smp, ``pipeline_parallel_degree=2``, automatic partition, ``fast_mode`` on (the default:
+  a stage's run of blocks is one request per microbatch, forward and backward) and off (one
+  request per block);
+- ``torch.distributed.pipelining`` (``Schedule1F1B``) with the model cut where smp's
+  automatic partition cut it (the smp run reports its cut; the same blocks on each stage).
+
+Multi-process runs are launched with ``mpiexec -bind-to core`` (``BENCH_SEQ_BIND=""`` turns
+it off). The two shapes are picked so that one block's forward on one microbatch takes about
+0.2 ms and about 2 ms on one core (the run prints the measured time): at 0.2 ms a request's
+~1 ms of CPU is as large as the work it carries, at 2 ms it is small against it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+# width, rows per microbatch
+SHAPES = ("256,16", "1024,8")
+_SHAPE = os.environ.get("BENCH_SEQ_SHAPE", SHAPES[0])
+WIDTH, ROWS = (int(v) for v in _SHAPE.split(","))
+BLOCKS, MB = 8, 8
+WARMUP, STEPS = 2, 8
+ROUNDS = int(os.environ.get("BENCH_SEQ_ROUNDS", "2"))
+BIND = os.environ.get("BENCH_SEQ_BIND", "core")
+
+
+def _setup():  # type: ignore[no-untyped-def]
+    import torch
+    from torch import nn
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        *[
+            nn.Sequential(
+                nn.LayerNorm(WIDTH),
+                nn.Linear(WIDTH, 4 * WIDTH),
+                nn.GELU(),
+                nn.Linear(4 * WIDTH, WIDTH),
+            )
+            for _ in range(BLOCKS)
+        ]
+    )
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(ROWS * MB, WIDTH, generator=g)
+    y = torch.randn(ROWS * MB, WIDTH, generator=g)
+    return torch, net, x, y
+
+
+def _rate(times: list[float]) -> float:
+    """Samples per second of the median step (robust to a step another job slowed down)."""
+    return ROWS * MB / statistics.median(times)
+
+
+def block_forward_ms() -> dict:
+    """One block's forward on one microbatch, one thread (median of many)."""
+    torch, net, x, _ = _setup()
+    block, xs = net[0], x[:ROWS]
+    times = []
+    with torch.no_grad():
+        for _ in range(50):
+            block(xs)
+        for _ in range(200):
+            t0 = time.perf_counter()
+            block(xs)
+            times.append(time.perf_counter() - t0)
+    return {"ms": 1e3 * statistics.median(times)}
+
+
+def single(microbatches: int = 1) -> dict:
+    """One process; ``microbatches`` > 1 accumulates over that many equal slices."""
+    torch, net, x, y = _setup()
+    import torch.nn.functional as F
+
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    times = []
+    for step in range(WARMUP + STEPS):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches)):
+            (F.mse_loss(net(xs), ys) / microbatches).backward()
+        opt.step()
+        if step >= WARMUP:
+            times.append(time.perf_counter() - t0)
+    return {"rate": _rate(times)}
+
+
+def smp_pp2(fast: bool) -> dict:
+    torch, net, x, y = _setup()
+    import smp_torch as smp
+    import torch.nn.functional as F
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": MB, "fast_mode": fast})
+    model = smp.DistributedModel(net)
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
+
+    @smp.step
+    def train_step(x, y):  # type: ignore[no-untyped-def]
+        loss = F.mse_loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    times = []
+    for step in range(WARMUP + STEPS):
+        smp.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        train_step(x, y)
+        opt.step()
+        if step >= WARMUP:
+            times.append(time.perf_counter() - t0)
+    rt = model.engine.runtime
+    # Stage 0's share of the top-level blocks (the cut torch.distributed.pipelining reuses),
+    # and the requests stage 1 served per microbatch (forward + backward).
+    cut = sum(1 for i in range(BLOCKS) if rt.assignment[str(i)] == 0)
+    served = smp.allgather(rt.requests_served, smp.PP_GROUP)[1]
+    per_mb = served / ((WARMUP + STEPS) * MB)
+    return {"rate": _rate(times), "rank": smp.rank(), "cut": cut, "requests_per_mb": per_mb}
+
+
+def torch_pipelining() -> dict:
+    torch, net, x, y = _setup()
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from mpi4py import MPI
+    from smp_torch.bootstrap import init_torch_distributed
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    init_torch_distributed(MPI.COMM_WORLD, 120.0)
+    rank = dist.get_rank()
+    cut = int(os.environ.get("BENCH_SEQ_CUT", str(BLOCKS // 2)))
+    mod = net[:cut] if rank == 0 else net[cut:]
+    stage = PipelineStage(mod, rank, 2, torch.device("cpu"))
+    sched = Schedule1F1B(stage, n_microbatches=MB, loss_fn=F.mse_loss)
+    opt = torch.optim.SGD(mod.parameters(), lr=1e-3)
+    times = []
+    for step in range(WARMUP + STEPS):
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        if rank == 0:
+            sched.step(x)
+        else:
+            sched.step(target=y)
+        opt.step()
+        if step >= WARMUP:
+            times.append(time.perf_counter() - t0)
+    dist.destroy_process_group()
+    return {"rate": _rate(times), "rank": rank}
+
+
+def _launch(kind: str, nprocs: int, shape: str, cut: int | None = None) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", BENCH_SEQ_SHAPE=shape)
+    env.pop("SMP_CONFIG", None)
+    if cut is not None:
+        env["BENCH_SEQ_CUT"] = str(cut)
+    if nprocs == 1:
+        cmd = [sys.executable, __file__, "--worker", kind]
+    else:
+        local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+        mpiexec = local if os.access(local, os.X_OK) else "mpiexec"
+        bind = ["-bind-to", BIND] if BIND else []
+        cmd = [mpiexec, *bind, "-n", str(nprocs), sys.executable, __file__, "--worker", kind]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise SystemExit(f"bench_sequential: {kind} failed:\n{out.stdout}\n{out.stderr}")
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    return json.loads(lines[0][7:])
+
+
+def _compare(shape: str) -> None:
+    width, rows = (int(v) for v in shape.split(","))
+    block_ms = _launch("block", 1, shape)["ms"]
+    best: dict[str, float] = {}
+    info: dict[str, dict] = {}
+    for _ in range(ROUNDS):
+        for kind, n in (("single", 1), ("accum", 1), ("smp_fast", 2), ("smp_slow", 2)):
+            r = _launch(kind, n, shape)
+            if r["rate"] > best.get(kind, 0.0):
+                best[kind], info[kind] = r["rate"], r
+        r = _launch("torchpp", 2, shape, info["smp_fast"]["cut"])
+        best["torchpp"] = max(best.get("torchpp", 0.0), r["rate"])
+    one = best["single"]
+    ceiling = 2 * MB / (MB + 1) * best["accum"] / one
+    fast, slow, tpp = best["smp_fast"], best["smp_slow"], best["torchpp"]
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(
+        f"bench_sequential (load avg {load:.1f} on {os.cpu_count()} cores, bind "
+        f"{BIND or 'none'}): Sequential of {BLOCKS} blocks, width {width}, {MB} microbatches of "
+        f"{rows} rows (one block's microbatch forward {block_ms:.2f} ms), 1 thread/process: "
+        f"one process {one:,.0f} samples/s; ceiling {ceiling:.2f}x; "
+        f"smp pp=2 fast_mode on {fast / one:.2f}x one process "
+        f"({info['smp_fast']['requests_per_mb']:.0f} requests/microbatch on stage 1, cut "
+        f"{info['smp_fast']['cut']}|{BLOCKS - info['smp_fast']['cut']}), "
+        f"fast_mode off {slow / one:.2f}x ({info['smp_slow']['requests_per_mb']:.0f} "
+        f"requests/microbatch, cut {info['smp_slow']['cut']}|{BLOCKS - info['smp_slow']['cut']}); torch.distributed.pipelining 1F1B {tpp / one:.2f}x; "
+        f"smp fast/torch {fast / tpp:.2f}x, fast on/off {fast / slow:.2f}x",
+        flush=True,
+    )
+
+
+def main() -> None:
+    if "--worker" in sys.argv:
+        kind = sys.argv[sys.argv.index("--worker") + 1]
+        result = {
+            "block": block_forward_ms,
+            "single": single,
+            "accum": lambda: single(MB),
+            "smp_fast": lambda: smp_pp2(True),
+            "smp_slow": lambda: smp_pp2(False),
+            "torchpp": torch_pipelining,
+        }[kind]()
+        if result.get("rank", 0) == 0:
+            print("RESULT " + json.dumps(result), flush=True)
+        return
+    shapes = os.environ.get("BENCH_SEQ_SHAPES")
+    for shape in shapes.split(";") if shapes else SHAPES:
+        _compare(shape)
+
+
+if __name__ == "__main__":
+    main()
