@@ -5,7 +5,9 @@ for the many-to-one pattern) and prints one line per pattern with both bandwidth
 ratio. Every message is a 64 MiB float32 CPU tensor; every receiver drops each tensor once
 it has it (as a pipeline stage does after using an activation), so the raw mpi4py receiver
 allocates a fresh buffer per message (``np.empty``, as ``torch.empty`` would) and smp-comm
-runs with its default settings (zero-copy shm receive buffer of 128 MiB per rank).
+runs with its default settings (zero-copy shm receive buffer of 128 MiB per rank), and
+again without flow control (``stream_min_bytes=0``: what finds no room takes the MPI
+fallback, as before streaming existed).
 
 Patterns (each a batch of :data:`COUNT` messages per sender; the best of :data:`REPS`
 batches, contenders alternating batch by batch so both see the same load):
@@ -101,6 +103,8 @@ def worker() -> None:
     world = MPI.COMM_WORLD
     rank, size = world.rank, world.size
     comm = Communicator(world)
+    # The same without flow control: what found no room took the MPI fallback.
+    plain_comm = Communicator(world, stream_min_bytes=0)
     copy_comm = Communicator(world, shm_zero_copy=False)
     t = torch.randn(BIG // 4)
     buf = t.numpy()
@@ -116,6 +120,8 @@ def worker() -> None:
 
     def run(kind: str, pattern: tuple, c=comm) -> None:
         senders, receiver, k = pattern
+        if kind == "plain":
+            kind, c = "smp", plain_comm
         if senders is None:  # both ways: two streams at once, one per direction
             import threading
 
@@ -133,9 +139,9 @@ def worker() -> None:
 
     results: dict[str, dict[str, float]] = {}
     for name, pattern in patterns.items():
-        best = {"smp": float("inf"), "mpi": float("inf")}
-        for rep in range(REPS + 1):  # the first round warms both up
-            for kind in ("smp", "mpi"):
+        best = {"smp": float("inf"), "plain": float("inf"), "mpi": float("inf")}
+        for rep in range(REPS + 1):  # the first round warms them up
+            for kind in best:
                 world.Barrier()
                 t0 = time.perf_counter()
                 run(kind, pattern)
@@ -164,6 +170,7 @@ def worker() -> None:
                 best_copy, best_memcpy = min(best_copy, took), min(best_memcpy, mem)
         copy_line = (best_copy, best_memcpy)
     comm.close()
+    plain_comm.close()
     copy_comm.close()
     if rank == 0:
         for name, best in results.items():
@@ -171,10 +178,12 @@ def worker() -> None:
             streams = 2 if senders is None else len(senders)
             nbytes = COUNT * BIG * streams
             smp_gbs, mpi_gbs = nbytes / best["smp"] / 1e9, nbytes / best["mpi"] / 1e9
+            plain_gbs = nbytes / best["plain"] / 1e9
             print(
                 f"traffic {name} ({size} ranks, 64MiB x {COUNT} per stream): smp_comm "
-                f"{smp_gbs:.2f} GB/s | mpi4py {mpi_gbs:.2f} GB/s | smp/mpi "
-                f"{smp_gbs / mpi_gbs:.2f}x (target >=1.0)"
+                f"{smp_gbs:.2f} GB/s | without flow control {plain_gbs:.2f} GB/s | mpi4py "
+                f"{mpi_gbs:.2f} GB/s | smp/mpi {smp_gbs / mpi_gbs:.2f}x (target >=1.0), "
+                f"without flow control {plain_gbs / mpi_gbs:.2f}x"
             )
         print(
             f"traffic paths on rank 0 ({size} ranks, all patterns, smp_comm default settings): "

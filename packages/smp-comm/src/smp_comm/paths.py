@@ -102,6 +102,8 @@ class DirectPaths:
 
     def __init__(self, cc: MPI.Intracomm, settings: CommSettings) -> None:
         self._cc = cc
+        #: Payloads this large stream when they find no room (0: never); smp_comm.stream.
+        self.stream_min_bytes = settings.stream_min_bytes
         self.rank = rank = cc.Get_rank()
         size = cc.Get_size()
         enabled = {p for p in ("shm", "rma") if p not in settings.disable}

@@ -31,7 +31,6 @@ from smp_comm.serialize import Packed
 from smp_comm.state import STOP, Backlog, PathStats, start_thread
 from smp_comm.stream import (
     CHUNK_BYTES,
-    MIN_STREAM_BYTES,
     ROOM_WAIT_S,
     chunks_of,
     source_bytes,
@@ -114,7 +113,7 @@ class Sender:
         gpu = packed.on_gpu()
         candidates = self._paths.candidates(op.dest, all_gpu=all(gpu), any_gpu=any(gpu))
         host = [p for p in candidates if p in ("shm", "rma")] if not any(gpu) else []
-        big = packed.nbytes >= MIN_STREAM_BYTES
+        big = 0 < self._paths.stream_min_bytes <= packed.nbytes
         if big and host and packed.nbytes >= 2 * CHUNK_BYTES:
             if self._paths.copies_out(host[0], op.dest):  # two copies: overlap them
                 self._stream(op, host[0])

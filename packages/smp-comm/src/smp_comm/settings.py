@@ -20,6 +20,12 @@ setting (kwarg)                environment variable                default
                                                                    rebuilt on the thread that
                                                                    probes them (no hand-off to
                                                                    the router/copy/post threads)
+``stream_min_bytes``           ``SMP_COMM_STREAM_MIN_BYTES``       0 (off): a CPU payload at least
+                                                                   this large that finds no room
+                                                                   in a host buffer streams
+                                                                   through it in chunks
+                                                                   (:mod:`smp_comm.stream`);
+                                                                   0: never (the MPI fallback)
 ``disable``                    ``SMP_COMM_DISABLE``                none; e.g. ``"shm,rma"``
 ``node_id``                    ``SMP_COMM_NODE_ID``                real node (shared-memory
                                                                    domain); ``"{rank}"`` is
@@ -87,6 +93,7 @@ class CommSettings:
     inline_bytes: int = 16 << 10
     small_message_bytes: int = 4 << 10
     caller_copy_bytes: int = 1 << 20
+    stream_min_bytes: int = 0
     disable: frozenset[str] = field(default_factory=frozenset)
     node_id: str | None = None
     shm_zero_copy: bool = True
@@ -104,6 +111,7 @@ class CommSettings:
         inline_bytes: int | str | None = None,
         small_message_bytes: int | str | None = None,
         caller_copy_bytes: int | str | None = None,
+        stream_min_bytes: int | str | None = None,
         disable: str | set[str] | frozenset[str] | list[str] | tuple[str, ...] | None = None,
         node_id: str | int | None = None,
         shm_zero_copy: bool | None = None,
@@ -155,6 +163,9 @@ class CommSettings:
             ),
             caller_copy_bytes=size(
                 caller_copy_bytes, "SMP_COMM_CALLER_COPY_BYTES", cls.caller_copy_bytes
+            ),
+            stream_min_bytes=size(
+                stream_min_bytes, "SMP_COMM_STREAM_MIN_BYTES", cls.stream_min_bytes
             ),
             disable=frozenset(names),
             node_id=node,

@@ -32,7 +32,6 @@ from smp_comm.serialize import TensorStub
 
 __all__ = [
     "CHUNK_BYTES",
-    "MIN_STREAM_BYTES",
     "ROOM_WAIT_S",
     "Assembly",
     "ChunkBody",
@@ -43,9 +42,6 @@ __all__ = [
 #: The largest chunk: small enough that the sender's and the receiver's copies overlap
 #: well and a chunk finds room soon; large enough that its control message is noise.
 CHUNK_BYTES = 4 << 20
-#: Payloads smaller than this never stream: the MPI fallback costs less than the chunks'
-#: control messages.
-MIN_STREAM_BYTES = 1 << 20
 #: How long the sender waits for room for one chunk before sending the rest over MPI.
 ROOM_WAIT_S = 0.2
 

@@ -1,7 +1,8 @@
 """Big messages and full buffers (2 ranks on one node).
 
-1. A 600 MiB array (larger than any receive buffer) still arrives, streamed through the
-   shm buffer in chunks (smp_comm.stream), with no MPI fallback.
+1. A 600 MiB array (larger than any receive buffer) still arrives: by the MPI fallback,
+   and with flow control on (``stream_min_bytes``), streamed through the shm buffer in
+   chunks (smp_comm.stream).
 2. Zero-copy shm views pin their region until garbage collected: with a 1 MiB buffer the
    fifth held 256 KiB message falls back to MPI; once the views are dropped, shm again.
 3. With ``shm_zero_copy=False`` the receiver copies out and frees at once.
@@ -37,25 +38,28 @@ def main() -> None:
     rank = world.rank
 
     # 1. 600 MiB, checked chunk by chunk to keep memory sane.
-    comm = Communicator(world)
-    if rank == 0:
-        data = np.empty(BIG, dtype=np.uint8)
-        for i in range(0, BIG, CHUNK):
-            data[i : i + CHUNK] = pattern(i, CHUNK)
-        comm.isend({"blob": data}, dest=1, tag=600).wait(timeout=120)
-        del data
-        s = comm.stats()
-        assert s["mpi"]["fallbacks"] == 0 and s["shm"]["streamed_sent"] == 1, s
-    else:
-        obj, src, tag = comm.irecv(0, 600).wait(timeout=120)
-        blob = obj["blob"]
-        assert blob.shape == (BIG,) and blob.dtype == np.uint8 and (src, tag) == (0, 600)
-        for i in range(0, BIG, CHUNK):
-            assert np.array_equal(blob[i : i + CHUNK], pattern(i, CHUNK)), f"chunk at {i}"
-        del obj, blob
-        assert comm.stats()["shm"]["bytes_received"] == BIG
-    comm.close()
-    gc.collect()
+    for streamed in (False, True):
+        comm = Communicator(world, stream_min_bytes="1M" if streamed else 0)
+        path = "shm" if streamed else "mpi"
+        if rank == 0:
+            data = np.empty(BIG, dtype=np.uint8)
+            for i in range(0, BIG, CHUNK):
+                data[i : i + CHUNK] = pattern(i, CHUNK)
+            comm.isend({"blob": data}, dest=1, tag=600).wait(timeout=120)
+            del data
+            s = comm.stats()
+            assert s["mpi"]["fallbacks"] == (not streamed), s
+            assert s["shm"]["streamed_sent"] == streamed, s
+        else:
+            obj, src, tag = comm.irecv(0, 600).wait(timeout=120)
+            blob = obj["blob"]
+            assert blob.shape == (BIG,) and blob.dtype == np.uint8 and (src, tag) == (0, 600)
+            for i in range(0, BIG, CHUNK):
+                assert np.array_equal(blob[i : i + CHUNK], pattern(i, CHUNK)), f"chunk at {i}"
+            del obj, blob
+            assert comm.stats()[path]["bytes_received"] == BIG
+        comm.close()
+        gc.collect()
     case_ok("600mib-message")
 
     # 2. Held views fill a 1 MiB buffer; the fallback takes over; dropping them frees it.
@@ -109,7 +113,7 @@ def main() -> None:
     case_ok("copy-out")
 
     # 4. Per-sender order holds across paths, with the buffer overflowing on the way.
-    comm = Communicator(world, buffer_bytes="2M")
+    comm = Communicator(world, buffer_bytes="2M", stream_min_bytes="1M")
     sizes = [16, 100_000, 3_000_000, 40_000, 8] * 60
     if rank == 0:
         hs = [

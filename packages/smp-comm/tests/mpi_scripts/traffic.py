@@ -22,7 +22,7 @@ from smp_comm import ANY_SOURCE, ANY_TAG, Communicator
 MODE = sys.argv[1]
 THREADS = 3
 PER_THREAD = 4  # messages per sender thread per peer
-# Bytes of each of the two big tensors of a payload: past MIN_STREAM_BYTES and 2 chunks.
+# Bytes of each of the two big tensors of a payload: past stream_min_bytes (1 MiB here) and 2 chunks.
 BIG = (5 << 20) if MODE.startswith("stream") else (1 << 18)
 
 
@@ -49,6 +49,8 @@ def main() -> None:
         kwargs["shm_zero_copy"] = False
     elif MODE == "stream-rma":
         kwargs["node_id"] = f"node{world.rank}"
+    if MODE.startswith("stream"):
+        kwargs["stream_min_bytes"] = "1M"
     if MODE == "stream-mpi":
         import smp_comm.sender
 
