@@ -209,9 +209,9 @@ def worker() -> None:
 def main() -> None:
     import subprocess
 
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if not os.access(mpiexec, os.X_OK):
-        mpiexec = "mpiexec"
+    from smp_comm.testing import mpiexec_path
+
+    mpiexec = mpiexec_path()
     env = dict(os.environ, OMP_NUM_THREADS="1", SMP_COMM_BENCH_WORKER="1")
     cmd = [mpiexec, "-n", "2", sys.executable, os.path.abspath(__file__)]
     subprocess.run(cmd, env=env, check=True, timeout=170)

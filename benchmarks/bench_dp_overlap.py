@@ -157,9 +157,9 @@ def _worker() -> None:
 
 
 def main() -> None:
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if not os.access(mpiexec, os.X_OK):
-        mpiexec = "mpiexec"
+    from smp_comm.testing import mpiexec_path
+
+    mpiexec = mpiexec_path()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SMP_CONFIG": ""}
     cmd = [mpiexec, "-n", "4", sys.executable, os.path.abspath(__file__), "--worker"]
     subprocess.run(cmd, env=env, check=True, timeout=600)

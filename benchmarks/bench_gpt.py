@@ -192,8 +192,9 @@ def _launch(kind: str, nprocs: int, shape: str) -> float:
     if nprocs == 1:
         cmd = [sys.executable, __file__, "--worker", kind]
     else:
-        local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-        mpiexec = local if os.access(local, os.X_OK) else "mpiexec"
+        from smp_comm.testing import mpiexec_path
+
+        mpiexec = mpiexec_path()
         # Each process bound to a core of its own (the usual HPC launch, MPICH's
         # -bind-to core), for every contender alike: threads then stop migrating between
         # the cores, whose caches the two processes' compute would otherwise share.

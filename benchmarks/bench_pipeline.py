@@ -200,9 +200,9 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         _worker()
         return
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if not os.access(mpiexec, os.X_OK):
-        mpiexec = "mpiexec"
+    from smp_comm.testing import mpiexec_path
+
+    mpiexec = mpiexec_path()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [mpiexec, "-n", str(P), sys.executable, os.path.abspath(__file__), "--worker"]
     sys.exit(subprocess.run(cmd, env=env, timeout=600).returncode)

@@ -155,9 +155,9 @@ def _worker(modes: list[str]) -> None:
 
 
 def main() -> None:
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if not os.access(mpiexec, os.X_OK):
-        mpiexec = "mpiexec"
+    from smp_comm.testing import mpiexec_path
+
+    mpiexec = mpiexec_path()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SMP_CONFIG": "", "PYTHONWARNINGS": "ignore::UserWarning"}
 
     def run(modes: list[str]) -> str:

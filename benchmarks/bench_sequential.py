@@ -177,8 +177,9 @@ def _launch(kind: str, nprocs: int, shape: str, cut: int | None = None) -> dict:
     if nprocs == 1:
         cmd = [sys.executable, __file__, "--worker", kind]
     else:
-        local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-        mpiexec = local if os.access(local, os.X_OK) else "mpiexec"
+        from smp_comm.testing import mpiexec_path
+
+        mpiexec = mpiexec_path()
         bind = ["-bind-to", BIND] if BIND else []
         cmd = [mpiexec, *bind, "-n", str(nprocs), sys.executable, __file__, "--worker", kind]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

@@ -201,9 +201,9 @@ def worker() -> None:
 
 
 def main() -> None:
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if not os.access(mpiexec, os.X_OK):
-        mpiexec = "mpiexec"
+    from smp_comm.testing import mpiexec_path
+
+    mpiexec = mpiexec_path()
     env = dict(os.environ, OMP_NUM_THREADS="1", SMP_COMM_BENCH_WORKER="1")
     print(f"(load average before: {os.getloadavg()[0]:.1f})", flush=True)
     for n in (2, 4):
