@@ -35,6 +35,8 @@ DP2_CASES = [
     _case("dp2-shard", shard_optimizer_state=True, microbatches=2),
     _case("dp2-checkpointing", microbatches=2, checkpoint_blocks=True),
     _case("dp2-untied-spread", placement_strategy="spread", tied=False),
+    # smp-comm's torch.distributed backend for the groups (issue 22).
+    _case("dp2-mb2-smp-backend", microbatches=2, collective_backend="smp"),
 ]
 
 
@@ -66,6 +68,7 @@ PP4_CASES = [
     _case("pp4-mb4", pipeline_parallel_degree=4, microbatches=4, tied=False),
     _case("pp4-seq-fast", pipeline_parallel_degree=4, microbatches=4, model="seq"),
     _case("pp4-seq-fast-off", pipeline_parallel_degree=4, microbatches=4, model="seq", fast_mode=False),
+    _case("pp2-dp2-smp-backend", pipeline_parallel_degree=2, microbatches=2, collective_backend="smp"),
 ]
 
 
@@ -86,6 +89,7 @@ TP4_CASES = [
     _case("tp2-dp2-shard", tensor_parallel_degree=2, shard_optimizer_state=True),
     _case("tp4", tensor_parallel_degree=4, microbatches=2, optimizer="sgd"),
     _case("dp4-shard-TDP", shard_optimizer_state=True, placement_strategy="TDP"),
+    _case("tp2-dp2-smp-backend", tensor_parallel_degree=2, microbatches=2, collective_backend="smp"),
 ]
 
 

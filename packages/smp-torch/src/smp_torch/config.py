@@ -22,6 +22,7 @@ __all__ = ["SMPConfig", "parse_config", "resolve_placement", "CONFIG_ENV"]
 CONFIG_ENV = "SMP_CONFIG"
 
 _PIPELINES = ("simple", "interleaved")
+_COLLECTIVE_BACKENDS = ("auto", "gloo", "smp")
 _OPTIMIZE = ("speed", "memory")
 _TRACE_DEVICES = ("cpu", "cuda")
 # Keys whose name differs from the dataclass field (SageMaker v1 spellings).
@@ -59,6 +60,8 @@ class SMPConfig:
     trace_device: str = "cpu"
     timeout_s: float = 300.0
     timeline: str | None = None
+    # The torch.distributed backend of the data-, tensor- and pipeline-parallel groups.
+    collective_backend: str = "auto"
     # Sharded data parallelism (smp_torch.sharded, on FSDP2's fully_shard).
     sharded_data_parallel_degree: int = 1
     sdp_reduce_bucket_size: int = 500_000_000
@@ -236,6 +239,11 @@ def _validate_values(cfg: SMPConfig, world_size: int) -> None:
         )
     if cfg.timeout_s <= 0:
         raise ConfigError("timeout_s", f"must be > 0, got {cfg.timeout_s}")
+    if cfg.collective_backend not in _COLLECTIVE_BACKENDS:
+        raise ConfigError(
+            "collective_backend",
+            f"must be one of {_COLLECTIVE_BACKENDS}, got {cfg.collective_backend!r}",
+        )
     if cfg.fp16 and cfg.bf16:
         raise ConfigError("bf16", "fp16 and bf16 cannot both be enabled")
     if cfg.tensor_parallel_degree > 1 and not cfg.ddp:

@@ -160,6 +160,7 @@ def create_context(cfg: SMPConfig) -> SMPContext:
         device = torch.device("cpu")
 
     topo = Topology(cfg.pp, cfg.tp, cfg.rdp, cfg.placement)
+    backend = _group_backend(cfg.collective_backend)
     groups: dict[str, list[int]] = {"world": list(range(size))}
     pgs: dict[str, Any] = {"world": dist.group.WORLD}
     comms: dict[str, Any] = {"world_raw": world, "world": world.Dup()}
@@ -168,7 +169,7 @@ def create_context(cfg: SMPConfig) -> SMPContext:
         groups[kind] = mine
         # new_group must be called by every rank for every group, in the same order.
         for members in topo.all_groups(kind):
-            pg = dist.new_group(ranks=members)
+            pg = dist.new_group(ranks=members, backend=backend)
             if members == mine:
                 pgs[kind] = pg
         color = topo.all_groups(kind).index(mine)
@@ -188,6 +189,15 @@ def create_context(cfg: SMPConfig) -> SMPContext:
         # SMP_FAILURE_PROC_CHECK=0: heartbeats watch every peer (tests of the heartbeat ring).
         watch=FailureWatch(world, pid_check=os.environ.get("SMP_FAILURE_PROC_CHECK", "1") != "0"),
     )
+
+
+def _group_backend(choice: str) -> str | None:
+    """The ``new_group`` backend for ``collective_backend`` (None: the default group's)."""
+    if choice == "smp":
+        import smp_comm.torch_backend  # noqa: F401 - registers the "smp" backend
+
+        return "smp"
+    return None if choice == "auto" else choice
 
 
 def _caused_elsewhere(error: BaseException, rank: int) -> bool:

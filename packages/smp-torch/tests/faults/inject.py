@@ -26,7 +26,7 @@ others 2), ``batch`` (at step ``FAULT_STEP`` the victim's step gets half the bat
 others get).
 
 CONFIG: ``pp2`` (2 ranks), ``tp2`` (2), ``dp2`` (2), ``pp2dp2`` (4: drivers 0 and 2, servers
-1 and 3).
+1 and 3), ``dp2smp`` (2: ``dp2`` with ``collective_backend="smp"``).
 
 Printed (one line each): ``RANK r PID p`` and ``RANK r SHM <paths>`` (the ``/dev/shm``
 files this process maps) at start, ``FAULT r <fault> t=<unix time> timeout_s=<s>`` on the
@@ -80,6 +80,8 @@ CONFIGS = {
     "tp2": {"tensor_parallel_degree": 2},
     "dp2": {},
     "pp2dp2": {"pipeline_parallel_degree": 2},
+    # Data parallelism on smp-comm's torch.distributed backend (collective_backend="smp").
+    "dp2smp": {"collective_backend": "smp"},
 }
 
 

@@ -49,12 +49,13 @@ SCRIPT = os.path.join(HERE, "inject.py")
 LIMIT_S = 10.0  # every rank must have ended this long after the fault
 JOB_TIMEOUT_S = 120.0  # a hung job is killed (and the case fails) after this long
 
-RANKS = {"pp2": 2, "tp2": 2, "dp2": 2, "pp2dp2": 4}
+RANKS = {"pp2": 2, "tp2": 2, "dp2": 2, "pp2dp2": 4, "dp2smp": 2}
 ROLES = {
     "pp2": ["driver", "server"],
     "tp2": ["tp peer", "tp peer"],
     "dp2": ["dp peer", "dp peer"],
     "pp2dp2": ["driver", "server", "driver", "server"],
+    "dp2smp": ["dp peer", "dp peer"],
 }
 
 
@@ -84,11 +85,13 @@ CASES = [
     Case("optimizer", "tp2", 1),
     Case("optimizer", "pp2", 1),
     Case("thread", "dp2", 1),
+    Case("forward", "dp2smp", 1),
     Case("raw_collective", "dp2", 1),
     Case("kill", "pp2", 0, "shell"),
     Case("kill", "pp2dp2", 3, "shell"),
     Case("kill", "tp2", 1, "shell"),
     Case("kill", "dp2", 0, "shell"),
+    Case("kill", "dp2smp", 1, "shell"),
     Case("kill", "dp2", 1, "shell", (("SMP_FAILURE_PROC_CHECK", "0"),)),
     Case("kill", "pp2", 1, "hydra"),
     Case("truncate", "pp2", 0),

@@ -49,6 +49,10 @@ def check_close(what: str, got: torch.Tensor, want: torch.Tensor, name: str) -> 
 def run_case(case: dict) -> None:
     name = case["name"]
     cfg = smp.init(case["config"])
+    if cfg.collective_backend == "smp":  # the groups really run on smp-comm's backend
+        groups = [smp.get_dp_process_group(), smp.get_tp_process_group(), smp.get_pp_process_group()]
+        backends = {torch.distributed.get_backend(g) for g in groups}
+        assert backends == {"smp"}, f"[{name}] groups on {backends}"
     torch.manual_seed(case.get("seed", 0))
     tp_marks = cfg.tp > 1 or case.get("tp_marks", False)
     if case.get("model") in models.HF_MODELS:
