@@ -23,10 +23,48 @@ WIDTH, LAYERS, ROWS = 1024, 8, 16
 WARMUP, STEPS, ROUNDS = 2, 8, 3
 
 
-def worker() -> None:
+def _measure(layout: str, backend: str) -> list[float]:
+    """Step times of one configuration (``smp.init`` again: a fresh model and groups)."""
     import torch
     import torch.nn.functional as F
     from torch import nn
+
+    import smp_torch as smp
+
+    config: dict[str, object] = {"collective_backend": backend}
+    if layout == "tp2":
+        config["tensor_parallel_degree"] = 2
+    smp.init(config)
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(LAYERS):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
+    net = nn.Sequential(*layers)
+    if layout == "tp2":
+        smp.set_tensor_parallelism(net)
+    model = smp.DistributedModel(net)
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
+
+    @smp.step
+    def train(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    x, y = torch.randn(ROWS, WIDTH), torch.randn(ROWS, WIDTH)
+    times = []
+    for step in range(WARMUP + STEPS):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        train(x, y)
+        opt.step()
+        if step >= WARMUP:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def worker() -> None:
+    import torch
 
     import smp_torch as smp
 
@@ -35,36 +73,7 @@ def worker() -> None:
     for _ in range(ROUNDS):
         for layout in ("dp2", "tp2"):
             for backend in ("gloo", "smp"):
-                config = {"collective_backend": backend}
-                if layout == "tp2":
-                    config["tensor_parallel_degree"] = 2
-                smp.init(config)
-                torch.manual_seed(0)
-                layers: list[nn.Module] = []
-                for _ in range(LAYERS):
-                    layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
-                net = nn.Sequential(*layers)
-                if layout == "tp2":
-                    smp.set_tensor_parallelism(net)
-                model = smp.DistributedModel(net)
-                opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
-
-                @smp.step
-                def train(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-                    loss = F.mse_loss(model(x), y)
-                    model.backward(loss)
-                    return loss
-
-                x, y = torch.randn(ROWS, WIDTH), torch.randn(ROWS, WIDTH)
-                times = []
-                for step in range(WARMUP + STEPS):
-                    t0 = time.perf_counter()
-                    opt.zero_grad()
-                    train(x, y)
-                    opt.step()
-                    if step >= WARMUP:
-                        times.append(time.perf_counter() - t0)
-                results.setdefault((layout, backend), []).extend(times)
+                results.setdefault((layout, backend), []).extend(_measure(layout, backend))
     if smp.rank() == 0:
         for layout in ("dp2", "tp2"):
             gloo = statistics.median(results[(layout, "gloo")]) * 1e3
