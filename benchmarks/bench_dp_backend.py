@@ -25,11 +25,10 @@ WARMUP, STEPS, ROUNDS = 2, 8, 3
 
 def _measure(layout: str, backend: str) -> list[float]:
     """Step times of one configuration (``smp.init`` again: a fresh model and groups)."""
+    import smp_torch as smp
     import torch
     import torch.nn.functional as F
     from torch import nn
-
-    import smp_torch as smp
 
     config: dict[str, object] = {"collective_backend": backend}
     if layout == "tp2":
@@ -64,9 +63,8 @@ def _measure(layout: str, backend: str) -> list[float]:
 
 
 def worker() -> None:
-    import torch
-
     import smp_torch as smp
+    import torch
 
     torch.set_num_threads(1)
     results: dict[tuple[str, str], list[float]] = {}
