@@ -19,6 +19,10 @@ what FSDP2 leaves to its user:
   units hold at most that many elements. FSDP2 itself always prefetches one unit in backward
   (an empty list means its default), so the bound can be exceeded by that one unit. On CPU
   no explicit prefetch is set: FSDP2's all-gathers block there, so prefetching cannot overlap.
+- **With tensor parallelism** the sharding groups are cut from the ranks holding the same
+  tensor-parallel slice (the reduced data-parallel group); smp-tp's distributed modules stay
+  whole in one unit and their parameters keep smp-tp's spec; the gradient rules FSDP2 does
+  not know are in :mod:`smp_torch.sharded_tp`.
 - **Data parallelism beyond the sharding group**: when the data-parallel degree is a multiple
   of the sharding degree, the mesh is 2-D (replicate × shard, FSDP2's HSDP): shards are
   reduce-scattered within a sharding group and all-reduced across groups.
