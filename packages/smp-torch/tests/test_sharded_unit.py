@@ -51,6 +51,18 @@ def test_bucket_size_splits_off_small_children() -> None:
     assert all(size <= 300 for n, size in units if n not in ("", "emb", "head"))
 
 
+def test_an_atomic_module_keeps_its_subtree_in_one_unit() -> None:
+    # smp-tp's distributed modules use their submodules' parameters directly: a block marked
+    # atomic is one unit (568) or stays with its parent, never split into fc1/fc2 units.
+    def atomic(m: nn.Module) -> bool:
+        return isinstance(m, Block)
+
+    units = choose_units(Net(tied=False), threshold=200, bucket=10**9, atomic=atomic)
+    assert [n for n, _ in units] == ["emb", "blocks.0", "blocks.1", "head", ""]
+    units = choose_units(Net(tied=False), threshold=1200, bucket=10**9, atomic=atomic)
+    assert units == [("", 800 + 2 * 568 + 800)]
+
+
 def test_prefetch_respects_the_live_bound() -> None:
     units = [("a", 100), ("b", 100), ("c", 100), ("", 50)]
     fwd, bwd = prefetch_plan(units, ["", "a", "b", "c"], max_live=260)
@@ -77,6 +89,9 @@ def test_sharded_config_keys() -> None:
     cfg = parse_config({"sharded_data_parallel_degree": 2}, world_size=4)
     assert cfg.sdp == 2 and cfg.rdp == 4
     assert cfg.sdp_gradient_clipping == 0.0 and not cfg.sdp_hierarchical_allgather
+    # With tensor parallelism the sharding groups are cut from each slice's ranks (rdp).
+    cfg = parse_config({"sharded_data_parallel_degree": 2, "tensor_parallel_degree": 2}, world_size=8)
+    assert cfg.sdp == 2 and cfg.rdp == 4
 
 
 @pytest.mark.parametrize(
@@ -85,7 +100,8 @@ def test_sharded_config_keys() -> None:
         ({"sharded_data_parallel_degree": 3}, "sharded_data_parallel_degree"),
         ({"sharded_data_parallel_degree": 4, "pipeline_parallel_degree": 2}, "sharded_data_parallel_degree"),
         ({"sharded_data_parallel_degree": 2, "pipeline_parallel_degree": 2}, "sharded_data_parallel_degree"),
-        ({"sharded_data_parallel_degree": 2, "tensor_parallel_degree": 2}, "sharded_data_parallel_degree"),
+        # tp=4 of 8 ranks leaves 2 ranks per tensor-parallel slice: sdp=4 does not fit.
+        ({"sharded_data_parallel_degree": 4, "tensor_parallel_degree": 4}, "sharded_data_parallel_degree"),
         ({"sharded_data_parallel_degree": 2, "shard_optimizer_state": True}, "shard_optimizer_state"),
         ({"sharded_data_parallel_degree": 2, "sdp_reduce_bucket_size": -1}, "sdp_reduce_bucket_size"),
         ({"sdp_max_live_parameters": -1}, "sdp_max_live_parameters"),

@@ -303,11 +303,6 @@ def _validate_sharding(cfg: SMPConfig) -> None:
             "sharded_data_parallel_degree",
             "sharded data parallelism with pipeline_parallel_degree > 1 is not supported yet",
         )
-    if cfg.tensor_parallel_degree > 1:
-        raise ConfigError(
-            "sharded_data_parallel_degree",
-            "sharded data parallelism with tensor_parallel_degree > 1 is not supported yet",
-        )
     if cfg.delayed_parameter_initialization:
         raise ConfigError(
             "delayed_parameter_initialization",

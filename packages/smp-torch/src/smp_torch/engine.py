@@ -165,7 +165,11 @@ class LocalEngine(Engine):
         checkpoint_in_place(self.module, config, options)
         self._microbatches = cfg.microbatches
         # Sharded data parallelism: FSDP2 units over this rank's sharding mesh (collective).
-        self.shard_plan = sharded.shard_module(self.module, ctx) if cfg.sdp > 1 else None
+        self.shard_plan = (
+            sharded.shard_module(self.module, ctx, tp_glue.is_distributed_module)
+            if cfg.sdp > 1
+            else None
+        )
 
     @property
     def partitioned(self) -> bool:
@@ -179,9 +183,13 @@ class LocalEngine(Engine):
         return (cfg.tp > 1 or cfg.sdp > 1) and self.ctx.size > 1
 
     def load_full_state(self, sd: dict[str, torch.Tensor], strict: bool) -> Any:
-        if self.shard_plan is not None:
-            sharded.load_full(self.module, dict(sd), strict)
+        if self.shard_plan is not None and self.ctx.config.tp == 1:
+            sharded.load_full(self.module, dict(sd), strict)  # slices locally: no communication
             return None
+        if self.shard_plan is not None:
+            # smp-tp slices its shards out of plain parameters; FSDP2 slices those again.
+            with sharded.gathered(self.module, write_back=True):
+                return super().load_full_state(sd, strict)
         return super().load_full_state(sd, strict)
 
     def run_microbatches(self, fn: Callable[..., Any], microbatches: Microbatches) -> list[Any]:

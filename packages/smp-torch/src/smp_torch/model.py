@@ -38,6 +38,7 @@ from smp_torch.engine import Engine, LocalEngine, Microbatches
 from smp_torch.errors import SMPError
 from smp_torch.grads import GradReducer, GradSpec
 from smp_torch.pipeline import PipelineEngine
+from smp_torch.sharded_tp import TPShardedGrads
 from smp_torch.state import state
 from smp_torch.weights import has_meta
 
@@ -92,6 +93,7 @@ class DistributedModel(nn.Module):
         self._bucket_bytes = bucket_bytes
         self._overlap = overlap_grad_reduction
         self._reducer: GradReducer | None = None
+        self._tp_sharded: TPShardedGrads | None = None
         self._orig_param_names = [n for n, _ in module.named_parameters(remove_duplicate=False)]
         if has_meta(module) and not cfg.delayed_parameter_initialization:
             raise SMPError(
@@ -109,6 +111,15 @@ class DistributedModel(nn.Module):
         """Keep only this stage's parameters; build the data-parallel reducer over them."""
         self._owned_names = self.engine.owned_parameter_names()
         self._reducer = self._build_reducer()
+        if self._cfg.sdp > 1 and self._cfg.tp > 1:
+            ctx = self.context
+            cuda = ctx.device.type == "cuda"
+            self._tp_sharded = TPShardedGrads(
+                [p for p in self.parameters() if p.requires_grad],
+                ctx.process_groups["tp"],
+                self._cfg.tp,
+                wait=lambda work: ctx.watch.wait_work(work, cuda),
+            )
 
     def on_partitioned(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` once parameters are assigned to pipeline stages (at once if they
@@ -304,6 +315,9 @@ class DistributedModel(nn.Module):
             if self._reducer is not None and backward_ran:
                 with watch.waiting(f"in step {n}, reducing gradients over data-parallel ranks"):
                     self._reducer.finish()
+            if self._tp_sharded is not None and backward_ran:
+                with watch.waiting(f"in step {n}, averaging gradient shards over tensor-parallel ranks"):
+                    self._tp_sharded.finish()
         except BaseException:
             if self._reducer is not None:
                 self._reducer.disarm()
@@ -333,8 +347,13 @@ class DistributedModel(nn.Module):
 
     def stage_full_state(self) -> dict[str, torch.Tensor]:
         """This pipeline stage's entries of the full state dict (TP shards gathered)."""
-        if self._cfg.sdp > 1:
+        if self._cfg.sdp > 1 and self._cfg.tp == 1:
             return sharded.full_state(self.module)
+        if self._cfg.sdp > 1:
+            # Gather FSDP2's shards into plain parameters, then smp-tp's slices over TP.
+            with sharded.gathered(self.module):
+                full = tp_glue.full_state_dict(self.module, self._cfg.tp)
+                return {k: v.detach().to("cpu").clone() for k, v in full.items() if self.owns_full_key(k)}
         full = tp_glue.full_state_dict(self.module, self._cfg.tp)
         return {k: v.detach().to("cpu").clone() for k, v in full.items() if self.owns_full_key(k)}
 
@@ -362,12 +381,16 @@ class DistributedModel(nn.Module):
         return [k for k in sd if owned is None or k in owned]
 
     def _is_shard_form(self, sd: dict[str, torch.Tensor]) -> bool:
-        # Full form: every sharded entry has its global shape; else this rank's shards.
+        # This rank's shards: every entry has its local shard's shape, and some shard is
+        # smaller than its parameter. (A full form's entry may differ from both: with tensor
+        # parallelism its shape is the unwrapped model's, larger than the TP slice.)
         mine = self.module.state_dict()
-        return any(
-            sharded.is_sharded(mine[k]) and tuple(v.shape) != tuple(mine[k].shape)
-            for k, v in sd.items()
-            if k in mine
+        common = [(v, mine[k]) for k, v in sd.items() if k in mine]
+        return all(
+            tuple(v.shape) == tuple(sharded.local_tensor(t).shape) for v, t in common
+        ) and any(
+            sharded.is_sharded(t) and tuple(sharded.local_tensor(t).shape) != tuple(t.shape)
+            for _, t in common
         )
 
     def _is_local_form(self, sd: dict[str, torch.Tensor]) -> bool:
@@ -384,7 +407,15 @@ class DistributedModel(nn.Module):
         ctx, cfg = self.context, self._cfg
         plan = getattr(self.engine, "shard_plan", None)
         if plan is not None:
-            return sharded.clip_grad_norm(list(self.parameters()), max_norm, plan.shard_group, norm_type)
+            return sharded.clip_grad_norm(
+                list(self.parameters()),
+                max_norm,
+                plan.shard_group,
+                norm_type,
+                tp_group=ctx.process_groups["tp"] if cfg.tp > 1 else None,
+                tp_shard=tp_glue.is_shard,
+                pp_group=ctx.process_groups["pp"] if cfg.pp > 1 else None,
+            )
         local = torch.zeros((), dtype=torch.float64)
         distributed = torch.zeros((), dtype=torch.float64)
         for p in self.parameters():

@@ -14,6 +14,7 @@ the single-process one at the price of some bandwidth.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -192,6 +193,14 @@ class DistributedOptimizer:
 
     # -- state dicts -------------------------------------------------------------------------
 
+    def _plain_parameters(self) -> AbstractContextManager[None]:
+        """With sharded data × tensor parallelism, the resharding below swaps ``param.data``
+        to run smp-tp's gathering on state tensors: it needs whole, plain parameters (see
+        :func:`smp_torch.sharded.gathered`; its state tensors are gathered alike)."""
+        if self._cfg.sdp > 1 and self._cfg.tp > 1:
+            return sharded.gathered(self.model.module)
+        return nullcontext()
+
     def local_state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state (as the wrapped optimizer stores it) and its names."""
         order = [self._names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
@@ -246,9 +255,10 @@ class DistributedOptimizer:
             hyper = {k: v for k, v in g.items() if k != "params"}
             hyper["params"] = [self._names[id(p)] for p in g["params"]]
             groups.append(hyper)
-        full_state, full_groups = reshard.optimizer_state_to_full(
-            self.model, named, groups, merge_stages
-        )
+        with self._plain_parameters():
+            full_state, full_groups = reshard.optimizer_state_to_full(
+                self.model, named, groups, merge_stages
+            )
         sd: dict[str, Any] = {
             "format": FULL_FORMAT,
             "state": full_state,
@@ -261,9 +271,10 @@ class DistributedOptimizer:
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Load a full (:meth:`state_dict`) or local (:meth:`local_state_dict`) state."""
         if sd.get("format") == FULL_FORMAT:
-            named, hyper = reshard.optimizer_state_from_full(
-                self.model, sd["state"], sd["param_groups"]
-            )
+            with self._plain_parameters():
+                named, hyper = reshard.optimizer_state_from_full(
+                    self.model, sd["state"], sd["param_groups"]
+                )
             self._load_named(named, hyper)
         elif "optimizer" in sd and "param_names" in sd:
             order = [self._names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]

@@ -19,6 +19,10 @@ what FSDP2 leaves to its user:
   units hold at most that many elements. FSDP2 itself always prefetches one unit in backward
   (an empty list means its default), so the bound can be exceeded by that one unit. On CPU
   no explicit prefetch is set: FSDP2's all-gathers block there, so prefetching cannot overlap.
+- **With tensor parallelism** the sharding groups are cut from the ranks holding the same
+  tensor-parallel slice (the reduced data-parallel group); smp-tp's distributed modules stay
+  whole in one unit and their parameters keep smp-tp's spec; the gradient rules FSDP2 does
+  not know are in :mod:`smp_torch.sharded_tp`.
 - **Data parallelism beyond the sharding group**: when the data-parallel degree is a multiple
   of the sharding degree, the mesh is 2-D (replicate × shard, FSDP2's HSDP): shards are
   reduce-scattered within a sharding group and all-reduced across groups.
@@ -39,7 +43,8 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +65,7 @@ __all__ = [
     "local_tensor",
     "full_state",
     "load_full",
+    "gathered",
     "shard_like",
     "grad_norm",
     "clip_grad_norm",
@@ -82,8 +88,11 @@ class ShardPlan:
 # ---------------------------------------------------------------------------- planning
 
 
-def _tree(module: nn.Module) -> tuple[dict[str, list[str]], dict[str, nn.Module]]:
-    """Children of every module by name (a reused module under its first parent only)."""
+def _tree(
+    module: nn.Module, atomic: Callable[[nn.Module], bool] | None = None
+) -> tuple[dict[str, list[str]], dict[str, nn.Module]]:
+    """Children of every module by name (a reused module under its first parent only); an
+    ``atomic`` module is listed without its descendants."""
     modules: dict[str, nn.Module] = {}
     seen: set[int] = set()
     children: dict[str, list[str]] = {}
@@ -92,6 +101,8 @@ def _tree(module: nn.Module) -> tuple[dict[str, list[str]], dict[str, nn.Module]
         seen.add(id(m))
         modules[name] = m
         children[name] = []
+        if atomic is not None and name and atomic(m):
+            return
         for child_name, child in m.named_children():
             if id(child) in seen:
                 continue
@@ -103,16 +114,30 @@ def _tree(module: nn.Module) -> tuple[dict[str, list[str]], dict[str, nn.Module]
     return children, modules
 
 
-def choose_units(module: nn.Module, threshold: int, bucket: int) -> list[tuple[str, int]]:
+def choose_units(
+    module: nn.Module,
+    threshold: int,
+    bucket: int,
+    atomic: Callable[[nn.Module], bool] | None = None,
+) -> list[tuple[str, int]]:
     """The shard units of ``module`` as ``(name, elements)``, bottom-up, the root (``""``)
-    last; see the module docstring for the rule. Pure: no communication."""
-    children, modules = _tree(module)
+    last; see the module docstring for the rule. A module for which ``atomic`` is true keeps
+    its whole subtree in one unit (smp-tp's distributed modules use their submodules'
+    parameters without calling them, so FSDP2's per-module hooks would not gather those).
+    Pure: no communication."""
+    children, modules = _tree(module, atomic)
     sharers: dict[int, set[str]] = {}
-    for name, m in modules.items():
+    for name, m in module.named_modules():
         for p in m._parameters.values():
             if p is not None:
                 sharers.setdefault(id(p), set()).add(name)
     numel = {id(p): p.numel() for p in module.parameters()}
+
+    def own(name: str) -> set[int]:
+        m = modules[name]
+        if atomic is not None and name and atomic(m):
+            return {id(p) for p in m.parameters()}
+        return {id(p) for p in m._parameters.values() if p is not None}
     units: list[tuple[str, int]] = []
 
     def inside(name: str, pid: int) -> bool:
@@ -122,7 +147,7 @@ def choose_units(module: nn.Module, threshold: int, bucket: int) -> list[tuple[s
         return bool(pending) and all(inside(name, pid) for pid in pending)
 
     def visit(name: str) -> set[int]:
-        pending = {id(p) for p in modules[name]._parameters.values() if p is not None}
+        pending = own(name)
         left: list[tuple[str, set[int]]] = []
         for child in children[name]:
             rest = visit(child)
@@ -200,15 +225,17 @@ def post_forward_reshard(shard_ranks: list[int], node_of: list[str], hierarchica
 def _mesh(ctx: Any) -> tuple[DeviceMesh, Any, list[int]]:
     """Collective over the job: the sharding mesh of this rank, its shard group and ranks.
 
-    Every data-parallel group is cut into rows of ``sdp`` consecutive members (the sharding
-    groups); columns are the replicate groups. ``new_group`` is called for every row and
-    column of every group in the same order on every rank, as torch.distributed requires."""
+    Every reduced data-parallel group (the ranks holding the same parameters: the whole
+    data-parallel group without tensor parallelism, the ranks of one tensor-parallel slice
+    with it, one pipeline stage's) is cut into rows of ``sdp`` consecutive members (the
+    sharding groups); columns are the replicate groups. ``new_group`` is called for every row
+    and column of every group in the same order on every rank, as torch.distributed requires."""
     sdp = ctx.config.sdp
     device_type = ctx.device.type
     shard_pg = rep_pg = None
     rows_mine: list[list[int]] = []
     shard_ranks: list[int] = []
-    for members in ctx.topology.all_groups("dp"):
+    for members in ctx.topology.all_groups("rdp"):
         rows = [members[i : i + sdp] for i in range(0, len(members), sdp)]
         for row in rows:
             pg = dist.new_group(ranks=row)
@@ -239,19 +266,42 @@ def _node_ids(ctx: Any) -> list[str]:
     return list(ctx.mpi_comms["world"].allgather(mine))
 
 
-def shard_module(module: nn.Module, ctx: Any) -> ShardPlan:
+def _marks(module: nn.Module) -> dict[str, dict[str, Any]]:
+    """The ``_smp_*`` attributes (smp-tp's parameter spec) of every parameter, by name."""
+    return {
+        name: {k: v for k, v in vars(p).items() if k.startswith("_smp_")}
+        for name, p in module.named_parameters(remove_duplicate=False)
+    }
+
+
+def _carry_marks(module: nn.Module, marks: dict[str, dict[str, Any]]) -> None:
+    for name, p in module.named_parameters(remove_duplicate=False):
+        for k, v in marks.get(name, {}).items():
+            setattr(p, k, v)
+
+
+def shard_module(
+    module: nn.Module, ctx: Any, atomic: Callable[[nn.Module], bool] | None = None
+) -> ShardPlan:
     """Collective: apply ``fully_shard`` to ``module``'s units (bottom-up, root last) over
-    this rank's sharding mesh, and set the prefetch lists; see the module docstring."""
+    this rank's sharding mesh, and set the prefetch lists; see the module docstring.
+    ``atomic``: modules whose subtree must stay in one unit (see :func:`choose_units`)."""
     cfg = ctx.config
-    units = choose_units(module, cfg.sdp_param_persistence_threshold, cfg.sdp_reduce_bucket_size)
+    units = choose_units(
+        module, cfg.sdp_param_persistence_threshold, cfg.sdp_reduce_bucket_size, atomic
+    )
     mesh, shard_pg, shard_ranks = _mesh(ctx)
     raf = post_forward_reshard(shard_ranks, _node_ids(ctx), cfg.sdp_hierarchical_allgather)
     modules = dict(module.named_modules())
+    # fully_shard replaces every parameter by a new DTensor parameter: smp-tp's spec (which
+    # decides gradient scaling, clipping and checkpoint gathering) moves over to it.
+    marks = _marks(module)
     for name, _ in units:
         if name:
             fully_shard(modules[name], mesh=mesh, reshard_after_forward=raf)
     # The root keeps its parameters gathered from forward to backward (FSDP2's default).
     fully_shard(module, mesh=mesh)
+    _carry_marks(module, marks)
     order = [n for n, _ in module.named_modules()]  # definition order stands for forward order
     fwd, bwd = prefetch_plan(units, order, cfg.sdp_max_live_parameters)
     # On CPU FSDP2's all-gathers block (no streams: unshard_async_op is False), so a prefetch
@@ -310,6 +360,41 @@ def shard_like(value: torch.Tensor, like: DTensor) -> DTensor:
     return distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None)
 
 
+@contextmanager
+def gathered(module: nn.Module, write_back: bool = False) -> Iterator[None]:
+    """Collective over the sharding mesh: inside, every sharded parameter of ``module`` is
+    replaced by a plain parameter holding its whole (gathered) value, with the same
+    ``_smp_*`` marks, tied parameters still tied; the shards come back on exit.
+
+    So code written for unsharded modules (smp-tp's full state dicts, the optimizer-state
+    resharding that swaps ``param.data``) runs unchanged on a sharded one. With
+    ``write_back`` the plain values are sliced back into the shards on exit (loading)."""
+    slots: list[tuple[nn.Module, str, DTensor]] = []
+    plain: dict[int, tuple[DTensor, nn.Parameter]] = {}
+    # modules() / _parameters order is the same on every rank: the gathers match.
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if not isinstance(p, DTensor):
+                continue
+            if id(p) not in plain:
+                q = nn.Parameter(p.full_tensor().detach().clone(), requires_grad=p.requires_grad)
+                for k, v in vars(p).items():
+                    if k.startswith("_smp_"):
+                        setattr(q, k, v)
+                plain[id(p)] = (p, q)
+            slots.append((m, name, p))
+            m._parameters[name] = plain[id(p)][1]
+    try:
+        yield
+    finally:
+        for m, name, p in slots:
+            m._parameters[name] = p
+        if write_back:
+            with torch.no_grad():
+                for p, q in plain.values():
+                    p.to_local().copy_(shard_like(q.detach(), p).to_local())
+
+
 def load_full(module: nn.Module, sd: dict[str, torch.Tensor], strict: bool = True) -> None:
     """Load a full (unwrapped-model) state dict into a sharded ``module``; no communication."""
     expected = set(module.state_dict())
@@ -337,33 +422,59 @@ def load_full(module: nn.Module, sd: dict[str, torch.Tensor], strict: bool = Tru
 # ---------------------------------------------------------------------------- clipping
 
 
-def grad_norm(params: Iterable[torch.Tensor], shard_group: Any, norm_type: float = 2.0) -> torch.Tensor:
-    """Collective over ``shard_group``: the norm of the whole gradient from its shards.
+def grad_norm(
+    params: Iterable[torch.Tensor],
+    shard_group: Any,
+    norm_type: float = 2.0,
+    tp_group: Any = None,
+    tp_shard: Callable[[torch.Tensor], bool] | None = None,
+    pp_group: Any = None,
+) -> torch.Tensor:
+    """Collective over ``shard_group`` (and ``tp_group``, ``pp_group`` when given): the norm
+    of the whole model's gradient from its shards.
 
     Replicas of a shard (HSDP's replicate dimension) hold the same values, so summing over the
-    sharding group alone counts each element once. Sums are float64."""
-    total = torch.zeros((), dtype=torch.float64)
-    replicated = torch.zeros((), dtype=torch.float64)
+    sharding group alone counts each element once. With tensor parallelism the sums of
+    ``tp_shard`` parameters (slices that differ across the tensor-parallel group) are added
+    over ``tp_group`` too, while parameters replicated across it are counted once, as the
+    non-sharded clipping does; stages add up over ``pp_group``. Sums are float64."""
+    sharded_sums = torch.zeros(2, dtype=torch.float64)  # [FSDP shards, FSDP shards of TP slices]
+    whole = torch.zeros((), dtype=torch.float64)
     for p in params:
         g = p.grad
         if g is None:
             continue
         value = local_tensor(g).detach().double().norm(norm_type) ** norm_type
-        if isinstance(g, DTensor):
-            total += value
+        if not isinstance(g, DTensor):
+            whole += value  # a plain gradient is whole on every rank: count it once
+        elif tp_shard is not None and tp_shard(p):
+            sharded_sums[1] += value
         else:
-            replicated += value  # a plain gradient is whole on every rank: count it once
-    dist.all_reduce(total, group=shard_group)
-    return (total + replicated) ** (1.0 / norm_type)
+            sharded_sums[0] += value
+    dist.all_reduce(sharded_sums, group=shard_group)
+    slices = sharded_sums[1:].clone()
+    if tp_group is not None:
+        dist.all_reduce(slices, group=tp_group)
+    total = (sharded_sums[0] + slices[0] + whole).reshape(1)
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
+    total = total[0]
+    return total ** (1.0 / norm_type)
 
 
 def clip_grad_norm(
-    params: list[torch.Tensor], max_norm: float, shard_group: Any, norm_type: float = 2.0
+    params: list[torch.Tensor],
+    max_norm: float,
+    shard_group: Any,
+    norm_type: float = 2.0,
+    tp_group: Any = None,
+    tp_shard: Callable[[torch.Tensor], bool] | None = None,
+    pp_group: Any = None,
 ) -> torch.Tensor:
     """Scale every gradient shard by ``max_norm / (norm + 1e-6)`` when that is below 1
-    (``torch.nn.utils.clip_grad_norm_``'s rule) with the norm of the whole model's gradient.
-    Returns the norm (float32)."""
-    norm = grad_norm(params, shard_group, norm_type)
+    (``torch.nn.utils.clip_grad_norm_``'s rule) with the norm of the whole model's gradient
+    (:func:`grad_norm`, same arguments). Returns the norm (float32)."""
+    norm = grad_norm(params, shard_group, norm_type, tp_group, tp_shard, pp_group)
     coef = max_norm / (float(norm) + 1e-6)
     if coef < 1.0:
         with torch.no_grad():

@@ -10,7 +10,13 @@ from torch import nn
 
 from smp_torch.annotations import carry_marks
 
-__all__ = ["parallelize", "is_distributed", "full_state_dict", "load_full_state_dict"]
+__all__ = [
+    "parallelize",
+    "is_distributed",
+    "is_distributed_module",
+    "full_state_dict",
+    "load_full_state_dict",
+]
 
 
 def parallelize(
@@ -46,6 +52,12 @@ def is_distributed(param: torch.Tensor) -> bool:
     """
     spec = _spec(param)
     return spec is not None and spec.kind in ("shard", "tp_replicated")
+
+
+def is_distributed_module(module: nn.Module) -> bool:
+    """Whether ``module`` is one of smp-tp's distributed modules (which may use their
+    submodules' parameters directly, without calling the submodules)."""
+    return isinstance(module, smp_tp.DistributedModule)
 
 
 def is_shard(param: torch.Tensor) -> bool:

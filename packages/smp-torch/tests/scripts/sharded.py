@@ -1,7 +1,8 @@
 """Sharded data parallelism: several configurations in one MPI job, each against one process.
 
 Usage: ``mpiexec -n N python sharded.py CASES_JSON``; a case is ``{"name", "config", "steps",
-"optimizer", "layers", "clip", "bound"}``. Every rank trains the single-process reference on the
+"optimizer", "layers", "static_loss_scale", ...}``. With ``tensor_parallel_degree`` > 1 the
+model's blocks and norm are marked for tensor parallelism (smp-tp's layers, sharded by FSDP2). Every rank trains the single-process reference on the
 global batch itself (same seed, same initial weights, the same autocast and clipping as the
 configuration) and checks after every step the mean loss and every parameter of the gathered
 model. Besides, each case checks that the model really is sharded: every parameter,
@@ -83,14 +84,23 @@ def run_case(case: dict) -> None:
         os.environ.pop("SMP_COMM_NODE_ID", None)
     cfg = smp.init(config)
     torch.manual_seed(case.get("seed", 0))
-    model = models.TinyLM(tied=case.get("tied", True), layers=case.get("layers", 2))
+    # With tensor parallelism the blocks and the norm are smp-tp's (FSDP2 shards their slices).
+    model = models.TinyLM(tp=cfg.tp > 1, tied=case.get("tied", True), layers=case.get("layers", 2))
     ref = copy.deepcopy(model)
     start = copy.deepcopy(ref.state_dict())
     ref_opt = make_opt(case.get("optimizer", "adam"), ref.parameters())
     dmodel = smp.DistributedModel(model)
-    opt = smp.DistributedOptimizer(make_opt(case.get("optimizer", "adam"), dmodel.parameters()))
+    opt = smp.DistributedOptimizer(
+        make_opt(case.get("optimizer", "adam"), dmodel.parameters()),
+        static_loss_scale=case.get("static_loss_scale"),
+    )
     plan = dmodel.engine.shard_plan
     assert plan is not None and plan.units[-1] == "", plan
+    if cfg.tp > 1:
+        from smp_torch import tp_glue
+
+        shards = [n for n, p in dmodel.named_parameters() if tp_glue.is_shard(p)]
+        assert shards, f"[{name}] tensor parallelism replaced no module (or lost its specs)"
     if "units" in case:
         assert plan.units == case["units"], (name, plan.units)
     if "forward_prefetch" in case:

@@ -20,7 +20,8 @@ CASES = [
     ("negative-clipping", {**SDP2, "sdp_gradient_clipping": -1.0}, "sdp_gradient_clipping"),
     ("hierarchical-int", {**SDP2, "sdp_hierarchical_allgather": 1}, "sdp_hierarchical_allgather"),
     ("with-pipeline", {**SDP2, "pipeline_parallel_degree": 2}, "sharded_data_parallel_degree"),
-    ("with-tensor-parallel", {**SDP2, "tensor_parallel_degree": 2}, "sharded_data_parallel_degree"),
+    # tp=2 leaves 2 ranks per tensor-parallel slice: a sharding degree of 4 cannot fit.
+    ("not-dividing-tp-slice", {"sharded_data_parallel_degree": 4, "tensor_parallel_degree": 2}, "sharded_data_parallel_degree"),
     ("without-ddp", {**SDP2, "ddp": False}, "ddp"),
     ("with-delayed-init", {**SDP2, "delayed_parameter_initialization": True}, "delayed_parameter_initialization"),
 ]
