@@ -42,7 +42,19 @@ def _frames_off(rt: Any) -> None:
 
 # PROFILE_REQ_AB=<knob>: a second runtime with this change undone, for before/after figures
 # from one run (steps alternate).
-_KNOBS: dict[str, Callable[[Any], None]] = {"frames": _frames_off}
+def _spin(seconds: float) -> Callable[[Any], None]:
+    def set_spin(rt: Any) -> None:
+        rt.server.transport.spin_s = seconds
+
+    return set_spin
+
+
+_KNOBS: dict[str, Callable[[Any], None]] = {
+    "frames": _frames_off,
+    "spin0": _spin(0.0),
+    "spin50us": _spin(5e-5),
+    "spin1ms": _spin(1e-3),
+}
 
 
 def _cpu_profile():  # type: ignore[no-untyped-def]

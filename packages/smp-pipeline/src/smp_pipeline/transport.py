@@ -80,6 +80,7 @@ class Transport:
         # (see smp_pipeline.frames); its size limit is the communicator's, if it says.
         settings = getattr(comm, "settings", None)
         self.frame_limit: int = getattr(settings, "small_message_bytes", DEFAULT_LIMIT)
+        self.spin_s = _SPIN_S
         # Called with each completed receive handle, on the communicator's thread (set by the
         # server for preemption; it reads the message with :meth:`arrived_message`).
         self.on_arrival: Callable[[Any], None] | None = None
@@ -170,7 +171,7 @@ class Transport:
         """Idle, no device work under way: one blocking receive of up to 50 ms. This thread
         drives the communicator's progress for a short spin, then sleeps while its tracker
         thread polls (see docs/perf-notes.md, "Idle wait")."""
-        return self.next_message(0.05, spin=_SPIN_S)
+        return self.next_message(0.05, spin=self.spin_s)
 
     def poll(self) -> None:
         """Move every arrived message into the inbox, noting an abort."""
