@@ -269,7 +269,8 @@ def test_interrupt_ends_a_wait_for_a_rank_that_never_answers() -> None:
     from smp_comm import CommTimeoutError
     from smp_comm.testing import LoopbackWorld
     from smp_pipeline import PipelineInterruptedError, PipelineRuntime
-    from smp_pipeline.protocol import FwdReq, from_wire
+    from smp_pipeline.frames import decode
+    from smp_pipeline.protocol import FwdReq
 
     world = LoopbackWorld(2)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
@@ -289,7 +290,7 @@ def test_interrupt_ends_a_wait_for_a_rank_that_never_answers() -> None:
         rt.run_step(step, (torch.randn(2, 4),))
     peer = world.communicator(1)
     obj, _, _ = peer.irecv().wait(timeout=1)
-    assert isinstance(from_wire(obj), FwdReq)
+    assert isinstance(decode(obj), FwdReq)
     with pytest.raises(CommTimeoutError):  # nothing else arrives: no abort was broadcast
         peer.irecv().wait(timeout=0.2)
     rt.close()
@@ -355,3 +356,72 @@ def test_streaming_keeps_each_parameters_microbatch_order() -> None:
     assert torch.equal(a.grad, torch.tensor([0.1]) + torch.tensor([0.2]))
     assert torch.equal(b.grad, torch.tensor([0.4]) + torch.tensor([0.3]))
     assert acc.early
+
+
+def test_frame_roundtrip_every_message_kind() -> None:
+    """A message whose tensors fit goes as one byte frame (smp-comm's fast path) and comes
+    back equal: fields, skeleton, flags, and every tensor's dtype, shape and values (each
+    its own tensor, not a view of another); one that does not fit stays a tuple."""
+    from smp_pipeline.frames import decode, encode, wire_code
+    from smp_pipeline.messages import Packed
+    from smp_pipeline.protocol import (
+        Abort,
+        BwdReq,
+        BwdResp,
+        FwdReq,
+        FwdResp,
+        MbDone,
+        StallQuery,
+        StepEnd,
+        has_payload,
+        to_wire,
+    )  # fmt: skip
+
+    tensors = [
+        torch.randn(3, 5),
+        torch.arange(6, dtype=torch.int64).reshape(2, 3).t(),  # not contiguous
+        torch.randn(4, dtype=torch.float64),
+        torch.randn(2, 3).to(torch.bfloat16),
+        torch.tensor(2.5),  # 0-d
+        torch.empty(0, 4),
+        torch.tensor([True, False, True]),
+        torch.randn(3, dtype=torch.complex64),
+        torch.randn(7).half(),
+    ]
+    skeleton, _ = flatten(((tuple(tensors), "s", 3), {"k": None}))
+    packed = Packed(skeleton, tensors, [i % 2 == 0 for i in range(len(tensors))])
+    messages = [
+        FwdReq(1, (1, 7), "a.b", 3, 2, True, [("cpu", "bfloat16")], False, ("a.b.0", "a.b.1"),
+               packed),
+        FwdResp(0, (1, 7), 3, 2, packed),
+        BwdReq(1, (1, 7), 4, "a.b", 3, 2, True, False, packed),
+        BwdResp(0, (1, 7), 4, 3, 2, packed),
+        MbDone(0, 3, 2),
+        StepEnd(0, 3, packed),
+        Abort(2, 5, "error", "boom\ntraceback"),
+        StallQuery(1, 9),
+    ]  # fmt: skip
+    for msg in messages:
+        frame = encode(msg)
+        assert isinstance(frame, torch.Tensor) and frame.dtype == torch.uint8
+        want = to_wire(msg)
+        assert wire_code(frame) == want[0]
+        back = decode(frame.clone())  # (a received frame is a copy)
+        assert type(back) is type(msg)
+        got = to_wire(back)
+        if not has_payload(want[0]):
+            assert got == want
+            continue
+        assert got[:-1] == want[:-1]
+        (skel, ts, flags), (skel0, ts0, flags0) = got[-1], want[-1]
+        assert skel == skel0 and flags == flags0 and len(ts) == len(ts0)
+        for a, b in zip(ts, ts0):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        ts[0].add_(1)  # in place on one received tensor: the others' versions stay
+        assert all(t._version == 0 for t in ts[1:])
+    # Too large for the frame, or not a CPU tensor of a known kind: the plain tuple.
+    big = FwdResp(0, (1, 7), 3, 2, Packed(None, [torch.zeros(2048)], [False]))
+    assert type(encode(big)) is tuple and type(decode(encode(big))) is FwdResp
+    assert type(encode(MbDone(0, 3, 2), limit=0)) is tuple
+    sparse = FwdResp(0, (1, 7), 3, 2, Packed(None, [torch.eye(2).to_sparse()], [False]))
+    assert type(encode(sparse)) is tuple

@@ -68,11 +68,40 @@ def _is_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor)
 
 
+# The skeletons of the structures almost every message carries, built once: a tensor (a
+# module's output), one tensor in a list (a backward message's gradients), one positional
+# tensor argument and no keyword (a forward request's inputs). flatten() returns these very
+# objects, so :mod:`smp_pipeline.frames` can send a small code instead of pickling them
+# (a dataclass instance costs pickle ~8x a plain value: docs/perf-notes.md), and unflatten()
+# rebuilds them without walking. Never mutated: unflatten() builds new containers.
+REF0 = TensorRef(0)
+SKELETON_TENSOR: Any = REF0
+SKELETON_LIST1: Any = [REF0]
+SKELETON_ARG1: Any = ((REF0,), {})
+COMMON_SKELETONS: tuple[Any, ...] = (SKELETON_TENSOR, SKELETON_LIST1, SKELETON_ARG1)
+
+
 def flatten(obj: Any) -> tuple[Any, list[torch.Tensor]]:
     """Split ``obj`` into a skeleton (tensors replaced by :class:`TensorRef`) and its tensors.
 
     Tensors are returned as they are (not detached), in depth-first order.
     """
+    # The common structures first (see COMMON_SKELETONS): no walk, no closure.
+    tp = type(obj)
+    if isinstance(obj, torch.Tensor):
+        return SKELETON_TENSOR, [obj]
+    if tp is list and len(obj) == 1 and isinstance(obj[0], torch.Tensor):
+        return SKELETON_LIST1, [obj[0]]
+    if tp is tuple and len(obj) == 2:
+        args, kwargs = obj
+        if (
+            type(kwargs) is dict
+            and not kwargs
+            and type(args) is tuple
+            and len(args) == 1
+            and isinstance(args[0], torch.Tensor)
+        ):
+            return SKELETON_ARG1, [args[0]]
     tensors: list[torch.Tensor] = []
 
     def take(t: torch.Tensor) -> TensorRef:
@@ -84,6 +113,12 @@ def flatten(obj: Any) -> tuple[Any, list[torch.Tensor]]:
 
 def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     """Inverse of :func:`flatten`."""
+    if skeleton is SKELETON_TENSOR:
+        return tensors[0]
+    if skeleton is SKELETON_ARG1:
+        return ((tensors[0],), {})
+    if skeleton is SKELETON_LIST1:
+        return [tensors[0]]
     return _map_structure(skeleton, lambda r: tensors[r.index], lambda x: isinstance(x, TensorRef))
 
 

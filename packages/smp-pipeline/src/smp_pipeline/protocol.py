@@ -174,6 +174,11 @@ _DECODE = tuple((cls, _ENCODE[cls][2]) for cls in _KINDS)
 PREEMPTING_CODES = frozenset(_KINDS.index(cls) for cls in PREEMPTING)
 
 
+def has_payload(code: int) -> bool:
+    """Whether messages of wire code ``code`` end with a ``Packed`` payload."""
+    return _DECODE[code][1]
+
+
 def to_wire(msg: Message) -> tuple[Any, ...]:
     """``msg`` as a plain tuple: its kind code, then its field values."""
     code, get, packed = _ENCODE[type(msg)]

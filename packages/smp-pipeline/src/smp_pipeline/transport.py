@@ -31,15 +31,8 @@ from smp_pipeline.errors import (
     PipelineRemoteError,
     PipelineTimeoutError,
 )
-from smp_pipeline.protocol import (
-    Abort,
-    Message,
-    StallQuery,
-    StallReport,
-    from_wire,
-    priority,
-    to_wire,
-)
+from smp_pipeline.frames import DEFAULT_LIMIT, decode, encode, wire_code
+from smp_pipeline.protocol import Abort, Message, StallQuery, StallReport, priority
 from smp_pipeline.stall import request_text
 
 # Seconds between abort checks while waiting for sends to leave (:meth:`Transport.flush`).
@@ -83,6 +76,11 @@ class Transport:
         self.timeout_s = timeout_s
         self.abort_ranks = list(abort_ranks)
         self._wake = wake
+        # Messages whose tensors fit go as one frame on smp-comm's small-message fast path
+        # (see smp_pipeline.frames); its size limit is the communicator's, if it says.
+        settings = getattr(comm, "settings", None)
+        self.frame_limit: int = getattr(settings, "small_message_bytes", DEFAULT_LIMIT)
+        self.spin_s = _SPIN_S
         # Called with each completed receive handle, on the communicator's thread (set by the
         # server for preemption; it reads the message with :meth:`arrived_message`).
         self.on_arrival: Callable[[Any], None] | None = None
@@ -110,7 +108,7 @@ class Transport:
         message, without taking it (None if it failed: the main loop reports that when it
         takes it)."""
         try:
-            return cast(int, handle.wait(0)[0][0])  # done: returns at once
+            return wire_code(handle.wait(0)[0])  # done: returns at once
         except Exception:  # noqa: BLE001
             return None
 
@@ -138,7 +136,7 @@ class Transport:
             self.abort("error", f"pp rank {self.pp_rank}: receiving failed: {exc!r}")
             raise
         self._recv = None
-        msg = from_wire(obj)
+        msg = decode(obj)
         kind = type(msg)
         if kind is Abort:
             if self.abort_msg is None:
@@ -173,7 +171,7 @@ class Transport:
         """Idle, no device work under way: one blocking receive of up to 50 ms. This thread
         drives the communicator's progress for a short spin, then sleeps while its tracker
         thread polls (see docs/perf-notes.md, "Idle wait")."""
-        return self.next_message(0.05, spin=_SPIN_S)
+        return self.next_message(0.05, spin=self.spin_s)
 
     def poll(self) -> None:
         """Move every arrived message into the inbox, noting an abort."""
@@ -208,7 +206,7 @@ class Transport:
         """Send ``msg`` to pipeline rank ``pp_dest``. ``wake=False`` for a note nobody waits
         on (see smp-comm's ``isend``): it does not interrupt the receiver's compute."""
         dest = self.comm_ranks[pp_dest]
-        wire = to_wire(msg)
+        wire = encode(msg, self.frame_limit)
         if wake:  # (the keyword only when needed: any communicator with isend() works)
             handle = self.comm.isend(wire, dest=dest, tag=self.tag)
         else:
@@ -220,7 +218,8 @@ class Transport:
     def send_note(self, pp_dest: int, msg: Message) -> Any:
         """Send ``msg`` to pipeline rank ``pp_dest`` from any thread, outside :meth:`flush`'s
         bookkeeping (a stall query or report: best effort); returns the send's handle."""
-        return self.comm.isend(to_wire(msg), dest=self.comm_ranks[pp_dest], tag=self.tag)
+        wire = encode(msg, self.frame_limit)
+        return self.comm.isend(wire, dest=self.comm_ranks[pp_dest], tag=self.tag)
 
     def send_all(self, msg: Message, wake: bool = True) -> None:
         """Send ``msg`` to every other pipeline rank."""
@@ -328,7 +327,7 @@ class Transport:
             targets = [self.comm_ranks[r] for r in range(self.pp_size) if r != self.pp_rank]
             targets += [r for r in self.abort_ranks if r not in targets and r != self.comm_rank]
             handles = []
-            wire = to_wire(msg)
+            wire = encode(msg, self.frame_limit)
             for dest in targets:
                 try:
                     handles.append(self.comm.isend(wire, dest=dest, tag=self.tag))

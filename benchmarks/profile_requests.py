@@ -1,0 +1,242 @@
+"""CPU per pipeline request at zero compute, and where it goes (cProfile per thread).
+
+Run: python benchmarks/profile_requests.py            (spawns `mpiexec -n P` of itself)
+
+The zero-compute chain of ``bench_pipeline.py`` (stage i on pp rank i calls stage i+1; each
+stage is one ``Linear(16, 16)``), ``P`` ranks (``PROFILE_REQ_P``, default 2), ``M``
+microbatches per step (``PROFILE_REQ_M``, default 16), ``STEPS`` timed steps
+(``PROFILE_REQ_STEPS``, default 30). Prints, per step, the CPU time of all threads of all
+ranks (``resource.getrusage``, so the communicator's threads count too) divided by the
+requests all ranks served, and the median over steps. CPU time stays meaningful on a loaded
+machine, where wall-clock latency does not.
+
+``PROFILE_REQ_AB=<knob>`` adds a runtime with one change of the request-cost work undone
+(``_KNOBS``); the two runtimes' steps alternate, so both see the same load, and the CPU
+figures are reported for each (the per-thread and profile figures cover both).
+
+``PROFILE_REQ_CPROFILE=DIR`` also runs every thread of every rank under ``cProfile``, timed
+by the thread's CPU clock (its overhead inflates the totals; read it for the shares) and writes ``DIR/rank<r>.pstats``
+(all threads merged) plus the top functions by own time to ``DIR/rank<r>.txt``.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+P = int(os.environ.get("PROFILE_REQ_P", "2"))
+M = int(os.environ.get("PROFILE_REQ_M", "16"))
+STEPS = int(os.environ.get("PROFILE_REQ_STEPS", "30"))
+PROFILE_DIR = os.environ.get("PROFILE_REQ_CPROFILE", "")
+AB = os.environ.get("PROFILE_REQ_AB", "")
+D = 16
+
+
+def _frames_off(rt: Any) -> None:
+    rt.server.transport.frame_limit = 0  # every message as a tuple (the general path)
+
+
+# PROFILE_REQ_AB=<knob>: a second runtime with this change undone, for before/after figures
+# from one run (steps alternate).
+def _spin(seconds: float) -> Callable[[Any], None]:
+    def set_spin(rt: Any) -> None:
+        rt.server.transport.spin_s = seconds
+
+    return set_spin
+
+
+_KNOBS: dict[str, Callable[[Any], None]] = {
+    "frames": _frames_off,
+    "spin0": _spin(0.0),
+    "spin50us": _spin(5e-5),
+    "spin1ms": _spin(1e-3),
+}
+
+
+def _cpu_profile():  # type: ignore[no-untyped-def]
+    """A profiler that counts the thread's CPU time, not wall-clock time: blocking waits and
+    time descheduled by other jobs (this machine is shared) then count nothing."""
+    import cProfile
+    import time
+
+    return cProfile.Profile(time.thread_time_ns, 1e-9)
+
+
+def _profile_all_threads() -> list:  # type: ignore[type-arg]
+    """Run every thread started from now on under its own cProfile.Profile."""
+    import threading
+
+    profiles: list = []  # type: ignore[type-arg]
+    run = threading.Thread.run
+
+    def profiled_run(self: threading.Thread) -> None:
+        p = _cpu_profile()
+        profiles.append(p)
+        p.enable()
+        try:
+            run(self)
+        finally:
+            p.disable()
+
+    threading.Thread.run = profiled_run  # type: ignore[method-assign]
+    return profiles
+
+
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds of each live thread of this process, by thread name (/proc, Linux)."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        name = names.get(int(tid), f"native-{tid}")
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _worker() -> None:
+    import resource
+
+    import torch
+    from mpi4py import MPI
+    from smp_comm import Communicator
+    from smp_pipeline import PipelineRuntime
+    from torch import nn
+
+    torch.set_num_threads(1)
+    profiles = _profile_all_threads() if PROFILE_DIR else []
+    world = MPI.COMM_WORLD
+    rank = world.Get_rank()
+
+    class Stage(nn.Module):
+        def __init__(self, nxt: nn.Module | None = None) -> None:
+            super().__init__()
+            self.lin = nn.Linear(D, D)
+            self.next = nxt
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            return self.next(y) if self.next is not None else y
+
+    comm = Communicator(world)
+    assignment = {".".join(["next"] * i): i for i in range(1, P)}
+
+    def make(tag: int, knob: str) -> tuple[Any, Any]:
+        model: nn.Module | None = None
+        for _ in range(P):
+            model = Stage(model)
+        assert model is not None
+        rt = PipelineRuntime(model, comm, rank, P, assignment=assignment, tag=tag, timeout_s=120)
+        if knob:
+            _KNOBS[knob](rt)
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            loss = model(x).pow(2).mean()
+            rt.backward(loss)
+            return loss
+
+        return rt, step
+
+    # The build as it is, and (PROFILE_REQ_AB) the same with one knob turned back: their
+    # steps alternate, so both see the same machine load.
+    variants = {"current": make(7600, "")}
+    if AB:
+        variants[f"{AB} off"] = make(7610, AB)
+    x = torch.randn(M * 2, D)
+    for rt, step in variants.values():
+        for _ in range(3):  # warm-up: worker threads, compiled fast path
+            rt.run_step(step, (x,), num_microbatches=M)
+    main_profile = None
+    if PROFILE_DIR:
+        for p in profiles:  # the threads' warm-up calls (imports, first steps) out
+            p.clear()
+        main_profile = _cpu_profile()
+        main_profile.enable()
+    per_step: dict[str, list[float]] = {name: [] for name in variants}
+    rt = variants["current"][0]
+    served_here = rt.requests_served
+    threads0 = _thread_cpu()
+    for _ in range(STEPS):
+        for name, (rt_v, step) in variants.items():
+            world.Barrier()  # (busy-waits inside MPI: outside the measured span)
+            served0 = rt_v.requests_served
+            c0 = resource.getrusage(resource.RUSAGE_SELF)
+            rt_v.run_step(step, (x,), num_microbatches=M)
+            c1 = resource.getrusage(resource.RUSAGE_SELF)
+            cpu = c1.ru_utime - c0.ru_utime + c1.ru_stime - c0.ru_stime
+            served = rt_v.requests_served - served0
+            total_cpu = world.allreduce(cpu, op=MPI.SUM)
+            total_served = world.allreduce(served, op=MPI.SUM)
+            per_step[name].append(total_cpu / max(total_served, 1) * 1e6)
+    if main_profile is not None:
+        main_profile.disable()
+    threads1 = _thread_cpu()
+    requests_all = sum(
+        world.allreduce(r.requests_served - (served_here if r is rt else 0), op=MPI.SUM)
+        for r, _ in variants.values()
+    )
+    by_thread = {
+        n: (c - threads0.get(n, 0.0)) / requests_all * 1e6 for n, c in threads1.items()
+    }
+    for rt_v, _ in variants.values():
+        rt_v.close()
+    if PROFILE_DIR:
+        import pstats
+
+        os.makedirs(PROFILE_DIR, exist_ok=True)
+        stats = pstats.Stats(main_profile)  # type: ignore[arg-type]
+        for p in profiles:
+            try:
+                stats.add(p)
+            except TypeError:  # a thread that never ran a profiled call
+                pass
+        stats.dump_stats(os.path.join(PROFILE_DIR, f"rank{rank}.pstats"))
+        requests = requests_all
+        with open(os.path.join(PROFILE_DIR, f"rank{rank}.txt"), "w") as f:
+            f.write(f"per request ({requests} served by all ranks): own us, cumulative us, calls\n")
+            rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])  # type: ignore[attr-defined]
+            for (file, line, fn), (_cc, nc, tt, ct, _callers) in rows[:60]:
+                where = f"{os.path.basename(file)}:{line}({fn})"
+                f.write(f"{tt / requests * 1e6:9.1f} {ct / requests * 1e6:9.1f} {nc / requests:6.2f}  {where}\n")
+    comm.close()
+    shares = world.gather(by_thread, root=0)
+    if rank == 0:
+        assert shares is not None
+        for r, share in enumerate(shares):
+            busy = sorted(share.items(), key=lambda kv: -kv[1])
+            print(f"rank {r} CPU per request by thread (us, 10 ms ticks): "
+                  + ", ".join(f"{n} {v:.0f}" for n, v in busy if v > 0))
+        with open("/proc/loadavg") as f:
+            load = f.read().split()[0]
+        for name, values in per_step.items():
+            print(
+                f"p={P} m={M} {name}: CPU per request (all ranks, all threads) median "
+                f"{statistics.median(values):.0f} us, min {min(values):.0f}, max "
+                f"{max(values):.0f} over {STEPS} steps; requests per step "
+                f"{total_served}; load {load}"
+            )
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        _worker()
+        return
+    from smp_comm.testing import mpiexec_path
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [mpiexec_path(), "-n", str(P), sys.executable, os.path.abspath(__file__), "--worker"]
+    sys.exit(subprocess.run(cmd, env=env, timeout=600).returncode)
+
+
+if __name__ == "__main__":
+    main()
