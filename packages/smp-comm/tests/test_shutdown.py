@@ -19,6 +19,16 @@ def test_exit_waits_for_a_slow_peer_until_the_deadline(tmp_path: Path) -> None:
     assert "still blocked" in out and "leaving" not in out, out
 
 
+def test_without_a_deadline_peers_seen_in_proc_are_waited_for(tmp_path: Path) -> None:
+    """No deadline, but every peer's process is known and on this host (as every
+    Communicator makes them known): the exit waits for the slow peer too (the smp-pipeline
+    tests' exit after a failed step, whose peer's end releases a blocked collective)."""
+    out = run_mpi([str(SCRIPT), str(tmp_path), "seen"], 3, timeout=90)
+    for r in range(3):
+        assert f"rank {r} exits normally" in out, out
+    assert "still blocked" in out and "leaving" not in out, out
+
+
 def test_without_a_deadline_the_launcher_kills_the_job(tmp_path: Path) -> None:
     """What the deadline prevents (this also shows the test above can fail)."""
     try:

@@ -50,11 +50,13 @@ from smp_comm.errors import CommClosedError, CommError
 from smp_comm.handles import RecvHandle, SendHandle
 from smp_comm.matching import MatchingTable
 from smp_comm.paths import DirectPaths
+from smp_comm.processes import ProcessInfo
 from smp_comm.progress import Progress
 from smp_comm.receiver import Receiver
 from smp_comm.sender import Outgoing, Sender
 from smp_comm.serialize import pack, torch
 from smp_comm.settings import CommSettings
+from smp_comm.shutdown import know_peers
 from smp_comm.state import Backlog, Lifecycle, PathStats
 from smp_comm.wire import ANY_SOURCE, ANY_TAG
 
@@ -120,6 +122,9 @@ class Communicator:
         self._fc_handle: int = self._fc.handle
         self._tag_ub: int = int(cc.Get_attr(MPI.TAG_UB))  # type: ignore[arg-type]
         self._paths = DirectPaths(cc, self.settings)
+        # Every rank's process: the exit protocol after a failed step watches their ends
+        # (smp_comm.shutdown).
+        know_peers(cc.allgather(ProcessInfo.here()), self.rank)
         self._bell = self._open_doorbells(cc)
 
         self._life = Lifecycle()

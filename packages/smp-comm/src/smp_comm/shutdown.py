@@ -23,10 +23,13 @@ So, at exit, after a failed step:
    sets the one it enforces itself, so the two are one bounded sequence), at least
    :data:`AFTER_FINALIZE_S`: the peer whose end releases the call may be slow to exit on a
    loaded machine (seen: over 3 s at a load average of 13 on 2 cores);
+   Without a deadline, when every peer process is on this host (so its end can be seen in
+   ``/proc``: :func:`know_peers`, called by every Communicator), the wait lasts up to
+   :data:`SEEN_PEERS_WAIT_S`, since nothing is lost by waiting for peers one can watch.
    The wait ends early once every other rank's process has ended (a caller's check,
-   :func:`set_peers_ended_check`: smp-torch's watcher sees same-node peers in ``/proc``):
-   nothing is left that could release the thread (it is blocked in user code, e.g. a
-   module that never returns), and nobody is left for the launcher to kill;
+   :func:`set_peers_ended_check`, else the peers every Communicator made known): nothing
+   is left that could release the thread (it is blocked in user code, e.g. a module that
+   never returns), and nobody is left for the launcher to kill;
 3. if a thread is still blocked after that (a peer that keeps running), leave at once with
    the status Python would have used, without interpreter finalization. A last resort
    only: MPICH's launcher kills every other rank, with SIGKILL, when a rank that finalized
@@ -58,11 +61,15 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
+from smp_comm.processes import ProcessInfo, has_ended
+
 __all__ = [
     "AFTER_FINALIZE_S",
+    "SEEN_PEERS_WAIT_S",
     "SETTLE_S",
     "abandon_collective",
     "exit_status",
+    "know_peers",
     "leave_now",
     "note_failed_step",
     "set_exit_deadline",
@@ -74,8 +81,13 @@ __all__ = [
 # Seconds to wait for blocked threads: before finalizing MPI (a peer's exit may already have
 # released them), and after (the peers leave MPI_Finalize together with this rank).
 _BEFORE_FINALIZE_S = 1.0
-#: The shortest wait after finalizing MPI (the whole wait when no exit deadline is set).
+#: The shortest wait after finalizing MPI (the whole wait when no exit deadline is set and
+#: some peer runs on another host).
 AFTER_FINALIZE_S = 3.0
+#: The wait after finalizing MPI without a deadline when every peer's end can be seen: a
+#: peer's exit that releases the blocked call may take seconds on a loaded host (a rank
+#: leaving before it gets the whole job killed by MPICH's launcher).
+SEEN_PEERS_WAIT_S = 15.0
 # Seconds to pause at exit after a failed step, once every blocked call has ended (point 4).
 SETTLE_S = 0.5
 
@@ -84,6 +96,10 @@ _failed_step = False
 _exit_deadline: float | None = None
 # Whether every other rank's process has ended: set_peers_ended_check.
 _peers_ended: Callable[[], bool] | None = None
+# The peer processes the communicators made known (know_peers): those on this host, and
+# whether any runs elsewhere (its end cannot be seen).
+_seen_peers: dict[tuple[int, int | None], ProcessInfo] = {}
+_peer_elsewhere = False
 # How often the wait after finalizing MPI asks _peers_ended.
 _PEERS_POLL_S = 0.05
 # Collectives (objects with ``wait()``) a failed step left unfinished. Held until the
@@ -115,12 +131,31 @@ def set_peers_ended_check(check: Callable[[], bool] | None) -> None:
     _peers_ended = check
 
 
+def know_peers(infos: list[ProcessInfo], rank: int) -> None:
+    """Record the processes of a communicator's ranks (``infos[rank]`` is this one): the
+    exit's wait for blocked threads watches those on this host (see the module docstring)."""
+    global _peer_elsewhere
+    me = infos[rank]
+    for r, info in enumerate(infos):
+        if r == rank:
+            continue
+        if info.host != me.host or info.start is None or info.pid == me.pid:
+            _peer_elsewhere = True
+        else:
+            _seen_peers[(info.pid, info.start)] = info
+
+
+def _peers_seen() -> bool:
+    """Whether every known peer's end can be seen (all on this host)."""
+    return bool(_seen_peers) and not _peer_elsewhere
+
+
 def _all_peers_ended() -> bool:
     check = _peers_ended
-    if check is None:
-        return False
     try:
-        return bool(check())
+        if check is not None:
+            return bool(check())
+        return _peers_seen() and all(has_ended(i) for i in list(_seen_peers.values()))
     except Exception:  # noqa: BLE001 - a broken check must not change the exit
         return False
 
@@ -222,6 +257,8 @@ def wait_for_threads_at_exit(threads: Iterable[threading.Thread], who: str) -> N
     wait = AFTER_FINALIZE_S
     if _exit_deadline is not None:
         wait = max(wait, _exit_deadline - finalized_at)
+    elif _peers_seen():
+        wait = max(wait, SEEN_PEERS_WAIT_S)
     pending = _join_until_peers_end(pending, wait)
     if not pending:
         _settle()

@@ -1,4 +1,4 @@
-"""Usage: slow_exit.py MARKER_DIR [deadline|none|peers_ended]. The exit protocol of
+"""Usage: slow_exit.py MARKER_DIR [deadline|seen|none|peers_ended]. The exit protocol of
 :mod:`smp_comm.shutdown` after a failed step, where the call a thread is blocked in is
 released only when a peer that is slow to exit ends.
 
@@ -6,9 +6,11 @@ Ranks 0 and 1 each hold a thread blocked until rank 2 has ended (it waits for a 
 writes last); rank 2's exit takes 6 s after it finalized MPI (a slow interpreter teardown on
 a loaded machine; MPI_Finalize itself waits for every rank).
 With ``deadline`` the blocked ranks' caller sets an exit deadline 20 s ahead, so they wait
-for rank 2 and every rank exits normally. With ``none`` they give up 3 s after finalizing
-MPI and leave without the C library's exit, and MPICH's launcher then kills the others (the
-job fails): what the deadline is for.
+for rank 2 and every rank exits normally; with ``seen`` no deadline is set, but every peer
+runs on this host and its process is known (as every Communicator makes it known), so they
+wait for rank 2 too. With ``none`` (a peer as if on another host, no deadline) they give up 3 s after
+finalizing MPI and leave without the C library's exit, and MPICH's launcher then kills the
+others (the job fails): what the deadline and the /proc view are for.
 
 ``peers_ended`` (two ranks): rank 1's thread is blocked for good (a module that never
 returns); rank 0 exits normally, slowly. Rank 1's deadline is far ahead, but its check of
@@ -26,6 +28,7 @@ import time
 
 from mpi4py import MPI
 from smp_comm import shutdown
+from smp_comm.processes import ProcessInfo
 
 SLOW_EXIT_S = 6.0
 
@@ -34,7 +37,8 @@ def main() -> None:
     marker_dir, mode = sys.argv[1], sys.argv[2]
     rank = MPI.COMM_WORLD.Get_rank()
     marker = os.path.join(marker_dir, "rank2-ended")
-    pids = MPI.COMM_WORLD.allgather(os.getpid())
+    infos = MPI.COMM_WORLD.allgather(ProcessInfo.here())
+    pids = [i.pid for i in infos]
     if mode == "peers_ended":
         peers_ended(rank, pids[0])
         return
@@ -59,6 +63,8 @@ def main() -> None:
     shutdown.note_failed_step()
     if mode == "deadline":
         shutdown.set_exit_deadline(time.monotonic() + 20.0)
+    elif mode == "seen":  # what every Communicator does at construction
+        shutdown.know_peers(infos, rank)
 
     def at_exit() -> None:
         shutdown.wait_for_threads_at_exit([thread], f"rank {rank}")

@@ -128,8 +128,9 @@ def decode(obj: Any) -> Message:
     if type(obj) is tuple:
         return from_wire(obj)
     buf = obj.numpy() if isinstance(obj, _TENSOR) else obj  # (memory shared, no copy)
-    code, n = _HEAD.unpack_from(buf)
-    control = pickle.loads(memoryview(buf)[_HEAD.size : _HEAD.size + n])
+    view = memoryview(buf)  # type: ignore[arg-type]  # (a uint8 array is a buffer)
+    code, n = _HEAD.unpack_from(view)
+    control = pickle.loads(view[_HEAD.size : _HEAD.size + n])
     if not has_payload(code):
         return from_wire((code, *control))
     fields, skeleton_code, skeleton, flags, specs = control

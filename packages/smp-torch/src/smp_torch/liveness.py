@@ -16,9 +16,7 @@
 
 from __future__ import annotations
 
-import os
-import socket
-from dataclasses import dataclass
+from smp_comm.processes import PeerProcesses, ProcessInfo
 
 __all__ = ["BEAT_PERIOD_S", "BEAT_TIMEOUT_S", "Heartbeats", "PeerProcesses", "ProcessInfo"]
 
@@ -26,81 +24,6 @@ BEAT_PERIOD_S = 0.5
 BEAT_TIMEOUT_S = 5.0
 # A watcher turn later than this after the previous one: this rank stalled, not the peer.
 _STALL_S = 1.0
-
-
-@dataclass(frozen=True)
-class ProcessInfo:
-    """Where a rank's process runs: host name, pid, and its start time in clock ticks since
-    boot (``/proc/<pid>/stat`` field 22), None where ``/proc`` is not available."""
-
-    host: str
-    pid: int
-    start: int | None
-
-    @classmethod
-    def here(cls) -> ProcessInfo:
-        """This process's information."""
-        pid = os.getpid()
-        stat = _stat(pid)
-        return cls(socket.gethostname(), pid, None if stat is None else stat[1])
-
-    def describe(self) -> str:
-        return f"pid {self.pid} on {self.host}"
-
-
-def _stat(pid: int) -> tuple[str, int] | None:
-    """``(state, start time)`` of process ``pid``, or None if there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
-    fields = raw[raw.rfind(")") + 2 :].split()
-    try:
-        return fields[0], int(fields[19])
-    except (IndexError, ValueError):
-        return None
-
-
-class PeerProcesses:
-    """The peers whose processes this rank can check in ``/proc`` (same node, start time
-    known and matching now), and which of them have ended.
-
-    Args:
-        rank: this rank.
-        infos: every rank's :class:`ProcessInfo`, by rank.
-        node_ranks: the ranks sharing this node (this one included).
-    """
-
-    def __init__(self, rank: int, infos: list[ProcessInfo], node_ranks: list[int]) -> None:
-        self.infos = infos
-        # Only peers seen alive now with the start time they reported: a pid from another
-        # pid namespace (a container) would name some other process, or none.
-        self.checked = [
-            r
-            for r in node_ranks
-            if r != rank
-            and infos[r].start is not None
-            and (stat := _stat(infos[r].pid)) is not None
-            and stat[1] == infos[r].start
-        ]
-
-    def ended(self) -> list[int]:
-        """The checked peers whose process has ended (gone, zombie, or pid reused)."""
-        gone = []
-        for r in self.checked:
-            stat = _stat(self.infos[r].pid)
-            if stat is None or stat[0] in ("Z", "X") or stat[1] != self.infos[r].start:
-                gone.append(r)
-        return gone
-
-    def all_ended(self, world_size: int) -> bool:
-        """Whether every other rank's process is known to have ended (only peers on this
-        node can be seen: with a rank elsewhere, False)."""
-        if len(self.checked) != world_size - 1:
-            return False
-        return len(self.ended()) == len(self.checked)
 
 
 class Heartbeats:

@@ -302,7 +302,7 @@ class DistributedOptimizer:
                         g[k] = v
                 if name not in named or not self._owns(p):
                     continue
-                st = {}
+                st: dict[str, Any] = {}
                 for k, v in named[name].items():
                     if sharded.is_sharded(p) and torch.is_tensor(v) and v.shape == p.shape:
                         st[k] = sharded.shard_like(v, p)  # type: ignore[arg-type]
@@ -322,5 +322,5 @@ def _gathered(v: Any) -> Any:
     if not torch.is_tensor(v):
         return v
     if sharded.is_sharded(v):
-        v = v.full_tensor()
+        v = v.full_tensor()  # type: ignore[attr-defined]  # (a DTensor)
     return v.detach().cpu()

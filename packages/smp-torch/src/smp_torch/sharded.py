@@ -249,8 +249,10 @@ def _mesh(ctx: Any) -> tuple[DeviceMesh, Any, list[int]]:
                     rep_pg = pg
         if ctx.rank in members:
             rows_mine = rows
+    assert shard_pg is not None  # every rank belongs to one row
     if len(rows_mine) == 1:
         return DeviceMesh.from_group(shard_pg, device_type), shard_pg, shard_ranks
+    assert rep_pg is not None  # ... and to one column
     mesh = DeviceMesh.from_group(
         [rep_pg, shard_pg],
         device_type,
@@ -373,9 +375,10 @@ def gathered(module: nn.Module, write_back: bool = False) -> Iterator[None]:
     plain: dict[int, tuple[DTensor, nn.Parameter]] = {}
     # modules() / _parameters order is the same on every rank: the gathers match.
     for m in module.modules():
-        for name, p in list(m._parameters.items()):
-            if not isinstance(p, DTensor):
+        for name, param in list(m._parameters.items()):
+            if not isinstance(param, DTensor):
                 continue
+            p = param
             if id(p) not in plain:
                 q = nn.Parameter(p.full_tensor().detach().clone(), requires_grad=p.requires_grad)
                 for k, v in vars(p).items():
@@ -388,7 +391,7 @@ def gathered(module: nn.Module, write_back: bool = False) -> Iterator[None]:
         yield
     finally:
         for m, name, p in slots:
-            m._parameters[name] = p
+            m._parameters[name] = p  # type: ignore[assignment]  # (the DTensor parameter)
         if write_back:
             with torch.no_grad():
                 for p, q in plain.values():
