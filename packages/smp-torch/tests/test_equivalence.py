@@ -76,8 +76,9 @@ PP4_CASES = [
     _case("pp4-seq-fast", pipeline_parallel_degree=4, microbatches=4, model="seq"),
     _case("pp4-seq-fast-off", pipeline_parallel_degree=4, microbatches=4, model="seq", fast_mode=False),
     _case("pp2-dp2-smp-backend", pipeline_parallel_degree=2, microbatches=2, collective_backend="smp"),
-    _case("pp4-checkpointing-offload", pipeline_parallel_degree=4, microbatches=4, tied=False,
-          checkpoint_blocks=True, offload_activations=True, activation_loading_horizon=1),
+    _case("pp4-seq-checkpointing-offload", pipeline_parallel_degree=4, microbatches=4,
+          model="seq", checkpoint_blocks=True, offload_activations=True,
+          activation_loading_horizon=1),
 ]
 
 
