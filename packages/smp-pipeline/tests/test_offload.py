@@ -35,9 +35,11 @@ def run(
     order: list[int] | None = None,
     announce: bool = True,
     config: dict[str, str | None] | None = None,
+    together: bool = False,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Forward every microbatch, then backward in ``order``; grads and losses. The
-    offloader is told of each backward's start (``announce``) as the executor would."""
+    offloader is told of each backward's start (``announce``) as the executor would, or
+    of all of them before the first (``together``)."""
     net = model()
     checkpoint_in_place(net, config if config is not None else {"": "each"})
     current: list[int | None] = [None]
@@ -50,6 +52,9 @@ def run(
             current[0] = mb
             losses.append(net(x).square().mean() / M)
         current[0] = None
+        if offloader is not None and together:
+            for mb in order or range(M):
+                offloader.backward_started(1, mb)
         for mb in order or range(M):
             if offloader is not None and announce:
                 offloader.backward_started(1, mb)
@@ -98,9 +103,22 @@ def test_counting_mode_measures_the_baseline() -> None:
 
 
 def test_unannounced_backwards_load_synchronously() -> None:
+    """Nobody says a backward started: the first microbatch loads in unpack; once it is
+    consumed, the window moves on and the next ones are prefetched."""
     off = ActivationOffloader(2, lambda: None)
     assert_same(run(off, announce=False), reference())
-    assert off.stats.prefetch_misses == M * BLOCKS and off.stats.prefetch_hits == 0
+    assert off.stats.prefetch_misses == BLOCKS
+    assert off.stats.prefetch_hits == (M - 1) * BLOCKS
+
+
+def test_backwards_started_together_load_one_window() -> None:
+    """A driver admits several backwards at once (simple schedule): only the window is
+    loaded, the others wait on the host until consumption moves it."""
+    off = ActivationOffloader(1, lambda: None)
+    assert_same(run(off, together=True), reference())
+    saved_per_mb = BLOCKS * 2 * D * 4
+    assert off.stats.peak_device_bytes == 2 * saved_per_mb
+    assert off.stats.prefetch_misses == 0 and off.stats.max_ahead == 1
 
 
 def test_out_of_order_backwards_evict_to_keep_the_horizon() -> None:

@@ -13,11 +13,13 @@ they are saved, and come back ahead of the backward that needs them:
   host tensors, so that the mechanism, its bookkeeping and its schedule are the same code,
   tested without a GPU.
 - **prefetch**: the executor tells the offloader when a microbatch's backward first gets the
-  execution token on this rank (:meth:`ActivationOffloader.backward_started`). Its own saved
-  tensors are loaded then, and so are those of the next ``horizon`` microbatches (in
-  ``(step, microbatch)`` order, the order the built-in schedules run backwards in) that have
-  tensors in the pool: at most ``horizon`` microbatches are loaded ahead of their backward.
-  On CUDA the loads run on the side stream, each with an event.
+  execution token on this rank (:meth:`ActivationOffloader.backward_started`), and unpack
+  tells it when a microbatch has no tensor left to unpack. At each of these events the load
+  window moves: the oldest microbatch whose backward is under way here, and the next
+  ``horizon`` microbatches with tensors in the pool (in ``(step, microbatch)`` order, the
+  order the built-in schedules run backwards in). So at most ``horizon`` microbatches are
+  loaded ahead of the one being consumed. On CUDA the loads run on the side stream, each
+  with an event.
 - **unpack** takes the loaded copy (waiting for its event on CUDA) or, when the prefetcher
   did not load it (another order than predicted, a graph differentiated twice), loads it
   synchronously: correctness never depends on timing, and the values are bit-identical
@@ -66,8 +68,9 @@ class OffloadStats:
         bytes_reloaded: bytes copied back to the device (prefetches and synchronous loads).
         prefetch_hits: unpacks that found their tensor already loaded by the prefetcher.
         prefetch_misses: unpacks that had to load synchronously.
-        evictions: loaded copies dropped again to keep the horizon (backwards out of order).
-        max_ahead: the most microbatches loaded at once ahead of their backward.
+        evictions: loaded copies dropped again to keep the window (backwards out of order).
+        max_ahead: the most microbatches loaded at once besides the one being consumed
+            (at most the horizon).
         peak_device_bytes: the most bytes of saved tensors held on the device by the
             offloader at once (loaded copies not yet unpacked; in counting mode, every saved
             tensor autograd still holds).
@@ -93,6 +96,7 @@ class _Entry:
     """One saved tensor in the pool: its host copy and, while loaded, its device copy."""
 
     __slots__ = (
+        "consumed",
         "device",
         "host",
         "key",
@@ -105,6 +109,7 @@ class _Entry:
 
     def __init__(self, key: Key, target: torch.device, nbytes: int) -> None:
         self.key = key
+        self.consumed = False  # unpacked once (a graph differentiated again reloads it)
         self.target = target  # where the tensor lives for autograd
         self.nbytes = nbytes
         self.host: torch.Tensor | None = None
@@ -167,6 +172,7 @@ class ActivationOffloader:
         self._entries: dict[Key, set[_Entry]] = {}
         self._loaded: dict[Key, int] = {}  # entries with a device copy, per microbatch
         self._started: set[Key] = set()  # microbatches whose backward began here
+        self._unconsumed: dict[Key, int] = {}  # entries not unpacked yet, per microbatch
         self._device_bytes = 0
         self._host_bytes = 0
         self._streams: dict[torch.device, Any] = {}
@@ -209,6 +215,7 @@ class ActivationOffloader:
                 self.stats.peak_host_bytes = max(self.stats.peak_host_bytes, self._host_bytes)
                 self.stats.tensors_offloaded += 1
                 self.stats.bytes_offloaded += nbytes
+                self._unconsumed[key] = self._unconsumed.get(key, 0) + 1
             self._entries.setdefault(key, set()).add(entry)
         return _Handle(self, entry)
 
@@ -237,9 +244,8 @@ class ActivationOffloader:
 
     # ------------------------------------------------------------------ the backward side
     def backward_started(self, step: int, mb: int) -> None:
-        """Microbatch ``mb`` of ``step`` began its backward on this rank: load its tensors
-        and those of the next ``horizon`` microbatches; drop loaded ones beyond that window
-        (only when backwards run in another order than predicted). Cheap when repeated."""
+        """Microbatch ``mb`` of ``step`` began its backward on this rank: move the load
+        window (see :meth:`_slide`). Cheap when repeated."""
         key = (step, mb)
         if key in self._started:
             return
@@ -247,20 +253,35 @@ class ActivationOffloader:
             self._started.add(key)
             for old in [k for k in self._started if k[0] < step and k not in self._entries]:
                 self._started.discard(old)
-            if not self.move:
-                return
-            waiting = sorted(k for k in self._entries if k not in self._started)
-            window = waiting[: self.horizon]
-            # (Copies of the sets: a handle dropped meanwhile changes them.)
-            for k in (key, *window):
-                for entry in list(self._entries.get(k, ())):
+            if self.move:
+                self._slide()
+
+    def _slide(self) -> None:
+        """Load the window, drop loaded copies outside it (lock held).
+
+        The window: the oldest microbatch whose backward began here and still has tensors
+        to unpack (the one being consumed), then the next ``horizon`` microbatches with
+        tensors in the pool; with no backward under way, the next ``horizon`` (prefetched
+        for the backward to come). Microbatches outside it wait on the host, a started one
+        too (a driver admits several backwards at once; each needs its tensors only when
+        the gradient reaches this stage), and a copy loaded for a guess that turned out
+        wrong (another backward order) is dropped again."""
+        keys = sorted(self._unconsumed)
+        current = next((k for k in keys if k in self._started), None)
+        if current is None:
+            window = keys[: self.horizon]
+        else:
+            window = [current, *[k for k in keys if k > current][: self.horizon]]
+        # (Copies of the sets: a handle dropped meanwhile changes them.)
+        for k in window:
+            for entry in list(self._entries.get(k, ())):
+                if not entry.consumed:
                     self._load(entry)
-            for k in waiting[self.horizon :]:
-                if self._loaded.get(k):
-                    for entry in list(self._entries[k]):
-                        self._evict(entry)
-            ahead = sum(1 for k in self._loaded if k not in self._started)
-            self.stats.max_ahead = max(self.stats.max_ahead, ahead)
+        for k in [k for k in self._loaded if k not in window]:
+            for entry in list(self._entries.get(k, ())):
+                self._evict(entry)
+        ahead = len(self._loaded) - (current in self._loaded)
+        self.stats.max_ahead = max(self.stats.max_ahead, ahead)
 
     def _load(self, entry: _Entry) -> None:
         """Start copying ``entry`` back to its device (lock held)."""
@@ -308,6 +329,10 @@ class ActivationOffloader:
             entry.device = None
             entry.load_event = None
             self._dec_loaded(entry)
+            if not entry.consumed:
+                entry.consumed = True
+                if self._consume(entry.key):
+                    self._slide()  # this microbatch is done here: the window moves on
         if event is not None:
             stream = torch.cuda.current_stream(dev.device)
             stream.wait_event(event)
@@ -346,6 +371,18 @@ class ActivationOffloader:
             if entry.host is not None:
                 entry.host = None
                 self._host_bytes -= entry.nbytes
+                if not entry.consumed:  # never unpacked (an output the loss did not use)
+                    entry.consumed = True
+                    self._consume(entry.key)
+
+    def _consume(self, key: Key) -> bool:
+        """One entry of ``key`` will not be unpacked (again); True if it was the last."""
+        n = self._unconsumed[key] - 1
+        if n:
+            self._unconsumed[key] = n
+            return False
+        del self._unconsumed[key]
+        return True
 
     @property
     def pooled_microbatches(self) -> list[Key]:
