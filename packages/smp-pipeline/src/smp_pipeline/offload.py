@@ -41,16 +41,13 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from smp_pipeline.errors import PipelineConfigError
-from smp_pipeline.worker import current_worker
-
-if TYPE_CHECKING:  # pragma: no cover
-    from smp_pipeline.executor import Executor
+from smp_pipeline.worker import Task, current_worker
 
 # (step, microbatch): whose backward a saved tensor belongs to.
 Key = tuple[int, int]
@@ -408,7 +405,14 @@ class ActivationOffloader:
             )
 
 
-def install_offloader(executor: Executor, horizon: int) -> ActivationOffloader:
+class TaskHost(Protocol):
+    """What :func:`install_offloader` needs of a rank's executor (which imports this module)."""
+
+    current: Task[Any] | None
+    offloader: ActivationOffloader | None
+
+
+def install_offloader(executor: TaskHost, horizon: int) -> ActivationOffloader:
     """An offloader for a pipeline rank: the executor tells it when backwards start, and its
     workers' checkpointed calls find it there. Tensors belong to the microbatch of the
     forward task holding the token; outside a forward (a backward recomputing) none move."""
