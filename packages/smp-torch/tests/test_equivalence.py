@@ -34,6 +34,7 @@ DP2_CASES = [
     _case("dp2-mb4-sgd", microbatches=4, optimizer="sgd"),
     _case("dp2-shard", shard_optimizer_state=True, microbatches=2),
     _case("dp2-checkpointing", microbatches=2, checkpoint_blocks=True),
+    _case("dp2-checkpointing-offload", microbatches=2, checkpoint_blocks=True, offload_activations=True),
     _case("dp2-untied-spread", placement_strategy="spread", tied=False),
     # smp-comm's torch.distributed backend for the groups (issue 22).
     _case("dp2-mb2-smp-backend", microbatches=2, collective_backend="smp"),
@@ -54,6 +55,12 @@ PP2_CASES = [
           model="seq", manual=True, served_per_mb=6, fast_mode=False),
     _case("pp2-seq-auto-checkpointing", pipeline_parallel_degree=2, microbatches=4, model="seq",
           checkpoint_blocks=True),
+    # Activation offloading: the checkpointed blocks' inputs wait on the host (counters
+    # checked: offloaded, reloaded, within the horizon).
+    _case("pp2-checkpointing-offload", pipeline_parallel_degree=2, microbatches=4,
+          checkpoint_blocks=True, offload_activations=True, activation_loading_horizon=1),
+    _case("pp2-seq-offload-simple", pipeline_parallel_degree=2, microbatches=4, model="seq",
+          checkpoint_blocks=True, offload_activations=True, pipeline="simple"),
 ]  # fmt: skip
 
 
@@ -69,6 +76,9 @@ PP4_CASES = [
     _case("pp4-seq-fast", pipeline_parallel_degree=4, microbatches=4, model="seq"),
     _case("pp4-seq-fast-off", pipeline_parallel_degree=4, microbatches=4, model="seq", fast_mode=False),
     _case("pp2-dp2-smp-backend", pipeline_parallel_degree=2, microbatches=2, collective_backend="smp"),
+    _case("pp4-seq-checkpointing-offload", pipeline_parallel_degree=4, microbatches=4,
+          model="seq", checkpoint_blocks=True, offload_activations=True,
+          activation_loading_horizon=1),
 ]
 
 
@@ -119,6 +129,9 @@ PPTP4_CASES = [
     ),
     _case("pp2-tp2-seq", pipeline_parallel_degree=2, tensor_parallel_degree=2, microbatches=4,
           model="seq", optimizer="sgd"),
+    _case("pp2-tp2-checkpointing-offload", pipeline_parallel_degree=2, tensor_parallel_degree=2,
+          microbatches=4, checkpoint_blocks=True, offload_activations=True,
+          activation_loading_horizon=2),
 ]  # fmt: skip
 
 

@@ -11,6 +11,7 @@ from smp_pipeline.errors import (
 )
 from smp_pipeline.executor import device_work
 from smp_pipeline.microbatch import split_microbatches
+from smp_pipeline.offload import ActivationOffloader, OffloadStats
 from smp_pipeline.order import OrderChannel
 from smp_pipeline.partition import static_graph_dict, trace, trace_dict
 from smp_pipeline.runtime import PipelineRuntime, shutdown_runtimes
@@ -18,6 +19,8 @@ from smp_pipeline.schedule import Scheduler
 from smp_pipeline.timeline import plot_timeline, to_chrome_trace, write_chrome_trace
 
 __all__ = [
+    "ActivationOffloader",
+    "OffloadStats",
     "OrderChannel",
     "PipelineConfigError",
     "PipelineError",

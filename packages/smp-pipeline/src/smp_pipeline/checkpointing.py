@@ -17,7 +17,8 @@ children on one rank; with one rank (:func:`checkpoint_in_place`) that is all th
 Recomputation uses ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, which restores
 torch's default RNG state and works with the retained graphs of several backward segments.
 Random streams of other libraries (e.g. smp-tp's tensor-parallel dropout generators) join in
-through :func:`add_checkpoint_context`.
+through :func:`add_checkpoint_context`. With activation offloading, what a checkpoint keeps
+for backward (its inputs) waits in host memory (:mod:`smp_pipeline.offload`).
 
 The same implementation serves a model without a pipeline: :func:`checkpoint_in_place` plans
 with every module on one rank and wraps the forwards in place (per-module
@@ -36,6 +37,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from smp_pipeline.errors import PipelineConfigError
+from smp_pipeline.offload import offload_scope
 from smp_pipeline.partition import canonical_modules
 
 STRATEGIES = ("module", "each", "contiguous")
@@ -73,14 +75,17 @@ def _checkpoint(
     fn: Callable[..., Any], *args: Any, preserve_rng_state: bool = True, **kwargs: Any
 ) -> Any:
     # Without RNG preservation the registered contexts (random streams) are skipped too.
-    return checkpoint(
-        fn,
-        *args,
-        use_reentrant=False,
-        preserve_rng_state=preserve_rng_state,
-        context_fn=_context if preserve_rng_state else _no_context,
-        **kwargs,
-    )
+    # Outside the checkpoint's own saved-tensor hook, the offload scope sees exactly what the
+    # checkpoint keeps for backward: its inputs (see smp_pipeline.offload).
+    with offload_scope():
+        return checkpoint(
+            fn,
+            *args,
+            use_reentrant=False,
+            preserve_rng_state=preserve_rng_state,
+            context_fn=_context if preserve_rng_state else _no_context,
+            **kwargs,
+        )
 
 
 @dataclass(frozen=True)

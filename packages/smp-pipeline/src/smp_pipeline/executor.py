@@ -18,10 +18,13 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any, NoReturn, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from smp_pipeline.order import OrderChannel
 from smp_pipeline.worker import DEVICE, Baton, Task, Worker, current_worker
+
+if TYPE_CHECKING:  # pragma: no cover
+    from smp_pipeline.offload import ActivationOffloader
 
 # (pp rank, microbatch, module, phase, start, end): one EXECUTING span of a task.
 TimelineEvent = tuple[int, int, str, str, float, float]
@@ -93,6 +96,9 @@ class Executor:
         self.yielded: collections.deque[Worker] = collections.deque()
         # Token grants per (step, microbatch): tensor-parallel followers check the order.
         self.grants: dict[tuple[int, int], int] = {}
+        # Activation offloading: told when a backward task gets the token (its prefetch
+        # trigger); checkpointed calls on this executor's workers find it here.
+        self.offloader: ActivationOffloader | None = None
 
     # ------------------------------------------------------------------ WorkerHost
     def token_returned(self) -> None:
@@ -163,6 +169,8 @@ class Executor:
         if self._order is not None:
             self._order.publish((task.step, task.mb, worker.grant_kind, index))
         worker.grant_kind = "task"
+        if self.offloader is not None and task.phase == "backward":
+            self.offloader.backward_started(task.step, task.mb)
         self.current = task
         start = self.current_since = time.time()
         worker.give_token()

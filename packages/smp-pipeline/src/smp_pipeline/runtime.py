@@ -27,6 +27,7 @@ from smp_pipeline.dispatch import ModuleDispatch
 from smp_pipeline.errors import PipelineConfigError
 from smp_pipeline.execution_state import capture
 from smp_pipeline.microbatch import split_microbatches
+from smp_pipeline.offload import ActivationOffloader, OffloadStats, install_offloader
 from smp_pipeline.order import OrderChannel
 from smp_pipeline.ownership import Ownership, merge_state_dicts
 from smp_pipeline.partition import partition_model, resolve_assignment
@@ -77,6 +78,12 @@ class PipelineRuntime:
             Sequentials flattened in, instead of one request per child (see
             :mod:`smp_pipeline.seqruns`: exact, with the fallbacks listed there). Every rank
             must agree. False: one request per child (the paper's baseline).
+        offload_activations: what checkpointed modules keep for backward (their inputs)
+            moves to host memory after their forward and comes back ahead of their backward
+            (see :mod:`smp_pipeline.offload`; :attr:`offload_stats` counts it). Needs
+            ``checkpointing`` to do anything; results are unchanged bit for bit.
+        activation_loading_horizon: with offloading, at most this many microbatches' saved
+            tensors are loaded ahead of their backward (>= 1).
     """
 
     def __init__(
@@ -101,6 +108,8 @@ class PipelineRuntime:
         backward_mode: str = "auto",
         deterministic_accumulation: bool = True,
         fast_mode: bool = True,
+        offload_activations: bool = False,
+        activation_loading_horizon: int = 4,
     ) -> None:
         if not 0 <= pp_rank < pp_size:
             raise PipelineConfigError(f"pp_rank {pp_rank} outside 0..{pp_size - 1}")
@@ -144,9 +153,19 @@ class PipelineRuntime:
             deterministic_accumulation=deterministic_accumulation,
         )
         self.order_channel = order_channel
+        if not isinstance(offload_activations, bool):
+            raise PipelineConfigError(f"offload_activations must be a bool, got {offload_activations!r}")
+        self.offloader: ActivationOffloader | None = None
+        if offload_activations:
+            self.offloader = install_offloader(self.server.executor, activation_loading_horizon)
         _LIVE.add(self)  # closed at exit, and its threads checked (even once closed)
         if assignment is not None:
             self.set_assignment(assignment)
+
+    @property
+    def offload_stats(self) -> OffloadStats | None:
+        """This rank's activation-offloading counters (None without offloading)."""
+        return None if self.offloader is None else self.offloader.stats
 
     # ------------------------------------------------------------------ partitioning
     @property

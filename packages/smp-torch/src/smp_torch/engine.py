@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from smp_pipeline import add_checkpoint_context
 from smp_pipeline.checkpointing import checkpoint_in_place
+from smp_pipeline.offload import ActivationOffloader, offloading
 from smp_tp import checkpoint_context as tp_checkpoint_context
 from torch import nn
 
@@ -45,6 +46,8 @@ class Engine(ABC):
     module: nn.Module
     #: ``(ModuleGraph, PartitionResult)`` of an automatic partition, on world rank 0.
     partition_report: Any = None
+    #: This rank's activation offloader (``offload_activations``), None without it.
+    offloader: ActivationOffloader | None = None
 
     def __init__(self, ctx: SMPContext) -> None:
         self.ctx = ctx
@@ -164,6 +167,15 @@ class LocalEngine(Engine):
         config, options = checkpoint_options(self.module)
         checkpoint_in_place(self.module, config, options)
         self._microbatches = cfg.microbatches
+        # Activation offloading without a pipeline: the checkpoints' inputs of the running
+        # microbatch wait on the host until its backward (which follows its forward here).
+        self._forward: tuple[int, int] | None = None  # (step, microbatch) while forwarding
+        self._steps = 0
+        self.offloader = (
+            ActivationOffloader(cfg.activation_loading_horizon, lambda: self._forward)
+            if cfg.offload_activations
+            else None
+        )
         # Sharded data parallelism: FSDP2 units over this rank's sharding mesh (collective).
         self.shard_plan = (
             sharded.shard_module(self.module, ctx, tp_glue.is_distributed_module)
@@ -196,10 +208,17 @@ class LocalEngine(Engine):
         cfg = self.ctx.config
         results: list[Any] = []
 
+        self._steps += 1
+
         def run() -> None:
-            for args, kwargs in microbatches:
-                with autocast_context(cfg.fp16, cfg.bf16, self.ctx.device):
-                    results.append(fn(*args, **kwargs))
+            with offloading(self.offloader):  # (thread-local: the watch may use a helper)
+                for mb, (args, kwargs) in enumerate(microbatches):
+                    self._forward = (self._steps, mb)
+                    try:
+                        with autocast_context(cfg.fp16, cfg.bf16, self.ctx.device):
+                            results.append(fn(*args, **kwargs))
+                    finally:
+                        self._forward = None
 
         if self.watched:
             self.ctx.watch.run(run)
@@ -212,4 +231,7 @@ class LocalEngine(Engine):
     ) -> None:
         scale = 1.0 / self._microbatches
         scale *= loss_scale
+        if self.offloader is not None and self._forward is not None:
+            self.offloader.backward_started(*self._forward)  # its tensors come back now
+            self._forward = None  # recomputation keeps its tensors
         torch.autograd.backward(tensors, tuple(g * scale for g in grads))

@@ -163,6 +163,12 @@ class DistributedModel(nn.Module):
             f.write(svg(report[0], report[1], title=type(self.module).__name__))
         return True
 
+    def offload_stats(self) -> dict[str, int] | None:
+        """This rank's activation-offloading counters (``offload_activations``; see
+        ``smp_pipeline.OffloadStats``), or None without offloading."""
+        offloader = self.engine.offloader
+        return None if offloader is None else offloader.stats.as_dict()
+
     def reset_timeline(self) -> None:
         """Forget the timeline recorded so far on this rank (e.g. to keep only late steps)."""
         self.engine.reset_timeline()

@@ -107,6 +107,8 @@ class PipelineEngine(Engine):
             active_microbatches=cfg.active_microbatches,
             deterministic_accumulation=cfg.deterministic_accumulation,
             fast_mode=cfg.fast_mode,
+            offload_activations=cfg.offload_activations,
+            activation_loading_horizon=cfg.activation_loading_horizon,
             timeout_s=cfg.timeout_s,
             checkpointing=checkpointing,
             timeline=bool(cfg.timeline),
@@ -114,6 +116,7 @@ class PipelineEngine(Engine):
             order_channel=order,
             abort_ranks=[r for r in range(ctx.size) if r not in ctx.groups["pp"]],
         )
+        self.offloader = self.runtime.offloader
         ctx.closers.append(self.close)
         # Another rank's failure (smp_torch.watch) ends this rank's pipeline waits at once.
         ctx.watch.on_failure(self.runtime.interrupt)

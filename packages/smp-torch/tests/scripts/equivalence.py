@@ -46,6 +46,20 @@ def check_close(what: str, got: torch.Tensor, want: torch.Tensor, name: str) -> 
         )
 
 
+def check_offloading(dmodel: smp.DistributedModel, cfg: smp.SMPConfig, case: dict) -> None:
+    """The checkpointed blocks' inputs really went to the host pool and came back, never
+    more than ``activation_loading_horizon`` microbatches ahead of their backward."""
+    name = case["name"]
+    stats = smp.allgather(dmodel.offload_stats(), smp.WORLD)
+    assert all(s is not None for s in stats), f"[{name}] a rank has no offloader: {stats}"
+    assert sum(s["tensors_offloaded"] for s in stats) > 0, f"[{name}] nothing offloaded: {stats}"
+    for r, s in enumerate(stats):
+        assert s["max_ahead"] <= cfg.activation_loading_horizon, f"[{name}] rank {r}: {s}"
+        assert s["bytes_reloaded"] >= s["bytes_offloaded"], f"[{name}] rank {r}: {s}"
+    if smp.rank() == 0:
+        print(f"STATS {name} {stats}", flush=True)
+
+
 def run_case(case: dict) -> None:
     name = case["name"]
     cfg = smp.init(case["config"])
@@ -119,6 +133,8 @@ def run_case(case: dict) -> None:
         served = dmodel.engine.runtime.requests_served
         want = case["served_per_mb"] * cfg.microbatches * case.get("steps", 3)
         assert served == want, f"[{name}] stage 1 served {served} requests, expected {want}"
+    if cfg.offload_activations:
+        check_offloading(dmodel, cfg, case)
     if cfg.pp > 1:
         counts = smp.allgather(len(list(dmodel.parameters())), smp.PP_GROUP)
         assert all(counts), f"[{name}] a pipeline stage owns no parameter: {counts}"
