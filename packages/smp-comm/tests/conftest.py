@@ -33,8 +33,8 @@ _JOBS: dict[tuple[object, ...], Job] = {}
 
 @pytest.fixture(scope="session")
 def mpi_job() -> Callable[..., Job]:
-    """``mpi_job(name, *args, n=2, timeout=120, env=None) -> Job``, launched once per
-    distinct call in the session."""
+    """``mpi_job(name, *args, n=2, timeout=120, env=None, launcher_args=()) -> Job``,
+    launched once per distinct call in the session."""
 
     def run(
         name: str,
@@ -42,8 +42,9 @@ def mpi_job() -> Callable[..., Job]:
         n: int = 2,
         timeout: float = 120,
         env: Mapping[str, str] | None = None,
+        launcher_args: tuple[str, ...] = (),
     ) -> Job:
-        key = (name, args, n, tuple(sorted((env or {}).items())))
+        key = (name, args, n, tuple(sorted((env or {}).items())), launcher_args)
         if key not in _JOBS:
             try:
                 out = run_mpi(
@@ -52,6 +53,7 @@ def mpi_job() -> Callable[..., Job]:
                     timeout=timeout,
                     env=env,
                     cwd=str(SCRIPTS),
+                    launcher_args=launcher_args,
                 )
                 _JOBS[key] = Job(out, None)
             except MPIRunError as exc:
