@@ -50,13 +50,12 @@ from smp_comm.errors import CommClosedError, CommError
 from smp_comm.handles import RecvHandle, SendHandle
 from smp_comm.matching import MatchingTable
 from smp_comm.paths import DirectPaths
-from smp_comm.processes import ProcessInfo
+from smp_comm.processes import ProcessInfo, know_peers
 from smp_comm.progress import Progress
 from smp_comm.receiver import Receiver
 from smp_comm.sender import Outgoing, Sender
 from smp_comm.serialize import pack, torch
 from smp_comm.settings import CommSettings
-from smp_comm.shutdown import know_peers
 from smp_comm.state import Backlog, Lifecycle, PathStats
 from smp_comm.wire import ANY_SOURCE, ANY_TAG
 

@@ -14,7 +14,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-__all__ = ["PeerProcesses", "ProcessInfo", "has_ended"]
+__all__ = ["PeerProcesses", "ProcessInfo", "has_ended", "know_peers", "peer_elsewhere", "seen_peers"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,25 @@ def _stat(pid: int) -> tuple[str, int] | None:
         return fields[0], int(fields[19])
     except (IndexError, ValueError):
         return None
+
+
+# The peer processes every Communicator made known (know_peers), for the exit protocol
+# (smp_comm.shutdown): those on this host, and whether any runs elsewhere (its end cannot be
+# seen).
+seen_peers: dict[tuple[int, int | None], ProcessInfo] = {}
+peer_elsewhere = [False]
+
+
+def know_peers(infos: list[ProcessInfo], rank: int) -> None:
+    """Record the processes of a communicator's ranks (``infos[rank]`` is this one)."""
+    me = infos[rank]
+    for r, info in enumerate(infos):
+        if r == rank:
+            continue
+        if info.host != me.host or info.start is None or info.pid == me.pid:
+            peer_elsewhere[0] = True
+        else:
+            seen_peers[(info.pid, info.start)] = info
 
 
 def has_ended(info: ProcessInfo) -> bool:

@@ -24,7 +24,8 @@ So, at exit, after a failed step:
    :data:`AFTER_FINALIZE_S`: the peer whose end releases the call may be slow to exit on a
    loaded machine (seen: over 3 s at a load average of 13 on 2 cores);
    Without a deadline, when every peer process is on this host (so its end can be seen in
-   ``/proc``: :func:`know_peers`, called by every Communicator), the wait lasts up to
+   ``/proc``: :func:`smp_comm.processes.know_peers`, called by every Communicator), the
+   wait lasts up to
    :data:`SEEN_PEERS_WAIT_S`, since nothing is lost by waiting for peers one can watch.
    The wait ends early once every other rank's process has ended (a caller's check,
    :func:`set_peers_ended_check`, else the peers every Communicator made known): nothing
@@ -65,7 +66,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
-from smp_comm.processes import ProcessInfo, has_ended
+from smp_comm import processes
 
 __all__ = [
     "AFTER_FINALIZE_S",
@@ -73,7 +74,6 @@ __all__ = [
     "SETTLE_S",
     "abandon_collective",
     "exit_status",
-    "know_peers",
     "leave_now",
     "note_failed_step",
     "set_exit_deadline",
@@ -101,10 +101,6 @@ _failed_step = False
 _exit_deadline: float | None = None
 # Whether every other rank's process has ended: set_peers_ended_check.
 _peers_ended: Callable[[], bool] | None = None
-# The peer processes the communicators made known (know_peers): those on this host, and
-# whether any runs elsewhere (its end cannot be seen).
-_seen_peers: dict[tuple[int, int | None], ProcessInfo] = {}
-_peer_elsewhere = False
 # How often the wait after finalizing MPI asks _peers_ended.
 _PEERS_POLL_S = 0.05
 # Collectives (objects with ``wait()``) a failed step left unfinished. Held until the
@@ -143,23 +139,10 @@ def set_peers_ended_check(check: Callable[[], bool] | None) -> None:
     _peers_ended = check
 
 
-def know_peers(infos: list[ProcessInfo], rank: int) -> None:
-    """Record the processes of a communicator's ranks (``infos[rank]`` is this one): the
-    exit's wait for blocked threads watches those on this host (see the module docstring)."""
-    global _peer_elsewhere
-    me = infos[rank]
-    for r, info in enumerate(infos):
-        if r == rank:
-            continue
-        if info.host != me.host or info.start is None or info.pid == me.pid:
-            _peer_elsewhere = True
-        else:
-            _seen_peers[(info.pid, info.start)] = info
-
-
 def _peers_seen() -> bool:
-    """Whether every known peer's end can be seen (all on this host)."""
-    return bool(_seen_peers) and not _peer_elsewhere
+    """Whether every peer the communicators made known can be seen ending (all on this
+    host; :func:`smp_comm.processes.know_peers`)."""
+    return bool(processes.seen_peers) and not processes.peer_elsewhere[0]
 
 
 def _all_peers_ended() -> bool:
@@ -167,7 +150,8 @@ def _all_peers_ended() -> bool:
     try:
         if check is not None:
             return bool(check())
-        return _peers_seen() and all(has_ended(i) for i in list(_seen_peers.values()))
+        seen = list(processes.seen_peers.values())
+        return _peers_seen() and all(processes.has_ended(i) for i in seen)
     except Exception:  # noqa: BLE001 - a broken check must not change the exit
         return False
 

@@ -28,7 +28,7 @@ import time
 
 from mpi4py import MPI
 from smp_comm import shutdown
-from smp_comm.processes import ProcessInfo
+from smp_comm.processes import ProcessInfo, know_peers
 
 SLOW_EXIT_S = 6.0
 
@@ -64,7 +64,7 @@ def main() -> None:
     if mode == "deadline":
         shutdown.set_exit_deadline(time.monotonic() + 20.0)
     elif mode == "seen":  # what every Communicator does at construction
-        shutdown.know_peers(infos, rank)
+        know_peers(infos, rank)
 
     def at_exit() -> None:
         shutdown.wait_for_threads_at_exit([thread], f"rank {rank}")
