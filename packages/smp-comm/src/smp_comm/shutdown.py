@@ -96,7 +96,8 @@ SEEN_PEERS_WAIT_S = 15.0
 # Seconds to pause at exit after a failed step, once every blocked call has ended (point 4).
 SETTLE_S = 0.5
 
-_failed_step = False
+# Whether the exit pauses SETTLE_S (point 4): after a failed step, or when asked.
+_settle_wanted = False
 # When (time.monotonic()) an exit after a failed step must be over: set_exit_deadline.
 _exit_deadline: float | None = None
 # Whether every other rank's process has ended: set_peers_ended_check.
@@ -111,15 +112,15 @@ _abandoned_waited = 0
 
 def note_failed_step() -> None:
     """Record that a step failed in this process: exit then follows the module's protocol."""
-    global _failed_step
-    _failed_step = True
+    global _settle_wanted
+    _settle_wanted = True
 
 
 def settle_at_exit() -> None:
     """Pause :data:`SETTLE_S` at exit even after a normal run (point 4 of the module
     docstring): for a caller that ran asynchronous gloo collectives."""
-    global _failed_step
-    _failed_step = True
+    global _settle_wanted
+    _settle_wanted = True
 
 
 def set_exit_deadline(when: float | None) -> None:
@@ -185,9 +186,9 @@ def _abandoned_waiters() -> list[threading.Thread]:
 
 
 def _settle() -> None:
-    global _failed_step
-    if _failed_step:
-        _failed_step = False
+    global _settle_wanted
+    if _settle_wanted:
+        _settle_wanted = False
         time.sleep(SETTLE_S)
 
 

@@ -36,6 +36,8 @@ __all__ = [
     "Assembly",
     "ChunkBody",
     "chunks_of",
+    "scratch_views",
+    "source_bytes",
     "wait_for_room",
 ]
 
