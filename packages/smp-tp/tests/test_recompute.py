@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import smp_tp
 import torch
+from smp_tp.random import pack_mask, unpack_mask
 from smp_tp.recompute import activation_linear, regenerated_dropout
 
 CASES = {
@@ -126,3 +127,25 @@ def test_recompute_helpers_save_less() -> None:
     p2, w2 = pre.detach().requires_grad_(True), w.detach().requires_grad_(True)
     (torch.nn.functional.linear(torch.nn.functional.gelu(p2), w2).sum() + (p2 * keep * 2.0).sum()).backward()
     assert torch.equal(pre.grad, p2.grad) and torch.equal(w.grad, w2.grad)
+
+
+def test_mask_bits_round_trip() -> None:
+    """pack_mask/unpack_mask give back the mask, for sizes that are and are not whole bytes."""
+    gen = torch.Generator().manual_seed(5)
+    for shape in [(3, 5, 7), (2, 4, 8, 8), (1,), (9,)]:
+        keep = torch.rand(shape, generator=gen) >= 0.3
+        bits = pack_mask(keep)
+        assert bits.dtype == torch.uint8 and bits.numel() == -(-keep.numel() // 8)
+        assert torch.equal(unpack_mask(bits, shape), keep)
+
+
+def test_recomputed_attention_core_keeps_mask_bits_not_a_generator_state() -> None:
+    """The attention core's recomputation saves its dropout mask as bits (1/8 byte per
+    score), no generator state, and replays that very mask."""
+    layer = smp_tp.DistributedTransformerLayer(4, 8, 32, 64, 0.25, 0.0, optimize="speed",
+                                               recompute_attention=True)
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        layer(torch.randn(2, 6, 32, requires_grad=True)).sum().backward()
+    uint8 = [t for t in saved if t.dtype == torch.uint8]
+    assert [t.numel() for t in uint8] == [2 * 4 * 6 * 6 // 8], [tuple(t.shape) for t in uint8]

@@ -5,11 +5,12 @@ functions go further by keeping, for backward, only tensors that are cheap to tu
 what backward needs:
 
 * :func:`recomputed_linear` computes ``F.linear(fn(*inputs), weight)`` keeping only the
-  inputs, the weight and the state of ``fn``'s dropout generator. For the attention block
-  ``fn`` is the attention core (scores, softmax, dropout, probabilities times values), so
-  neither the ``(batch, heads, seq, seq)`` tensors nor the context fed to the output
-  projection are stored; backward replays ``fn`` from the saved generator state, drawing the
-  very same mask, so the gradients equal those of the plain computation.
+  inputs, the weight and ``fn``'s dropout masks as bits (:class:`~smp_tp.random.MaskTape`).
+  For the attention block ``fn`` is the attention core (scores, softmax, dropout,
+  probabilities times values), so neither the ``(batch, heads, seq, seq)`` float tensors
+  nor the context fed to the output projection are stored, only one bit per score; backward
+  replays ``fn`` with the very same masks (unpacked, not redrawn: redrawing was the dearest
+  step of the replay on CPU), so the gradients equal those of the plain computation.
 * :func:`activation_linear` (``fn`` = the MLP activation) saves the pre-activation only.
 * :func:`regenerated_dropout` saves the generator state instead of the mask.
 
@@ -24,13 +25,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from smp_tp.random import dropout_mask, get_generator, tp_dropout
+from smp_tp.random import MaskTape, dropout_mask, get_generator, tp_dropout
 
 Generator = torch.Generator | None
-
-
-def _snapshot(gen: Generator) -> torch.Tensor | None:
-    return None if gen is None else gen.get_state()
 
 
 def _replay(gen: Generator, state: torch.Tensor | None) -> Generator:
@@ -47,27 +44,35 @@ def _autocast_state(device_type: str) -> tuple[bool, torch.dtype]:
 
 
 class _RecomputedLinear(torch.autograd.Function):
-    """``F.linear(fn(gen, *inputs), weight)`` keeping only ``inputs``, ``weight`` and the
-    generator state for backward; ``fn``'s output and intermediates are recomputed.
+    """``F.linear(fn(tape, *inputs), weight)`` keeping only ``inputs``, ``weight`` and the
+    dropout masks ``fn`` drew (bits) for backward; ``fn``'s output and intermediates are
+    recomputed.
 
     The two products of the linear's backward are formed as autograd forms them for
     ``F.linear`` (``dh = g @ W``, ``dW = g.T @ h`` on 2-D views), and ``fn`` is replayed
-    under the autocast state and from the generator state of the forward, so the gradients
-    equal those of the plain computation.
+    under the autocast state and with the masks of the forward, so the gradients equal those
+    of the plain computation.
     """
 
     @staticmethod
     def forward(ctx: Any, fn: Callable[..., torch.Tensor], gen: Generator, weight: torch.Tensor,
                 *inputs: Any) -> torch.Tensor:
-        ctx.fn, ctx.gen, ctx.device_type = fn, gen, weight.device.type
+        ctx.fn, ctx.device_type = fn, weight.device.type
         ctx.autocast = _autocast_state(weight.device.type)
-        state = _snapshot(gen)
-        ctx.save_for_backward(state, weight, *inputs)
-        return F.linear(fn(gen, *inputs).to(weight.dtype), weight)
+        tape = None if gen is None else MaskTape(gen)
+        out = F.linear(fn(tape, *inputs).to(weight.dtype), weight)
+        bits = [] if tape is None else tape.bits
+        ctx.masks = None if tape is None else len(bits)
+        # saved tensors (not ctx attributes), so saved-tensor hooks (offloading) see the bits
+        ctx.save_for_backward(weight, *bits, *inputs)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        state, weight, *inputs = ctx.saved_tensors
+        weight, *rest = ctx.saved_tensors
+        masks = ctx.masks or 0
+        tape = None if ctx.masks is None else MaskTape(None, rest[:masks])
+        inputs = rest[masks:]
         needs = ctx.needs_input_grad[3:]
         leaves = [
             t.detach().requires_grad_(need) if isinstance(t, torch.Tensor) else t
@@ -75,7 +80,7 @@ class _RecomputedLinear(torch.autograd.Function):
         ]
         enabled, dtype = ctx.autocast
         with torch.enable_grad(), torch.autocast(ctx.device_type, dtype=dtype, enabled=enabled):
-            h = ctx.fn(_replay(ctx.gen, state), *leaves).to(weight.dtype)
+            h = ctx.fn(tape, *leaves).to(weight.dtype)
         g2, h2 = grad.reshape(-1, grad.shape[-1]), h.detach().reshape(-1, h.shape[-1])
         dweight = _weight_grad(g2, h2, weight) if ctx.needs_input_grad[2] else None
         wanted = [t for t, need in zip(leaves, needs) if need]
@@ -106,8 +111,10 @@ def recomputed_linear(
 ) -> torch.Tensor:
     """``F.linear(fn(gen, *inputs), weight)``, with ``fn`` recomputed in backward.
 
-    ``fn`` must be local (no collective) and draw all its randomness from ``gen`` (which
-    may be None); tensor ``inputs`` and ``weight`` are saved, ``None`` inputs passed through.
+    ``fn(tape, *inputs)`` must be local (no collective) and draw all its randomness as
+    dropout masks through ``tape`` (passed to :func:`~smp_tp.random.tp_dropout` as its
+    ``generator``: a :class:`~smp_tp.random.MaskTape` over ``gen``, or None when ``gen`` is
+    None); tensor ``inputs`` and ``weight`` are saved, ``None`` inputs passed through.
     Under autocast the product runs in the autocast dtype, as ``F.linear`` would.
     """
     device_type = weight.device.type

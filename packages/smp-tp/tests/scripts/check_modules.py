@@ -451,12 +451,14 @@ def saved_activation_counts() -> None:
                                                    recompute_activations=recompute)
         got[name] = saved_bytes(layer, torch.randn(b, s, h, requires_grad=True))
     # memory + recompute keeps, per layer: the concatenated q/k/v weight slice, the layer input,
-    # q/k/v, both layer-norm outputs x_hat (+ 1/sigma), the MLP input, the pre-activation and
-    # three generator states -- all on this rank's channels only
-    want_memory = 4 * (3 * A * h // T + N * (4 * h // T + 3 * A // T + inter // T + 2)) + 3 * rng
+    # q/k/v, both layer-norm outputs x_hat (+ 1/sigma), the MLP input, the pre-activation, the
+    # attention dropout mask as bits and two generator states -- all on this rank's channels only
+    scores = b * T * (n // T) * s * s  # elements of this rank's (batch, heads, seq, seq) tensors
+    want_memory = 4 * (3 * A * h // T + N * (4 * h // T + 3 * A // T + inter // T + 2)) + scores // 8 + 2 * rng
     # storing instead keeps the attention core's softmax output, dropout mask (bytes) and dropped
     # probabilities, the attention context, the activation output and two hidden-dropout masks
-    recomputed = b * T * (n // T) * s * s * 9 + 4 * N * A // T + 4 * N * inter // T + 2 * N * h // T - 3 * rng
+    recomputed = (scores * 9 - scores // 8 + 4 * N * A // T + 4 * N * inter // T + 2 * N * h // T
+                  - 2 * rng)
     assert got["memory"] == want_memory, (got, want_memory)
     assert got["stored"] - got["memory"] == recomputed, (got, recomputed)
     ratio = got["memory"] / got["speed"]

@@ -19,7 +19,7 @@ from smp_tp.params import (
     initialize_with_output_partition,
     parameter_creation_scope,
 )
-from smp_tp.random import get_generator, tp_dropout
+from smp_tp.random import MaskTape, get_generator, tp_dropout
 from smp_tp.recompute import memory_dropout, recomputed_linear
 
 
@@ -158,7 +158,7 @@ class DistributedAttentionLayer(RegionModule):
         return self.recompute_attention
 
     def _core(
-        self, p: float, gen: torch.Generator | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        self, p: float, gen: torch.Generator | MaskTape | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
         """Scores, softmax, dropout and ``probs @ v`` over this rank's heads (no collective)."""
