@@ -6,6 +6,7 @@ import pytest
 from smp_torch.config import parse_config
 from smp_torch.errors import ConfigError
 from smp_torch.sharded import choose_units, post_forward_reshard, prefetch_plan
+from smp_torch.sharded_pp import stage_tops
 from torch import nn
 
 
@@ -98,8 +99,10 @@ def test_sharded_config_keys() -> None:
     ("config", "key"),
     [
         ({"sharded_data_parallel_degree": 3}, "sharded_data_parallel_degree"),
-        ({"sharded_data_parallel_degree": 4, "pipeline_parallel_degree": 2}, "sharded_data_parallel_degree"),
-        ({"sharded_data_parallel_degree": 2, "pipeline_parallel_degree": 2}, "sharded_data_parallel_degree"),
+        ({"sharded_data_parallel_degree": 4, "pipeline_parallel_degree": 4}, "sharded_data_parallel_degree"),
+        # sdp x pp and sdp x tp work; all three together is not supported yet.
+        ({"sharded_data_parallel_degree": 2, "pipeline_parallel_degree": 2, "tensor_parallel_degree": 2},
+         "sharded_data_parallel_degree"),
         # tp=4 of 8 ranks leaves 2 ranks per tensor-parallel slice: sdp=4 does not fit.
         ({"sharded_data_parallel_degree": 4, "tensor_parallel_degree": 4}, "sharded_data_parallel_degree"),
         ({"sharded_data_parallel_degree": 2, "shard_optimizer_state": True}, "shard_optimizer_state"),
@@ -113,3 +116,11 @@ def test_bad_sharded_configs(config: dict, key: str) -> None:
     with pytest.raises(ConfigError) as info:
         parse_config(config, world_size=8)
     assert info.value.key == key
+
+
+def test_stage_tops_are_owned_modules_with_a_foreign_parent_outermost_first() -> None:
+    # Stage 0 owns the root, the embedding, the head and (non-contiguously) a part of block 2.
+    owned = ["", "emb", "head", "blocks.2.attn", "blocks.2.attn.q"]
+    assert stage_tops(owned) == ["", "blocks.2.attn"]
+    # Stage 1: two whole blocks under a container owned by stage 0.
+    assert stage_tops(["blocks.0", "blocks.0.fc", "blocks.1", "ln"]) == ["ln", "blocks.0", "blocks.1"]

@@ -367,6 +367,12 @@ class PipelineRuntime:
         """The parameters this rank trains (give these to the optimizer / DP all-reduce)."""
         return [p for _, p in self.named_local_parameters()]
 
+    def track_parameters(self, params: Iterable[torch.Tensor]) -> None:
+        """Sum these tensors' gradients in microbatch order too, like the local parameters
+        (:mod:`smp_pipeline.accumulation`; tensors already tracked are skipped): for tensors
+        that stand in for local parameters during steps, such as FSDP2's gathered ones."""
+        self.server.grads.track(params)
+
     def register_grad_hook(self, param: torch.Tensor, hook: Callable[[torch.Tensor], Any]) -> Any:
         """``hook(param)`` runs each time a microbatch's gradient of local parameter ``param``
         is added to ``param.grad``: once per microbatch that reached it, in microbatch order

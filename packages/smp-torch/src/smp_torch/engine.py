@@ -113,6 +113,11 @@ class Engine(ABC):
     def run_microbatches(self, fn: Callable[..., Any], microbatches: Microbatches) -> list[Any]:
         """Run ``fn`` once per microbatch; return its outputs in microbatch order."""
 
+    def finish_step(self, backward_ran: bool) -> None:
+        """Collective, after every rank agreed on a step's outcome: what the engine does with
+        the step's gradients before the optimizer sees them (nothing by default)."""
+        return None
+
     @abstractmethod
     def backward(
         self, tensors: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...], loss_scale: float

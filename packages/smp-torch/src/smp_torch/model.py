@@ -318,6 +318,8 @@ class DistributedModel(nn.Module):
         )
         try:
             backward_ran = self.context.agree(outcome)
+            with watch.waiting(f"in step {n}, reducing sharded gradients over data-parallel ranks"):
+                self.engine.finish_step(backward_ran)
             if self._reducer is not None and backward_ran:
                 with watch.waiting(f"in step {n}, reducing gradients over data-parallel ranks"):
                     self._reducer.finish()
@@ -354,7 +356,7 @@ class DistributedModel(nn.Module):
     def stage_full_state(self) -> dict[str, torch.Tensor]:
         """This pipeline stage's entries of the full state dict (TP shards gathered)."""
         if self._cfg.sdp > 1 and self._cfg.tp == 1:
-            return sharded.full_state(self.module)
+            return {k: v for k, v in sharded.full_state(self.module).items() if self.owns_full_key(k)}
         if self._cfg.sdp > 1:
             # Gather FSDP2's shards into plain parameters, then smp-tp's slices over TP.
             with sharded.gathered(self.module):

@@ -82,13 +82,24 @@ class DistributedOptimizer:
                     )
 
     def _after_partition(self) -> None:
-        """Drop parameters now owned by other pipeline stages; assign state-sharding owners."""
-        local = {id(p) for p in self.model.parameters()}
+        """Drop parameters now owned by other pipeline stages, follow the ones sharded data
+        parallelism replaced (by name); assign state-sharding owners."""
+        local = dict(self.model.named_parameters())
+        state = self.optimizer.state
         for group in self.optimizer.param_groups:
+            kept = []
             for p in group["params"]:
-                if id(p) not in local:
-                    self.optimizer.state.pop(p, None)
-            group["params"] = [p for p in group["params"] if id(p) in local]
+                q = local.get(self._names.get(id(p), ""))
+                if q is None:
+                    state.pop(p, None)
+                    continue
+                if q is not p and p in state:  # (state loaded before partitioning)
+                    state[q] = {
+                        k: sharded.shard_like(v, q) if _whole_of(v, q) else v  # type: ignore[arg-type]
+                        for k, v in state.pop(p).items()
+                    }
+                kept.append(q)
+            group["params"] = kept
         self._names = {id(p): n for n, p in self.model.named_parameters()}
         cfg = self._cfg
         if cfg.shard_optimizer_state and cfg.rdp * cfg.tp > 1:
@@ -315,6 +326,11 @@ class DistributedOptimizer:
                     else:
                         st[k] = v
                 self.optimizer.state[by_name[name]] = st
+
+
+def _whole_of(v: Any, param: torch.Tensor) -> bool:
+    """Whether ``v`` is a whole (unsharded) state tensor of the sharded ``param``."""
+    return sharded.is_sharded(param) and torch.is_tensor(v) and not sharded.is_sharded(v) and v.shape == param.shape
 
 
 def _gathered(v: Any) -> Any:

@@ -36,12 +36,13 @@ from smp_pipeline.partition import partition_model, resolve_assignment
 from smp_tp import DistributedModule
 from torch import nn
 
-from smp_torch import tp_glue
+from smp_torch import sharded, tp_glue
 from smp_torch.annotations import checkpoint_options, get_checkpoint_mark, get_partition_mark
 from smp_torch.context import SMPContext
 from smp_torch.engine import Engine, Microbatches, init_seed
 from smp_torch.errors import SMPError
 from smp_torch.precision import autocast_context
+from smp_torch.sharded_pp import StageShards
 from smp_torch.weights import Shallow, has_meta, materialize_meta
 
 __all__ = ["PipelineEngine"]
@@ -68,6 +69,9 @@ class PipelineEngine(Engine):
         self.pp_rank = ctx.index("pp")
         self.tracing = False
         self._alias_owner: dict[str, int] | None = None
+        # Sharded data parallelism: FSDP2 units over this stage, made once it is known.
+        self.stage_shards: StageShards | None = None
+        self.shard_plan: sharded.ShardPlan | None = None
         world = ctx.mpi_comms["world"]
 
         assignment: dict[str, int] | None = None
@@ -174,6 +178,11 @@ class PipelineEngine(Engine):
         kept = {k: v for k, v in assignment.items() if k in names}
         full = resolve_assignment(self.module, kept, self.ctx.config.pp)
         self.runtime.set_assignment(self._keep_whole(full))
+        if self.ctx.config.sdp > 1:  # collective: every rank partitions at the same time
+            self.stage_shards = StageShards(
+                self.module, self.runtime.owned_modules(), self.runtime.named_local_parameters(), self.ctx
+            )
+            self.shard_plan = self.stage_shards.plan
         self._notify_partitioned()
 
     def prepare_step(self, fn: Callable[..., Any], microbatches: Microbatches) -> None:
@@ -218,8 +227,16 @@ class PipelineEngine(Engine):
         cfg = self.ctx.config
         # Only pp rank 0 runs the step function; the other stages serve its requests.
         mine = microbatches if self.pp_rank == 0 else []
+        if self.stage_shards is not None:
+            self.stage_shards.begin()
+            # During the step the gathered parameters are the modules': sum into them in order.
+            self.runtime.track_parameters(self.stage_shards.gathered_parameters())
         with autocast_context(cfg.fp16, cfg.bf16, self.ctx.device):
             return self.runtime.run_microbatches(fn, mine)
+
+    def finish_step(self, backward_ran: bool) -> None:
+        if self.stage_shards is not None:
+            self.stage_shards.finish(reduce=backward_ran)
 
     def backward(
         self, tensors: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...], loss_scale: float
@@ -277,6 +294,9 @@ class PipelineEngine(Engine):
         if not self.partitioned:
             return super().load_full_state(sd, strict)
         mine = {k: v for k, v in sd.items() if self.owns_full_key(k)}
+        if self.stage_shards is not None:  # (tp == 1: the config refuses sdp x pp x tp)
+            sharded.load_full(self.module, mine, strict=False)  # slices locally
+            return None
         target = self.module.state_dict()
         if cfg.tp == 1:
             missing = [k for k in target if self.owns_full_key(k) and k not in mine]

@@ -60,6 +60,7 @@ __all__ = [
     "choose_units",
     "prefetch_plan",
     "post_forward_reshard",
+    "sharding_mesh",
     "shard_module",
     "is_sharded",
     "local_tensor",
@@ -222,7 +223,7 @@ def post_forward_reshard(shard_ranks: list[int], node_of: list[str], hierarchica
 # ---------------------------------------------------------------------------- applying
 
 
-def _mesh(ctx: Any) -> tuple[DeviceMesh, Any, list[int]]:
+def sharding_mesh(ctx: Any) -> tuple[DeviceMesh, Any, list[int]]:
     """Collective over the job: the sharding mesh of this rank, its shard group and ranks.
 
     Every reduced data-parallel group (the ranks holding the same parameters: the whole
@@ -292,7 +293,7 @@ def shard_module(
     units = choose_units(
         module, cfg.sdp_param_persistence_threshold, cfg.sdp_reduce_bucket_size, atomic
     )
-    mesh, shard_pg, shard_ranks = _mesh(ctx)
+    mesh, shard_pg, shard_ranks = sharding_mesh(ctx)
     raf = post_forward_reshard(shard_ranks, _node_ids(ctx), cfg.sdp_hierarchical_allgather)
     modules = dict(module.named_modules())
     # fully_shard replaces every parameter by a new DTensor parameter: smp-tp's spec (which

@@ -28,7 +28,6 @@ CASES = [
     ("negative-live", {**SDP2, "sdp_max_live_parameters": -1}, "sdp_max_live_parameters"),
     ("negative-clipping", {**SDP2, "sdp_gradient_clipping": -1.0}, "sdp_gradient_clipping"),
     ("hierarchical-int", {**SDP2, "sdp_hierarchical_allgather": 1}, "sdp_hierarchical_allgather"),
-    ("with-pipeline", {**SDP2, "pipeline_parallel_degree": 2}, "sharded_data_parallel_degree"),
     # tp=2 leaves 2 ranks per tensor-parallel slice: a sharding degree of 4 cannot fit.
     ("not-dividing-tp-slice", {"sharded_data_parallel_degree": 4, "tensor_parallel_degree": 2}, "sharded_data_parallel_degree"),
     ("without-ddp", {**SDP2, "ddp": False}, "ddp"),
