@@ -14,7 +14,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-__all__ = ["PeerProcesses", "ProcessInfo", "has_ended", "know_peers", "peer_elsewhere", "seen_peers"]
+__all__ = ["PeerProcesses", "ProcessInfo", "has_ended", "know_peers", "watchable_peers"]
 
 
 @dataclass(frozen=True)
@@ -55,20 +55,29 @@ def _stat(pid: int) -> tuple[str, int] | None:
 # The peer processes every Communicator made known (know_peers), for the exit protocol
 # (smp_comm.shutdown): those on this host, and whether any runs elsewhere (its end cannot be
 # seen).
-seen_peers: dict[tuple[int, int | None], ProcessInfo] = {}
-peer_elsewhere = [False]
+_seen_peers: dict[tuple[int, int | None], ProcessInfo] = {}
+_peer_elsewhere = False
 
 
 def know_peers(infos: list[ProcessInfo], rank: int) -> None:
     """Record the processes of a communicator's ranks (``infos[rank]`` is this one)."""
+    global _peer_elsewhere
     me = infos[rank]
     for r, info in enumerate(infos):
         if r == rank:
             continue
         if info.host != me.host or info.start is None or info.pid == me.pid:
-            peer_elsewhere[0] = True
+            _peer_elsewhere = True
         else:
-            seen_peers[(info.pid, info.start)] = info
+            _seen_peers[(info.pid, info.start)] = info
+
+
+def watchable_peers() -> list[ProcessInfo] | None:
+    """The peers made known by :func:`know_peers` when every one of them runs on this host
+    (so its end can be seen in ``/proc``); None when none is known or one runs elsewhere."""
+    if _peer_elsewhere or not _seen_peers:
+        return None
+    return list(_seen_peers.values())
 
 
 def has_ended(info: ProcessInfo) -> bool:

@@ -111,9 +111,9 @@ _abandoned_waited = 0
 
 
 def note_failed_step() -> None:
-    """Record that a step failed in this process: exit then follows the module's protocol."""
-    global _settle_wanted
-    _settle_wanted = True
+    """Record that a step failed in this process: exit then follows the module's protocol
+    (whose only per-process state is the settle pause)."""
+    settle_at_exit()
 
 
 def settle_at_exit() -> None:
@@ -143,7 +143,7 @@ def set_peers_ended_check(check: Callable[[], bool] | None) -> None:
 def _peers_seen() -> bool:
     """Whether every peer the communicators made known can be seen ending (all on this
     host; :func:`smp_comm.processes.know_peers`)."""
-    return bool(processes.seen_peers) and not processes.peer_elsewhere[0]
+    return processes.watchable_peers() is not None
 
 
 def _all_peers_ended() -> bool:
@@ -151,8 +151,8 @@ def _all_peers_ended() -> bool:
     try:
         if check is not None:
             return bool(check())
-        seen = list(processes.seen_peers.values())
-        return _peers_seen() and all(processes.has_ended(i) for i in seen)
+        seen = processes.watchable_peers()
+        return seen is not None and all(processes.has_ended(i) for i in seen)
     except Exception:  # noqa: BLE001 - a broken check must not change the exit
         return False
 

@@ -315,7 +315,7 @@ class DistributedOptimizer:
                     continue
                 st: dict[str, Any] = {}
                 for k, v in named[name].items():
-                    if sharded.is_sharded(p) and torch.is_tensor(v) and v.shape == p.shape:
+                    if _whole_of(v, p):
                         st[k] = sharded.shard_like(v, p)  # type: ignore[arg-type]
                     elif torch.is_tensor(v) and v.dim() > 0:
                         st[k] = v.to(

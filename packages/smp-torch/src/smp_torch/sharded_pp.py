@@ -135,7 +135,8 @@ class StageShards:
             for group in fully_shard.state(unit)._fsdp_param_groups:  # type: ignore[attr-defined]
                 if reduce:
                     group.post_backward()  # takes the gathered .grad, reduce-scatters, reshards
-                group.reshard()
+                else:
+                    group.reshard()
         for root in self._roots:
             fully_shard.state(root)._root_post_backward_final_callback()  # type: ignore[attr-defined]
 
