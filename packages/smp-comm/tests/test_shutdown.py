@@ -46,3 +46,12 @@ def test_exit_ends_once_every_peer_has_ended(tmp_path: Path) -> None:
     out = run_mpi([str(SCRIPT), str(tmp_path), "peers_ended"], 2, timeout=40)
     assert "rank 0 exits normally" in out, out
     assert "after MPI finalized (every other rank has ended); leaving with status 0" in out, out
+
+
+def test_the_settle_pause_grows_with_the_load_per_core() -> None:
+    from smp_comm.shutdown import SETTLE_S, settle_seconds
+
+    assert settle_seconds(load=0.3, cores=2) == SETTLE_S  # an idle host: the base pause
+    assert settle_seconds(load=2.0, cores=2) == SETTLE_S
+    assert settle_seconds(load=6.0, cores=2) == 3 * SETTLE_S  # three runnable per core
+    assert settle_seconds(load=60.0, cores=2) == 4.0  # bounded

@@ -13,7 +13,8 @@ from smp_torch.errors import ConfigError  # noqa: F401 - the error the scripts e
 
 def test_groups_and_comm_api_on_4_ranks() -> None:
     out = launch("groups.py", 4, timeout=120)
-    assert out.count("LAYOUT-OK") == 5, out
+    assert out.count("LAYOUT-OK") == 10, out  # five layouts, initialised twice
+    assert "REINIT-OK" in out, out
 
 
 def test_bad_configs_raise_on_every_rank() -> None:

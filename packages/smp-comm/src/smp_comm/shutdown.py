@@ -36,8 +36,9 @@ So, at exit, after a failed step:
    only: MPICH's launcher kills every other rank, with SIGKILL, when a rank that finalized
    MPI ends without the C library's ``exit`` (reproduced with three ranks: finalize, then
    ``os._exit(0)`` on one; the others, still running, are killed and the job fails);
-4. otherwise pause briefly (:data:`SETTLE_S`) once, so gloo's worker threads drop the
-   collectives that have just ended while the interpreter can still give them the GIL.
+4. otherwise pause briefly (:data:`SETTLE_S`, longer on a host with more runnable threads
+   than cores: :func:`settle_seconds`) once, so gloo's worker threads drop the collectives
+   that have just ended while the interpreter can still give them the GIL.
    (Reproduced: pp=1 x tp=2, one rank raising; without the pause about one exit in four on a
    loaded 2-core machine aborted in ``~AsyncAlltoallWork`` on a ``pt_gloo_runloop`` thread.)
    A caller whose collectives were asynchronous asks for the same pause after a normal run
@@ -79,6 +80,7 @@ __all__ = [
     "set_exit_deadline",
     "set_peers_ended_check",
     "settle_at_exit",
+    "settle_seconds",
     "unlink_mpi_shared_memory",
     "wait_for_threads_at_exit",
 ]
@@ -95,6 +97,8 @@ AFTER_FINALIZE_S = 3.0
 SEEN_PEERS_WAIT_S = 15.0
 # Seconds to pause at exit after a failed step, once every blocked call has ended (point 4).
 SETTLE_S = 0.5
+# The longest pause on a loaded host (settle_seconds).
+_SETTLE_MAX_S = 4.0
 
 # Whether the exit pauses SETTLE_S (point 4): after a failed step, or when asked.
 _settle_wanted = False
@@ -185,11 +189,25 @@ def _abandoned_waiters() -> list[threading.Thread]:
     return waiters
 
 
+def settle_seconds(load: float | None = None, cores: int | None = None) -> float:
+    """The pause of point 4: :data:`SETTLE_S`, times the host's load per core when that is
+    above 1 (at most 4 s). A gloo thread that drops a finished collective must first be
+    scheduled: seen once in a fresh-clone CI run on 2 loaded cores, 0.5 s was not enough
+    (pp=2 x tp=2, a worker released from a collective by its peer's exit; the process
+    aborted in interpreter finalization)."""
+    try:
+        load = os.getloadavg()[0] if load is None else load
+        cores = (os.cpu_count() or 1) if cores is None else cores
+    except OSError:  # no load average on this platform
+        return SETTLE_S
+    return min(_SETTLE_MAX_S, SETTLE_S * max(1.0, load / max(1, cores)))
+
+
 def _settle() -> None:
     global _settle_wanted
     if _settle_wanted:
         _settle_wanted = False
-        time.sleep(SETTLE_S)
+        time.sleep(settle_seconds())
 
 
 def exit_status() -> int:

@@ -23,6 +23,7 @@ from mpi4py import MPI
 from smp_comm.shutdown import note_failed_step
 from smp_pipeline.errors import PipelineError
 
+from smp_torch import group_cache
 from smp_torch.config import SMPConfig
 from smp_torch.consistency import StepInputs, agreement_values, batch_error, batch_mismatch
 from smp_torch.errors import PeerFailedError
@@ -73,6 +74,12 @@ class SMPContext:
     watch: FailureWatch
     # Objects to close on re-init (pipeline runtimes, communicators).
     closers: list[Any] = field(default_factory=list)
+    # The process groups this context used (smp_torch.group_cache: reused by the next init with
+    # the same members unless a step failed here).
+    used_groups: list[Any] = field(default_factory=list)
+    # Whether a step failed under this context: its groups may then still be inside a
+    # collective a failed peer never joined.
+    step_failed: bool = False
 
     def index(self, kind: str) -> int:
         """This rank's index in its group of ``kind`` (``"pp"``, ``"tp"``, ...)."""
@@ -87,6 +94,13 @@ class SMPContext:
         (:mod:`smp_torch.watch`), or a watched step's failure (announced on it), raises at
         once: the failed rank may never join the agreement.
         """
+        try:
+            return self._agree(outcome)
+        except BaseException:
+            self.step_failed = True
+            raise
+
+    def _agree(self, outcome: StepOutcome) -> bool:
         error = outcome.error
         watch = self.watch
         if error is not None:
@@ -141,6 +155,16 @@ class SMPContext:
             if name != "world_raw":
                 comm.Free()
         self.watch.close()
+    def failed(self) -> bool:
+        """Whether a step failed here, or a failure was learnt from another rank."""
+        return self.step_failed or self.watch.failure is not None
+
+    def release(self, failed_anywhere: bool) -> None:
+        """After :meth:`close`, on every rank alike: after a failure anywhere, never reuse
+        this context's groups (:func:`smp_torch.group_cache.forget`)."""
+        if failed_anywhere:
+            group_cache.forget(self.used_groups)
+        self.used_groups.clear()
 
 
 def create_context(cfg: SMPConfig) -> SMPContext:
@@ -164,12 +188,14 @@ def create_context(cfg: SMPConfig) -> SMPContext:
     groups: dict[str, list[int]] = {"world": list(range(size))}
     pgs: dict[str, Any] = {"world": dist.group.WORLD}
     comms: dict[str, Any] = {"world_raw": world, "world": world.Dup()}
+    used: list[Any] = []
     for kind in GROUP_KINDS:
         mine = getattr(topo, f"{kind}_group")(rank)
         groups[kind] = mine
         # new_group must be called by every rank for every group, in the same order.
         for members in topo.all_groups(kind):
-            pg = dist.new_group(ranks=members, backend=backend)
+            pg = group_cache.process_group(members, backend)
+            used.append(pg)
             if members == mine:
                 pgs[kind] = pg
         color = topo.all_groups(kind).index(mine)
@@ -186,6 +212,7 @@ def create_context(cfg: SMPConfig) -> SMPContext:
         groups=groups,
         process_groups=pgs,
         mpi_comms=comms,
+        used_groups=used,
         # SMP_FAILURE_PROC_CHECK=0: heartbeats watch every peer (tests of the heartbeat ring).
         watch=FailureWatch(world, pid_check=os.environ.get("SMP_FAILURE_PROC_CHECK", "1") != "0"),
     )

@@ -55,6 +55,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from smp_torch import group_cache
+
 __all__ = [
     "ShardPlan",
     "choose_units",
@@ -239,13 +241,15 @@ def sharding_mesh(ctx: Any) -> tuple[DeviceMesh, Any, list[int]]:
     for members in ctx.topology.all_groups("rdp"):
         rows = [members[i : i + sdp] for i in range(0, len(members), sdp)]
         for row in rows:
-            pg = dist.new_group(ranks=row)
+            pg = group_cache.process_group(row)
+            ctx.used_groups.append(pg)
             if ctx.rank in row:
                 shard_pg, shard_ranks = pg, row
         if len(rows) > 1:
             for j in range(sdp):
                 col = members[j::sdp]
-                pg = dist.new_group(ranks=col)
+                pg = group_cache.process_group(col)
+                ctx.used_groups.append(pg)
                 if ctx.rank in col:
                     rep_pg = pg
         if ctx.rank in members:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 from smp_pipeline import shutdown_runtimes
 
+from smp_torch import group_cache
 from smp_torch.bootstrap import init_torch_distributed
 from smp_torch.config import SMPConfig, parse_config
 from smp_torch.consistency import check_same_config
@@ -70,11 +71,15 @@ def state() -> SMPContext:
     return _STATE
 
 
-def _close_previous() -> None:
+def _close_previous(world: Any) -> None:
+    """Collective over ``world``: close the previous context; after a failure anywhere under
+    it, no rank reuses its process groups (:mod:`smp_torch.group_cache`)."""
     global _STATE
     if _STATE is None:
         return
+    failed = world.allreduce(_STATE.failed(), op=MPI.LOR)
     _STATE.close()
+    _STATE.release(failed)
     _STATE = None
 
 
@@ -97,6 +102,7 @@ def _shutdown() -> None:
     wait_for_step_threads()
     if dist.is_initialized():
         dist.destroy_process_group()
+        group_cache.forget_all()
 
 
 def init(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> SMPConfig:
@@ -113,7 +119,7 @@ def init(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> SM
     cfg = parse_config(config, world.Get_size())
     # Every rank must pass the same configuration: one allgather, raising on every rank.
     check_same_config(cfg, world)
-    _close_previous()
+    _close_previous(world)
     if init_torch_distributed(world, cfg.timeout_s) and not _EXIT_REGISTERED:
         _register_exit()
     _STATE = create_context(cfg)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import smp_torch as smp
 import torch
 import torch.distributed as dist
@@ -15,13 +17,21 @@ LAYOUTS = [
 ]
 
 
+KINDS = ("pp", "tp", "dp", "rdp", "mp")
+
+
+def threads() -> int:
+    """Native threads of this process (torch's gloo threads included)."""
+    return len(os.listdir("/proc/self/task"))
+
+
 def check(config: dict) -> None:
     cfg = smp.init(config)
     r = smp.rank()
     assert smp.size() == 4 and smp.pp_size() * smp.tp_size() * smp.rdp_size() == smp.size()
     assert set(smp.get_tp_group()) <= set(smp.get_dp_group())
     assert smp.dp_size() == smp.tp_size() * smp.rdp_size() == len(smp.get_dp_group())
-    for kind in ("pp", "tp", "dp", "rdp", "mp"):
+    for kind in KINDS:
         members = getattr(smp, f"get_{kind}_group")()
         assert r in members
         assert getattr(smp, f"{kind}_rank")() == members.index(r)
@@ -56,8 +66,23 @@ def check(config: dict) -> None:
 
 
 def main() -> None:
+    first = {}
     for layout in LAYOUTS:
         check(layout)
+        first[str(layout)] = [getattr(smp, f"get_{k}_process_group")() for k in KINDS]
+    after_first = threads()
+    # Again: smp.init finds the groups it made for the same members (smp_torch.group_cache);
+    # before, every init made new ones and the threads of the old ones piled up (15 per
+    # init and rank here).
+    for layout in LAYOUTS:
+        check(layout)
+        again = [getattr(smp, f"get_{k}_process_group")() for k in KINDS]
+        assert all(a is b for a, b in zip(again, first[str(layout)])), f"new groups for {layout}"
+    grown = threads() - after_first
+    assert grown <= 2, f"{grown} more threads after re-initialising {len(LAYOUTS)} layouts"
+    smp.barrier()
+    if smp.rank() == 0:
+        print(f"REINIT-OK threads {after_first} -> {after_first + grown}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,59 @@
+"""``torch.distributed`` process groups, made once per member list and reused across
+``smp.init`` calls.
+
+torch keeps every group until it is destroyed, and a gloo group's threads (two workers and
+a transport loop waking every 10 ms) end only when its last reference goes, which the
+previous models often hold through autograd hooks that the garbage collector cannot see.
+A fresh set of groups per ``smp.init`` therefore piled up: after four re-inits a rank ran
+26 gloo transport threads, and a 7-case test beside one busy process ran five times slower
+(minutes instead of 25 s), in CI past its timeout. Re-initialising with the same topology
+now finds the groups it needs here.
+
+A group is reusable only while no collective on it was left unfinished: after a failed
+step, `forget` drops (and destroys) the groups of that context, so the next
+``smp.init`` makes fresh ones. Every rank calls :func:`process_group` for the same member
+lists in the same order (``new_group``'s rule), and so finds or makes the same groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["forget", "forget_all", "process_group"]
+
+# (backend, members) -> the group new_group returned (NON_GROUP_MEMBER for a non-member).
+_GROUPS: dict[tuple[str | None, tuple[int, ...]], Any] = {}
+
+
+def process_group(members: Sequence[int], backend: str | None = None) -> Any:
+    """Collective over the job the first time (``dist.new_group``): the group of ``members``
+    on ``backend`` (None: the default group's)."""
+    key = (backend, tuple(members))
+    group = _GROUPS.get(key)
+    if group is None:
+        group = dist.new_group(ranks=list(members), backend=backend)
+        _GROUPS[key] = group
+    return group
+
+
+def forget(groups: Iterable[Any]) -> None:
+    """Stop reusing ``groups`` (a failed step may have left one inside a collective) and
+    destroy those of them this rank belongs to; the next :func:`process_group` call for
+    their members makes new ones, on every rank alike (every rank forgets after a failed
+    step: the step's failure is agreed on by all)."""
+    doomed = {id(g) for g in groups}
+    for key in [k for k, g in _GROUPS.items() if id(g) in doomed]:
+        group = _GROUPS.pop(key)
+        if group is not dist.GroupMember.NON_GROUP_MEMBER:
+            try:
+                dist.destroy_process_group(group)
+            except Exception:  # noqa: BLE001 - already destroyed (e.g. with the default group)
+                pass
+
+
+def forget_all() -> None:
+    """Drop every remembered group: the default group is being destroyed (exit)."""
+    _GROUPS.clear()
