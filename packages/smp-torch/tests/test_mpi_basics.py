@@ -15,6 +15,7 @@ def test_groups_and_comm_api_on_4_ranks() -> None:
     out = launch("groups.py", 4, timeout=120)
     assert out.count("LAYOUT-OK") == 10, out  # five layouts, initialised twice
     assert "REINIT-OK" in out, out
+    assert out.count("REINIT-AFTER-FAILURE-OK") == 4, out
 
 
 def test_bad_configs_raise_on_every_rank() -> None:

@@ -74,8 +74,8 @@ class SMPContext:
     watch: FailureWatch
     # Objects to close on re-init (pipeline runtimes, communicators).
     closers: list[Any] = field(default_factory=list)
-    # The process groups this context used (smp_torch.group_cache: reused by the next init with
-    # the same members unless a step failed here).
+    # The process groups this context used (smp_torch.group_cache: reused by the next init
+    # with the same members, unless a failure happened anywhere under this context).
     used_groups: list[Any] = field(default_factory=list)
     # Whether a step failed under this context: its groups may then still be inside a
     # collective a failed peer never joined.

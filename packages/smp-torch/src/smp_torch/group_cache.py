@@ -9,9 +9,10 @@ A fresh set of groups per ``smp.init`` therefore piled up: after four re-inits a
 (minutes instead of 25 s), in CI past its timeout. Re-initialising with the same topology
 now finds the groups it needs here.
 
-A group is reusable only while no collective on it was left unfinished: after a failed
-step, `forget` drops (and destroys) the groups of that context, so the next
-``smp.init`` makes fresh ones. Every rank calls :func:`process_group` for the same member
+A group is reusable only while no collective on it was left unfinished: after a failure,
+:func:`forget` drops the groups of that context, so the next ``smp.init`` makes fresh ones.
+The dropped groups are not destroyed: a collective a failed peer never joined may still be
+running on one, and destroying a gloo group waits for its running work. Every rank calls :func:`process_group` for the same member
 lists in the same order (``new_group``'s rule), and so finds or makes the same groups.
 """
 
@@ -40,18 +41,12 @@ def process_group(members: Sequence[int], backend: str | None = None) -> Any:
 
 
 def forget(groups: Iterable[Any]) -> None:
-    """Stop reusing ``groups`` (a failed step may have left one inside a collective) and
-    destroy those of them this rank belongs to; the next :func:`process_group` call for
-    their members makes new ones, on every rank alike (every rank forgets after a failed
-    step: the step's failure is agreed on by all)."""
+    """Stop reusing ``groups`` (after a failure one may still be inside a collective): the
+    next :func:`process_group` call for their members makes new ones. Every rank must forget
+    the same groups (the caller agrees on the failure first)."""
     doomed = {id(g) for g in groups}
     for key in [k for k, g in _GROUPS.items() if id(g) in doomed]:
-        group = _GROUPS.pop(key)
-        if group is not dist.GroupMember.NON_GROUP_MEMBER:
-            try:
-                dist.destroy_process_group(group)
-            except Exception:  # noqa: BLE001 - already destroyed (e.g. with the default group)
-                pass
+        del _GROUPS[key]
 
 
 def forget_all() -> None:

@@ -83,6 +83,38 @@ def main() -> None:
     smp.barrier()
     if smp.rank() == 0:
         print(f"REINIT-OK threads {after_first} -> {after_first + grown}", flush=True)
+    reinit_after_failure()
+
+
+def reinit_after_failure() -> None:
+    """A step that fails on one rank: the next init makes new groups on every rank (a
+    collective the failed rank never joined may still be pending on the old ones), and they
+    work."""
+    smp.init({})
+    before = smp.get_dp_process_group()
+    model = smp.DistributedModel(torch.nn.Linear(4, 1))
+
+    @smp.step
+    def train_step(x: torch.Tensor) -> torch.Tensor:
+        if smp.rank() == 1:
+            raise ValueError("injected")
+        loss = model(x).sum()
+        model.backward(loss)
+        return loss
+
+    try:
+        train_step(torch.ones(2, 4))
+    except Exception as exc:  # noqa: BLE001 - every rank raises: ValueError or PeerFailedError
+        caught = type(exc).__name__
+    else:
+        raise AssertionError("the failed step raised nothing")
+    smp.init({})
+    after = smp.get_dp_process_group()
+    assert after is not before, "the groups of the failed configuration were reused"
+    t = torch.tensor([1.0])
+    dist.all_reduce(t, group=after)
+    assert t.item() == smp.dp_size(), t
+    print(f"REINIT-AFTER-FAILURE-OK rank {smp.rank()} ({caught})", flush=True)
 
 
 if __name__ == "__main__":
