@@ -12,6 +12,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 from payloads import case_ok, main_guard
 from smp_comm.collectives.shm import PeerFailedError
+from smp_comm.shutdown import unlink_mpi_shared_memory
 
 
 def main() -> None:
@@ -24,6 +25,9 @@ def main() -> None:
                             timeout=timedelta(seconds=600))
     t = torch.ones(10)
     dist.all_reduce(t)
+    # Every rank leaves with os._exit, so MPI_Finalize never removes MPICH's shared-memory
+    # file: remove its name now (every rank has mapped it), as smp's own exits do.
+    unlink_mpi_shared_memory()
     if rank == size - 1:
         case_ok("dead-peer")
         os._exit(0)  # dies without a word to anyone
