@@ -74,9 +74,9 @@ class SMPContext:
     watch: FailureWatch
     # Objects to close on re-init (pipeline runtimes, communicators).
     closers: list[Any] = field(default_factory=list)
-    # The process groups this context used (smp_torch.group_cache: reused by the next init
-    # with the same members, unless a failure happened anywhere under this context).
-    used_groups: list[Any] = field(default_factory=list)
+    # The keys of the process groups this context used (smp_torch.group_cache: reused by the
+    # next init with the same members, unless a failure happened anywhere under this context).
+    used_groups: list[group_cache.GroupKey] = field(default_factory=list)
     # Whether a step failed under this context: its groups may then still be inside a
     # collective a failed peer never joined.
     step_failed: bool = False
@@ -155,6 +155,7 @@ class SMPContext:
             if name != "world_raw":
                 comm.Free()
         self.watch.close()
+
     def failed(self) -> bool:
         """Whether a step failed here, or a failure was learnt from another rank."""
         return self.step_failed or self.watch.failure is not None
@@ -188,14 +189,14 @@ def create_context(cfg: SMPConfig) -> SMPContext:
     groups: dict[str, list[int]] = {"world": list(range(size))}
     pgs: dict[str, Any] = {"world": dist.group.WORLD}
     comms: dict[str, Any] = {"world_raw": world, "world": world.Dup()}
-    used: list[Any] = []
+    used: list[group_cache.GroupKey] = []
     for kind in GROUP_KINDS:
         mine = getattr(topo, f"{kind}_group")(rank)
         groups[kind] = mine
         # new_group must be called by every rank for every group, in the same order.
         for members in topo.all_groups(kind):
             pg = group_cache.process_group(members, backend)
-            used.append(pg)
+            used.append(group_cache.group_key(members, backend))
             if members == mine:
                 pgs[kind] = pg
         color = topo.all_groups(kind).index(mine)

@@ -242,14 +242,14 @@ def sharding_mesh(ctx: Any) -> tuple[DeviceMesh, Any, list[int]]:
         rows = [members[i : i + sdp] for i in range(0, len(members), sdp)]
         for row in rows:
             pg = group_cache.process_group(row)
-            ctx.used_groups.append(pg)
+            ctx.used_groups.append(group_cache.group_key(row))
             if ctx.rank in row:
                 shard_pg, shard_ranks = pg, row
         if len(rows) > 1:
             for j in range(sdp):
                 col = members[j::sdp]
                 pg = group_cache.process_group(col)
-                ctx.used_groups.append(pg)
+                ctx.used_groups.append(group_cache.group_key(col))
                 if ctx.rank in col:
                     rep_pg = pg
         if ctx.rank in members:
