@@ -45,7 +45,7 @@ def saved_activation_bytes(model, x) -> int:
     return sum(seen.values())
 
 
-ROUNDS = 11  # interleaved timing rounds of the layer variants
+ROUNDS = 41  # interleaved timing rounds of the layer variants
 
 
 def bench_memory(rank: int, tp: int) -> None:
@@ -87,13 +87,19 @@ def bench_memory(rank: int, tp: int) -> None:
                      "speed_sp_recompute_mlp")
             layers = {name: build(*variants[name]) for name in names}
             x = torch.randn(4, seq, 256, requires_grad=True)
-            times = dict.fromkeys(names, float("inf"))
-            for _ in range(ROUNDS):  # interleaved rounds, best of each: the machine is shared
+            rounds: dict[str, list[float]] = {name: [] for name in names}
+            for _ in range(ROUNDS):  # interleaved rounds: the machine is shared
                 for name in names:
                     dist.barrier()
                     t0 = time.perf_counter()
                     layers[name](x).sum().backward()
-                    times[name] = min(times[name], time.perf_counter() - t0)
+                    rounds[name].append(time.perf_counter() - t0)
+            # best of each, and the median over rounds of each variant's time / speed's in the
+            # same round: pairs see the same load, so the ratio drifts less than either time
+            times = {name: min(ts) for name, ts in rounds.items()}
+            for name in names:
+                paired = sorted(a / b for a, b in zip(rounds[name], rounds["speed"]))
+                times[f"{name}_paired"] = paired[len(paired) // 2]
         if rank == 0:
             if times:
                 print(f"RESULT time{seq} tp={tp} recompute_ms={times['memory'] * 1e3:.1f} "
@@ -102,7 +108,11 @@ def bench_memory(rank: int, tp: int) -> None:
                       f"speed_recompute_ms={times['speed_recompute'] * 1e3:.1f} "
                       f"sp_ms={times['speed_sp'] * 1e3:.1f} "
                       f"sp_recompute_ms={times['speed_sp_recompute'] * 1e3:.1f} "
-                      f"sp_recompute_mlp_ms={times['speed_sp_recompute_mlp'] * 1e3:.1f}", flush=True)
+                      f"sp_recompute_mlp_ms={times['speed_sp_recompute_mlp'] * 1e3:.1f} "
+                      f"speed_recompute_paired={times['speed_recompute_paired']:.3f} "
+                      f"sp_paired={times['speed_sp_paired']:.3f} "
+                      f"sp_recompute_paired={times['speed_sp_recompute_paired']:.3f} "
+                      f"sp_recompute_mlp_paired={times['speed_sp_recompute_mlp_paired']:.3f}", flush=True)
             print(f"RESULT memory{seq} tp={tp} speed_MiB={result['speed'] / 2**20:.2f} "
                   f"memory_MiB={result['memory'] / 2**20:.2f} "
                   f"ratio={result['memory'] / result['speed']:.3f} "
@@ -396,23 +406,27 @@ def main() -> None:
     print("saved activations per rank of one transformer layer, memory (recompute_activations=True)"
           "/speed: " + " | ".join(parts))
     tm = results["time128"]
-    print(f"one layer fwd+bwd, seq=128, with / without recomputation (best of {ROUNDS}, interleaved, "
-          "shared CPU): " + ", ".join(
+
+    def vs_speed(r: dict[str, str], key: str) -> str:  # the median paired ratio, as a change
+        return f"{float(r[key + '_paired']) - 1:+.1%}"
+
+    print(f"one layer fwd+bwd, seq=128, with / without recomputation (best of {ROUNDS} interleaved "
+          "rounds; in brackets the median over rounds of time / speed's time in the same round): "
+          + ", ".join(
               f"tp={tp} memory {tm[tp]['recompute_ms']} vs {tm[tp]['stored_ms']} ms, speed "
-              f"(recompute_attention) {tm[tp]['speed_recompute_ms']} vs {tm[tp]['speed_ms']} ms "
-              f"({float(tm[tp]['speed_recompute_ms']) / float(tm[tp]['speed_ms']) - 1:+.0%}), "
-              f"speed sequence_parallel {tm[tp]['sp_ms']} ms, + recompute_attention "
-              f"{tm[tp]['sp_recompute_ms']} ms "
-              f"({float(tm[tp]['sp_recompute_ms']) / float(tm[tp]['speed_ms']) - 1:+.0%} vs speed), "
-              f"+ recompute_mlp_activation {tm[tp]['sp_recompute_mlp_ms']} ms "
-              f"({float(tm[tp]['sp_recompute_mlp_ms']) / float(tm[tp]['speed_ms']) - 1:+.0%} vs speed)"
+              f"{tm[tp]['speed_ms']} ms, + recompute_attention {tm[tp]['speed_recompute_ms']} ms "
+              f"({vs_speed(tm[tp], 'speed_recompute')}), sequence_parallel {tm[tp]['sp_ms']} ms "
+              f"({vs_speed(tm[tp], 'sp')}), + recompute_attention {tm[tp]['sp_recompute_ms']} ms "
+              f"({vs_speed(tm[tp], 'sp_recompute')}), + recompute_mlp_activation "
+              f"{tm[tp]['sp_recompute_mlp_ms']} ms ({vs_speed(tm[tp], 'sp_recompute_mlp')})"
               for tp in sorted(tm)))
     mem = results["memory128"]
-    print("issue 18, saved activations per rank at seq=128 / the speed layout's, and time / speed: "
+    print("issue 18, saved activations per rank at seq=128 / the speed layout's, and time / speed "
+          "(median paired ratio): "
           + ", ".join(f"tp={tp} sequence_parallel + recompute_attention {mem[tp]['sprc_ratio']} "
                       f"(target <= 0.55), + recompute_mlp_activation {mem[tp]['sprcmlp_ratio']} "
-                      f"(target <= 0.40) at {float(tm[tp]['sp_recompute_mlp_ms']) / float(tm[tp]['speed_ms']) - 1:+.0%} "
-                      f"time (target <= +10%)" for tp in sorted(mem)))
+                      f"(target <= 0.40) at {vs_speed(tm[tp], 'sp_recompute_mlp')} time (target <= +10%)"
+                      for tp in sorted(mem)))
     thr = results["throughput"]
     if thr:
         print("recommendation model samples/s, scaled-batch TP / prescaled TP (equal global batch): "

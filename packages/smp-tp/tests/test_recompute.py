@@ -129,14 +129,25 @@ def test_recompute_helpers_save_less() -> None:
     assert torch.equal(pre.grad, p2.grad) and torch.equal(w.grad, w2.grad)
 
 
-def test_mask_bits_round_trip() -> None:
-    """pack_mask/unpack_mask give back the mask, for sizes that are and are not whole bytes."""
+def test_mask_bits_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pack_mask/unpack_mask give back the mask, for sizes that are and are not whole bytes,
+    and the numpy pass (CPU) and the torch passes (other devices, no numpy) make the same
+    bytes, so either can unpack what the other packed."""
+    import smp_tp.random as rnd
+
+    numpy = rnd._np
     gen = torch.Generator().manual_seed(5)
-    for shape in [(3, 5, 7), (2, 4, 8, 8), (1,), (9,)]:
+    for shape in [(3, 5, 7), (2, 4, 8, 8), (1,), (9,), (4, 3, 16, 16)]:
         keep = torch.rand(shape, generator=gen) >= 0.3
+        monkeypatch.setattr(rnd, "_np", None)
         bits = pack_mask(keep)
         assert bits.dtype == torch.uint8 and bits.numel() == -(-keep.numel() // 8)
         assert torch.equal(unpack_mask(bits, shape), keep)
+        if numpy is not None:
+            monkeypatch.setattr(rnd, "_np", numpy)
+            fast = pack_mask(keep)
+            assert torch.equal(fast, bits)
+            assert torch.equal(unpack_mask(bits, shape), keep)
 
 
 def test_recomputed_attention_core_keeps_mask_bits_not_a_generator_state() -> None:
