@@ -119,7 +119,7 @@ class Sender:
                 self._stream(op, host[0])
                 return
         for path in candidates:
-            region = self._paths.reserve(path, op.dest, packed.region_bytes)
+            region = self._reserve(path, op.dest, packed.region_bytes)
             if region is not None:
                 op.path, op.region = path, region
                 if inline and path == "shm":
@@ -166,6 +166,18 @@ class Sender:
     def _stream(self, op: Outgoing, via: str) -> None:
         op.path, op.via, op.region = "stream", via, -1
         self._backlog.put(Backlog.DIRECT, self._direct_q, op)
+
+    def _reserve(self, path: str, dest: int, nbytes: int) -> int | None:
+        """A region of ``dest``'s ``path`` buffer, or None. When there is no room, the
+        FREEs that would make it may already have arrived unread (a sender reads them only
+        when it polls): one progress round reads them, then a second try. Without it a
+        stream that fills the buffer took the MPI fallback on every third 64 MiB message at
+        k=1, though the receiver had let go of the first long before."""
+        region = self._paths.reserve(path, dest, nbytes)
+        if region is None and path in ("shm", "rma"):
+            self._poll()
+            region = self._paths.reserve(path, dest, nbytes)
+        return region
 
     def _poll(self) -> None:
         """Drive MPI progress from this thread (while waiting for room: the FREEs that

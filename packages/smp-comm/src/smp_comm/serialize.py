@@ -19,6 +19,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from smp_comm.hugepages import advise_huge_pages
+
 try:  # torch is an optional dependency
     import torch
 except ImportError:  # pragma: no cover - exercised by the no-torch test in a subprocess
@@ -210,6 +212,7 @@ def new_buffers(stubs: list[TensorStub], rank: int) -> tuple[list[Any], list[np.
                     f"smp-comm rank {rank}: a message holds torch tensors but torch is not importable"
                 )
             raw = torch.empty(s.nbytes, dtype=torch.uint8)
+            advise_huge_pages(raw.data_ptr(), s.nbytes)  # before the first touch
             t = raw.view(getattr(torch, s.dtype)).view(s.shape)
             views.append(raw.numpy())
             finals.append(t)

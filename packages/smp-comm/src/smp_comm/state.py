@@ -127,6 +127,10 @@ class Backlog:
             try:
                 handle(item)
             finally:
+                # Let go of the item before blocking on the next: a received message it
+                # holds keeps zero-copy views, and so their buffer region, alive until the
+                # next message came (a stream that fills the buffer then fell back to MPI).
+                item = None
                 with self._lock:
                     self.counts[i] -= 1
 
