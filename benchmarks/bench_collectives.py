@@ -7,7 +7,9 @@ prints one line per measurement, each with both backends' figures and the ratio:
   of a 64 MiB float32 input (16 MiB output per rank) and ``all_reduce`` of 64 MiB float32:
   bus bandwidth (output bytes / time), best of 3 per backend, the backends interleaved;
 - 64 KiB float32 ``all_reduce`` latency: median of 200, in interleaved blocks of 20;
-- one FSDP2 (``fully_shard``) training step of a small transformer: median of 5.
+- one FSDP2 (``fully_shard``) training step of a small transformer: median of 5;
+- the cross-host path on two pretend hosts (node-identity override), its two stages
+  overlapped in 4 MiB pieces against run one after the other (one piece).
 """
 
 from __future__ import annotations
@@ -128,6 +130,29 @@ def main() -> None:
             times.append(world.allreduce(time.perf_counter() - t0, op=MPI.MAX))
         steps[name] = statistics.median(times[1:])
     show("FSDP2 step, 4-layer d=256 (median)", steps, None)
+
+    # Two pretend hosts ({0, 1} and {2, 3}, by the node-identity override): the hierarchical
+    # path with its host and inter-host stages overlapped (4 MiB pieces) against one piece
+    # (the stages one after the other). One machine: the "inter-host" link is loopback TCP.
+    os.environ["SMP_COMM_NODE_ID"] = f"pretend-host-{rank // 2}"
+    split: dict[str, object] = {}
+    for name, chunk in (("overlapped", 4 * MIB), ("sequential", 1 << 40)):
+        os.environ["SMP_COMM_COLL_HOST_CHUNK_BYTES"] = str(chunk)
+        split[name] = dist.new_group(backend="smp")
+    for what, fn in (
+        ("all_reduce 64 MiB", lambda g: dist.all_reduce(whole, group=g)),
+        ("all_gather_into_tensor 64 MiB out", lambda g: dist.all_gather_into_tensor(out, part, group=g)),
+    ):
+        fn(split["overlapped"]), fn(split["sequential"])  # warm up
+        t = {name: [] for name in split}
+        for _ in range(3):
+            for name, group in split.items():
+                t[name].append(timed(fn, group))
+        if rank == 0:
+            o, q = min(t["overlapped"]), min(t["sequential"])
+            print(f"2 pretend hosts x 2 ranks, {what}: overlapped {64 * MIB / o / 1e9:.2f} GB/s, "
+                  f"sequential stages {64 * MIB / q / 1e9:.2f} GB/s, overlapped/sequential "
+                  f"time {o / q:.2f}x", flush=True)
     dist.destroy_process_group()
 
 

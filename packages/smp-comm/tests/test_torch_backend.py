@@ -2,7 +2,8 @@
 
 One MPI job per layout: one host with 2 and 4 ranks, and two pretend hosts (the node-identity
 override) with 3 ranks (hosts {0, 1}, {2}) and 4 ranks (hosts {0, 2}, {1, 3}), so the
-hierarchical path runs. 8 KiB slots make the larger cases take several steps.
+hierarchical path runs. 8 KiB slots make the larger cases take several steps, and ~12 KB
+host pieces several overlapped exchanges between the pretend hosts.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ pytest.importorskip("torch")
 
 LAYOUTS = [(2, "one"), (3, "split"), (4, "one"), (4, "interleave")]
 CASES = ["gather-broadcast", "reductions", "names-fallback", "mismatch-async", "subgroup"]
-ENV = {"SMP_COMM_COLL_SLOT_BYTES": "8192"}
+ENV = {"SMP_COMM_COLL_SLOT_BYTES": "8192", "SMP_COMM_COLL_HOST_CHUNK_BYTES": "12000"}
 
 
 @pytest.mark.parametrize("case", CASES)

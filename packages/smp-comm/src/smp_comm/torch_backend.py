@@ -16,7 +16,9 @@ returns at once and the caller computes meanwhile; ``Work.wait()`` raises what t
 raised. Ranks on one host are grouped by hostname, or by ``SMP_COMM_NODE_ID`` when set
 (``{rank}`` in it is replaced by the group rank; tests use it to force the cross-host path).
 ``SMP_COMM_COLL_SLOT_BYTES`` (default 8 MiB, a multiple of 4096) sizes each rank's slot;
-a group's segment holds ``2 * ranks_on_host`` slots.
+a group's segment holds ``2 * ranks_on_host`` slots. Across hosts, tensors move in pieces of
+``SMP_COMM_COLL_HOST_CHUNK_BYTES`` (default 4 MiB) so that the host and the inter-host stages
+overlap.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup, ProcessGroupGloo, ReduceOp, Work
 from torch.futures import Future
 
-from smp_comm.collectives.hierarchy import build_collectives
+from smp_comm.collectives.hierarchy import DEFAULT_HOST_CHUNK_BYTES, build_collectives
 from smp_comm.collectives.local import REDUCE_OPS, CollectiveMismatchError, check_reduce
 from smp_comm.collectives.shm import PeerFailedError
 
@@ -112,6 +114,13 @@ def _slot_bytes() -> int:
     return value
 
 
+def _host_chunk_bytes() -> int:
+    value = int(os.environ.get("SMP_COMM_COLL_HOST_CHUNK_BYTES", DEFAULT_HOST_CHUNK_BYTES))
+    if value <= 0:
+        raise ValueError(f"SMP_COMM_COLL_HOST_CHUNK_BYTES must be positive: {value}")
+    return value
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """A flat contiguous tensor with ``t``'s elements (``t`` itself when it is contiguous)."""
     if not t.is_contiguous():
@@ -136,7 +145,8 @@ class SmpProcessGroup(ProcessGroup):
         self._gloo = ProcessGroupGloo(dist.PrefixStore("smp-gloo/", store), rank, size, timeout)
         self._nccl: Any = None
         self._coll = build_collectives(
-            store, rank, size, _node_id(rank), _slot_bytes(), timeout.total_seconds()
+            store, rank, size, _node_id(rank), _slot_bytes(), timeout.total_seconds(),
+            _host_chunk_bytes(),
         )
         self._broken: BaseException | None = None
         self._queue: queue.SimpleQueue[tuple[Callable[[], None], SmpWork] | None] = (

@@ -4,8 +4,13 @@ by one leader per host (the host's lowest group rank) over a gloo group of the l
 Floating-point all-reduces stay in a fixed order across hosts too: each host reduces its
 ranks in rank order, then every leader gathers the hosts' partial results and adds them in
 host order, so every rank gets the same bits. All-gather, broadcast and integer reductions
-are exact. The shared-memory and the inter-host stages run one after the other (not
-overlapped).
+are exact.
+
+The two stages overlap: a tensor is cut into pieces of ``chunk_bytes``
+(``SMP_COMM_COLL_HOST_CHUNK_BYTES``, 4 MiB), and while the leaders exchange one piece
+between hosts (gloo runs it on its own threads) the host's ranks already work on the next
+in shared memory; the last stage (the host-wide broadcast of a finished piece) overlaps
+the exchange of the pieces after it. Cutting changes no element's order of reduction.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from torch._C._distributed_c10d import ProcessGroupGloo
 from smp_comm.collectives.local import LocalCollectives, reduce_into
 from smp_comm.collectives.shm import Segment
 
-__all__ = ["HierarchicalCollectives", "build_collectives"]
+__all__ = ["DEFAULT_HOST_CHUNK_BYTES", "HierarchicalCollectives", "build_collectives"]
+
+DEFAULT_HOST_CHUNK_BYTES = 4 << 20
 
 
 def _segment(
@@ -42,7 +49,8 @@ def _segment(
 
 
 def build_collectives(
-    store: Any, rank: int, size: int, node: str, slot_bytes: int, timeout: float
+    store: Any, rank: int, size: int, node: str, slot_bytes: int, timeout: float,
+    chunk_bytes: int = DEFAULT_HOST_CHUNK_BYTES,
 ) -> LocalCollectives | HierarchicalCollectives:
     """The collectives of group rank ``rank``: shared memory alone when every rank is on
     this rank's host ``node``, hierarchical otherwise. Collective: every rank calls it."""
@@ -56,7 +64,7 @@ def build_collectives(
     if len(order) == 1:
         return local
     groups = [[r for r in range(size) if nodes[r] == h] for h in order]
-    return HierarchicalCollectives(local, groups, host, rank, store, timeout)
+    return HierarchicalCollectives(local, groups, host, rank, store, timeout, chunk_bytes)
 
 
 class HierarchicalCollectives:
@@ -64,9 +72,12 @@ class HierarchicalCollectives:
 
     def __init__(
         self, local: LocalCollectives, groups: list[list[int]], host: int, rank: int,
-        store: Any, timeout: float,
+        store: Any, timeout: float, chunk_bytes: int = DEFAULT_HOST_CHUNK_BYTES,
     ) -> None:
+        if chunk_bytes <= 0:
+            raise ValueError(f"smp backend: the host chunk size must be positive, not {chunk_bytes}")
         self.local, self.groups, self.host, self.rank = local, groups, host, rank
+        self.chunk_bytes = chunk_bytes
         self.size = sum(len(g) for g in groups)
         self.leader = groups[host][0] == rank
         self.host_of = {r: h for h, g in enumerate(groups) for r in g}
@@ -81,45 +92,66 @@ class HierarchicalCollectives:
         """Mark this rank failed in its host's segment (its host peers raise)."""
         self.local.seg.fail()
 
-    def _gather_hosts(self, flat: torch.Tensor) -> torch.Tensor:
-        """(leaders only) every host's ``flat``, one row per host."""
+    def _ranges(self, total: int, item_bytes: int) -> list[tuple[int, int]]:
+        """``[lo, hi)`` element ranges of at most ``chunk_bytes`` each (one, maybe empty, at
+        least: every rank takes the same steps for the same call)."""
+        step = max(1, self.chunk_bytes // max(1, item_bytes))
+        return [(lo, min(total, lo + step)) for lo in range(0, total, step)] or [(0, 0)]
+
+    def _gather_hosts(self, flat: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """(leaders only) start gathering every host's ``flat``: the rows (one per host)
+        and the gloo work to wait on before reading them."""
         rows = torch.empty((len(self.groups), flat.numel()), dtype=flat.dtype)
         # As bytes: gloo moves only some dtypes (not bool, not the unsigned ones).
         raw = rows.view(-1).view(torch.uint8)
-        self._leaders._allgather_base(raw, flat.view(torch.uint8), c10d.AllgatherOptions()).wait()
-        return rows
+        work = self._leaders._allgather_base(raw, flat.view(torch.uint8), c10d.AllgatherOptions())
+        return rows, work
 
     def barrier(self) -> None:
         """Return once every rank has called it."""
         self.local.barrier()
         if self.leader:
-            self._gather_hosts(torch.zeros(1))
+            self._gather_hosts(torch.zeros(1))[1].wait()
         self.local.barrier()
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """``out`` = every rank's ``inp`` in rank order."""
-        c, widest = inp.numel(), max(len(g) for g in self.groups)
-        block = torch.zeros(widest * c, dtype=inp.dtype)  # padded: gloo gathers equal sizes
-        mine = self.groups[self.host]
-        self.local.all_gather(block[: len(mine) * c], inp)
-        if self.leader:
-            rows = self._gather_hosts(block).view(len(self.groups), widest, c)
-            dst = out.view(self.size, c)
-            for h, g in enumerate(self.groups):
-                for i, r in enumerate(g):
-                    dst[r].copy_(rows[h, i])
-        self.local.broadcast(out, 0)
+        c, widest, mine = inp.numel(), max(len(g) for g in self.groups), self.groups[self.host]
+        dst = out.view(self.size, c)
+        ranges = self._ranges(c, inp.element_size() * self.size)
+        started = []
+        for lo, hi in ranges:  # host stage of each piece; its exchange starts at once
+            block = torch.zeros((widest, hi - lo), dtype=inp.dtype)  # padded: gloo gathers equal sizes
+            self.local.all_gather(block[: len(mine)].view(-1), inp[lo:hi])
+            started.append(self._gather_hosts(block.view(-1)) if self.leader else None)
+        for (lo, hi), job in zip(ranges, started):
+            stage = torch.empty((self.size, hi - lo), dtype=inp.dtype)
+            if job is not None:
+                rows, work = job
+                work.wait()
+                rows = rows.view(len(self.groups), widest, hi - lo)
+                for h, g in enumerate(self.groups):
+                    for i, r in enumerate(g):
+                        stage[r].copy_(rows[h, i])
+            self.local.broadcast(stage.view(-1), 0)
+            dst[:, lo:hi].copy_(stage)
 
     def all_reduce(self, t: torch.Tensor, op: str) -> None:
         """``t`` = the reduction of every rank's ``t``: hosts in order, ranks in order."""
         inner = "sum" if op == "avg" else op
-        self.local.all_reduce(t, inner)
-        if self.leader:
-            rows = self._gather_hosts(t)
-            reduce_into(t, list(rows), inner, len(self.groups))
-            if op == "avg":
-                t.div_(self.size)
-        self.local.broadcast(t, 0)
+        pieces = [t[lo:hi] for lo, hi in self._ranges(t.numel(), t.element_size())]
+        started = []
+        for piece in pieces:
+            self.local.all_reduce(piece, inner)
+            started.append(self._gather_hosts(piece) if self.leader else None)
+        for piece, job in zip(pieces, started):
+            if job is not None:
+                rows, work = job
+                work.wait()
+                reduce_into(piece, list(rows), inner, len(self.groups))
+                if op == "avg":
+                    piece.div_(self.size)
+            self.local.broadcast(piece, 0)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str) -> None:
         """``out`` = the reduction of block ``rank`` of every rank's ``inp`` (by an all-reduce
@@ -131,11 +163,17 @@ class HierarchicalCollectives:
     def broadcast(self, t: torch.Tensor, root: int) -> None:
         """Every rank's ``t`` = ``root``'s."""
         src = self.host_of[root]
-        if self.host == src:
-            self.local.broadcast(t, self.groups[src].index(root))
-        if self.leader:
-            opts = c10d.BroadcastOptions()
-            opts.rootRank = src
-            self._leaders.broadcast([t.view(torch.uint8)], opts).wait()
-        if self.host != src:
-            self.local.broadcast(t, 0)
+        pieces = [t[lo:hi] for lo, hi in self._ranges(t.numel(), t.element_size())]
+        opts = c10d.BroadcastOptions()
+        opts.rootRank = src
+        works: list[Any] = []
+        for piece in pieces:  # the root's host, piece by piece; every leader posts its part
+            if self.host == src:
+                self.local.broadcast(piece, self.groups[src].index(root))
+            if self.leader:
+                works.append(self._leaders.broadcast([piece.view(torch.uint8)], opts))
+        for i, piece in enumerate(pieces):
+            if self.leader:
+                works[i].wait()
+            if self.host != src:
+                self.local.broadcast(piece, 0)
