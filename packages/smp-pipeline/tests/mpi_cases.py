@@ -477,6 +477,11 @@ def suite_failures(comm):
         raise AssertionError("no timeout raised")
     sys.stdout.flush()
     MPI.COMM_WORLD.Barrier()  # every rank has raised before anyone leaves
+    # os._exit skips MPI_Finalize, which is what removes MPICH's /dev/shm file: remove it
+    # here (every rank mapped it long ago), or each run of this suite left one behind.
+    from smp_comm.shutdown import unlink_mpi_shared_memory
+
+    unlink_mpi_shared_memory()
     os._exit(0)  # the stalled worker thread is still asleep; exit without waiting for it
 
 

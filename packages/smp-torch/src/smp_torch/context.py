@@ -185,7 +185,7 @@ def create_context(cfg: SMPConfig) -> SMPContext:
         device = torch.device("cpu")
 
     topo = Topology(cfg.pp, cfg.tp, cfg.rdp, cfg.placement)
-    backend = _group_backend(cfg.collective_backend)
+    backend = _group_backend(cfg.collective_backend, device)
     groups: dict[str, list[int]] = {"world": list(range(size))}
     pgs: dict[str, Any] = {"world": dist.group.WORLD}
     comms: dict[str, Any] = {"world_raw": world, "world": world.Dup()}
@@ -219,13 +219,20 @@ def create_context(cfg: SMPConfig) -> SMPContext:
     )
 
 
-def _group_backend(choice: str) -> str | None:
-    """The ``new_group`` backend for ``collective_backend`` (None: the default group's)."""
+def _group_backend(choice: str, device: torch.device) -> str | None:
+    """The ``new_group`` backend for ``collective_backend`` (None: the default group's).
+
+    ``"auto"`` is smp-comm's backend on CPU (measured faster than gloo side by side on a
+    quiet machine: a tp=2 step 1.23-1.34x, an FSDP2 step 1.4-1.9x, a dp=2 step 0.95-1.14x)
+    and the default group's (NCCL) on CUDA.
+    """
+    if choice == "auto":
+        choice = "smp" if device.type == "cpu" else "default"
     if choice == "smp":
         import smp_comm.torch_backend  # noqa: F401 - registers the "smp" backend
 
         return "smp"
-    return None if choice == "auto" else choice
+    return None if choice == "default" else choice
 
 
 def _caused_elsewhere(error: BaseException, rank: int) -> bool:

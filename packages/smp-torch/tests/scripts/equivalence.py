@@ -63,10 +63,13 @@ def check_offloading(dmodel: smp.DistributedModel, cfg: smp.SMPConfig, case: dic
 def run_case(case: dict) -> None:
     name = case["name"]
     cfg = smp.init(case["config"])
-    if cfg.collective_backend == "smp":  # the groups really run on smp-comm's backend
-        groups = [smp.get_dp_process_group(), smp.get_tp_process_group(), smp.get_pp_process_group()]
-        backends = {torch.distributed.get_backend(g) for g in groups}
-        assert backends == {"smp"}, f"[{name}] groups on {backends}"
+    # the groups really run on the chosen backend ("auto" on CPU: smp-comm's)
+    want = cfg.collective_backend
+    if want == "auto":
+        want = "nccl" if torch.cuda.is_available() else "smp"
+    groups = [smp.get_dp_process_group(), smp.get_tp_process_group(), smp.get_pp_process_group()]
+    backends = {torch.distributed.get_backend(g) for g in groups}
+    assert backends == {want}, f"[{name}] groups on {backends}, want {want}"
     torch.manual_seed(case.get("seed", 0))
     tp_marks = cfg.tp > 1 or case.get("tp_marks", False)
     if case.get("model") in models.HF_MODELS:
