@@ -31,7 +31,7 @@ from typing import Any
 try:  # packs dropout masks in one pass; torch runs without numpy, so it stays optional
     import numpy as _np
 except ImportError:  # pragma: no cover - the torch passes below do the same, slower
-    _np = None
+    _np = None  # type: ignore[assignment]
 
 import torch
 
