@@ -56,6 +56,12 @@ def bench_memory(rank: int, tp: int) -> None:
     cfg = dict(num_attention_heads=8, attention_head_size=32, hidden_size=256, intermediate_size=1024,
                attention_dropout_prob=0.1, hidden_dropout_prob=0.1)
     singles = [dist.new_group([r]) for r in range(tp)]  # every rank creates every group
+    try:  # smp-comm's backend: what smp-torch's tensor-parallel groups use on CPU
+        import smp_comm.torch_backend  # noqa: F401
+
+        smp_group = dist.new_group(backend="smp")
+    except ImportError:
+        smp_group = None
     variants = {  # name: (optimize, recompute (activations for memory, attention for speed), group, sp,
         #                    recompute_mlp_activation)
         "speed": ("speed", False, None, False, False),
@@ -100,6 +106,22 @@ def bench_memory(rank: int, tp: int) -> None:
             for name in names:
                 paired = sorted(a / b for a, b in zip(rounds[name], rounds["speed"]))
                 times[f"{name}_paired"] = paired[len(paired) // 2]
+        if seq == 128 and smp_group is not None:  # the same timing, tp group on smp-comm
+            names = ("speed", "speed_sp", "speed_sp_recompute", "speed_sp_recompute_mlp")
+            on_smp = {name: build(variants[name][0], variants[name][1], smp_group, *variants[name][3:])
+                      for name in names}
+            rounds = {name: [] for name in names}
+            for _ in range(ROUNDS):
+                for name in names:
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    on_smp[name](x).sum().backward()
+                    rounds[name].append(time.perf_counter() - t0)
+            paired = {name: sorted(a / b for a, b in zip(rounds[name], rounds["speed"])) for name in names}
+            if rank == 0:
+                print(f"RESULT smptime{seq} tp={tp} speed_ms={min(rounds['speed']) * 1e3:.1f} "
+                      + " ".join(f"{name}_paired={p[len(p) // 2]:.3f}" for name, p in paired.items()),
+                      flush=True)
         if rank == 0:
             if times:
                 print(f"RESULT time{seq} tp={tp} recompute_ms={times['memory'] * 1e3:.1f} "
@@ -351,7 +373,7 @@ def main() -> None:
     """``python benchmarks/bench_tp.py [params|memory|throughput|llama]`` (default: all)."""
     only = sys.argv[1] if len(sys.argv) > 1 else ""
     results: dict[str, dict[int, dict[str, str]]] = {
-        "memory128": {}, "memory32": {}, "time128": {}, "throughput": {}, "llama": {},
+        "memory128": {}, "memory32": {}, "time128": {}, "smptime128": {}, "throughput": {}, "llama": {},
         **{f"params_{name}": {} for name in PARAM_MODELS}}
     for tp in ((2,) if only == "llama" else (2, 4)):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp),
@@ -427,6 +449,13 @@ def main() -> None:
                       f"(target <= 0.55), + recompute_mlp_activation {mem[tp]['sprcmlp_ratio']} "
                       f"(target <= 0.40) at {vs_speed(tm[tp], 'sp_recompute_mlp')} time (target <= +10%)"
                       for tp in sorted(mem)))
+    st = results["smptime128"]
+    if st:
+        print("the same, tensor-parallel group on smp-comm's backend (smp-torch's default on CPU), "
+              "time / speed (median paired ratio): " + ", ".join(
+                  f"tp={tp} speed {r['speed_ms']} ms, sequence_parallel {vs_speed(r, 'speed_sp')}, "
+                  f"+ recompute_attention {vs_speed(r, 'speed_sp_recompute')}, + recompute_mlp_activation "
+                  f"{vs_speed(r, 'speed_sp_recompute_mlp')} (target <= +10%)" for tp, r in sorted(st.items())))
     thr = results["throughput"]
     if thr:
         print("recommendation model samples/s, scaled-batch TP / prescaled TP (equal global batch): "
