@@ -215,3 +215,21 @@ def test_receive_buffers_ask_for_huge_pages() -> None:
     finally:
         hugepages._MADVISE = real
     assert len(calls) == 1 and calls[0][1] >= packed.stubs[0].nbytes - 2 * 4096, calls
+
+
+def test_failed_step_hooks_run_and_never_mask_the_error(monkeypatch) -> None:
+    """note_failed_step runs every on_failed_step hook (the smp backend's groups mark
+    themselves failed there); a hook that raises does not stop the others or escape."""
+    from smp_comm import shutdown
+
+    monkeypatch.setattr(shutdown, "_failure_hooks", [])
+    calls: list[str] = []
+
+    def broken() -> None:
+        calls.append("broken")
+        raise RuntimeError("hook failed")
+
+    shutdown.on_failed_step(broken)
+    shutdown.on_failed_step(lambda: calls.append("second"))
+    shutdown.note_failed_step()
+    assert calls == ["broken", "second"]

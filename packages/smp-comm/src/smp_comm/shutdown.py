@@ -77,6 +77,7 @@ __all__ = [
     "exit_status",
     "leave_now",
     "note_failed_step",
+    "on_failed_step",
     "set_exit_deadline",
     "set_peers_ended_check",
     "settle_at_exit",
@@ -112,12 +113,29 @@ _PEERS_POLL_S = 0.05
 # interpreter ends, so their last reference is not dropped on one of gloo's threads.
 _abandoned: list[Any] = []
 _abandoned_waited = 0
+# Run by note_failed_step (on_failed_step).
+_failure_hooks: list[Callable[[], None]] = []
 
 
 def note_failed_step() -> None:
     """Record that a step failed in this process: exit then follows the module's protocol
-    (whose only per-process state is the settle pause)."""
+    (whose only per-process state is the settle pause), and every :func:`on_failed_step`
+    hook runs."""
     settle_at_exit()
+    for hook in list(_failure_hooks):
+        try:
+            hook()
+        except Exception:  # noqa: BLE001 - a failing hook must not mask the step's error
+            pass
+
+
+def on_failed_step(hook: Callable[[], None]) -> None:
+    """Run ``hook()`` whenever :func:`note_failed_step` is called in this process: for
+    what would otherwise keep peers waiting on this rank after its step failed (the ``smp``
+    backend's groups mark themselves failed, so a peer inside one of their collectives
+    raises at once instead of waiting for this process to end, while this process's exit
+    waits for that very collective)."""
+    _failure_hooks.append(hook)
 
 
 def settle_at_exit() -> None:

@@ -27,6 +27,7 @@ import os
 import queue
 import socket
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -37,6 +38,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup, ProcessGroupGloo, ReduceOp, Work
 from torch.futures import Future
 
+from smp_comm import shutdown
 from smp_comm.collectives.hierarchy import DEFAULT_HOST_CHUNK_BYTES, build_collectives
 from smp_comm.collectives.local import REDUCE_OPS, CollectiveMismatchError, check_reduce
 from smp_comm.collectives.shm import PeerFailedError
@@ -154,6 +156,17 @@ class SmpProcessGroup(ProcessGroup):
         )
         self._thread = threading.Thread(target=self._serve, name="smp-collectives", daemon=True)
         self._thread.start()
+        # A failed step here must not leave peers waiting in this group's collectives (a
+        # fresh-clone run: a peer's exit waited 18 s on an all-reduce this rank never joined).
+        ref = weakref.ref(self)
+        shutdown.on_failed_step(lambda: (pg := ref()) is not None and pg.abandon("a step failed on this rank"))
+
+    def abandon(self, reason: str) -> None:
+        """Mark the group failed: peers waiting in its collectives raise ``PeerFailedError``
+        within a wait's check interval, and later collectives here are refused."""
+        if self._broken is None:
+            self._broken = PeerFailedError(f"smp backend: rank {self.rank()}: {reason}")
+        self._coll.fail()
 
     # c10d keeps a group's name on its backend objects, and this group has none, so the
     # name torch gives it is kept here (DeviceMesh, hence FSDP2, reads it).

@@ -222,17 +222,17 @@ def create_context(cfg: SMPConfig) -> SMPContext:
 def _group_backend(choice: str, device: torch.device) -> str | None:
     """The ``new_group`` backend for ``collective_backend`` (None: the default group's).
 
-    ``"auto"`` is smp-comm's backend on CPU (measured faster than gloo side by side on a
-    quiet machine: a tp=2 step 1.23-1.34x, an FSDP2 step 1.4-1.9x, a dp=2 step 0.95-1.14x)
-    and the default group's (NCCL) on CUDA.
+    ``"auto"`` stays the default group's backend (gloo on CPU, NCCL on CUDA). smp-comm's
+    backend measured faster on CPU (a tp=2 step 1.23-1.34x, an FSDP2 step 1.4-1.9x, a dp=2
+    step 0.95-1.14x), but a fresh-clone run found a rank's exit held 18 s by a peer's failure
+    during an ``smp`` all-reduce; ``auto`` waits until that is shown gone over several runs.
     """
-    if choice == "auto":
-        choice = "smp" if device.type == "cpu" else "default"
+    del device  # (the CUDA choice is the default group's either way)
     if choice == "smp":
         import smp_comm.torch_backend  # noqa: F401 - registers the "smp" backend
 
         return "smp"
-    return None if choice == "default" else choice
+    return None if choice == "auto" else choice
 
 
 def _caused_elsewhere(error: BaseException, rank: int) -> bool:

@@ -498,8 +498,19 @@ class FailureWatch:
 
     def wait_work(self, work: Any, cuda: bool = False) -> None:
         """Wait for a ``torch.distributed`` collective (``async_op=True``), raising
-        :class:`PeerFailedError` meanwhile if a failure is known (see :func:`waits.wait_work`)."""
-        wait_work(work, self.check, cuda)
+        :class:`PeerFailedError` meanwhile if a failure is known (see :func:`waits.wait_work`).
+        A collective that fails because a peer did (an ``smp``-backend group marked failed by
+        the peer's failed step) raises the peer's :class:`PeerFailedError` instead, once
+        known (:meth:`explain`)."""
+        try:
+            wait_work(work, self.check, cuda)
+        except PeerFailedError:
+            raise
+        except Exception as exc:
+            peer = self.explain(exc)
+            if peer is None:
+                raise
+            raise peer from exc
 
     def allreduce_max(self, values: list[int]) -> list[int]:
         """The element-wise maximum of ``values`` over all ranks (the step's outcome

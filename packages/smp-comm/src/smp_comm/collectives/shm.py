@@ -34,6 +34,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from smp_comm.errors import CommError
+
 __all__ = ["PeerFailedError", "Segment", "segment_bytes"]
 
 LINE = 128  # bytes per control line: no two ranks' words share a cache line
@@ -49,7 +51,7 @@ _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
 
 
-class PeerFailedError(RuntimeError):
+class PeerFailedError(CommError):
     """A peer of a shared-memory group died or failed inside a collective."""
 
 
