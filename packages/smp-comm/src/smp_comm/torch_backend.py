@@ -159,7 +159,13 @@ class SmpProcessGroup(ProcessGroup):
         # A failed step here must not leave peers waiting in this group's collectives (a
         # fresh-clone run: a peer's exit waited 18 s on an all-reduce this rank never joined).
         ref = weakref.ref(self)
-        shutdown.on_failed_step(lambda: (pg := ref()) is not None and pg.abandon("a step failed on this rank"))
+
+        def on_failed_step() -> None:
+            group = ref()
+            if group is not None:
+                group.abandon("a step failed on this rank")
+
+        shutdown.on_failed_step(on_failed_step)
 
     def abandon(self, reason: str) -> None:
         """Mark the group failed: peers waiting in its collectives raise ``PeerFailedError``
