@@ -185,7 +185,7 @@ def create_context(cfg: SMPConfig) -> SMPContext:
         device = torch.device("cpu")
 
     topo = Topology(cfg.pp, cfg.tp, cfg.rdp, cfg.placement)
-    backend = _group_backend(cfg.collective_backend, device)
+    backend = _group_backend(cfg.collective_backend)
     groups: dict[str, list[int]] = {"world": list(range(size))}
     pgs: dict[str, Any] = {"world": dist.group.WORLD}
     comms: dict[str, Any] = {"world_raw": world, "world": world.Dup()}
@@ -219,15 +219,15 @@ def create_context(cfg: SMPConfig) -> SMPContext:
     )
 
 
-def _group_backend(choice: str, device: torch.device) -> str | None:
+def _group_backend(choice: str) -> str | None:
     """The ``new_group`` backend for ``collective_backend`` (None: the default group's).
 
     ``"auto"`` stays the default group's backend (gloo on CPU, NCCL on CUDA). smp-comm's
     backend measured faster on CPU (a tp=2 step 1.23-1.34x, an FSDP2 step 1.4-1.9x, a dp=2
     step 0.95-1.14x), but a fresh-clone run found a rank's exit held 18 s by a peer's failure
-    during an ``smp`` all-reduce; ``auto`` waits until that is shown gone over several runs.
+    during an ``smp`` all-reduce (fixed since: ``smp_comm.shutdown.on_failed_step``); ``auto``
+    switches once several fresh-clone runs pass on it.
     """
-    del device  # (the CUDA choice is the default group's either way)
     if choice == "smp":
         import smp_comm.torch_backend  # noqa: F401 - registers the "smp" backend
 
