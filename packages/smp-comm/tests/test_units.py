@@ -200,12 +200,15 @@ def test_receive_buffers_ask_for_huge_pages() -> None:
 
     small = torch.empty(hugepages.MIN_BYTES // 2, dtype=torch.uint8)
     assert not hugepages.advise_huge_pages(small.data_ptr(), small.numel())
+    import os
+
+    if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):  # a kernel with THP
+        big = torch.empty(hugepages.MIN_BYTES * 2, dtype=torch.uint8)
+        assert hugepages.advise_huge_pages(big.data_ptr(), big.numel())
+        # odd addresses and lengths: only the whole pages inside are advised (no EINVAL)
+        assert hugepages.advise_huge_pages(big.data_ptr() + 1, big.numel() - 4097)
     if not sys.platform.startswith("linux"):
         return
-    big = torch.empty(hugepages.MIN_BYTES * 2, dtype=torch.uint8)
-    assert hugepages.advise_huge_pages(big.data_ptr(), big.numel())
-    # odd addresses and lengths: only the whole pages inside are advised (no EINVAL)
-    assert hugepages.advise_huge_pages(big.data_ptr() + 1, big.numel() - 4097)
     calls = []
     real = hugepages._MADVISE
     try:
