@@ -48,6 +48,25 @@ def saved_activation_bytes(model, x) -> int:
 ROUNDS = 41  # interleaved timing rounds of the layer variants
 
 
+def timed_rounds(layers: dict, x, barrier) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Time one forward + backward of every layer in ``layers`` per round, interleaved over
+    :data:`ROUNDS` rounds (the machine is shared): the times per layer, and per layer the
+    median over rounds of its time / the ``"speed"`` layer's in the same round (pairs see the
+    same load, so the ratio drifts less than either time)."""
+    rounds: dict[str, list[float]] = {name: [] for name in layers}
+    for _ in range(ROUNDS):
+        for name, layer in layers.items():
+            barrier()
+            t0 = time.perf_counter()
+            layer(x).sum().backward()
+            rounds[name].append(time.perf_counter() - t0)
+    paired = {}
+    for name, ts in rounds.items():
+        ratios = sorted(a / b for a, b in zip(ts, rounds["speed"]))
+        paired[name] = ratios[len(ratios) // 2]
+    return rounds, paired
+
+
 def bench_memory(rank: int, tp: int) -> None:
     import smp_tp
     import torch
@@ -56,7 +75,7 @@ def bench_memory(rank: int, tp: int) -> None:
     cfg = dict(num_attention_heads=8, attention_head_size=32, hidden_size=256, intermediate_size=1024,
                attention_dropout_prob=0.1, hidden_dropout_prob=0.1)
     singles = [dist.new_group([r]) for r in range(tp)]  # every rank creates every group
-    try:  # smp-comm's backend: what smp-torch's tensor-parallel groups use on CPU
+    try:  # smp-comm's backend: what smp-torch's groups use with collective_backend="smp"
         import smp_comm.torch_backend  # noqa: F401
 
         smp_group = dist.new_group(backend="smp")
@@ -93,34 +112,18 @@ def bench_memory(rank: int, tp: int) -> None:
                      "speed_sp_recompute_mlp")
             layers = {name: build(*variants[name]) for name in names}
             x = torch.randn(4, seq, 256, requires_grad=True)
-            rounds: dict[str, list[float]] = {name: [] for name in names}
-            for _ in range(ROUNDS):  # interleaved rounds: the machine is shared
-                for name in names:
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    layers[name](x).sum().backward()
-                    rounds[name].append(time.perf_counter() - t0)
-            # best of each, and the median over rounds of each variant's time / speed's in the
-            # same round: pairs see the same load, so the ratio drifts less than either time
+            # best of each, and the median paired ratio to speed (timed_rounds)
+            rounds, paired = timed_rounds(layers, x, dist.barrier)
             times = {name: min(ts) for name, ts in rounds.items()}
-            for name in names:
-                paired = sorted(a / b for a, b in zip(rounds[name], rounds["speed"]))
-                times[f"{name}_paired"] = paired[len(paired) // 2]
+            times.update({f"{name}_paired": ratio for name, ratio in paired.items()})
         if seq == 128 and smp_group is not None:  # the same timing, tp group on smp-comm
             names = ("speed", "speed_sp", "speed_sp_recompute", "speed_sp_recompute_mlp")
             on_smp = {name: build(variants[name][0], variants[name][1], smp_group, *variants[name][3:])
                       for name in names}
-            rounds = {name: [] for name in names}
-            for _ in range(ROUNDS):
-                for name in names:
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    on_smp[name](x).sum().backward()
-                    rounds[name].append(time.perf_counter() - t0)
-            paired = {name: sorted(a / b for a, b in zip(rounds[name], rounds["speed"])) for name in names}
+            rounds, paired = timed_rounds(on_smp, x, dist.barrier)
             if rank == 0:
                 print(f"RESULT smptime{seq} tp={tp} speed_ms={min(rounds['speed']) * 1e3:.1f} "
-                      + " ".join(f"{name}_paired={p[len(p) // 2]:.3f}" for name, p in paired.items()),
+                      + " ".join(f"{name}_paired={ratio:.3f}" for name, ratio in paired.items()),
                       flush=True)
         if rank == 0:
             if times:
@@ -451,7 +454,7 @@ def main() -> None:
                       for tp in sorted(mem)))
     st = results["smptime128"]
     if st:
-        print("the same, tensor-parallel group on smp-comm's backend (smp-torch's default on CPU), "
+        print("the same, tensor-parallel group on smp-comm's backend (smp-torch's collective_backend='smp'), "
               "time / speed (median paired ratio): " + ", ".join(
                   f"tp={tp} speed {r['speed_ms']} ms, sequence_parallel {vs_speed(r, 'speed_sp')}, "
                   f"+ recompute_attention {vs_speed(r, 'speed_sp_recompute')}, + recompute_mlp_activation "

@@ -74,8 +74,6 @@ class HierarchicalCollectives:
         self, local: LocalCollectives, groups: list[list[int]], host: int, rank: int,
         store: Any, timeout: float, chunk_bytes: int = DEFAULT_HOST_CHUNK_BYTES,
     ) -> None:
-        if chunk_bytes <= 0:
-            raise ValueError(f"smp backend: the host chunk size must be positive, not {chunk_bytes}")
         self.local, self.groups, self.host, self.rank = local, groups, host, rank
         self.chunk_bytes = chunk_bytes
         self.size = sum(len(g) for g in groups)
