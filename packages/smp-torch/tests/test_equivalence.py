@@ -37,7 +37,7 @@ DP2_CASES = [
     _case("dp2-checkpointing-offload", microbatches=2, checkpoint_blocks=True, offload_activations=True),
     _case("dp2-untied-spread", placement_strategy="spread", tied=False),
     # smp-comm's torch.distributed backend for the groups (issue 22).
-    _case("dp2-mb2-smp-backend", microbatches=2, collective_backend="smp"),
+    _case("dp2-mb2-gloo-backend", microbatches=2, collective_backend="gloo"),
 ]
 
 
@@ -81,7 +81,7 @@ PP4_CASES = [
     _case("pp4-mb4", pipeline_parallel_degree=4, microbatches=4, tied=False, **BY_SIZE),
     _case("pp4-seq-fast", pipeline_parallel_degree=4, microbatches=4, model="seq", **BY_SIZE),
     _case("pp4-seq-fast-off", pipeline_parallel_degree=4, microbatches=4, model="seq", fast_mode=False, **BY_SIZE),
-    _case("pp2-dp2-smp-backend", pipeline_parallel_degree=2, microbatches=2, collective_backend="smp"),
+    _case("pp2-dp2-gloo-backend", pipeline_parallel_degree=2, microbatches=2, collective_backend="gloo"),
     _case("pp4-seq-checkpointing-offload", pipeline_parallel_degree=4, microbatches=4,
           model="seq", checkpoint_blocks=True, offload_activations=True,
           activation_loading_horizon=1, **BY_SIZE),
@@ -105,7 +105,7 @@ TP4_CASES = [
     _case("tp2-dp2-shard", tensor_parallel_degree=2, shard_optimizer_state=True),
     _case("tp4", tensor_parallel_degree=4, microbatches=2, optimizer="sgd"),
     _case("dp4-shard-TDP", shard_optimizer_state=True, placement_strategy="TDP"),
-    _case("tp2-dp2-smp-backend", tensor_parallel_degree=2, microbatches=2, collective_backend="smp"),
+    _case("tp2-dp2-gloo-backend", tensor_parallel_degree=2, microbatches=2, collective_backend="gloo"),
 ]
 
 

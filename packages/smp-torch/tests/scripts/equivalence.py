@@ -63,10 +63,10 @@ def check_offloading(dmodel: smp.DistributedModel, cfg: smp.SMPConfig, case: dic
 def run_case(case: dict) -> None:
     name = case["name"]
     cfg = smp.init(case["config"])
-    # the groups really run on the chosen backend ("auto": the default group's)
+    # the groups really run on the chosen backend ("auto": smp on CPU, NCCL on CUDA)
     want = cfg.collective_backend
     if want == "auto":
-        want = "nccl" if torch.cuda.is_available() else "gloo"
+        want = "nccl" if torch.cuda.is_available() else "smp"
     groups = [smp.get_dp_process_group(), smp.get_tp_process_group(), smp.get_pp_process_group()]
     backends = {torch.distributed.get_backend(g) for g in groups}
     assert backends == {want}, f"[{name}] groups on {backends}, want {want}"
