@@ -53,6 +53,10 @@ PP2_CASES = [
           model="seq", manual=True, served_per_mb=2),
     _case("pp2-seq-fast-off", pipeline_parallel_degree=2, microbatches=4, auto_partition=False,
           model="seq", manual=True, served_per_mb=6, fast_mode=False),
+    # static_mode: stage 1's recorded straight-through requests are served on its main loop
+    # (counted), bitwise like dynamic mode.
+    _case("pp2-seq-static", pipeline_parallel_degree=2, microbatches=4, auto_partition=False,
+          model="seq", manual=True, served_per_mb=2, static_mode=True),
     _case("pp2-seq-auto-checkpointing", pipeline_parallel_degree=2, microbatches=4, model="seq",
           checkpoint_blocks=True),
     # Activation offloading: the checkpointed blocks' inputs wait on the host (counters
