@@ -16,6 +16,8 @@ of these kinds alternate (best of ``BENCH_SEQ_ROUNDS`` runs, each the median of 
 - smp, ``pipeline_parallel_degree=2``, automatic partition, ``fast_mode`` on (the default:
   a stage's run of blocks is one request per microbatch, forward and backward) and off (one
   request per block);
+- smp with ``static_mode`` too (a request that ran straight through before is served on
+  the stage's main loop, not handed to a worker thread);
 - ``torch.distributed.pipelining`` (``Schedule1F1B``) with the model cut where smp's
   automatic partition cut it (the smp run reports its cut; the same blocks on each stage).
 
@@ -105,12 +107,14 @@ def single(microbatches: int = 1) -> dict:
     return {"rate": _rate(times)}
 
 
-def smp_pp2(fast: bool) -> dict:
+def smp_pp2(fast: bool, static: bool = False) -> dict:
     torch, net, x, y = _setup()
     import smp_torch as smp
     import torch.nn.functional as F
 
-    smp.init({"pipeline_parallel_degree": 2, "microbatches": MB, "fast_mode": fast})
+    smp.init(
+        {"pipeline_parallel_degree": 2, "microbatches": MB, "fast_mode": fast, "static_mode": static}
+    )
     model = smp.DistributedModel(net)
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
 
@@ -135,7 +139,11 @@ def smp_pp2(fast: bool) -> dict:
     cut = sum(1 for i in range(BLOCKS) if rt.assignment[str(i)] == 0)
     served = smp.allgather(rt.requests_served, smp.PP_GROUP)[1]
     per_mb = served / ((WARMUP + STEPS) * MB)
-    return {"rate": _rate(times), "rank": smp.rank(), "cut": cut, "requests_per_mb": per_mb}
+    inlined = smp.allgather(rt.server.executor.inlined, smp.PP_GROUP)[1]
+    return {
+        "rate": _rate(times), "rank": smp.rank(), "cut": cut, "requests_per_mb": per_mb,
+        "inlined_per_mb": inlined / ((WARMUP + STEPS) * MB),
+    }  # fmt: skip
 
 
 def torch_pipelining() -> dict:
@@ -195,7 +203,8 @@ def _compare(shape: str) -> None:
     best: dict[str, float] = {}
     info: dict[str, dict] = {}
     for _ in range(ROUNDS):
-        for kind, n in (("single", 1), ("accum", 1), ("smp_fast", 2), ("smp_slow", 2)):
+        kinds = (("single", 1), ("accum", 1), ("smp_fast", 2), ("smp_static", 2), ("smp_slow", 2))
+        for kind, n in kinds:
             r = _launch(kind, n, shape)
             if r["rate"] > best.get(kind, 0.0):
                 best[kind], info[kind] = r["rate"], r
@@ -204,6 +213,7 @@ def _compare(shape: str) -> None:
     one = best["single"]
     ceiling = 2 * MB / (MB + 1) * best["accum"] / one
     fast, slow, tpp = best["smp_fast"], best["smp_slow"], best["torchpp"]
+    static = best["smp_static"]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
         f"bench_sequential (load avg {load:.1f} on {os.cpu_count()} cores, bind "
@@ -215,7 +225,11 @@ def _compare(shape: str) -> None:
         f"{info['smp_fast']['cut']}|{BLOCKS - info['smp_fast']['cut']}), "
         f"fast_mode off {slow / one:.2f}x ({info['smp_slow']['requests_per_mb']:.0f} "
         f"requests/microbatch, cut {info['smp_slow']['cut']}|{BLOCKS - info['smp_slow']['cut']}); torch.distributed.pipelining 1F1B {tpp / one:.2f}x; "
-        f"smp fast/torch {fast / tpp:.2f}x, fast on/off {fast / slow:.2f}x",
+        f"smp fast/torch {fast / tpp:.2f}x, fast on/off {fast / slow:.2f}x; "
+        f"static_mode (with fast_mode) {static / one:.2f}x one process, {static / tpp:.2f}x "
+        f"torch, {static / fast:.2f}x without it "
+        f"({info['smp_static']['inlined_per_mb']:.1f} of stage 1's requests per microbatch "
+        f"served on its main loop)",
         flush=True,
     )
 
@@ -229,6 +243,7 @@ def main() -> None:
             "accum": lambda: single(MB),
             "smp_fast": lambda: smp_pp2(True),
             "smp_slow": lambda: smp_pp2(False),
+            "smp_static": lambda: smp_pp2(True, True),
             "torchpp": torch_pipelining,
         }[kind]()
         if result.get("rank", 0) == 0:

@@ -14,6 +14,10 @@ machine, where wall-clock latency does not.
 (``_KNOBS``); the two runtimes' steps alternate, so both see the same load, and the CPU
 figures are reported for each (the per-thread and profile figures cover both).
 
+``PROFILE_REQ_STATIC=1`` builds the runtimes with ``static_mode=True`` (with
+``PROFILE_REQ_AB=static`` the second one serves every request on a worker: static mode's
+inlining undone).
+
 ``PROFILE_REQ_CPROFILE=DIR`` also runs every thread of every rank under ``cProfile``, timed
 by the thread's CPU clock (its overhead inflates the totals; read it for the shares) and writes ``DIR/rank<r>.pstats``
 (all threads merged) plus the top functions by own time to ``DIR/rank<r>.txt``.
@@ -33,6 +37,8 @@ M = int(os.environ.get("PROFILE_REQ_M", "16"))
 STEPS = int(os.environ.get("PROFILE_REQ_STEPS", "30"))
 PROFILE_DIR = os.environ.get("PROFILE_REQ_CPROFILE", "")
 AB = os.environ.get("PROFILE_REQ_AB", "")
+# PROFILE_REQ_STATIC=1: runtimes in static mode (PROFILE_REQ_AB=static: the second one not).
+STATIC = os.environ.get("PROFILE_REQ_STATIC", "") == "1"
 D = 16
 
 
@@ -49,7 +55,12 @@ def _spin(seconds: float) -> Callable[[Any], None]:
     return set_spin
 
 
+def _static_off(rt: Any) -> None:
+    rt.server.executor.inline_max_s = 0.0  # every request on a worker (dynamic mode)
+
+
 _KNOBS: dict[str, Callable[[Any], None]] = {
+    "static": _static_off,
     "frames": _frames_off,
     "spin0": _spin(0.0),
     "spin50us": _spin(5e-5),
@@ -136,7 +147,10 @@ def _worker() -> None:
         for _ in range(P):
             model = Stage(model)
         assert model is not None
-        rt = PipelineRuntime(model, comm, rank, P, assignment=assignment, tag=tag, timeout_s=120)
+        rt = PipelineRuntime(
+            model, comm, rank, P, assignment=assignment, tag=tag, timeout_s=120,
+            static_mode=STATIC,
+        )  # fmt: skip
         if knob:
             _KNOBS[knob](rt)
 
@@ -188,6 +202,7 @@ def _worker() -> None:
     by_thread = {
         n: (c - threads0.get(n, 0.0)) / requests_all * 1e6 for n, c in threads1.items()
     }
+    inlined = {name: rt_v.server.executor.inlined for name, (rt_v, _) in variants.items()}
     for rt_v, _ in variants.values():
         rt_v.close()
     if PROFILE_DIR:
@@ -210,7 +225,10 @@ def _worker() -> None:
                 f.write(f"{tt / requests * 1e6:9.1f} {ct / requests * 1e6:9.1f} {nc / requests:6.2f}  {where}\n")
     comm.close()
     shares = world.gather(by_thread, root=0)
+    all_inlined = world.gather(inlined, root=0)
     if rank == 0:
+        if STATIC:
+            print(f"tasks served on the main loop (static mode), by rank: {all_inlined}")
         assert shares is not None
         for r, share in enumerate(shares):
             busy = sorted(share.items(), key=lambda kv: -kv[1])

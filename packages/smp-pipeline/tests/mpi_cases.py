@@ -109,6 +109,10 @@ def run_case(comm, name, build, batch, assignment, m, schedule="interleaved", *,
         model, comm, rank, size, assignment=assignment, schedule=schedule, timeout_s=60,
         checkpointing=checkpointing, active_microbatches=active, tag=next_tag(), **rt_kwargs,
     )
+    if rt_kwargs.get("static_mode"):
+        # Static mode's 2 ms gate is a speed heuristic: lifted, what runs inline does not
+        # depend on the machine's load.
+        rt.server.executor.inline_max_s = 60.0
     ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
     opt = None
     for s in range(steps):
@@ -410,6 +414,49 @@ def suite_fast(comm):
     check_served(comm, rt, "nested-seq-segments", [0, 2], 4)
 
 
+def check_inlined(comm, rt, name, ranks):
+    """Static mode served requests on the main loop of each of ``ranks`` (and not the driver)."""
+    inlined = comm_allgather(rt.server.executor.inlined)
+    assert inlined[0] == 0 and all(inlined[r] > 0 for r in ranks), f"{name}: inlined {inlined}"
+    if comm.rank == 0:
+        print(f"CASE-OK {name}-inlined {inlined}", flush=True)
+
+
+def suite_static(comm):
+    """static_mode (pp=2 and pp=4 on 4 ranks' first 2 or all): bitwise equal to one process
+    (hence to dynamic mode), with the requests that ran straight through served inline."""
+    if comm.size == 2:
+        seq_assign = {"1": 1, "2": 1, "3": 1, "5": 1}
+        rt = run_case(comm, "seqrun-static", models.seq_model, data(), seq_assign, 4, steps=3,
+                      static_mode=True)
+        check_served(comm, rt, "seqrun-static", [0, 4], 4, steps=3)
+        check_inlined(comm, rt, "seqrun-static", [1])
+        rt = run_case(comm, "seqrun-ckpt-static", models.seq_model, data(), seq_assign, 4,
+                      steps=3, checkpointing={"2": None, "4": None}, static_mode=True)
+        check_inlined(comm, rt, "seqrun-ckpt-static", [1])
+        rt = run_case(comm, "seqrun-fast-off-static", models.seq_model, data(), seq_assign, 4,
+                      steps=3, fast_mode=False, static_mode=True)
+        check_inlined(comm, rt, "seqrun-fast-off-static", [1])
+        # Control flow: the branch (and so the requests) differ per microbatch and step.
+        rt = run_case(comm, "branch-run-static", models.Branch, data(sign_pattern=True),
+                      {"right.0": 1, "right.1": 1}, 4, steps=3, per_microbatch_reference=True,
+                      static_mode=True)
+        check_inlined(comm, rt, "branch-run-static", [1])
+        rt = run_case(comm, "reuse-static", models.Reuse, data(), {"shared": 1, "out": 1}, 4,
+                      steps=3, static_mode=True)
+        check_inlined(comm, rt, "reuse-static", [1])
+    else:
+        runs = {"1": 1, "2": 1, "3": 2, "4": 2, "5": 3, "6": 3}
+        rt = run_case(comm, "seq4-runs-static", lambda: models.nested_seq_model(n=7),
+                      data(n=16), runs, 8, steps=3, static_mode=True)
+        check_served(comm, rt, "seq4-runs-static", [0, 2, 2, 2], 8, steps=3)
+        check_inlined(comm, rt, "seq4-runs-static", [1, 2, 3])
+        rt = run_case(comm, "branch4-run-static", models.Branch, data(sign_pattern=True),
+                      {"pre": 1, "left": 2, "right.0": 3, "right.1": 3}, 4, steps=3,
+                      per_microbatch_reference=True, static_mode=True)
+        check_inlined(comm, rt, "branch4-run-static", [1, 2, 3])
+
+
 def suite_fast4(comm):
     """fast_mode (pp=4): one run per stage, on and off; control flow across three stages."""
     runs = {"1": 1, "2": 1, "3": 2, "4": 2, "5": 3, "6": 3}
@@ -630,7 +677,8 @@ def main() -> None:
     t0 = time.monotonic()
     suites = {
         "pp2": suite_pp2, "pp4": suite_pp4, "failures": suite_failures, "tp": suite_tp,
-        "fast": suite_fast, "fast4": suite_fast4,
+        "fast": suite_fast, "fast4": suite_fast4, "static": suite_static,
+        "static4": suite_static,
     }  # fmt: skip
     suites[suite](comm)
     if comm.rank == 0:

@@ -258,6 +258,7 @@ def pipeline_steps(
     case: Case,
     steps: int,
     deterministic_accumulation: bool = True,
+    static_mode: bool = False,
 ) -> tuple[list[Any], PipelineRuntime]:
     """One rank: the same steps through a PipelineRuntime (the step function does not scale
     the loss: the runtime owns 1/m); per step the outputs and the local gradients."""
@@ -272,7 +273,13 @@ def pipeline_steps(
         backward_mode=case.backward_mode,
         deterministic_accumulation=deterministic_accumulation,
         fast_mode=case.fast_mode,
+        static_mode=static_mode,
     )
+    if static_mode:
+        # The 2 ms gate is a speed heuristic (a longer task stays where it can yield); here
+        # every straight-through task qualifies, so what is served inline does not depend on
+        # how loaded the machine is.
+        rt.server.executor.inline_max_s = 60.0
 
     def step(*args: torch.Tensor) -> torch.Tensor:
         loss = case.loss(model, *args)
@@ -339,6 +346,135 @@ def test_pipeline_matches_one_thread(name: str, deterministic: bool) -> None:
         for n in grads:
             assert owners[n] == rank, f"{n} is local on ranks {owners[n]} and {rank}"
     assert set(owners) == set(expected[0][1]), "parameters owned by no rank"
+
+
+# ---------------------------------------------------------------------- static mode
+
+# Cases where some rank serves requests whose modules all live on it: static mode serves them
+# on its main loop from the second step on (inline > 0 somewhere).
+STATIC_CASES = [
+    "seq-relu-interleaved", "seq-relu-simple", "nested-seq", "nested-seq-hooked",
+    "seq-pp4-runs", "tied", "reuse", "reuse-segments", "branch", "reuse-pp3", "chain-pp4-m8",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", STATIC_CASES)
+def test_static_mode_is_bitwise_dynamic_mode(name: str) -> None:
+    """``static_mode`` serves a request that ran straight through before on the serving
+    rank's main loop: same code, same order, so losses and gradients equal dynamic mode's
+    bit for bit, every step (the first records, the later ones replay)."""
+    case = CASES[name]
+    torch.manual_seed(1234)
+    base = case.build()
+    steps = 3
+    runs = {}
+    for static in (False, True):
+        copies = [copy.deepcopy(base) for _ in range(case.pp)]
+        runs[static] = values(
+            run_ranks(
+                case.pp,
+                lambda c, s=static, k=copies: pipeline_steps(c, k[c.rank], case, steps, True, s),
+            )
+        )
+        assert_workers_end([rt for _, rt in runs[static]])
+    for rank in range(case.pp):
+        dyn, rt_dyn = runs[False][rank]
+        sta, rt_sta = runs[True][rank]
+        assert rt_dyn.server.executor.inlined == 0
+        assert rt_sta.requests_served == rt_dyn.requests_served
+        for s in range(steps):
+            assert torch.equal(torch.stack(sta[s][0]), torch.stack(dyn[s][0])), (rank, s)
+            assert sta[s][1].keys() == dyn[s][1].keys()
+            for n, g in dyn[s][1].items():
+                h = sta[s][1][n]
+                assert (g is None) == (h is None), (n, rank, s)
+                assert g is None or torch.equal(g, h), f"step {s}: gradient of {n} on rank {rank}"
+    inlined = [rt.server.executor.inlined for _, rt in runs[True]]
+    assert inlined[0] == 0, inlined  # the driver serves nothing
+    assert sum(inlined) > 0, f"{name}: nothing served inline: {inlined}"
+    # The first request of each kind is recorded on a worker, never inline.
+    served = sum(rt.requests_served for _, rt in runs[True])
+    assert sum(inlined) < served, (inlined, served)
+
+
+class SometimesDeviceWork(nn.Module):
+    """A linear layer that does its work inside ``device_work()`` once ``on`` is set."""
+
+    on = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if SometimesDeviceWork.on:
+            with device_work():
+                return self.lin(x)
+        return self.lin(x)
+
+
+def test_static_mode_divergence_falls_back_exactly(caplog: pytest.LogCaptureFixture) -> None:
+    """A request recorded as running straight through that now does device work (it ran
+    inline, synchronously: still exact) is said once in the log and goes back to a worker;
+    results equal one thread's throughout."""
+    torch.manual_seed(7)
+    base = nn.Sequential(nn.Linear(8, 8), SometimesDeviceWork(), nn.Linear(8, 1))
+    case = Case(lambda: base, regression, {"1": 1})
+    steps = 4
+    expected = reference_steps(copy.deepcopy(base), case, steps)
+    copies = [copy.deepcopy(base) for _ in range(2)]
+
+    def rank_fn(comm: LoopbackCommunicator) -> Any:
+        rt = PipelineRuntime(
+            copies[comm.rank], comm, comm.rank, 2, assignment=case.assignment, timeout_s=10,
+            static_mode=True,
+        )  # fmt: skip
+        rt.server.executor.inline_max_s = 60.0
+        model = copies[comm.rank]
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = mse(model, x, y)
+            rt.backward(loss)
+            return loss
+
+        params = rt.local_parameters()
+        opt = torch.optim.SGD(params, lr=0.1)
+        out = []
+        try:
+            for s in range(steps):
+                for p in params:
+                    p.grad = None
+                if comm.rank == 1:
+                    SometimesDeviceWork.on = s >= 2  # only rank 1 runs 'inner'
+                outs = rt.run_step(step, case.batch(), num_microbatches=case.m)
+                out.append(
+                    (outs, {n: p.grad.clone() for n, p in rt.named_local_parameters()},
+                     rt.server.executor.inlined)
+                )  # fmt: skip
+                opt.step()
+            return out, rt
+        finally:
+            rt.close()
+
+    with caplog.at_level("WARNING", logger="smp_pipeline"):
+        results = values(run_ranks(2, rank_fn))
+    SometimesDeviceWork.on = False
+    for rank, (per_step, _rt) in enumerate(results):
+        for s, ((outs, grads, _), (ref_losses, ref_grads)) in enumerate(zip(per_step, expected)):
+            assert torch.equal(torch.stack(outs), ref_losses), (rank, s)
+            for n, g in grads.items():
+                assert torch.equal(g, ref_grads[n]), f"step {s}: gradient of {n} on rank {rank}"
+    per_step, rt1 = results[1]
+    inlined = [n for _, _, n in per_step]
+    # Microbatch 0 records; the rest of step 0 and step 1 replay (forward and backward of
+    # '1', m = 4: 6 + 8 inline); step 2's first forward diverges (device work, run
+    # inline: counted) and from then on the forwards go to a worker.
+    assert inlined[:2] == [6, 14], inlined
+    assert inlined[2] <= 14 + 1 + 4 and inlined[3] - inlined[2] <= 4, inlined
+    assert rt1.server.executor.diverged >= 1
+    warnings = [r for r in caplog.records if "static mode" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert "forward of module '1'" in warnings[0].getMessage()
 
 
 # ---------------------------------------------------------------------- failures

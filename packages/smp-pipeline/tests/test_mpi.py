@@ -41,6 +41,9 @@ SUITES = {
     # fast_mode on and off: Sequential runs as one request, counted per rank.
     "fast": Suite(2, 160, ENV),
     "fast4": Suite(4, 160, ENV),
+    # static_mode: straight-through requests served on the main loop, bitwise.
+    "static": Suite(2, 160, ENV),
+    "static4": Suite(4, 160, ENV),
 }
 
 PP2_CASES = [
@@ -68,6 +71,15 @@ FAST4_CASES = [
     for suffix in ("", "-fast-off")
     for name in (f"seq4-runs{suffix}", f"seq4-runs{suffix}-served", f"branch4-run{suffix}")
 ]
+STATIC_CASES = [
+    "seqrun-static", "seqrun-static-served", "seqrun-static-inlined", "seqrun-ckpt-static",
+    "seqrun-ckpt-static-inlined", "seqrun-fast-off-static", "seqrun-fast-off-static-inlined",
+    "branch-run-static", "branch-run-static-inlined", "reuse-static", "reuse-static-inlined",
+]  # fmt: skip
+STATIC4_CASES = [
+    "seq4-runs-static", "seq4-runs-static-served", "seq4-runs-static-inlined",
+    "branch4-run-static", "branch4-run-static-inlined",
+]  # fmt: skip
 
 
 def _cases(out: str) -> list[str]:
@@ -126,6 +138,23 @@ def test_fast_mode(suite_output: Callable[[str], str], suite: str, case: str) ->
     """fast_mode on and off equal one process bit for bit; ``*-served``: each rank served the
     expected requests per microbatch (one forward and one backward per run with fast_mode,
     one per child without)."""
+    out = suite_output(suite)
+    if case == "SUITE-OK":
+        assert f"SUITE-OK {suite}" in out, out
+    else:
+        assert case in _cases(out), (case, out)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    ("suite", "case"),
+    [*(("static", c) for c in [*STATIC_CASES, "SUITE-OK"]),
+     *(("static4", c) for c in [*STATIC4_CASES, "SUITE-OK"])],
+)  # fmt: skip
+def test_static_mode(suite_output: Callable[[str], str], suite: str, case: str) -> None:
+    """static_mode equals one process bit for bit over three steps (control flow, reuse,
+    checkpointing, fast_mode off, pp=4); ``*-inlined``: every serving rank served requests on
+    its main loop (the driver none)."""
     out = suite_output(suite)
     if case == "SUITE-OK":
         assert f"SUITE-OK {suite}" in out, out

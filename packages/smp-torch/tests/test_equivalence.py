@@ -37,7 +37,7 @@ DP2_CASES = [
     _case("dp2-checkpointing-offload", microbatches=2, checkpoint_blocks=True, offload_activations=True),
     _case("dp2-untied-spread", placement_strategy="spread", tied=False),
     # smp-comm's torch.distributed backend for the groups (issue 22).
-    _case("dp2-mb2-smp-backend", microbatches=2, collective_backend="smp"),
+    _case("dp2-mb2-gloo-backend", microbatches=2, collective_backend="gloo"),
 ]
 
 
@@ -53,6 +53,10 @@ PP2_CASES = [
           model="seq", manual=True, served_per_mb=2),
     _case("pp2-seq-fast-off", pipeline_parallel_degree=2, microbatches=4, auto_partition=False,
           model="seq", manual=True, served_per_mb=6, fast_mode=False),
+    # static_mode: stage 1's recorded straight-through requests are served on its main loop
+    # (counted), bitwise like dynamic mode.
+    _case("pp2-seq-static", pipeline_parallel_degree=2, microbatches=4, auto_partition=False,
+          model="seq", manual=True, served_per_mb=2, static_mode=True),
     _case("pp2-seq-auto-checkpointing", pipeline_parallel_degree=2, microbatches=4, model="seq",
           checkpoint_blocks=True),
     # Activation offloading: the checkpointed blocks' inputs wait on the host (counters
@@ -81,7 +85,7 @@ PP4_CASES = [
     _case("pp4-mb4", pipeline_parallel_degree=4, microbatches=4, tied=False, **BY_SIZE),
     _case("pp4-seq-fast", pipeline_parallel_degree=4, microbatches=4, model="seq", **BY_SIZE),
     _case("pp4-seq-fast-off", pipeline_parallel_degree=4, microbatches=4, model="seq", fast_mode=False, **BY_SIZE),
-    _case("pp2-dp2-smp-backend", pipeline_parallel_degree=2, microbatches=2, collective_backend="smp"),
+    _case("pp2-dp2-gloo-backend", pipeline_parallel_degree=2, microbatches=2, collective_backend="gloo"),
     _case("pp4-seq-checkpointing-offload", pipeline_parallel_degree=4, microbatches=4,
           model="seq", checkpoint_blocks=True, offload_activations=True,
           activation_loading_horizon=1, **BY_SIZE),
@@ -105,7 +109,7 @@ TP4_CASES = [
     _case("tp2-dp2-shard", tensor_parallel_degree=2, shard_optimizer_state=True),
     _case("tp4", tensor_parallel_degree=4, microbatches=2, optimizer="sgd"),
     _case("dp4-shard-TDP", shard_optimizer_state=True, placement_strategy="TDP"),
-    _case("tp2-dp2-smp-backend", tensor_parallel_degree=2, microbatches=2, collective_backend="smp"),
+    _case("tp2-dp2-gloo-backend", tensor_parallel_degree=2, microbatches=2, collective_backend="gloo"),
 ]
 
 

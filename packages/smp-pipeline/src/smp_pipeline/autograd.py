@@ -105,6 +105,7 @@ class IncomingCall(Context):
         self.outputs: list[torch.Tensor] = []  # outputs that require grad, in flat order
         self.open: list[int] = []  # backward request numbers awaiting a response
         self.finished = False  # its only backward request is answered (CallRecords.finish)
+        self.local = False  # every module it ran lives here (static mode may inline backward)
 
 
 class OutgoingCall:

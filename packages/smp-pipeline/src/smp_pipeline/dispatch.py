@@ -45,6 +45,7 @@ class ModuleDispatch:
         self.server: ExecutionServer | None = None
         self._yield_hooks: list[Any] = []
         self._yield_ids: set[int] = set()  # handle ids of the yield hooks (not user hooks)
+        self._local_subtrees: set[str] = set()  # modules whose whole subtree is owned here
 
     def install(
         self, assignment: dict[str, int], plan: CheckpointPlan, server: ExecutionServer
@@ -54,6 +55,12 @@ class ModuleDispatch:
         self.plan = plan
         self.server = server
         self.free_remote_parameters()
+        canon = canonical_modules(self.module)
+        self._local_subtrees = {
+            path
+            for path, m in self.modules.items()
+            if all(assignment[canon[id(sub)]] == self.pp_rank for sub in m.modules())
+        }
         self._install_calls()
 
     def free_remote_parameters(self) -> None:
@@ -186,6 +193,14 @@ class ModuleDispatch:
         if checkpoint:
             return run_checkpointed(call, args, kwargs)
         return call(*args, **kwargs)
+
+    def runs_locally(self, path: str, span: tuple[str, ...] | None) -> bool:
+        """Whether a request for ``path`` (or its run ``span``) runs only modules owned here, so
+        it can never wait on another rank (static mode may serve it on the main loop)."""
+        local = self._local_subtrees
+        if span is not None:
+            return all(p in local for p in span)
+        return path in local
 
     def _owned(self, path: str) -> nn.Module:
         m = self.modules.get(path)

@@ -17,11 +17,21 @@ import contextlib
 import queue
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
+from smp_pipeline.offload import offloading as _offloading
 from smp_pipeline.order import OrderChannel
-from smp_pipeline.worker import DEVICE, Baton, Task, Worker, current_worker
+from smp_pipeline.worker import (
+    DEVICE,
+    Baton,
+    Task,
+    Worker,
+    current_worker,
+    inline_task,
+    set_inline_task,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from smp_pipeline.offload import ActivationOffloader
@@ -99,6 +109,13 @@ class Executor:
         # Activation offloading: told when a backward task gets the token (its prefetch
         # trigger); checkpointed calls on this executor's workers find it here.
         self.offloader: ActivationOffloader | None = None
+        # Static mode (run_inline): what each served task (phase, module) did the last time it
+        # ran: how long it held the token if it ran straight through, absent otherwise.
+        self.inline_max_s = 0.0  # 0: static mode off
+        self._straight: dict[tuple[str, str], float] = {}
+        self.inlined = 0  # tasks run on the main loop's thread
+        self.diverged = 0  # recorded straight-through tasks that did not run straight through
+        self.on_diverged: Any = None  # called once, with the task, at the first divergence
 
     # ------------------------------------------------------------------ WorkerHost
     def token_returned(self) -> None:
@@ -181,12 +198,69 @@ class Executor:
         # A flag the task did not act on (it set no yield point after the arrival) is stale:
         # the loop serves the message now; left set, it would stop the next forward for nothing.
         self._preempt = False
+        end = time.time()
         if self.record_timeline:
-            self.events.append((self.pp_rank, task.mb, task.module, task.phase, start, time.time()))
+            self.events.append((self.pp_rank, task.mb, task.module, task.phase, start, end))
+        if self.inline_max_s and worker.task is None:  # it finished: record how
+            self._record(task, end - start)
         self.last_progress = time.monotonic()
         if self.failure is not None:
-            failed, exc, tb = self.failure
-            self._aborts.fail(exc, failed.describe(), tb)
+            failed, error, tb = self.failure
+            self._aborts.fail(error, failed.describe(), tb)
+
+    # ------------------------------------------------------------------ static mode
+    def _record(self, task: Task[Any], held: float) -> None:
+        """Note how ``task`` ran, for the next task of its kind (see :meth:`may_inline`)."""
+        key = (task.phase, task.module)
+        if not task.gave_back and held <= self.inline_max_s:
+            self._straight[key] = held
+        elif self._straight.pop(key, None) is not None and task.worker is None and task.gave_back:
+            # Recorded straight-through, served inline, and it was not: say so once. (One that
+            # only took longer is no divergence: it goes back to a worker, where it can yield.)
+            self.diverged += 1
+            if self.diverged == 1 and self.on_diverged is not None:
+                self.on_diverged(task)
+
+    def may_inline(self, phase: str, module: str) -> bool:
+        """Whether a task of this kind ran straight through, briefly, the last time (static
+        mode): it may then run on the main loop's thread (:meth:`run_inline`)."""
+        return bool(self.inline_max_s) and (phase, module) in self._straight
+
+    def run_inline(self, task: Task[Any]) -> None:
+        """Run ``task`` on the calling thread (the main loop), without handing the token to a
+        worker and back: for a task that cannot wait on another rank (every module it runs
+        lives here) and last ran straight through (static mode). Exact like :meth:`start`:
+        the same code runs in the same order; what differs is what a worker would allow
+        meanwhile: device work runs synchronously, yield points do nothing, and the main
+        loop notices an abort only when the task ends."""
+        key = (task.step, task.mb)
+        index = self.grants.get(key, 0)
+        self.grants[key] = index + 1
+        if self._order is not None:
+            self._order.publish((task.step, task.mb, "task", index))
+        if self.offloader is not None and task.phase == "backward":
+            self.offloader.backward_started(task.step, task.mb)
+        self.inlined += 1
+        self.current = task
+        start = self.current_since = time.time()
+        set_inline_task(task)
+        try:
+            with _offloading(self.offloader):
+                task.fn(task)
+        except BaseException as exc:
+            self.failure = (task, exc, traceback.format_exc())
+        finally:
+            set_inline_task(None)
+            self.current = None
+        self._preempt = False
+        end = time.time()
+        if self.record_timeline:
+            self.events.append((self.pp_rank, task.mb, task.module, task.phase, start, end))
+        self._record(task, end - start)
+        self.last_progress = time.monotonic()
+        if self.failure is not None:
+            failed, error, tb = self.failure
+            self._aborts.fail(error, failed.describe(), tb)
 
     # ------------------------------------------------------------------ preemption
     def running_forward(self) -> bool:
@@ -234,8 +308,10 @@ class Executor:
         worker = current_worker()
         task = self.current
         if worker is None or worker.host is not self or task is None or task.worker is not worker:
+            _mark_inline_device_work()
             yield
             return
+        task.gave_back = True
         worker.state = DEVICE
         start = end = time.time()
         self.device_active += 1
@@ -308,7 +384,16 @@ def device_work() -> Iterator[None]:
     """
     worker = current_worker()
     if worker is None:
+        _mark_inline_device_work()
         yield
         return
     with worker.host.device_work():
         yield
+
+
+def _mark_inline_device_work() -> None:
+    """Device work in a task static mode runs inline: it runs synchronously (exact), and the
+    task's kind goes back to a worker (where it overlaps) from its next request on."""
+    task = inline_task()
+    if task is not None:
+        task.gave_back = True

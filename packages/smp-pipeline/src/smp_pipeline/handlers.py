@@ -87,8 +87,12 @@ class MessageHandlers:
     def _on_forward_request(self, msg: FwdReq) -> None:
         self.requests_served += 1
         label = span_label(msg.path, msg.span)
-        run = self.remote.run_forward_request
-        self.executor.start(Task(run, msg.mb, label, "forward", None, msg.step, msg))
+        task = Task(self.remote.run_forward_request, msg.mb, label, "forward", None, msg.step, msg)
+        ex = self.executor
+        if ex.may_inline("forward", label) and self.remote.runs_locally(msg.path, msg.span):
+            ex.run_inline(task)  # static mode: it cannot wait, and ran straight through before
+        else:
+            ex.start(task)
 
     def _on_forward_response(self, msg: FwdResp) -> None:
         key = ("fwd", msg.key)
@@ -108,8 +112,11 @@ class MessageHandlers:
         rec.open.append(msg.req)
         if msg.once:
             rec.once = True
-        run = self.remote.run_callee_segment
-        self.executor.start(Task(run, rec.mb, rec.path, "backward", rec, rec.step, msg))
+        task = Task(self.remote.run_callee_segment, rec.mb, rec.path, "backward", rec, rec.step, msg)
+        if rec.local and self.executor.may_inline("backward", rec.path):
+            self.executor.run_inline(task)
+        else:
+            self.executor.start(task)
 
     def _on_backward_response(self, msg: BwdResp) -> None:
         wait_key = msg.wait_key

@@ -64,6 +64,9 @@ class RemoteCalls:
         self.on_backward_done = on_backward_done
         self._calls = itertools.count()
         self._bwd_reqs = itertools.count()
+        # (path, span) -> whether the request runs only modules owned here (set by the
+        # runtime once placed; static mode serves such requests on the main loop).
+        self.runs_locally: Callable[[str, tuple[str, ...] | None], bool] = lambda _p, _s: False
 
     # ------------------------------------------------------------------ forward
     def call_remote(
@@ -81,6 +84,12 @@ class RemoteCalls:
         (``fast_mode``), called in order in one request (they all live on ``dest``).
         """
         task = self.executor.current
+        if task is not None and task.worker is None and task.context is not None:
+            raise PipelineError(
+                f"static mode served '{task.module}' on pp rank {self.pp_rank}'s main loop, "
+                f"as every module under it lives there, but it called module '{path}' (pp "
+                f"rank {dest}), which is not under it; run without static_mode"
+            )
         if task is None or task.worker is None or task.context is None:
             raise PipelineError(
                 f"module '{path}' lives on pp rank {dest}: call the model inside the step "
@@ -133,6 +142,7 @@ class RemoteCalls:
         msg = task.payload
         (args, kwargs), leaves = unpack_leaves(msg.inputs)
         rec = IncomingCall(msg.step, msg.mb, msg.key, task.module, leaves)
+        rec.local = self.executor.inline_max_s > 0 and self.runs_locally(msg.path, msg.span)
         task.context = rec
         with execution_state(msg.grad, msg.autocast):
             out = self.execute(msg.path, tuple(args), dict(kwargs), msg.checkpoint, msg.span)

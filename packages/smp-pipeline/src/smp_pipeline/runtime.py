@@ -84,6 +84,12 @@ class PipelineRuntime:
             ``checkpointing`` to do anything; results are unchanged bit for bit.
         activation_loading_horizon: with offloading, at most this many microbatches' saved
             tensors are loaded ahead of their backward (>= 1).
+        static_mode: replay what earlier steps recorded: a forward or backward request that
+            runs only modules owned by the serving rank, and ran straight through (no device
+            work, no yield, under 2 ms) the last time, is served on that rank's main loop
+            instead of being handed to a worker thread and back. Exact (the same code in the
+            same order); a task that diverges from its record goes back to a worker (logged
+            once). Not with tensor-parallel ordering (no effect there).
     """
 
     def __init__(
@@ -110,6 +116,7 @@ class PipelineRuntime:
         fast_mode: bool = True,
         offload_activations: bool = False,
         activation_loading_horizon: int = 4,
+        static_mode: bool = False,
     ) -> None:
         if not 0 <= pp_rank < pp_size:
             raise PipelineConfigError(f"pp_rank {pp_rank} outside 0..{pp_size - 1}")
@@ -131,6 +138,9 @@ class PipelineRuntime:
         self._ckpt_config: dict[str, str | None] = dict(checkpointing or {})
         self._ownership = Ownership(module, pp_rank)
         self.plan = CheckpointPlan()
+        if not isinstance(static_mode, bool):
+            raise PipelineConfigError(f"static_mode must be a bool, got {static_mode!r}")
+        self.static_mode = static_mode
         if not isinstance(fast_mode, bool):
             raise PipelineConfigError(f"fast_mode must be a bool, got {fast_mode!r}")
         self.fast_mode = fast_mode
@@ -151,7 +161,9 @@ class PipelineRuntime:
             abort_ranks=list(abort_ranks or []),
             backward_mode=backward_mode,
             deterministic_accumulation=deterministic_accumulation,
+            static_mode=static_mode,
         )
+        self.server.remote.runs_locally = self._dispatch.runs_locally
         self.order_channel = order_channel
         if not isinstance(offload_activations, bool):
             raise PipelineConfigError(f"offload_activations must be a bool, got {offload_activations!r}")

@@ -25,6 +25,7 @@ pipeline rank; a timeout's message holds the chain of waits behind it, from ever
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -47,7 +48,13 @@ from smp_pipeline.schedule import Scheduler
 from smp_pipeline.transport import Transport
 from smp_pipeline.worker import Baton, Task
 
-__all__ = ["ExecutionServer", "TimelineEvent"]
+__all__ = ["STATIC_INLINE_MAX_S", "ExecutionServer", "TimelineEvent"]
+
+_log = logging.getLogger("smp_pipeline")
+
+# Static mode serves a task on the main loop only if it last held the token this briefly: a
+# longer one stays on a worker, where it can yield to work other ranks wait for.
+STATIC_INLINE_MAX_S = 0.002
 
 
 class ExecutionServer:
@@ -65,6 +72,9 @@ class ExecutionServer:
         abort_ranks: further communicator ranks told about an abort.
         backward_mode: ``"auto"``, ``"joined"`` or ``"segments"`` (see
             :mod:`smp_pipeline.autograd`).
+        static_mode: serve a request that runs only modules owned here, and ran straight
+            through in under :data:`STATIC_INLINE_MAX_S` the last time, on the main loop's
+            thread (:meth:`Executor.run_inline`).
     """
 
     def __init__(
@@ -81,6 +91,7 @@ class ExecutionServer:
         abort_ranks: list[int] | None = None,
         backward_mode: str = "auto",
         deterministic_accumulation: bool = True,
+        static_mode: bool = False,
     ) -> None:
         if backward_mode not in BACKWARD_MODES:
             raise PipelineError(
@@ -106,6 +117,9 @@ class ExecutionServer:
             preemption=preemption,
             record_timeline=record_timeline,
         )
+        if static_mode and order is None:
+            self.executor.inline_max_s = STATIC_INLINE_MAX_S
+            self.executor.on_diverged = self._diverged
         self.records = CallRecords(pp_rank)
         # Gradients of this rank's parameters, summed in microbatch order (see accumulation).
         self.grads = GradAccumulator(
@@ -157,6 +171,15 @@ class ExecutionServer:
     def events(self) -> list[TimelineEvent]:
         """The recorded task spans (with ``record_timeline``)."""
         return self.executor.events
+
+    def _diverged(self, task: Task[Any]) -> None:
+        _log.warning(
+            "smp-pipeline static mode, pp rank %d: the %s did not run straight through as "
+            "recorded (device work); it ran synchronously on the main loop, exact, and goes to "
+            "a worker again from now on (said once)",
+            self.pp_rank,
+            task.describe(),
+        )
 
     def _current_mb(self) -> int | None:
         """The microbatch of the task holding the execution token (None: the main loop)."""

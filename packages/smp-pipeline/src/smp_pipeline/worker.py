@@ -37,6 +37,16 @@ def current_worker() -> Worker | None:
     return getattr(_local, "worker", None)
 
 
+def inline_task() -> Task[Any] | None:
+    """The task static mode runs on this thread (a main loop), if any."""
+    return getattr(_local, "inline", None)
+
+
+def set_inline_task(task: Task[Any] | None) -> None:
+    """Mark ``task`` as running inline on this thread (None: no longer)."""
+    _local.inline = task
+
+
 class Baton:
     """A binary semaphore on a raw lock, for handing the token between threads.
 
@@ -74,7 +84,10 @@ class Task(Generic[P]):
     and its response, ...), typed by the task's creator.
     """
 
-    __slots__ = ("context", "fn", "in_segment", "mb", "module", "payload", "phase", "step", "worker")
+    __slots__ = (
+        "context", "fn", "gave_back", "in_segment", "mb", "module", "payload", "phase", "step",
+        "worker",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -95,6 +108,9 @@ class Task(Generic[P]):
         self.payload = payload
         self.worker: Worker | None = None
         self.in_segment = False  # inside torch.autograd.backward: remote calls are refused
+        # It gave the token back before finishing (a wait, a yield, device work): such a task
+        # is not served inline by static mode next time (see Executor.run_inline).
+        self.gave_back = False
 
     def describe(self) -> str:
         return f"{self.phase} of module '{self.module or '<root>'}' (microbatch {self.mb})"
@@ -167,6 +183,10 @@ class Worker:
                 task.fn(task)
             except BaseException as exc:  # reported to the main loop, which aborts every rank
                 self.host.report_failure(task, exc, traceback.format_exc())
+            # An idle worker must not keep its last task alive: a caller segment's payload
+            # holds the sent inputs and so the microbatch's graph (and what it saved, e.g.
+            # offloaded tensors) until this thread's next task, whenever that comes.
+            del task
             self.task = None
             self.state = IDLE
             if not self.host.shutting_down:
@@ -199,6 +219,8 @@ class Worker:
         """PENDING: give the token back and block until the main loop hands it over again
         (``give_token`` sets EXECUTING); raise if the step was aborted meanwhile."""
         self.state = PENDING
+        if self.task is not None:
+            self.task.gave_back = True
         self.host.token_returned()
         self._sem.acquire()
         self.host.raise_if_aborted()

@@ -222,17 +222,17 @@ def create_context(cfg: SMPConfig) -> SMPContext:
 def _group_backend(choice: str) -> str | None:
     """The ``new_group`` backend for ``collective_backend`` (None: the default group's).
 
-    ``"auto"`` stays the default group's backend (gloo on CPU, NCCL on CUDA). smp-comm's
-    backend measured faster on CPU (a tp=2 step 1.23-1.34x, an FSDP2 step 1.4-1.9x, a dp=2
-    step 0.95-1.14x), but a fresh-clone run found a rank's exit held 18 s by a peer's failure
-    during an ``smp`` all-reduce (fixed since: ``smp_comm.shutdown.on_failed_step``); ``auto``
-    switches once several fresh-clone runs pass on it.
+    ``"auto"``: smp-comm's backend on CPU, where it measured faster side by side (a tp=2 step
+    1.23-1.34x, an FSDP2 step 1.4-1.9x, a dp=2 step 0.95-1.14x: a wash); on CUDA the
+    default group's (NCCL).
     """
+    if choice == "auto":
+        choice = "smp" if not torch.cuda.is_available() else "default"
     if choice == "smp":
         import smp_comm.torch_backend  # noqa: F401 - registers the "smp" backend
 
         return "smp"
-    return None if choice == "auto" else choice
+    return None if choice == "default" else choice
 
 
 def _caused_elsewhere(error: BaseException, rank: int) -> bool:

@@ -111,6 +111,7 @@ class PipelineEngine(Engine):
             active_microbatches=cfg.active_microbatches,
             deterministic_accumulation=cfg.deterministic_accumulation,
             fast_mode=cfg.fast_mode,
+            static_mode=cfg.static_mode,
             offload_activations=cfg.offload_activations,
             activation_loading_horizon=cfg.activation_loading_horizon,
             timeout_s=cfg.timeout_s,
