@@ -259,6 +259,7 @@ def pipeline_steps(
     steps: int,
     deterministic_accumulation: bool = True,
     static_mode: bool = False,
+    before_step: Callable[[PipelineRuntime, int], None] | None = None,
 ) -> tuple[list[Any], PipelineRuntime]:
     """One rank: the same steps through a PipelineRuntime (the step function does not scale
     the loss: the runtime owns 1/m); per step the outputs and the local gradients."""
@@ -290,7 +291,9 @@ def pipeline_steps(
         params = rt.local_parameters()
         opt = torch.optim.SGD(params, lr=0.1) if params else None
         out = []
-        for _ in range(steps):
+        for s in range(steps):
+            if before_step is not None:
+                before_step(rt, s)
             for p in params:
                 p.grad = None
             outs = rt.run_step(step, case.batch(), num_microbatches=case.m)
@@ -423,49 +426,27 @@ def test_static_mode_divergence_falls_back_exactly(caplog: pytest.LogCaptureFixt
     steps = 4
     expected = reference_steps(copy.deepcopy(base), case, steps)
     copies = [copy.deepcopy(base) for _ in range(2)]
+    inlined: list[int] = []  # rank 1's count before each step
 
-    def rank_fn(comm: LoopbackCommunicator) -> Any:
-        rt = PipelineRuntime(
-            copies[comm.rank], comm, comm.rank, 2, assignment=case.assignment, timeout_s=10,
-            static_mode=True,
-        )  # fmt: skip
-        rt.server.executor.inline_max_s = 60.0
-        model = copies[comm.rank]
-
-        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            loss = mse(model, x, y)
-            rt.backward(loss)
-            return loss
-
-        params = rt.local_parameters()
-        opt = torch.optim.SGD(params, lr=0.1)
-        out = []
-        try:
-            for s in range(steps):
-                for p in params:
-                    p.grad = None
-                if comm.rank == 1:
-                    SometimesDeviceWork.on = s >= 2  # only rank 1 runs 'inner'
-                outs = rt.run_step(step, case.batch(), num_microbatches=case.m)
-                out.append(
-                    (outs, {n: p.grad.clone() for n, p in rt.named_local_parameters()},
-                     rt.server.executor.inlined)
-                )  # fmt: skip
-                opt.step()
-            return out, rt
-        finally:
-            rt.close()
+    def before_step(rt: PipelineRuntime, s: int) -> None:
+        if rt.pp_rank == 1:  # only rank 1 runs '1'
+            SometimesDeviceWork.on = s >= 2
+            inlined.append(rt.server.executor.inlined)
 
     with caplog.at_level("WARNING", logger="smp_pipeline"):
-        results = values(run_ranks(2, rank_fn))
+        results = values(
+            run_ranks(
+                2, lambda c: pipeline_steps(c, copies[c.rank], case, steps, True, True, before_step)
+            )
+        )
     SometimesDeviceWork.on = False
     for rank, (per_step, _rt) in enumerate(results):
-        for s, ((outs, grads, _), (ref_losses, ref_grads)) in enumerate(zip(per_step, expected)):
+        for s, ((outs, grads), (ref_losses, ref_grads)) in enumerate(zip(per_step, expected)):
             assert torch.equal(torch.stack(outs), ref_losses), (rank, s)
             for n, g in grads.items():
                 assert torch.equal(g, ref_grads[n]), f"step {s}: gradient of {n} on rank {rank}"
-    per_step, rt1 = results[1]
-    inlined = [n for _, _, n in per_step]
+    rt1 = results[1][1]
+    inlined = [*inlined[1:], rt1.server.executor.inlined]  # after each step
     # Microbatch 0 records; the rest of step 0 and step 1 replay (forward and backward of
     # '1', m = 4: 6 + 8 inline); step 2's first forward diverges (device work, run
     # inline: counted) and from then on the forwards go to a worker.

@@ -108,24 +108,25 @@ def suite_output() -> Callable[[str], str]:
     return get
 
 
+def assert_case_ok(suite_output: Callable[[str], str], suite: str, case: str) -> None:
+    """``case`` passed in ``suite``'s job (``"SUITE-OK"``: the whole suite ran to its end)."""
+    out = suite_output(suite)
+    if case == "SUITE-OK":
+        assert f"SUITE-OK {suite}" in out, out
+    else:
+        assert case in _cases(out), (case, out)
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("case", [*PP2_CASES, "SUITE-OK"])
 def test_pp2_equivalence(suite_output: Callable[[str], str], case: str) -> None:
-    out = suite_output("pp2")
-    if case == "SUITE-OK":
-        assert "SUITE-OK pp2" in out, out
-    else:
-        assert case in _cases(out), (case, out)
+    assert_case_ok(suite_output, "pp2", case)
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("case", [*PP4_CASES, "SUITE-OK"])
 def test_pp4_equivalence(suite_output: Callable[[str], str], case: str) -> None:
-    out = suite_output("pp4")
-    if case == "SUITE-OK":
-        assert "SUITE-OK pp4" in out, out
-    else:
-        assert case in _cases(out), (case, out)
+    assert_case_ok(suite_output, "pp4", case)
 
 
 @pytest.mark.timeout(200)
@@ -138,11 +139,7 @@ def test_fast_mode(suite_output: Callable[[str], str], suite: str, case: str) ->
     """fast_mode on and off equal one process bit for bit; ``*-served``: each rank served the
     expected requests per microbatch (one forward and one backward per run with fast_mode,
     one per child without)."""
-    out = suite_output(suite)
-    if case == "SUITE-OK":
-        assert f"SUITE-OK {suite}" in out, out
-    else:
-        assert case in _cases(out), (case, out)
+    assert_case_ok(suite_output, suite, case)
 
 
 @pytest.mark.timeout(200)
@@ -155,11 +152,7 @@ def test_static_mode(suite_output: Callable[[str], str], suite: str, case: str) 
     """static_mode equals one process bit for bit over three steps (control flow, reuse,
     checkpointing, fast_mode off, pp=4); ``*-inlined``: every serving rank served requests on
     its main loop (the driver none)."""
-    out = suite_output(suite)
-    if case == "SUITE-OK":
-        assert f"SUITE-OK {suite}" in out, out
-    else:
-        assert case in _cases(out), (case, out)
+    assert_case_ok(suite_output, suite, case)
 
 
 @pytest.mark.timeout(120)

@@ -180,20 +180,31 @@ class Executor:
         """Hand the token to ``worker`` and wait until it comes back."""
         task = worker.task
         assert task is not None
-        key = (task.step, task.mb)
-        index = self.grants.get(key, 0)
-        self.grants[key] = index + 1
-        if self._order is not None:
-            self._order.publish((task.step, task.mb, worker.grant_kind, index))
+        start = self._grant(task, worker.grant_kind)
         worker.grant_kind = "task"
-        if self.offloader is not None and task.phase == "backward":
-            self.offloader.backward_started(task.step, task.mb)
-        self.current = task
-        start = self.current_since = time.time()
         worker.give_token()
         while not self._main_sem.acquire(timeout=0.1):
             # A stalled task here: raise if the others gave up on us.
             self._aborts.poll_abort()
+        self._token_back(task, start, finished=worker.task is None)
+
+    def _grant(self, task: Task[Any], kind: str) -> float:
+        """``task`` gets the token (counted, announced to tensor-parallel followers as
+        ``kind``, a backward's offload prefetch moved); the grant's time."""
+        key = (task.step, task.mb)
+        index = self.grants.get(key, 0)
+        self.grants[key] = index + 1
+        if self._order is not None:
+            self._order.publish((task.step, task.mb, kind, index))
+        if self.offloader is not None and task.phase == "backward":
+            self.offloader.backward_started(task.step, task.mb)
+        self.current = task
+        self.current_since = time.time()
+        return self.current_since
+
+    def _token_back(self, task: Task[Any], start: float, finished: bool) -> None:
+        """The token came back from ``task`` (granted at ``start``): timeline, static mode's
+        record (if it ``finished``), progress; a failure of the task aborts every rank."""
         self.current = None
         # A flag the task did not act on (it set no yield point after the arrival) is stale:
         # the loop serves the message now; left set, it would stop the next forward for nothing.
@@ -201,7 +212,7 @@ class Executor:
         end = time.time()
         if self.record_timeline:
             self.events.append((self.pp_rank, task.mb, task.module, task.phase, start, end))
-        if self.inline_max_s and worker.task is None:  # it finished: record how
+        if self.inline_max_s and finished:  # record how it ran
             self._record(task, end - start)
         self.last_progress = time.monotonic()
         if self.failure is not None:
@@ -233,16 +244,8 @@ class Executor:
         the same code runs in the same order; what differs is what a worker would allow
         meanwhile: device work runs synchronously, yield points do nothing, and the main
         loop notices an abort only when the task ends."""
-        key = (task.step, task.mb)
-        index = self.grants.get(key, 0)
-        self.grants[key] = index + 1
-        if self._order is not None:
-            self._order.publish((task.step, task.mb, "task", index))
-        if self.offloader is not None and task.phase == "backward":
-            self.offloader.backward_started(task.step, task.mb)
         self.inlined += 1
-        self.current = task
-        start = self.current_since = time.time()
+        start = self._grant(task, "task")
         set_inline_task(task)
         try:
             with _offloading(self.offloader):
@@ -251,16 +254,7 @@ class Executor:
             self.failure = (task, exc, traceback.format_exc())
         finally:
             set_inline_task(None)
-            self.current = None
-        self._preempt = False
-        end = time.time()
-        if self.record_timeline:
-            self.events.append((self.pp_rank, task.mb, task.module, task.phase, start, end))
-        self._record(task, end - start)
-        self.last_progress = time.monotonic()
-        if self.failure is not None:
-            failed, error, tb = self.failure
-            self._aborts.fail(error, failed.describe(), tb)
+        self._token_back(task, start, finished=True)
 
     # ------------------------------------------------------------------ preemption
     def running_forward(self) -> bool:

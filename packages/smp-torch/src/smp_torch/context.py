@@ -227,12 +227,14 @@ def _group_backend(choice: str) -> str | None:
     default group's (NCCL).
     """
     if choice == "auto":
-        choice = "smp" if not torch.cuda.is_available() else "default"
+        if torch.cuda.is_available():
+            return None
+        choice = "smp"
     if choice == "smp":
         import smp_comm.torch_backend  # noqa: F401 - registers the "smp" backend
 
         return "smp"
-    return None if choice == "default" else choice
+    return choice
 
 
 def _caused_elsewhere(error: BaseException, rank: int) -> bool:
