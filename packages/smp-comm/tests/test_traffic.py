@@ -16,6 +16,7 @@ MODES = [
     ("stream-copy", 2),
     ("stream-rma", 2),
     ("stream-mpi", 2),
+    ("stream-both", 3),
 ]
 CASES = ["threaded-traffic", "views-survive", "first-posted-wins", "path-stats", "close"]
 

@@ -141,6 +141,7 @@ class Communicator:
             self.rank, cc, dc, self._tag_ub, self.settings, self._paths, table,
             self._progress, backlog, self._stats, self._life,
         )  # fmt: skip
+        self._sender.receiving_streams = receiver.receiving_streams
         self._closer = CloseProtocol(
             self.rank, self.size, (cc, dc, self._fc), self._life, table, self._progress,
             self._sender, receiver, self._paths, self._bell,

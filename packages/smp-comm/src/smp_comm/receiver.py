@@ -138,6 +138,10 @@ class Receiver:
 
     # ------------------------------------------------------------------ helpers
 
+    def receiving_streams(self) -> bool:
+        """Whether streamed messages are being assembled here now (any thread)."""
+        return bool(self._streams)
+
     def _to_postproc(self, inc: Incoming | _Landed) -> None:
         self._backlog.put(Backlog.POSTPROC, self._post_q, inc)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -37,6 +38,11 @@ from smp_comm.stream import (
     wait_for_room,
 )
 from smp_comm.wire import T_CHUNK, T_HEADER, WireHeader
+
+#: Stream a payload that finds no room even while this rank is receiving streamed messages
+#: itself; False (the default) sends it over the MPI fallback then (see :meth:`Sender.route`).
+#: The tests of the streaming mechanism under all-to-all traffic set it.
+STREAM_WHILE_RECEIVING = False
 
 __all__ = ["Outgoing", "Sender"]
 
@@ -81,6 +87,9 @@ class Sender:
         self._direct_q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._requester_q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
+        # Whether this rank is itself receiving streamed messages (set by the communicator
+        # from its receiver): see route().
+        self.receiving_streams: Callable[[], bool] = lambda: False
 
     def start(self) -> None:
         """Start the three threads."""
@@ -128,9 +137,18 @@ class Sender:
                     # several threads at once is not safe
                     self._backlog.put(Backlog.DIRECT, self._direct_q, op)
                 return
-        if big and host and self._paths.slice_bytes(host[0], op.dest) >= 4 * (64 << 10):
+        if (
+            big
+            and host
+            and self._paths.slice_bytes(host[0], op.dest) >= 4 * (64 << 10)
+            and (STREAM_WHILE_RECEIVING or not self.receiving_streams())
+        ):
             self._stream(op, host[0])  # no room now: stream it through as room frees
             return
+        # No room, and this rank copies streamed messages out as well (traffic both ways):
+        # streaming costs two copies (ours in, the receiver's out), the fallback one (MPI's),
+        # and with both ranks busy copying the total is what counts (bench_traffic "both
+        # ways": 0.93-0.97x mpi4py streaming, 1.13-1.25x falling back).
         self._fall_back_to_mpi(op, inline, counted=bool(candidates))
 
     def post_header(self, op: Outgoing, header: WireHeader, extra: list[MPI.Request]) -> None:

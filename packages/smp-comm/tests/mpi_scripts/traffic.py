@@ -1,12 +1,16 @@
 """Random-order traffic from several threads in both directions, one path forced by argv.
 
 usage: traffic.py MODE   with MODE in shm | rma | mpi-disabled | mpi-tiny | mixed |
-                         stream | stream-copy | stream-rma | stream-mpi
+                         stream | stream-copy | stream-rma | stream-mpi | stream-both
 
 The ``stream`` modes send ~10 MiB payloads that go through the direct path in chunks
 (smp_comm.stream): ``stream``, a shm buffer slice smaller than one payload; ``stream-copy``,
 receivers that copy out (``shm_zero_copy=False``); ``stream-rma``, every rank its own node;
-``stream-mpi``, no chunk ever finds room, so every chunk follows over MPI.
+``stream-mpi``, no chunk ever finds room, so every chunk follows over MPI. These four stream
+even while the rank receives streams itself (``STREAM_WHILE_RECEIVING``: they test the
+mechanism under all-to-all traffic); ``stream-both`` keeps the default, where a payload that
+finds no room while this rank receives a stream takes the MPI fallback instead, so each
+message is streamed or falls back, depending on timing.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ def main() -> None:
         kwargs["buffer_bytes"] = 4096
     elif MODE == "mixed":
         kwargs["node_id"] = f"node{world.rank // 2}"  # 0,1 share a node; 2,3 the other
-    elif MODE in ("stream", "stream-mpi"):
+    elif MODE in ("stream", "stream-mpi", "stream-both"):
         kwargs["buffer_bytes"] = "8M"  # 4 MiB per writer: less than one payload
     elif MODE == "stream-copy":
         kwargs["shm_zero_copy"] = False
@@ -51,6 +55,10 @@ def main() -> None:
         kwargs["node_id"] = f"node{world.rank}"
     if MODE.startswith("stream"):
         kwargs["stream_min_bytes"] = "1M"
+    if MODE in ("stream", "stream-copy", "stream-rma", "stream-mpi"):
+        import smp_comm.sender
+
+        smp_comm.sender.STREAM_WHILE_RECEIVING = True
     if MODE == "stream-mpi":
         import smp_comm.sender
 
@@ -155,6 +163,13 @@ def main() -> None:
         per_peer = THREADS * PER_THREAD
         assert stats["rma"]["messages_sent"] == per_peer * len(other_node), stats
         assert stats["shm"]["messages_sent"] == per_peer * len(same_node), stats
+    elif MODE == "stream-both":
+        streamed, fallbacks = stats["shm"]["streamed_sent"], stats["mpi"]["fallbacks"]
+        # every message streamed or fell back (a stream that then found no room counts as both)
+        assert streamed + fallbacks >= sent and stats["shm"]["messages_sent"] == streamed, stats
+        assert streamed <= sent and fallbacks <= sent, stats
+        received = stats["shm"]["messages_received"] + stats["mpi"]["messages_received"]
+        assert received >= sent, stats
     elif MODE.startswith("stream"):
         path = "rma" if MODE == "stream-rma" else "shm"
         assert stats[path]["streamed_sent"] == sent == stats[path]["messages_received"], stats
