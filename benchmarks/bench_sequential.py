@@ -24,7 +24,9 @@ of these kinds alternate (best of ``BENCH_SEQ_ROUNDS`` runs, each the median of 
 Multi-process runs are launched with ``mpiexec -bind-to core`` (``BENCH_SEQ_BIND=""`` turns
 it off). The two shapes are picked so that one block's forward on one microbatch takes about
 0.2 ms and about 2 ms on one core (the run prints the measured time): at 0.2 ms a request's
-~1 ms of CPU is as large as the work it carries, at 2 ms it is small against it.
+~1 ms of CPU is as large as the work it carries, at 2 ms it is small against it. Each has 64
+rows per microbatch (see ``SHAPES``), so that splitting the batch does not by itself cost
+more than a pipeline of two stages can win back.
 """
 
 from __future__ import annotations
@@ -36,8 +38,12 @@ import subprocess
 import sys
 import time
 
-# width, rows per microbatch
-SHAPES = ("256,16", "1024,8")
+# width, rows per microbatch. 64 rows: with fewer, one process running the 8 microbatches
+# one after another is far slower than running the whole batch at once (small matrix
+# products), so even a perfect pipeline of two stages would lose to one process (ceiling
+# 0.77x at 256 x 16 rows, 0.63x at 1024 x 8; 1.33x at 128 x 64, 1.40x at 384 x 64: measured
+# one process, one thread).
+SHAPES = ("128,64", "384,64")
 _SHAPE = os.environ.get("BENCH_SEQ_SHAPE", SHAPES[0])
 WIDTH, ROWS = (int(v) for v in _SHAPE.split(","))
 BLOCKS, MB = 8, 8
