@@ -425,3 +425,23 @@ def test_frame_roundtrip_every_message_kind() -> None:
     assert type(encode(MbDone(0, 3, 2), limit=0)) is tuple
     sparse = FwdResp(0, (1, 7), 3, 2, Packed(None, [torch.eye(2).to_sparse()], [False]))
     assert type(encode(sparse)) is tuple
+
+
+def test_local_subtrees_match_their_definition() -> None:
+    from smp_pipeline.dispatch import local_subtrees
+
+    shared = nn.Linear(2, 2)
+    model = nn.Sequential(
+        nn.Sequential(nn.Linear(2, 2), shared),  # "0": shared child owned by "0.1"'s rank
+        nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU(), shared)),  # "1"
+        nn.Linear(2, 2),  # "2"
+    )
+    paths = [p for p, _ in model.named_modules()]
+    for owners in ({"1": 1, "1.0": 1, "1.1": 1, "1.1.0": 1}, {"1.1.0": 1, "2": 1}, {"0.1": 1}):
+        assignment = {p: owners.get(p, 0) for p in paths}
+        for rank in (0, 1):
+            modules = dict(model.named_modules())
+            canon = {id(m): p for p, m in reversed(list(model.named_modules()))}
+            want = {p for p, m in modules.items()
+                    if all(assignment[canon[id(s)]] == rank for s in m.modules())}
+            assert local_subtrees(model, assignment, rank) == want, (owners, rank)

@@ -31,6 +31,23 @@ if TYPE_CHECKING:  # pragma: no cover
     from smp_pipeline.server import ExecutionServer
 
 
+def local_subtrees(module: nn.Module, assignment: dict[str, int], pp_rank: int) -> set[str]:
+    """Paths of the modules whose whole subtree (shared submodules included) pipeline rank
+    ``pp_rank`` owns: a call to one never leaves the rank (static mode may run it inline)."""
+    canon = canonical_modules(module)
+    whole: dict[int, bool] = {}  # id(module) -> its whole subtree is owned here
+
+    def owned(m: nn.Module) -> bool:  # memoized: linear in the modules, not quadratic
+        key = id(m)
+        if key not in whole:
+            whole[key] = assignment[canon[key]] == pp_rank and all(
+                [owned(c) for c in m.children()]
+            )
+        return whole[key]
+
+    return {path for path, m in module.named_modules() if owned(m)}
+
+
 class ModuleDispatch:
     """The module-call routing of one rank's copy of the model."""
 
@@ -55,12 +72,7 @@ class ModuleDispatch:
         self.plan = plan
         self.server = server
         self.free_remote_parameters()
-        canon = canonical_modules(self.module)
-        self._local_subtrees = {
-            path
-            for path, m in self.modules.items()
-            if all(assignment[canon[id(sub)]] == self.pp_rank for sub in m.modules())
-        }
+        self._local_subtrees = local_subtrees(self.module, assignment, self.pp_rank)
         self._install_calls()
 
     def free_remote_parameters(self) -> None:
