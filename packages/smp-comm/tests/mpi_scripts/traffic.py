@@ -59,10 +59,8 @@ def main() -> None:
         import smp_comm.sender
 
         smp_comm.sender.STREAM_WHILE_RECEIVING = True
-    if MODE == "stream-mpi":
-        import smp_comm.sender
-
-        smp_comm.sender.wait_for_room = lambda *args: None  # never any room for a chunk
+        if MODE == "stream-mpi":
+            smp_comm.sender.wait_for_room = lambda *args: None  # never any room for a chunk
     comm = Communicator(world, **kwargs)
     assert not own_shm_files(), own_shm_files()
     rank, size = comm.rank, comm.size

@@ -40,9 +40,7 @@ def local_subtrees(module: nn.Module, assignment: dict[str, int], pp_rank: int) 
     def owned(m: nn.Module) -> bool:  # memoized: linear in the modules, not quadratic
         key = id(m)
         if key not in whole:
-            whole[key] = assignment[canon[key]] == pp_rank and all(
-                [owned(c) for c in m.children()]
-            )
+            whole[key] = assignment[canon[key]] == pp_rank and all(owned(c) for c in m.children())
         return whole[key]
 
     return {path for path, m in module.named_modules() if owned(m)}

@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from smp_pipeline.offload import offloading as _offloading
@@ -109,13 +109,14 @@ class Executor:
         # Activation offloading: told when a backward task gets the token (its prefetch
         # trigger); checkpointed calls on this executor's workers find it here.
         self.offloader: ActivationOffloader | None = None
-        # Static mode (run_inline): what each served task (phase, module) did the last time it
-        # ran: how long it held the token if it ran straight through, absent otherwise.
+        # Static mode (run_inline): the served tasks (phase, module) that ran straight through,
+        # within inline_max_s, the last time they ran.
         self.inline_max_s = 0.0  # 0: static mode off
-        self._straight: dict[tuple[str, str], float] = {}
+        self._straight: set[tuple[str, str]] = set()
         self.inlined = 0  # tasks run on the main loop's thread
         self.diverged = 0  # recorded straight-through tasks that did not run straight through
-        self.on_diverged: Any = None  # called once, with the task, at the first divergence
+        # called once, with the task, at the first divergence
+        self.on_diverged: Callable[[Task[Any]], None] | None = None
 
     # ------------------------------------------------------------------ WorkerHost
     def token_returned(self) -> None:
@@ -224,13 +225,15 @@ class Executor:
         """Note how ``task`` ran, for the next task of its kind (see :meth:`may_inline`)."""
         key = (task.phase, task.module)
         if not task.gave_back and held <= self.inline_max_s:
-            self._straight[key] = held
-        elif self._straight.pop(key, None) is not None and task.worker is None and task.gave_back:
-            # Recorded straight-through, served inline, and it was not: say so once. (One that
-            # only took longer is no divergence: it goes back to a worker, where it can yield.)
-            self.diverged += 1
-            if self.diverged == 1 and self.on_diverged is not None:
-                self.on_diverged(task)
+            self._straight.add(key)
+        elif key in self._straight:
+            self._straight.discard(key)  # back to a worker from the next task of its kind
+            if task.worker is None and task.gave_back:
+                # Recorded straight-through, served inline, and it was not: say so once. (One
+                # that only took longer is no divergence: a worker lets it yield.)
+                self.diverged += 1
+                if self.diverged == 1 and self.on_diverged is not None:
+                    self.on_diverged(task)
 
     def may_inline(self, phase: str, module: str) -> bool:
         """Whether a task of this kind ran straight through, briefly, the last time (static
