@@ -8,7 +8,12 @@ microbatches per step (``PROFILE_REQ_M``, default 16), ``STEPS`` timed steps
 (``PROFILE_REQ_STEPS``, default 30). Prints, per step, the CPU time of all threads of all
 ranks (``resource.getrusage``, so the communicator's threads count too) divided by the
 requests all ranks served, and the median over steps. CPU time stays meaningful on a loaded
-machine, where wall-clock latency does not.
+machine, where wall-clock latency does not. Per thread it also prints the CPU (``/proc``, 10
+ms ticks) and the context switches (voluntary and not) per request, and per rank the time
+spent in the cyclic garbage collector (``gc.callbacks``, by generation).
+
+``PROFILE_REQ_GC=freeze`` runs ``gc.freeze()`` after the warm-up, ``=off`` ``gc.disable()``
+(to tell the collector's share; it is process-wide, so compare separate runs).
 
 ``PROFILE_REQ_AB=<knob>`` adds a runtime with one change of the request-cost work undone
 (``_KNOBS``); the two runtimes' steps alternate, so both see the same load, and the CPU
@@ -39,6 +44,8 @@ PROFILE_DIR = os.environ.get("PROFILE_REQ_CPROFILE", "")
 AB = os.environ.get("PROFILE_REQ_AB", "")
 # PROFILE_REQ_STATIC=1: runtimes in static mode (PROFILE_REQ_AB=static: the second one not).
 STATIC = os.environ.get("PROFILE_REQ_STATIC", "") == "1"
+# PROFILE_REQ_GC=freeze: gc.freeze() after the warm-up steps; =off: gc.disable().
+GC = os.environ.get("PROFILE_REQ_GC", "")
 D = 16
 
 
@@ -97,6 +104,23 @@ def _profile_all_threads() -> list:  # type: ignore[type-arg]
     return profiles
 
 
+def _thread_switches() -> dict[str, int]:
+    """Context switches (voluntary + involuntary) of each live thread, by thread name."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, int] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/status") as f:
+                n = sum(int(line.split()[1]) for line in f if "ctxt_switches" in line)
+        except OSError:
+            continue
+        name = names.get(int(tid), f"native-{tid}")
+        out[name] = out.get(name, 0) + n
+    return out
+
+
 def _thread_cpu() -> dict[str, float]:
     """CPU seconds of each live thread of this process, by thread name (/proc, Linux)."""
     import threading
@@ -115,7 +139,31 @@ def _thread_cpu() -> dict[str, float]:
     return out
 
 
+class _GcClock:
+    """Time this process spends in the cyclic garbage collector, by generation
+    (``gc.callbacks``; thread CPU clock, so descheduled time does not count)."""
+
+    def __init__(self) -> None:
+        import gc
+        import time
+
+        self.seconds = [0.0, 0.0, 0.0]
+        self.collections = [0, 0, 0]
+        self._t0 = 0.0
+        self._clock = time.thread_time
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = self._clock()
+        else:
+            g = info["generation"]
+            self.seconds[g] += self._clock() - self._t0
+            self.collections[g] += 1
+
+
 def _worker() -> None:
+    import gc
     import resource
 
     import torch
@@ -170,6 +218,11 @@ def _worker() -> None:
     for rt, step in variants.values():
         for _ in range(3):  # warm-up: worker threads, compiled fast path
             rt.run_step(step, (x,), num_microbatches=M)
+    if GC == "freeze":  # everything built so far out of the collector's reach
+        gc.freeze()
+    elif GC == "off":
+        gc.disable()
+    gc_clock = _GcClock()
     main_profile = None
     if PROFILE_DIR:
         for p in profiles:  # the threads' warm-up calls (imports, first steps) out
@@ -180,6 +233,7 @@ def _worker() -> None:
     rt = variants["current"][0]
     served_here = rt.requests_served
     threads0 = _thread_cpu()
+    switches0 = _thread_switches()
     for _ in range(STEPS):
         for name, (rt_v, step) in variants.items():
             world.Barrier()  # (busy-waits inside MPI: outside the measured span)
@@ -195,6 +249,7 @@ def _worker() -> None:
     if main_profile is not None:
         main_profile.disable()
     threads1 = _thread_cpu()
+    switches1 = _thread_switches()
     requests_all = sum(
         world.allreduce(r.requests_served - (served_here if r is rt else 0), op=MPI.SUM)
         for r, _ in variants.values()
@@ -202,6 +257,13 @@ def _worker() -> None:
     by_thread = {
         n: (c - threads0.get(n, 0.0)) / requests_all * 1e6 for n, c in threads1.items()
     }
+    switches = {
+        n: (c - switches0.get(n, 0)) / requests_all for n, c in switches1.items()
+    }
+    gc_per_request = (
+        [s / requests_all * 1e6 for s in gc_clock.seconds],
+        [c / requests_all for c in gc_clock.collections],
+    )
     inlined = {name: rt_v.server.executor.inlined for name, (rt_v, _) in variants.items()}
     for rt_v, _ in variants.values():
         rt_v.close()
@@ -226,6 +288,8 @@ def _worker() -> None:
     comm.close()
     shares = world.gather(by_thread, root=0)
     all_inlined = world.gather(inlined, root=0)
+    all_switches = world.gather(switches, root=0)
+    all_gc = world.gather(gc_per_request, root=0)
     if rank == 0:
         if STATIC:
             print(f"tasks served on the main loop (static mode), by rank: {all_inlined}")
@@ -234,6 +298,15 @@ def _worker() -> None:
             busy = sorted(share.items(), key=lambda kv: -kv[1])
             print(f"rank {r} CPU per request by thread (us, 10 ms ticks): "
                   + ", ".join(f"{n} {v:.0f}" for n, v in busy if v > 0))
+        assert all_gc is not None
+        for r, (us, n) in enumerate(all_gc):
+            print(f"rank {r} garbage collector per request (gen 0/1/2): "
+                  + " / ".join(f"{u:.1f} us in {c:.3f}" for u, c in zip(us, n)))
+        assert all_switches is not None
+        for r, sw in enumerate(all_switches):
+            busy_sw = sorted(sw.items(), key=lambda kv: -kv[1])
+            print(f"rank {r} context switches per request by thread: "
+                  + ", ".join(f"{n} {v:.1f}" for n, v in busy_sw if v > 0.05))
         with open("/proc/loadavg") as f:
             load = f.read().split()[0]
         for name, values in per_step.items():
