@@ -14,6 +14,9 @@ nested module hierarchy, stage i on pp rank i); the driver computes a mean loss.
   efficiency: measured m*3t/step_time divided by the ideal m/(m+p-1), for m = 4, 8, 16, 32,
               with active_microbatches = p+2 (the default) and 2p
   vs 1F1B:    smp_pipeline step time / torch.distributed.pipelining Schedule1F1B step time
+  Sequential: the same two lines for the stages as one plain ``nn.Sequential`` on the driver
+              (default active bound), with fast_mode's relays (each stage hands its output
+              straight to the next) and without (every stage a request from the driver)
   overhead:   step latency per served request at zero compute, and CPU per request
               (all threads of all ranks, including the communicator's, while the step
               runs: the MPI Barrier/allreduce that time it busy-wait and are left out)
@@ -42,7 +45,7 @@ def _worker() -> None:
     import torch.nn.functional as F
     from mpi4py import MPI
     from smp_comm import Communicator
-    from smp_pipeline import PipelineRuntime, device_work
+    from smp_pipeline import PipelineRuntime, device_work, seqruns
     from torch import nn
 
     torch.set_num_threads(1)
@@ -95,10 +98,18 @@ def _worker() -> None:
     dist.init_process_group("gloo", rank=rank, world_size=P)
     assignment = {".".join(["next"] * i): i for i in range(1, P)}
 
-    def make_runtime(t: float, tag: int, active: int = P + 2):
-        model = chain(t)
-        rt = PipelineRuntime(model, comm, rank, P, assignment=assignment, tag=tag,
+    def make_runtime(t: float, tag: int, active: int = P + 2, relay: bool | None = None):
+        """The nested chain; with ``relay`` set, the plain ``nn.Sequential`` of the stages
+        instead (fast_mode's relays on or off)."""
+        if relay is None:
+            model, placement = chain(t), assignment
+        else:
+            model = nn.Sequential(*(Stage(t) for _ in range(P)))
+            placement = {str(i): i for i in range(1, P)}
+        seqruns.RELAY = relay is not False  # read when the runtime plans the Sequential
+        rt = PipelineRuntime(model, comm, rank, P, assignment=placement, tag=tag,
                              active_microbatches=active, timeout_s=120)
+        seqruns.RELAY = True
 
         def step(x):
             loss = model(x).pow(2).mean()
@@ -111,6 +122,11 @@ def _worker() -> None:
     # flight hide the request round trips through the stage chain).
     actives = (P + 2, 2 * P)
     runtimes = {a: make_runtime(T, 7400 + 10 * a, a) for a in actives}
+    # The same stages as a plain nn.Sequential owned by the driver (default active bound):
+    # fast_mode relays each stage's output straight to the next, or (relays off) every stage
+    # is a request from the driver and back.
+    sequential = {"relayed": make_runtime(T, 7600, relay=True),
+                  "via rank 0": make_runtime(T, 7610, relay=False)}  # fmt: skip
     stage_mod = Stage(T)
     pippy = {}
     for m in MBS:
@@ -132,10 +148,11 @@ def _worker() -> None:
         return world.allreduce(time.perf_counter() - t0, op=MPI.MAX)
 
     ours: dict[tuple[int, int], list[float]] = {(a, m): [] for a in actives for m in MBS}
+    ours_seq: dict[tuple[str, int], list[float]] = {(k, m): [] for k in sequential for m in MBS}
     theirs: dict[int, list[float]] = {m: [] for m in MBS}
     data = {m: (torch.randn(m * MB_SIZE, D), torch.zeros(m * MB_SIZE, D)) for m in MBS}
     for m in MBS:  # warm-up (thread pools, shape inference)
-        for rt, step in runtimes.values():
+        for rt, step in (*runtimes.values(), *sequential.values()):
             rt.run_step(step, (data[m][0],), num_microbatches=m)
         run_theirs(m, *data[m])
     # Alternate the two systems, so both see the same load on a shared machine.
@@ -145,8 +162,12 @@ def _worker() -> None:
                 ours[(a, m)].append(
                     timed(lambda m=m, rt=rt, step=step: rt.run_step(step, (data[m][0],), num_microbatches=m))
                 )
+            for k, (rt, step) in sequential.items():
+                ours_seq[(k, m)].append(
+                    timed(lambda m=m, rt=rt, step=step: rt.run_step(step, (data[m][0],), num_microbatches=m))
+                )
             theirs[m].append(timed(lambda m=m: run_theirs(m, *data[m])))
-    for rt, _ in runtimes.values():
+    for rt, _ in (*runtimes.values(), *sequential.values()):
         rt.close()
     dist.destroy_process_group()
 
@@ -173,6 +194,7 @@ def _worker() -> None:
     rt0.close()
     comm.close()
     ours_med = {k: statistics.median(v) for k, v in ours.items()}
+    seq_med = {k: statistics.median(v) for k, v in ours_seq.items()}
     theirs_med = {m: statistics.median(v) for m, v in theirs.items()}
 
     if rank == 0:
@@ -187,6 +209,13 @@ def _worker() -> None:
             print(f"smp_pipeline active={a} step time / torch.distributed.pipelining "
                   "Schedule1F1B: "
                   + ", ".join(f"m={m}: {ours_med[(a, m)] / theirs_med[m]:.3f}" for m in MBS))
+        for k in sequential:
+            eff = ", ".join(
+                f"m={m}: {m * 3 * T / seq_med[(k, m)] / (m / (m + P - 1)):.3f}" for m in MBS
+            )
+            vs = ", ".join(f"m={m}: {seq_med[(k, m)] / theirs_med[m]:.3f}" for m in MBS)
+            print(f"smp_pipeline nn.Sequential of the {P} stages, {k}, active={P + 2}: "
+                  f"efficiency / ideal: {eff}; step time / Schedule1F1B: {vs}")
         ref = ", ".join(
             f"m={m}: {m * 3 * T / theirs_med[m] / (m / (m + P - 1)):.3f}" for m in MBS
         )

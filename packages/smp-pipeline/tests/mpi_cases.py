@@ -387,6 +387,16 @@ def check_served(comm, rt, name, per_mb, m, steps=2):
         print(f"CASE-OK {name}-served {served}", flush=True)
 
 
+def check_relayed(comm, rt, name, per_mb, m, steps=2):
+    """``per_mb[r]``: requests pp rank r sent on to the next owner of a relay per microbatch
+    (forward and backward), instead of answering through the caller."""
+    relayed = comm_allgather(rt.server.remote.relayed)
+    want = [n * m * steps for n in per_mb]
+    assert relayed == want, f"{name}: requests relayed per rank {relayed}, expected {want}"
+    if comm.rank == 0:
+        print(f"CASE-OK {name}-relayed {relayed}", flush=True)
+
+
 def suite_fast(comm):
     """fast_mode (pp=2): runs of Sequential children as one request, on and off, bitwise."""
     seq_assign = {"1": 1, "2": 1, "3": 1, "5": 1}
@@ -465,9 +475,20 @@ def suite_fast4(comm):
         rt = run_case(comm, f"seq4-runs{suffix}", lambda: models.nested_seq_model(n=7), data(n=16),
                       runs, 8, fast_mode=fast)
         check_served(comm, rt, f"seq4-runs{suffix}", [0, 2, 2, 2] if fast else [0, 4, 4, 4], 8)
+        # Stage 1 -> 2 -> 3 straight, the gradients 3 -> 2 -> 1: the driver sees one request
+        # each way per microbatch, not three.
+        check_relayed(comm, rt, f"seq4-runs{suffix}", [0, 1, 2, 1] if fast else [0, 0, 0, 0], 8)
         run_case(comm, f"branch4-run{suffix}", models.Branch, data(sign_pattern=True),
                  {"pre": 1, "left": 2, "right.0": 3, "right.1": 3}, 4,
                  per_microbatch_reference=True, fast_mode=fast)
+    # A relay in segment mode (the caller never waits inside the engine; the first owner's
+    # answer starts the caller's segment), and one whose stages are single children.
+    rt = run_case(comm, "seq4-relay-segments", lambda: models.nested_seq_model(n=7), data(n=16),
+                  runs, 8, backward_mode="segments")
+    check_relayed(comm, rt, "seq4-relay-segments", [0, 1, 2, 1], 8)
+    rt = run_case(comm, "seq4-relay-single", lambda: models.nested_seq_model(n=4), data(n=16),
+                  {"1": 1, "2": 2, "3": 3}, 8)
+    check_relayed(comm, rt, "seq4-relay-single", [0, 1, 2, 1], 8)
 
 
 class Boom(torch.nn.Module):

@@ -69,8 +69,10 @@ FAST_CASES = [
 FAST4_CASES = [
     name
     for suffix in ("", "-fast-off")
-    for name in (f"seq4-runs{suffix}", f"seq4-runs{suffix}-served", f"branch4-run{suffix}")
-]
+    for name in (f"seq4-runs{suffix}", f"seq4-runs{suffix}-served", f"seq4-runs{suffix}-relayed",
+                 f"branch4-run{suffix}")
+] + ["seq4-relay-segments", "seq4-relay-segments-relayed", "seq4-relay-single",
+     "seq4-relay-single-relayed"]
 STATIC_CASES = [
     "seqrun-static", "seqrun-static-served", "seqrun-static-inlined", "seqrun-ckpt-static",
     "seqrun-ckpt-static-inlined", "seqrun-fast-off-static", "seqrun-fast-off-static-inlined",

@@ -392,7 +392,7 @@ def test_frame_roundtrip_every_message_kind() -> None:
     packed = Packed(skeleton, tensors, [i % 2 == 0 for i in range(len(tensors))])
     messages = [
         FwdReq(1, (1, 7), "a.b", 3, 2, True, [("cpu", "bfloat16")], False, ("a.b.0", "a.b.1"),
-               packed),
+               ((2, ("a.b.2",)), (3, ("a.b.3", "a.b.4"))), packed),
         FwdResp(0, (1, 7), 3, 2, packed),
         BwdReq(1, (1, 7), 4, "a.b", 3, 2, True, False, packed),
         BwdResp(0, (1, 7), 4, 3, 2, packed),
@@ -445,3 +445,34 @@ def test_local_subtrees_match_their_definition() -> None:
             want = {p for p, m in modules.items()
                     if all(assignment[canon[id(s)]] == rank for s in m.modules())}
             assert local_subtrees(model, assignment, rank) == want, (owners, rank)
+
+
+def test_sequential_plan_relays() -> None:
+    """fast_mode's plan: consecutive runs on several other ranks are one relay (a rank at
+    most once in it), a lone run between local children stays a request, and with relays
+    off every run goes through the container's rank."""
+    from smp_pipeline import seqruns
+    from smp_pipeline.seqruns import Relay, plan_sequential
+    from torch import nn
+
+    seq = nn.Sequential(*(nn.Linear(2, 2) for _ in range(9)))
+    canon = {id(c): str(i) for i, c in enumerate(seq)}
+    owners = [0, 1, 1, 2, 3, 1, 0, 2, 2]
+    assignment = {str(i): r for i, r in enumerate(owners)}
+
+    def plan() -> list:
+        return plan_sequential(seq, canon, assignment, 0, lambda _c, _p: False).flat
+
+    items = plan()
+    assert items[0] is seq[0] and items[3] is seq[6]
+    # 1,2 on rank 1 -> 3 on rank 2 -> 4 on rank 3; then rank 1 again starts a new request.
+    assert items[1] == Relay(((1, ("1", "2")), (2, ("3",)), (3, ("4",))))
+    assert items[2] is seq[5]  # a lone remote child: its own request
+    assert items[4] == (2, ("7", "8"))
+    seqruns.RELAY = False
+    try:
+        items = plan()
+    finally:
+        seqruns.RELAY = True
+    assert not any(isinstance(i, Relay) for i in items)
+    assert items[1] == (1, ("1", "2")) and items[2] is seq[3] and items[3] is seq[4]

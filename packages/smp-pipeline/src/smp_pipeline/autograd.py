@@ -106,6 +106,10 @@ class IncomingCall(Context):
         self.open: list[int] = []  # backward request numbers awaiting a response
         self.finished = False  # its only backward request is answered (CallRecords.finish)
         self.local = False  # every module it ran lives here (static mode may inline backward)
+        # A relay's later owner (seqruns.Relay): the pp rank its input gradients go to, as a
+        # backward request for the same call; None: answer the caller.
+        self.back_to: int | None = None
+        self.joined = True  # as the last backward request said (passed on by a relay)
 
 
 class OutgoingCall:

@@ -20,6 +20,7 @@ from smp_pipeline.checkpointing import CheckpointPlan, grouped_sequential_forwar
 from smp_pipeline.errors import PipelineError
 from smp_pipeline.partition import canonical_modules
 from smp_pipeline.seqruns import (
+    Relay,
     SequentialPlan,
     global_hooks,
     has_own_hooks,
@@ -169,6 +170,9 @@ class ModuleDispatch:
                 if isinstance(item, tuple):
                     owner, paths = item
                     x = server.call_remote(path, owner, (x,), {}, False, paths)
+                elif isinstance(item, Relay):
+                    (owner, paths), *further = item.hops
+                    x = server.call_remote(path, owner, (x,), {}, False, paths, tuple(further))
                 else:
                     x = item(x)
             return x

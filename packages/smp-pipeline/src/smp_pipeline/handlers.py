@@ -110,6 +110,7 @@ class MessageHandlers:
             )
             return
         rec.open.append(msg.req)
+        rec.joined = msg.joined
         if msg.once:
             rec.once = True
         task = Task(self.remote.run_callee_segment, rec.mb, rec.path, "backward", rec, rec.step, msg)

@@ -39,6 +39,10 @@ class FwdReq:
     autocast: list[tuple[str, str]]  # the caller's autocast contexts (device type, dtype)
     checkpoint: bool  # run the module under activation checkpointing
     span: tuple[str, ...] | None  # fast_mode: a run of children of the Sequential at ``path``
+    # fast_mode's relay: the further runs ((pp rank, span), ...) of the Sequential at
+    # ``path`` the output goes to, each straight from the previous owner; the last owner
+    # answers the caller (``key[0]``). Empty: answer the caller.
+    then: tuple[tuple[int, tuple[str, ...]], ...]
     inputs: Packed  # (args, kwargs)
 
 

@@ -64,6 +64,7 @@ class RemoteCalls:
         self.on_backward_done = on_backward_done
         self._calls = itertools.count()
         self._bwd_reqs = itertools.count()
+        self.relayed = 0  # requests sent on to the next owner of a relay (fwd and bwd)
         # (path, span) -> whether the request runs only modules owned here (set by the
         # runtime once placed; static mode serves such requests on the main loop).
         self.runs_locally: Callable[[str, tuple[str, ...] | None], bool] = lambda _p, _s: False
@@ -77,11 +78,15 @@ class RemoteCalls:
         kwargs: dict[str, Any],
         checkpoint: bool,
         span: tuple[str, ...] | None = None,
+        then: tuple[tuple[int, tuple[str, ...]], ...] = (),
     ) -> Any:
         """Run module ``path`` on pp rank ``dest`` for the current task (caller side).
 
         ``span``: the module paths of a run of children of the ``nn.Sequential`` at ``path``
         (``fast_mode``), called in order in one request (they all live on ``dest``).
+        ``then``: further runs of it, ``(owner, span)`` each, the output relayed from owner
+        to owner (:class:`~smp_pipeline.seqruns.Relay`); the last owner answers, and is
+        where this call's backward request goes.
         """
         task = self.executor.current
         if task is not None and task.worker is None and task.context is not None:
@@ -115,9 +120,10 @@ class RemoteCalls:
             st["autocast"],
             checkpoint,
             span,
+            then,
             Packed(skeleton, [t.detach() for t in tensors], flags),
         )
-        label = span_label(path, span)
+        label = span_label(path, span if not then else (*(span or ()), *then[-1][1]))
         self.transport.expect(("fwd", key), dest, label, ctx.mb)
         self.transport.send(dest, msg)
         resp: FwdResp = task.worker.wait(("fwd", key))
@@ -126,7 +132,8 @@ class RemoteCalls:
         oflags = out.flags
         if any(oflags):
             inputs = [t for t, f in zip(tensors, flags) if f]
-            call = OutgoingCall(self, key, dest, label, ctx, inputs)
+            # (Relayed: the gradients go to the last owner, the first one answers.)
+            call = OutgoingCall(self, key, then[-1][0] if then else dest, label, ctx, inputs)
             self.records.outgoing[key] = call
             idx = [i for i, f in enumerate(oflags) if f]
             call.joined = joined_mode(self.backward_mode, [outs[i] for i in idx])
@@ -143,22 +150,33 @@ class RemoteCalls:
         (args, kwargs), leaves = unpack_leaves(msg.inputs)
         rec = IncomingCall(msg.step, msg.mb, msg.key, task.module, leaves)
         rec.local = self.executor.inline_max_s > 0 and self.runs_locally(msg.path, msg.span)
+        caller = msg.key[0]
+        if msg.src != caller:  # relayed from the previous owner: its gradients go back there
+            rec.back_to = msg.src
         task.context = rec
         with execution_state(msg.grad, msg.autocast):
             out = self.execute(msg.path, tuple(args), dict(kwargs), msg.checkpoint, msg.span)
         skeleton, tensors = flatten(out)
         flags = [bool(msg.grad and t.requires_grad) for t in tensors]
-        if any(flags):
+        relay = bool(msg.then) or rec.back_to is not None
+        # A relay's backward passes every owner on the way (the caller waits for the first
+        # one's answer), so each keeps its record even if its own outputs need no gradient.
+        if any(flags) or (relay and msg.grad):
             rec.outputs = [t for t, f in zip(tensors, flags) if f]
             self.records.add_incoming(rec)
-        resp = FwdResp(
-            self.pp_rank,
-            msg.key,
-            msg.step,
-            msg.mb,
-            Packed(skeleton, [t.detach() for t in tensors], flags),
-        )
-        self.transport.send(msg.src, resp)
+        if msg.then:  # the output is the next owner's input: (args, kwargs) = ((out,), {})
+            (dest, span), *further = msg.then
+            self.relayed += 1
+            skeleton, tensors = flatten(((out,), {}))  # (the same tensors, in the same order)
+            inputs = Packed(skeleton, [t.detach() for t in tensors], flags)
+            onward = FwdReq(
+                self.pp_rank, msg.key, msg.path, msg.step, msg.mb, msg.grad, msg.autocast,
+                False, span, tuple(further), inputs,
+            )  # fmt: skip
+            self.transport.send(dest, onward)
+            return
+        outputs = Packed(skeleton, [t.detach() for t in tensors], flags)
+        self.transport.send(caller, FwdResp(self.pp_rank, msg.key, msg.step, msg.mb, outputs))
 
     # ------------------------------------------------------------------ BoundaryPort
     def backward_through(
@@ -259,8 +277,19 @@ class RemoteCalls:
         if ctx.pending:
             return
         if isinstance(ctx, IncomingCall):
+            back = ctx.back_to
             for resp in self.records.responses(ctx):
-                self.transport.send(ctx.key[0], resp)
+                if back is None:
+                    self.transport.send(ctx.key[0], resp)
+                else:  # a relay: the input gradients are the previous owner's output ones
+                    self.relayed += 1
+                    self.transport.send(
+                        back,
+                        BwdReq(
+                            self.pp_rank, ctx.key, resp.req, ctx.path, ctx.step, ctx.mb,
+                            ctx.joined, ctx.once, resp.grads,
+                        ),
+                    )  # fmt: skip
             # Answered (the caller first: it waits), its last request: maybe the microbatch's
             # backward is complete here, and its gradients can be folded.
             if ctx.once and not ctx.open and self.records.finish(ctx):

@@ -7,6 +7,10 @@ as usual, and each run of >= 2 consecutive children owned by one other rank is a
 request carrying the run's module paths (Appendix B's "subset of consecutive modules"); the
 owner calls them in order on its side, so only the run's input and output cross ranks.
 
+Consecutive runs on two or more other ranks are one :class:`Relay`: the first owner's output
+goes straight to the next owner, and so on, and the last answers; in backward the gradients
+come back the same way (see :meth:`smp_pipeline.remote.RemoteCalls.run_forward_request`).
+
 Nested plain ``nn.Sequential`` containers owned here are flattened into their parent's plan,
 so a run may cross their boundary (a partition that cuts inside block 4 of a stack of
 ``nn.Sequential`` blocks makes one request of ``4.3, 5, 6, 7``, not two). Flattening skips
@@ -35,8 +39,25 @@ from dataclasses import dataclass, field
 from torch import nn
 from torch.nn.modules import module as _torch_module
 
-# One step of a plan: a module to call here, or (owner pp rank, module paths) to request.
-Item = nn.Module | tuple[int, tuple[str, ...]]
+
+@dataclass(frozen=True)
+class Relay:
+    """Consecutive runs owned by two or more other ranks, one after another (``hops``: (owner
+    pp rank, module paths) each): one request to the first owner, whose output goes
+    straight to the next owner as its input, and so on; the last owner answers the caller.
+    In backward the gradients take the way back the same way (last owner first, the first
+    answers). So a stage boundary costs one transfer each way, not two through the caller."""
+
+    hops: tuple[tuple[int, tuple[str, ...]], ...]
+
+
+# Relays on (read when a container is planned, at placement): False sends every run through
+# the container's rank, as before relays (benchmarks compare the two).
+RELAY = True
+
+# One step of a plan: a module to call here, (owner pp rank, module paths) to request, or a
+# relay through several owners.
+Item = nn.Module | tuple[int, tuple[str, ...]] | Relay
 
 
 @dataclass(frozen=True)
@@ -50,7 +71,7 @@ class SequentialPlan:
     @property
     def useful(self) -> bool:
         """Whether either plan sends a run as one request (else keep the plain forward)."""
-        return any(isinstance(i, tuple) for i in (*self.flat, *self.shallow))
+        return any(isinstance(i, (tuple, Relay)) for i in (*self.flat, *self.shallow))
 
 
 def is_plain_sequential(m: nn.Module, ours: Callable[[nn.Module], bool]) -> bool:
@@ -94,20 +115,36 @@ def plan_sequential(
 def _runs(
     steps: list[tuple[nn.Module, str]], assignment: Mapping[str, int], pp_rank: int
 ) -> list[Item]:
-    """Group maximal runs of >= 2 consecutive steps owned by one other rank into requests;
-    a lone remote step stays a module call (its own request, with its checkpointing flag)."""
+    """Group maximal runs of steps owned by one rank. Consecutive runs on two or more other
+    ranks become one :class:`Relay` (a rank at most once per relay: an owner keeps one call
+    record per call key); otherwise a run of >= 2 steps on one other rank is one request,
+    and a lone remote step stays a module call (its own request, with its checkpointing
+    flag)."""
+    groups: list[tuple[int, list[tuple[nn.Module, str]]]] = []
+    for m, p in steps:
+        owner = assignment[p]
+        if groups and groups[-1][0] == owner:
+            groups[-1][1].append((m, p))
+        else:
+            groups.append((owner, [(m, p)]))
     items: list[Item] = []
     i = 0
-    while i < len(steps):
-        owner = assignment[steps[i][1]]
-        j = i + 1
-        while j < len(steps) and assignment[steps[j][1]] == owner:
+    while i < len(groups):
+        j = i
+        owners: set[int] = set()
+        while j < len(groups) and groups[j][0] != pp_rank and groups[j][0] not in owners:
+            owners.add(groups[j][0])
             j += 1
-        if owner != pp_rank and j - i >= 2:
-            items.append((owner, tuple(p for _, p in steps[i:j])))
+        if RELAY and j - i >= 2:
+            items.append(Relay(tuple((o, tuple(p for _, p in g)) for o, g in groups[i:j])))
+            i = j
+            continue
+        owner, group = groups[i]
+        if owner != pp_rank and len(group) >= 2:
+            items.append((owner, tuple(p for _, p in group)))
         else:
-            items.extend(m for m, _ in steps[i:j])
-        i = j
+            items.extend(m for m, _ in group)
+        i += 1
     return items
 
 
