@@ -166,6 +166,20 @@ def test_chain_through_a_queued_request_to_the_running_task() -> None:
     assert "ends at pp rank 1: the forward of module 'n' (microbatch 1) runs for 3.0 s" in text
 
 
+def test_chain_follows_a_relay_to_the_owner_that_holds_it() -> None:
+    """fast_mode relays pass a request on under the same key: the chain goes from the first
+    owner (the request's destination, which has no record of it) to the one serving it."""
+    reports = {
+        0: RankState(0, 1, (_task("<step>", 0, WAITING, waits=A),), (_req(A, 1, "s.1..s.3", 0),), ()),
+        1: RankState(1, 1, (), (), ()),
+        2: RankState(2, 1, (_task("s.2", 0, RUNNING, serves=A),), (), ()),
+        3: RankState(3, 1, (), (), ()),
+    }
+    text = explain("pp rank 0 waited", 0, A, reports, 2.0, [0, 1, 2, 3])
+    assert "pp rank 1: passed it on to pp rank 2 (a relay)" in text
+    assert "ends at pp rank 2: the forward of module 's.2' (microbatch 0) runs for 3.0 s" in text
+
+
 def test_chain_to_a_rank_that_does_not_answer_and_other_work() -> None:
     """A rank that does not answer ends the chain; work off the chain is listed after it;
     communicator ranks are named where they differ from pp ranks."""

@@ -132,14 +132,18 @@ class _Walk:
             self.culprit = "a cycle of requests waiting on each other (a deadlock)"
             return
         self.seen.add((req.dest, req.key))
-        dest = self.reports.get(req.dest)
+        self._follow(req.dest, req)
+
+    def _follow(self, rank: int, req: Request) -> None:
+        """Where ``req`` stands on ``rank`` (its destination, or a relay's later owner)."""
+        dest = self.reports.get(rank)
         if dest is None:
             self.lines.append(
-                f"{self.name(req.dest)}: no answer to the stall query within {self.wait_s:g} s "
+                f"{self.name(rank)}: no answer to the stall query within {self.wait_s:g} s "
                 "(its main thread is not in the pipeline's loop: not in this step, blocked "
                 "outside the pipeline, or gone)"
             )
-            self.culprit = f"{self.name(req.dest)}, which did not answer (not serving the pipeline)"
+            self.culprit = f"{self.name(rank)}, which did not answer (not serving the pipeline)"
             return
         task = next((t for t in dest.tasks if t.serves == req.key), None)
         if task is not None:
@@ -165,10 +169,26 @@ class _Walk:
             )
             self.request(dest.rank, same[0])
             return
+        # A fast_mode relay: the request went on, under the same key, to a later owner.
+        onward = self._holder(req.key, rank)
+        if onward is not None:
+            self.lines.append(f"{self.name(rank)}: passed it on to {self.name(onward)} (a relay)")
+            self.seen.add((onward, req.key))
+            self._follow(onward, req)
+            return
         self.lines.append(
             f"{self.name(dest.rank)}: has no record of it (the request, or its answer, is in flight)"
         )
         self.culprit = f"{self.name(dest.rank)}, which has no record of it"
+
+    def _holder(self, key: Any, but: int) -> int | None:
+        """Another rank (not yet followed) with a task serving ``key`` or holding it queued."""
+        for rank, state in sorted(self.reports.items()):
+            if state is None or rank == but or (rank, key) in self.seen:
+                continue
+            if any(t.serves == key for t in state.tasks) or any(q.key == key for q in state.queued):
+                return rank
+        return None
 
     def task(self, state: RankState, task: TaskState) -> None:
         """``task`` of ``state.rank`` holds up the chain: say how, following its own wait."""
