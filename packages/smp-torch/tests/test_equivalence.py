@@ -21,7 +21,7 @@ def _case(name: str, **config: object) -> dict:
         k: config.pop(k)
         for k in (
             "optimizer", "checkpoint_blocks", "tied", "steps", "batch", "manual", "model",
-            "served_per_mb",
+            "served_per_mb", "relayed",
         )  # fmt: skip
         if k in config
     }
@@ -83,8 +83,10 @@ PP4_CASES = [
     _case("pp2-dp2", pipeline_parallel_degree=2, microbatches=2),
     _case("pp2-dp2-shard-spread", pipeline_parallel_degree=2, microbatches=2, shard_optimizer_state=True, placement_strategy="spread"),
     _case("pp4-mb4", pipeline_parallel_degree=4, microbatches=4, tied=False, **BY_SIZE),
-    _case("pp4-seq-fast", pipeline_parallel_degree=4, microbatches=4, model="seq", **BY_SIZE),
-    _case("pp4-seq-fast-off", pipeline_parallel_degree=4, microbatches=4, model="seq", fast_mode=False, **BY_SIZE),
+    # fast_mode relays the Sequential's runs on stages 1-3 straight from stage to stage.
+    _case("pp4-seq-fast", pipeline_parallel_degree=4, microbatches=4, model="seq", relayed=True, **BY_SIZE),
+    _case("pp4-seq-fast-off", pipeline_parallel_degree=4, microbatches=4, model="seq", fast_mode=False,
+          relayed=False, **BY_SIZE),
     _case("pp2-dp2-gloo-backend", pipeline_parallel_degree=2, microbatches=2, collective_backend="gloo"),
     _case("pp4-seq-checkpointing-offload", pipeline_parallel_degree=4, microbatches=4,
           model="seq", checkpoint_blocks=True, offload_activations=True,

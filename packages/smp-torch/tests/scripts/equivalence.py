@@ -140,6 +140,10 @@ def run_case(case: dict) -> None:
         served = dmodel.engine.runtime.requests_served
         want = case["served_per_mb"] * cfg.microbatches * case.get("steps", 3)
         assert served == want, f"[{name}] stage 1 served {served} requests, expected {want}"
+    if case.get("relayed") is not None:
+        # fast_mode relays: requests a stage passed on to the next (forward and backward).
+        relayed = sum(smp.allgather(dmodel.engine.runtime.server.remote.relayed, smp.PP_GROUP))
+        assert (relayed > 0) == case["relayed"], f"[{name}] requests relayed: {relayed}"
     if cfg.static_mode and cfg.pp > 1 and cfg.tp == 1 and smp.pp_rank() == 1:
         inlined = dmodel.engine.runtime.server.executor.inlined
         assert inlined > 0, f"[{name}] static mode served nothing on stage 1's main loop"
