@@ -104,39 +104,33 @@ def _profile_all_threads() -> list:  # type: ignore[type-arg]
     return profiles
 
 
-def _thread_switches() -> dict[str, int]:
-    """Context switches (voluntary + involuntary) of each live thread, by thread name."""
-    import threading
-
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    out: dict[str, int] = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/status") as f:
-                n = sum(int(line.split()[1]) for line in f if "ctxt_switches" in line)
-        except OSError:
-            continue
-        name = names.get(int(tid), f"native-{tid}")
-        out[name] = out.get(name, 0) + n
-    return out
-
-
-def _thread_cpu() -> dict[str, float]:
-    """CPU seconds of each live thread of this process, by thread name (/proc, Linux)."""
+def _per_thread(read: Callable[[str], float]) -> dict[str, float]:
+    """``read(tid)`` summed per live thread of this process, by thread name (/proc, Linux)."""
     import threading
 
     names = {t.native_id: t.name for t in threading.enumerate()}
     out: dict[str, float] = {}
-    tick = os.sysconf("SC_CLK_TCK")
     for tid in os.listdir("/proc/self/task"):
         try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
+            value = read(tid)
+        except OSError:  # the thread ended meanwhile
             continue
         name = names.get(int(tid), f"native-{tid}")
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        out[name] = out.get(name, 0.0) + value
     return out
+
+
+def _switches(tid: str) -> float:
+    """Context switches (voluntary + involuntary) of thread ``tid``."""
+    with open(f"/proc/self/task/{tid}/status") as f:
+        return sum(int(line.split()[1]) for line in f if "ctxt_switches" in line)
+
+
+def _cpu_seconds(tid: str) -> float:
+    """CPU seconds (user + system, 10 ms ticks) of thread ``tid``."""
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class _GcClock:
@@ -232,8 +226,8 @@ def _worker() -> None:
     per_step: dict[str, list[float]] = {name: [] for name in variants}
     rt = variants["current"][0]
     served_here = rt.requests_served
-    threads0 = _thread_cpu()
-    switches0 = _thread_switches()
+    threads0 = _per_thread(_cpu_seconds)
+    switches0 = _per_thread(_switches)
     for _ in range(STEPS):
         for name, (rt_v, step) in variants.items():
             world.Barrier()  # (busy-waits inside MPI: outside the measured span)
@@ -248,8 +242,8 @@ def _worker() -> None:
             per_step[name].append(total_cpu / max(total_served, 1) * 1e6)
     if main_profile is not None:
         main_profile.disable()
-    threads1 = _thread_cpu()
-    switches1 = _thread_switches()
+    threads1 = _per_thread(_cpu_seconds)
+    switches1 = _per_thread(_switches)
     requests_all = sum(
         world.allreduce(r.requests_served - (served_here if r is rt else 0), op=MPI.SUM)
         for r, _ in variants.values()

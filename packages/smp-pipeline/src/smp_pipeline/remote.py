@@ -156,7 +156,9 @@ class RemoteCalls:
         task.context = rec
         with execution_state(msg.grad, msg.autocast):
             out = self.execute(msg.path, tuple(args), dict(kwargs), msg.checkpoint, msg.span)
-        skeleton, tensors = flatten(out)
+        # Relayed on, the output is the next owner's input, (args, kwargs) = ((out,), {}):
+        # the same tensors in the same order, in the skeleton a request carries.
+        skeleton, tensors = flatten(((out,), {}) if msg.then else out)
         flags = [bool(msg.grad and t.requires_grad) for t in tensors]
         relay = bool(msg.then) or rec.back_to is not None
         # A relay's backward passes every owner on the way (the caller waits for the first
@@ -164,18 +166,16 @@ class RemoteCalls:
         if any(flags) or (relay and msg.grad):
             rec.outputs = [t for t, f in zip(tensors, flags) if f]
             self.records.add_incoming(rec)
-        if msg.then:  # the output is the next owner's input: (args, kwargs) = ((out,), {})
+        outputs = Packed(skeleton, [t.detach() for t in tensors], flags)
+        if msg.then:
             (dest, span), *further = msg.then
             self.relayed += 1
-            skeleton, tensors = flatten(((out,), {}))  # (the same tensors, in the same order)
-            inputs = Packed(skeleton, [t.detach() for t in tensors], flags)
             onward = FwdReq(
                 self.pp_rank, msg.key, msg.path, msg.step, msg.mb, msg.grad, msg.autocast,
-                False, span, tuple(further), inputs,
+                False, span, tuple(further), outputs,
             )  # fmt: skip
             self.transport.send(dest, onward)
             return
-        outputs = Packed(skeleton, [t.detach() for t in tensors], flags)
         self.transport.send(caller, FwdResp(self.pp_rank, msg.key, msg.step, msg.mb, outputs))
 
     # ------------------------------------------------------------------ BoundaryPort
