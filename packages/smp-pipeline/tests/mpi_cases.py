@@ -95,10 +95,11 @@ def mse_ref(model, batch):
 
 def run_case(comm, name, build, batch, assignment, m, schedule="interleaved", *, step_of=None,
              ref_loss=None, per_microbatch_reference=False, checkpointing=None, active=None,
-             rtol=RTOL, atol=ATOL, steps=2, exact=True, **rt_kwargs):
+             rtol=RTOL, atol=ATOL, steps=2, exact=True, record=None, **rt_kwargs):
     """``exact``: losses and gradients must equal the accumulating reference bit for bit (the
     runtime folds each parameter's gradient into .grad in microbatch order, as the reference
-    does); a case passing False says why it cannot."""
+    does); a case passing False says why it cannot. ``record`` (a dict): gets each step's
+    losses and this rank's final weights."""
     rank, size = comm.rank, comm.size
     torch.manual_seed(1234)
     model = build()
@@ -131,6 +132,8 @@ def run_case(comm, name, build, batch, assignment, m, schedule="interleaved", *,
         loss = torch.stack(losses).mean()
         outs = rt.run_step(step_of(model, rt), batch, num_microbatches=m)
         got = torch.stack([o.float() for o in outs])
+        if record is not None:
+            record[f"losses step {s}"] = got.clone()
         if expected is not None or exact:
             want = torch.stack(losses)
             same(got, want, f"{name} step {s}: per-microbatch losses", exact, rtol, atol)
@@ -156,6 +159,8 @@ def run_case(comm, name, build, batch, assignment, m, schedule="interleaved", *,
             opt.step()
             opt.zero_grad()
         ref_opt.step()
+    if record is not None:
+        record.update({n: p.detach().clone() for n, p in rt.named_local_parameters()})
     if rank == 0:
         print(f"CASE-OK {name} owners={sorted(set(rt.assignment.values()))}", flush=True)
     rt.close()
@@ -692,6 +697,24 @@ def suite_tp(comm):
     # the runtime's exit handler must keep interpreter finalization from aborting the process.
 
 
+def suite_repro(comm):
+    """Deterministic accumulation across runs: train timing-sensitive configurations (module
+    reuse with 8 microbatches in flight, static and fast mode on a Sequential, control flow)
+    and save every rank's weights and losses to ``$SMP_REPRO_OUT/rank<r>.pt``.
+    test_mpi.py runs this twice, the second time beside CPU-burning processes, and compares
+    the files bit for bit (each run is also checked bitwise against one process here)."""
+    saved = {name: {} for name in ("reuse-m8", "seqrun-static", "branch")}
+    run_case(comm, "repro-reuse-m8", models.Reuse, data(n=16), {"shared": 1, "out": 1}, 8,
+             steps=3, active=8, record=saved["reuse-m8"])
+    run_case(comm, "repro-seqrun-static", models.seq_model, data(n=16),
+             {"1": 1, "2": 1, "3": 1, "5": 1}, 8, steps=3, static_mode=True,
+             record=saved["seqrun-static"])
+    run_case(comm, "repro-branch", models.Branch, data(n=16, sign_pattern=True),
+             {"left": 1, "right.1": 1}, 8, steps=3, per_microbatch_reference=True,
+             record=saved["branch"])
+    torch.save(saved, os.path.join(os.environ["SMP_REPRO_OUT"], f"rank{comm.rank}.pt"))
+
+
 def main() -> None:
     comm = Communicator(MPI.COMM_WORLD)
     suite = sys.argv[1]
@@ -699,7 +722,7 @@ def main() -> None:
     suites = {
         "pp2": suite_pp2, "pp4": suite_pp4, "failures": suite_failures, "tp": suite_tp,
         "fast": suite_fast, "fast4": suite_fast4, "static": suite_static,
-        "static4": suite_static,
+        "static4": suite_static, "repro": suite_repro,
     }  # fmt: skip
     suites[suite](comm)
     if comm.rank == 0:

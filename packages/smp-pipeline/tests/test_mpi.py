@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("mpi4py")
 from smp_comm.testing import run_mpi  # noqa: E402
@@ -187,3 +191,44 @@ def test_tensor_parallel_order_channel(suite_output: Callable[[str], str], case:
         assert "SUITE-OK tp" in out, out
     else:
         assert case in out, (case, out)
+
+
+REPRO_CASES = ["repro-reuse-m8", "repro-seqrun-static", "repro-branch"]
+
+
+def _burners(n: int) -> list[subprocess.Popen[bytes]]:
+    """``n`` processes that keep a core busy (pure Python loops) until killed."""
+    loop = "while True:\n    sum(i * i for i in range(10000))\n"
+    return [subprocess.Popen([sys.executable, "-c", loop]) for _ in range(n)]
+
+
+@pytest.mark.timeout(300)
+def test_same_configuration_twice_is_bitwise_equal_under_load(tmp_path: Path) -> None:
+    """Deterministic accumulation across runs: one configuration set run twice, the second
+    time beside two CPU-burning processes (on this 2-core CI machine they take the cores the
+    ranks need, so the order requests arrive and run in shifts), gives bit-identical
+    per-step losses and final weights on every rank. Each run also equals one process
+    accumulating the same microbatches in order, bit for bit (mpi_cases.run_case)."""
+    saved = []
+    for run, burn in enumerate((0, 2)):
+        out_dir = tmp_path / f"run{run}"
+        out_dir.mkdir()
+        procs = _burners(burn)
+        try:
+            out = run_mpi([SCRIPT, "repro"], 2, timeout=130,
+                          env={**ENV, "SMP_REPRO_OUT": str(out_dir)})  # fmt: skip
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+        assert _cases(out) == REPRO_CASES, out
+        saved.append([torch.load(out_dir / f"rank{r}.pt") for r in range(2)])
+    for rank, (first, second) in enumerate(zip(*saved)):
+        assert first.keys() == second.keys()
+        for case, values in first.items():
+            assert values.keys() == second[case].keys(), (rank, case)
+            assert values, (rank, case)
+            for name, a in values.items():
+                b = second[case][name]
+                diff = (a - b).abs().max().item()
+                assert torch.equal(a, b), f"{case}, pp rank {rank}: {name} differs by {diff:.3g}"
