@@ -33,6 +33,7 @@ from smp_pipeline.ownership import Ownership, merge_state_dicts
 from smp_pipeline.partition import partition_model, resolve_assignment
 from smp_pipeline.schedule import Scheduler, ScheduleSpec
 from smp_pipeline.server import ExecutionServer
+from smp_pipeline.setup_channel import SetupChannel
 from smp_pipeline.timeline import plot_timeline, write_chrome_trace
 
 DEFAULT_TAG = 7301  # the runtime uses this tag and the next one on the communicator
@@ -134,6 +135,7 @@ class PipelineRuntime:
         self.active_microbatches = active_microbatches or pp_size + 2
         self.timeout_s = timeout_s
         self.tag = tag
+        self._setup = SetupChannel(comm, self.comm_ranks, pp_rank, tag + 1, timeout_s)
         self.trace_device = trace_device
         self._ckpt_config: dict[str, str | None] = dict(checkpointing or {})
         self._ownership = Ownership(module, pp_rank)
@@ -226,7 +228,7 @@ class PipelineRuntime:
             outcome = partition_model(
                 self.module,
                 self.pp_size,
-                self._bcast,
+                self._setup.bcast,
                 root=self.is_driver,
                 run=run,
                 args=args,
@@ -410,7 +412,7 @@ class PipelineRuntime:
         Returns it on pp rank ``dst`` and None elsewhere.
         """
         local = {k: v.detach().cpu() for k, v in self.local_state_dict().items()}
-        parts = self._gather(local, dst)
+        parts = self._setup.gather(local, dst)
         return None if parts is None else merge_state_dicts(self.module, parts)
 
     # ------------------------------------------------------------------ timeline
@@ -422,7 +424,7 @@ class PipelineRuntime:
         self, json_path: str | None = None, png_path: str | None = None
     ) -> list[Any] | None:
         """Collective: gather every rank's events to pp rank 0 and write JSON and/or PNG."""
-        parts = self._gather(self.timeline_events(), 0)
+        parts = self._setup.gather(self.timeline_events(), 0)
         if parts is None:
             return None
         events = [e for part in parts for e in part]
@@ -431,36 +433,6 @@ class PipelineRuntime:
         if png_path:
             plot_timeline(events, png_path)
         return events
-
-    # ------------------------------------------------------------------ collectives (setup tag)
-    def _bcast(self, obj: Any) -> Any:
-        tag = self.tag + 1
-        if self.is_driver:
-            hs = [
-                self.comm.isend(obj, dest=self.comm_ranks[r], tag=tag)
-                for r in range(1, self.pp_size)
-            ]
-            for h in hs:
-                h.wait(timeout=self.timeout_s)
-            return obj
-        got, _, _ = self.comm.irecv(source=self.comm_ranks[0], tag=tag).wait(timeout=self.timeout_s)
-        return got
-
-    def _gather(self, obj: Any, dst: int) -> list[Any] | None:
-        tag = self.tag + 1
-        if self.pp_rank != dst:
-            self.comm.isend(obj, dest=self.comm_ranks[dst], tag=tag).wait(timeout=self.timeout_s)
-            return None
-        out = []
-        for r in range(self.pp_size):
-            if r == dst:
-                out.append(obj)
-            else:
-                got, _, _ = self.comm.irecv(source=self.comm_ranks[r], tag=tag).wait(
-                    timeout=self.timeout_s
-                )
-                out.append(got)
-        return out
 
     @property
     def requests_served(self) -> int:
