@@ -358,6 +358,36 @@ def test_streaming_keeps_each_parameters_microbatch_order() -> None:
     assert acc.early
 
 
+def test_streamed_contributions_are_added_by_autograd_itself() -> None:
+    """A streamed contribution is added to ``.grad`` by AccumulateGrad (the pre-hook leaves
+    ``.grad`` in place), not taken aside and added in Python: no ``_add_to_grad`` call for
+    it, fold hooks still run once per microbatch, and the sum is bitwise the in-order one. A
+    buffered contribution still goes aside (folded by ``_add_to_grad``)."""
+    from smp_pipeline.accumulation import GradAccumulator
+
+    w = nn.Parameter(torch.tensor([1.0, 2.0]))
+    mb: list[int | None] = [None]
+    acc = GradAccumulator(lambda: mb[0], single_run=lambda step, k: k != 2)
+    acc.track([w])
+    added: list[float] = []
+    add = acc._add_to_grad
+    acc._add_to_grad = lambda p, g: (added.append(g.sum().item()), add(p, g))  # type: ignore[method-assign]
+    folds: list[float] = []
+    acc.register_fold_hook(w, lambda p: folds.append(p.grad.sum().item()))
+    acc.begin(1)
+    for k, c in enumerate((0.1, 0.2, 0.3)):
+        mb[0] = k
+        (w * c).sum().backward()  # 0 and 1 streamed; 2 is not one engine run: buffered
+    assert added == [] and folds == [pytest.approx(0.2), pytest.approx(0.6)]
+    acc.complete(1, 0)
+    acc.complete(1, 1)
+    acc.complete(1, 2)
+    acc.end()
+    assert added == [pytest.approx(0.6)] and len(folds) == 3
+    want = torch.full((2,), 0.1) + torch.full((2,), 0.2) + torch.full((2,), 0.3)
+    assert torch.equal(w.grad, want)
+
+
 def test_frame_roundtrip_every_message_kind() -> None:
     """A message whose tensors fit goes as one byte frame (smp-comm's fast path) and comes
     back equal: fields, skeleton, flags, and every tensor's dtype, shape and values (each
