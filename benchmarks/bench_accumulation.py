@@ -31,6 +31,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from bench_sequential import mlp_stack  # (this folder: the same blocks as that benchmark)
 from smp_pipeline.accumulation import GradAccumulator
 from torch import nn
 
@@ -42,17 +43,7 @@ STEPS = 5  # per round and model; the median step counts
 
 def _build(width: int) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(
-        *[
-            nn.Sequential(
-                nn.LayerNorm(width),
-                nn.Linear(width, 4 * width),
-                nn.GELU(),
-                nn.Linear(4 * width, width),
-            )
-            for _ in range(BLOCKS)
-        ]
-    )
+    return mlp_stack(width, BLOCKS)  # type: ignore[no-any-return]
 
 
 def _steps(

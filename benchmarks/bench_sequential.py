@@ -52,23 +52,30 @@ ROUNDS = int(os.environ.get("BENCH_SEQ_ROUNDS", "2"))
 BIND = os.environ.get("BENCH_SEQ_BIND", "core")
 
 
+def mlp_stack(width: int, blocks: int):  # type: ignore[no-untyped-def]
+    """``nn.Sequential`` of ``blocks`` blocks ``LayerNorm, Linear(w, 4w), GELU, Linear(4w, w)``
+    (also bench_accumulation's stage)."""
+    from torch import nn
+
+    return nn.Sequential(
+        *[
+            nn.Sequential(
+                nn.LayerNorm(width),
+                nn.Linear(width, 4 * width),
+                nn.GELU(),
+                nn.Linear(4 * width, width),
+            )
+            for _ in range(blocks)
+        ]
+    )
+
+
 def _setup():  # type: ignore[no-untyped-def]
     import torch
-    from torch import nn
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    net = nn.Sequential(
-        *[
-            nn.Sequential(
-                nn.LayerNorm(WIDTH),
-                nn.Linear(WIDTH, 4 * WIDTH),
-                nn.GELU(),
-                nn.Linear(4 * WIDTH, WIDTH),
-            )
-            for _ in range(BLOCKS)
-        ]
-    )
+    net = mlp_stack(WIDTH, BLOCKS)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(ROWS * MB, WIDTH, generator=g)
     y = torch.randn(ROWS * MB, WIDTH, generator=g)

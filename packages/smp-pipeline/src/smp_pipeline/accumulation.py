@@ -172,8 +172,7 @@ class GradAccumulator:
         key = id(p)
         if key in self._inplace:
             self._inplace.discard(key)
-            for hook in self._fold_hooks.get(key, ()):
-                hook(p)
+            self._folded(p)
             return
         if self._step is None or key not in self._aside:
             return
@@ -303,5 +302,9 @@ class GradAccumulator:
         else:
             with torch.no_grad():
                 p.grad += g
+        self._folded(p)
+
+    def _folded(self, p: torch.Tensor) -> None:
+        """A microbatch's gradient of ``p`` is in ``p.grad`` now: run its fold hooks."""
         for hook in self._fold_hooks.get(id(p), ()):
             hook(p)
