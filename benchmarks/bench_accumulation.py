@@ -8,9 +8,11 @@ accumulating microbatches pays nothing of the kind. This measures that differenc
 matters most, a stage of small blocks: 4 blocks of ``LayerNorm, Linear(w, 4w), GELU,
 Linear(4w, w)`` (24 parameters), 8 microbatches of 64 rows, forward and backward of each
 microbatch in order, the same model once plain and once tracked by a ``GradAccumulator``
-whose microbatches each are one engine run (``single_run``: the common case on a stage, where
-contributions stream into ``.grad``), and once with every contribution buffered until its
-microbatch completes (``single_run`` False: a stage that serves several calls per
+whose parameters each get one contribution per microbatch (``streamable``: the common case on
+a stage, one request per microbatch or one per block, where contributions stream into
+``.grad``), and once with every contribution buffered until its microbatch completes
+(``streamable`` empty: a stage whose step function shares parameters with calls it serves,
+say, or before per-parameter streaming, every stage that served several calls per
 microbatch). Rounds alternate plain and tracked, so load on the machine hits both alike; it
 prints the median paired difference per microbatch, per parameter, and as a share of the
 microbatch's time, and checks the gradients are bitwise those of plain autograd.
@@ -32,7 +34,7 @@ import time
 import torch
 import torch.nn.functional as F
 from bench_sequential import mlp_stack  # (this folder: the same blocks as that benchmark)
-from smp_pipeline.accumulation import GradAccumulator
+from smp_pipeline.accumulation import ALL_PARAMETERS, GradAccumulator
 from torch import nn
 
 WIDTHS = (128, 384)
@@ -78,7 +80,8 @@ def _measure(width: int, streaming: bool) -> str:
     x, y = torch.randn(ROWS * MB, width, generator=g), torch.randn(ROWS * MB, width, generator=g)
     plain, tracked = _build(width), _build(width)
     mb: list[int | None] = [None]
-    acc = GradAccumulator(lambda: mb[0], True, lambda step, k: streaming)
+    every = ALL_PARAMETERS if streaming else frozenset()
+    acc = GradAccumulator(lambda: mb[0], True, lambda: every)
     acc.track(tracked.parameters())
     n_params = sum(1 for _ in plain.parameters())
     base, extra = [], []

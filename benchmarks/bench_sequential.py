@@ -153,9 +153,16 @@ def smp_pp2(fast: bool, static: bool = False) -> dict:
     served = smp.allgather(rt.requests_served, smp.PP_GROUP)[1]
     per_mb = served / ((WARMUP + STEPS) * MB)
     inlined = smp.allgather(rt.server.executor.inlined, smp.PP_GROUP)[1]
+    # Deterministic accumulation's per-microbatch gradient buffers on stage 1 (most alive at
+    # once, in microbatches; 0: every contribution streamed into .grad), and their size.
+    buffers = smp.allgather(rt.server.grads.peak_buffers, smp.PP_GROUP)[1]
+    stage_mb = smp.allgather(
+        sum(p.numel() * p.element_size() for p in rt.local_parameters()) / 2**20, smp.PP_GROUP
+    )[1]
     return {
         "rate": _rate(times), "rank": smp.rank(), "cut": cut, "requests_per_mb": per_mb,
-        "inlined_per_mb": inlined / ((WARMUP + STEPS) * MB),
+        "inlined_per_mb": inlined / ((WARMUP + STEPS) * MB), "buffers": buffers,
+        "stage_mib": stage_mb,
     }  # fmt: skip
 
 
@@ -237,7 +244,9 @@ def _compare(shape: str) -> None:
         f"({info['smp_fast']['requests_per_mb']:.0f} requests/microbatch on stage 1, cut "
         f"{info['smp_fast']['cut']}|{BLOCKS - info['smp_fast']['cut']}), "
         f"fast_mode off {slow / one:.2f}x ({info['smp_slow']['requests_per_mb']:.0f} "
-        f"requests/microbatch, cut {info['smp_slow']['cut']}|{BLOCKS - info['smp_slow']['cut']}); torch.distributed.pipelining 1F1B {tpp / one:.2f}x; "
+        f"requests/microbatch, cut {info['smp_slow']['cut']}|{BLOCKS - info['smp_slow']['cut']}, "
+        f"stage 1's gradient buffers at most {info['smp_slow']['buffers']} microbatches of "
+        f"{info['smp_slow']['stage_mib']:.1f} MiB); torch.distributed.pipelining 1F1B {tpp / one:.2f}x; "
         f"smp fast/torch {fast / tpp:.2f}x, fast on/off {fast / slow:.2f}x; "
         f"static_mode (with fast_mode) {static / one:.2f}x one process, {static / tpp:.2f}x "
         f"torch, {static / fast:.2f}x without it "

@@ -189,7 +189,13 @@ def suite_pp2(comm):
     chain_assign = {"blocks.1": 1, "blocks.3": 1, "head": 1}
     for schedule in ("simple", "interleaved"):
         for m in (1, 2, 4, 8):
-            run_case(comm, f"chain-{schedule}-m{m}", models.Chain, data(), chain_assign, m, schedule)
+            rt = run_case(comm, f"chain-{schedule}-m{m}", models.Chain, data(), chain_assign, m, schedule)
+            if m == 1:
+                # pp rank 1 serves three calls per microbatch (blocks.1, blocks.3, head), each
+                # with its own parameters: each parameter's one contribution streams into
+                # .grad, nothing is buffered (per-parameter streaming).
+                peaks = comm_allgather(rt.server.grads.peak_buffers)
+                assert peaks[1] == 0, f"{schedule}: pp rank 1 buffered gradients: {peaks}"
     run_case(comm, "chain-active1", models.Chain, data(), chain_assign, 4, "interleaved", active=1)
     run_case(comm, "chain-simple-active2", models.Chain, data(), chain_assign, 4, "simple", active=2)
     custom = [(0, "forward"), (1, "forward"), (0, "backward"), (2, "forward"), (1, "backward"),
@@ -253,7 +259,11 @@ def suite_pp2(comm):
     run_case(comm, "tied-auto", models.TiedLM, (ids, tgt), None, 2, step_of=tied_step, ref_loss=tied_ref)
 
     for schedule in ("simple", "interleaved"):
-        run_case(comm, f"reuse-{schedule}", models.Reuse, data(), {"shared": 1, "out": 1}, 4, schedule)
+        rt = run_case(comm, f"reuse-{schedule}", models.Reuse, data(), {"shared": 1, "out": 1}, 4, schedule)
+        # "shared" is called twice per microbatch: its parameters get two contributions,
+        # which are buffered and summed before the fold (not streamed one by one).
+        peaks = comm_allgather(rt.server.grads.peak_buffers)
+        assert peaks[1] >= 1, f"reuse-{schedule}: pp rank 1 never buffered: {peaks}"
         run_case(comm, f"branch-{schedule}", models.Branch, data(sign_pattern=True),
                  {"left": 1, "right.1": 1}, 4, schedule, per_microbatch_reference=True)
 
@@ -699,13 +709,19 @@ def suite_tp(comm):
 
 def suite_repro(comm):
     """Deterministic accumulation across runs: train timing-sensitive configurations (module
-    reuse with 8 microbatches in flight, static and fast mode on a Sequential, control flow)
+    reuse and a ModuleList loop served one block per request with 8 microbatches in flight,
+    static and fast mode on a Sequential, control flow)
     and save every rank's weights and losses to ``$SMP_REPRO_OUT/rank<r>.pt``.
     test_mpi.py runs this twice, the second time beside CPU-burning processes, and compares
     the files bit for bit (each run is also checked bitwise against one process here)."""
-    saved = {name: {} for name in ("reuse-m8", "seqrun-static", "branch")}
+    saved = {name: {} for name in ("reuse-m8", "chain-m8", "seqrun-static", "branch")}
     run_case(comm, "repro-reuse-m8", models.Reuse, data(n=16), {"shared": 1, "out": 1}, 8,
              steps=3, active=8, record=saved["reuse-m8"])
+    # Several calls per microbatch on pp rank 1, each parameter's contribution streamed or
+    # buffered as timing has it (per-parameter streaming): the same bits either way.
+    run_case(comm, "repro-chain-m8", models.Chain, data(n=16),
+             {"blocks.1": 1, "blocks.3": 1, "head": 1}, 8, steps=3, active=8,
+             record=saved["chain-m8"])
     run_case(comm, "repro-seqrun-static", models.seq_model, data(n=16),
              {"1": 1, "2": 1, "3": 1, "5": 1}, 8, steps=3, static_mode=True,
              record=saved["seqrun-static"])

@@ -879,14 +879,17 @@ def test_accumulation_is_deterministic_under_jitter(name: str) -> None:
         # Rank 1 serves one call per microbatch (children 2-4 as one span): its backward is
         # one engine run, so its contributions go to .grad as they arrive, in the segment.
         ({"2": 1, "3": 1, "4": 1}, "segment"),
-        # Two calls per microbatch (the span, then child 6): folded by the task of the
-        # second once it has answered.
+        # Two calls per microbatch (the span, then child 6), each with its own parameters:
+        # each parameter's one contribution streams too (per-parameter streaming).
+        ({"2": 1, "3": 1, "4": 1, "6": 1}, "segment"),
+        # The same with streaming off (as for parameters two calls share): buffered, and
+        # folded by the task of the second call once it has answered.
         ({"2": 1, "3": 1, "4": 1, "6": 1}, "task"),
     ],
-    ids=["one-call", "two-calls"],
+    ids=["one-call", "two-calls", "two-calls-buffered"],
 )
 def test_fold_happens_before_the_driver_ends_the_microbatch(
-    assignment: dict[str, int], where: str
+    assignment: dict[str, int], where: str, request: pytest.FixtureRequest
 ) -> None:
     """A rank folds a microbatch's gradients as soon as its own records show that its
     backward of the microbatch is done, not when the driver's ``MbDone`` arrives: the
@@ -914,6 +917,8 @@ def test_fold_happens_before_the_driver_ends_the_microbatch(
         rt = PipelineRuntime(
             model, comm, comm.rank, 2, assignment=assignment, timeout_s=10, active_microbatches=1
         )
+        if request.node.callspec.id == "two-calls-buffered" and comm.rank == 1:
+            rt.server.records.streamable = lambda ctx: frozenset()  # type: ignore[method-assign]
         now = {"step": 0, "folds": 0}
 
         def step(x: torch.Tensor, i: int) -> torch.Tensor:

@@ -193,7 +193,7 @@ def test_tensor_parallel_order_channel(suite_output: Callable[[str], str], case:
         assert case in out, (case, out)
 
 
-REPRO_CASES = ["repro-reuse-m8", "repro-seqrun-static", "repro-branch"]
+REPRO_CASES = ["repro-reuse-m8", "repro-chain-m8", "repro-seqrun-static", "repro-branch"]
 
 
 def _burners(n: int) -> list[subprocess.Popen[bytes]]:

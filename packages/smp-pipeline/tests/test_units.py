@@ -301,11 +301,11 @@ def test_late_contribution_warns_and_turns_early_folds_off() -> None:
     """A gradient of a microbatch that was already folded (its rank judged its backward
     complete too early) is still added, but warns, and from then on folds wait for the
     driver (``complete``): ``complete_locally`` and streaming are ignored."""
-    from smp_pipeline.accumulation import GradAccumulator
+    from smp_pipeline.accumulation import ALL_PARAMETERS, GradAccumulator
 
     w = nn.Parameter(torch.tensor([1.0, 2.0]))
     mb: list[int | None] = [None]
-    acc = GradAccumulator(lambda: mb[0], single_run=lambda step, k: True)
+    acc = GradAccumulator(lambda: mb[0], streamable=lambda: ALL_PARAMETERS)
     acc.track([w])
     acc.begin(1)
     mb[0] = 0
@@ -331,11 +331,11 @@ def test_streaming_keeps_each_parameters_microbatch_order() -> None:
     microbatch 1 reaches ``a`` after microbatch 0 did (streamed before 0 is complete) but
     ``b`` before microbatch 0 did (buffered, folded when 1 completes). Fold hooks see each
     parameter's microbatches in order; the sums equal adding them in microbatch order."""
-    from smp_pipeline.accumulation import GradAccumulator
+    from smp_pipeline.accumulation import ALL_PARAMETERS, GradAccumulator
 
     a, b = nn.Parameter(torch.tensor([1.0])), nn.Parameter(torch.tensor([2.0]))
     mb: list[int | None] = [None]
-    acc = GradAccumulator(lambda: mb[0], single_run=lambda step, k: True)
+    acc = GradAccumulator(lambda: mb[0], streamable=lambda: ALL_PARAMETERS)
     acc.track([a, b])
     seen: list[tuple[str, float]] = []
     acc.register_fold_hook(a, lambda p: seen.append(("a", p.grad.item())))
@@ -363,11 +363,11 @@ def test_streamed_contributions_are_added_by_autograd_itself() -> None:
     ``.grad`` in place), not taken aside and added in Python: no ``_add_to_grad`` call for
     it, fold hooks still run once per microbatch, and the sum is bitwise the in-order one. A
     buffered contribution still goes aside (folded by ``_add_to_grad``)."""
-    from smp_pipeline.accumulation import GradAccumulator
+    from smp_pipeline.accumulation import ALL_PARAMETERS, GradAccumulator
 
     w = nn.Parameter(torch.tensor([1.0, 2.0]))
     mb: list[int | None] = [None]
-    acc = GradAccumulator(lambda: mb[0], single_run=lambda step, k: k != 2)
+    acc = GradAccumulator(lambda: mb[0], streamable=lambda: ALL_PARAMETERS if mb[0] != 2 else frozenset())
     acc.track([w])
     added: list[float] = []
     add = acc._add_to_grad
@@ -386,6 +386,39 @@ def test_streamed_contributions_are_added_by_autograd_itself() -> None:
     assert added == [pytest.approx(0.6)] and len(folds) == 3
     want = torch.full((2,), 0.1) + torch.full((2,), 0.2) + torch.full((2,), 0.3)
     assert torch.equal(w.grad, want)
+
+
+def test_streamable_parameters_of_a_microbatch() -> None:
+    """To which parameters a context's backward gives their only contribution of its
+    microbatch here (CallRecords.streamable): all where it is the microbatch's only context;
+    with several served calls (one request per block of a ModuleList loop), the parameters of
+    its modules no other call holds; none where its backward is not one engine run, or the
+    step function runs here too (it may use any parameter)."""
+    from smp_pipeline.accumulation import ALL_PARAMETERS
+    from smp_pipeline.autograd import CallRecords, IncomingCall
+
+    def call(records: CallRecords, n: int, params: set[int], mb: int = 0) -> IncomingCall:
+        rec = IncomingCall(1, mb, (0, n), f"h.{n}", [])
+        rec.params, rec.once = frozenset(params), True
+        records.add_incoming(rec)
+        return rec
+
+    records = CallRecords(1)
+    alone = call(records, 0, {1, 2}, mb=1)
+    assert records.streamable(alone) is ALL_PARAMETERS  # the only call: every parameter
+    a, b, c = call(records, 1, {3, 4}), call(records, 2, {4, 5}), call(records, 3, {6})
+    c.once = False  # asked more than once (its caller's backward is not one engine run)
+    # 4: a parameter both a and b hold (tied, or a module both run).
+    assert records.streamable(a) == {3} and records.streamable(b) == {5}
+    assert not records.streamable(c)
+    a.params = frozenset({3, 4, 5})
+    assert records.streamable(a) == {3}  # kept: asked once, after the forward
+    driver = CallRecords(0)
+    root = driver.new_root(1, 0)
+    assert driver.streamable(root) is ALL_PARAMETERS  # the driver's own step
+    served = call(driver, 0, {1})
+    root.streams = None
+    assert not driver.streamable(root) and not driver.streamable(served)
 
 
 def test_frame_roundtrip_every_message_kind() -> None:

@@ -19,16 +19,22 @@ only:
   :meth:`smp_pipeline.autograd.CallRecords.finish`). A stage's last fold, and so a
   data-parallel reduction hooked on folds, thus starts as soon as its own backward is done,
   while earlier stages still run theirs.
-- *Streaming*: where a microbatch's backward on this rank is one engine run (the driver's
-  step, or the only call it served, joined, asked once; see
-  :meth:`smp_pipeline.autograd.CallRecords.single_run`), each parameter gets one contribution
-  from it, final when it arrives. If the parameter's gradient of every earlier microbatch is
+- *Streaming*: where a parameter gets exactly one contribution of a microbatch on this rank,
+  final when it arrives (see :meth:`smp_pipeline.autograd.CallRecords.streamable`): every
+  parameter if the microbatch's backward here is one engine run (the driver's step, or the
+  only call it served, joined, asked once), and otherwise, where the rank served several
+  calls of the microbatch (one request per block of an ``nn.ModuleList`` loop, say), each
+  one engine run, the parameters of exactly one of those calls' modules. If the
+  parameter's gradient of every earlier microbatch is
   in ``.grad`` already (folded, or streamed itself), the contribution is added to ``.grad``
   right away instead of buffered: the tensor hook decides before ``AccumulateGrad`` runs and
   leaves ``.grad`` in place, so autograd adds the contribution itself (the same sum, with no
   Python in between). The same sums in the same order per parameter, but fold
   hooks run as the backward reaches each parameter (on the first stage, its backward of
-  the last microbatch, typically), not after the microbatch.
+  the last microbatch, typically), not after the microbatch. A module that uses a
+  parameter it does not hold (neither as its own nor under a child) can break the
+  "exactly one": its second contribution is then added in arrival order, and if a later
+  microbatch got in between, the late-contribution warning below says so.
 - Parameters of a microbatch are folded in reverse registration order, roughly the order
   backward produces them and the order a data-parallel reducer launches its buckets in.
 
@@ -58,12 +64,23 @@ when gradients land use :meth:`GradAccumulator.register_fold_hook` instead of
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from typing import Any, cast
 
 import torch
 
 FoldHook = Callable[[torch.Tensor], None]
+
+
+class _AllParameters:
+    """Contains every parameter id (a microbatch whose backward here is one engine run)."""
+
+    def __contains__(self, key: object) -> bool:
+        return True
+
+
+#: ``streamable``'s answer when every parameter's contribution may stream.
+ALL_PARAMETERS: Container[int] = _AllParameters()
 
 
 class _Handle:
@@ -87,21 +104,21 @@ class GradAccumulator:
             parameter's gradient is final as soon as its last backward ran here, which lets a
             data-parallel reduction overlap the rest of the pipeline's backward); fold hooks
             are then plain post-accumulate hooks.
-        single_run: ``single_run(step, mb)``: whether microbatch ``mb``'s backward on this
-            rank is one engine run (asked at its first contribution, once the microbatch's
-            forward is over): its contributions may then be streamed (module doc).
+        streamable: ``streamable()``: the ``id()`` of the parameters to which the task
+            holding the token gives their only contribution of its microbatch here (asked
+            once the microbatch's forward is over; :data:`ALL_PARAMETERS` for all): those
+            contributions may be streamed (module doc).
     """
 
     def __init__(
         self,
         current_mb: Callable[[], int | None],
         enabled: bool = True,
-        single_run: Callable[[int, int], bool] | None = None,
+        streamable: Callable[[], Container[int]] | None = None,
     ) -> None:
         self._current_mb = current_mb
         self.enabled = enabled
-        self._single_run = single_run
-        self._single: dict[int, bool] = {}  # mb -> single_run's answer, this step
+        self._streamable = streamable
         self._streamed: dict[int, set[int]] = {}  # mb -> id(param) streamed into .grad
         # Local completion and streaming: off for good after a late contribution (module doc).
         self.early = True
@@ -203,24 +220,23 @@ class GradAccumulator:
 
     def _stream(self, key: int, mb: int) -> bool:
         """Whether this contribution of microbatch ``mb`` to parameter ``key`` goes straight
-        to ``.grad`` (module doc): ``mb`` is one engine run here, nothing of it is buffered
-        for the parameter, and every earlier unfolded microbatch streamed the parameter."""
+        to ``.grad`` (module doc): it is the parameter's only one of ``mb`` here, nothing of
+        ``mb`` is buffered for it, and every earlier unfolded microbatch streamed it."""
         if not self.early:
-            return False
-        single = self._single.get(mb)
-        if single is None:
-            assert self._step is not None
-            ask = self._single_run
-            single = self._single[mb] = ask is not None and ask(self._step, mb)
-        if not single or key in self._buffers.get(mb, ()):
             return False
         streamed = self._streamed.setdefault(mb, set())
         if key in streamed:
-            # A second contribution in "one engine run" (a reentrant checkpoint, a second
-            # backward in the step function): in order unless a later microbatch streamed it.
+            # A second contribution where one was expected (a reentrant checkpoint, a second
+            # backward in the step function, a module using a parameter it does not hold):
+            # in order unless a later microbatch streamed the parameter meanwhile.
             if any(key in s for k, s in self._streamed.items() if k > mb):
                 self._late(mb)
             return True
+        if key in self._buffers.get(mb, ()):
+            return False
+        ask = self._streamable
+        if ask is None or key not in ask():
+            return False
         if all(key in self._streamed.get(k, ()) for k in range(self._next, mb)):
             streamed.add(key)
             return True
@@ -249,7 +265,6 @@ class GradAccumulator:
         self._inplace.clear()
         self._buffers.clear()
         self._complete.clear()
-        self._single.clear()
         self._streamed.clear()
         self._next = 0
 
@@ -284,7 +299,6 @@ class GradAccumulator:
         self._step = None
         self._aside.clear()
         self._complete.clear()
-        self._single.clear()
         self._streamed.clear()
 
     def _fold(self, mb: int) -> None:

@@ -49,15 +49,19 @@ A caller whose backward is one engine run (:attr:`Context.single_run`: a root, o
 asked once, with no segment-mode call) marks its requests ``once``: each of its calls gets
 that one request, so an owner that answered every call of a microbatch it served knows its
 backward of the microbatch is complete (:meth:`CallRecords.finish`) without waiting for the
-driver, and gradients can be folded (:mod:`smp_pipeline.accumulation`).
+driver, and gradients can be folded (:mod:`smp_pipeline.accumulation`). Which of its
+parameters a microbatch's contribution may go straight to ``.grad`` for is
+:meth:`CallRecords.streamable`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Container
 from typing import Any, Protocol
 
 import torch
 
+from smp_pipeline.accumulation import ALL_PARAMETERS
 from smp_pipeline.messages import pack
 from smp_pipeline.protocol import BwdResp, CallKey
 
@@ -76,6 +80,8 @@ class Context:
         self.segment_calls = False
         # Backward reaches this context once only (a root; a call whose caller said so).
         self.once = False
+        # The parameters its backward streams (CallRecords.streamable), once asked.
+        self.streams: Container[int] | None = None
 
     @property
     def single_run(self) -> bool:
@@ -106,6 +112,8 @@ class IncomingCall(Context):
         self.open: list[int] = []  # backward request numbers awaiting a response
         self.finished = False  # its only backward request is answered (CallRecords.finish)
         self.local = False  # every module it ran lives here (static mode may inline backward)
+        # id() of the parameters of the modules it ran (per-parameter streaming, streamable).
+        self.params: frozenset[int] = frozenset()
         # A relay's later owner (seqruns.Relay): the pp rank its input gradients go to, as a
         # backward request for the same call; None: answer the caller.
         self.back_to: int | None = None
@@ -218,14 +226,40 @@ class CallRecords:
         key = (rec.step, rec.mb)
         return key not in self.roots and all(r.finished for r in self._served.get(key, ()))
 
-    def single_run(self, step: int, mb: int) -> bool:
-        """Whether microbatch ``mb``'s backward on this rank is one engine run (once its
-        forward is over): one context of it here, and :attr:`Context.single_run`."""
-        contexts: list[Context] = list(self._served.get((step, mb), ()))
-        root = self.roots.get((step, mb))
-        if root is not None:
-            contexts.append(root)
-        return len(contexts) == 1 and contexts[0].single_run
+    def streamable(self, ctx: Context) -> Container[int]:
+        """The parameters (by ``id()``) to which a backward of ``ctx`` gives their only
+        gradient contribution of its microbatch on this rank, final when it arrives (see
+        :mod:`smp_pipeline.accumulation`). Asked at its first contribution, once the
+        microbatch's forward is over (so its calls here are known), and kept on ``ctx``:
+
+        - none if ``ctx``'s backward is not one engine run (:attr:`Context.single_run`);
+        - every parameter if ``ctx`` is the microbatch's only context here (the driver's
+          step, or the one call served);
+        - with several served calls (one request per block of an ``nn.ModuleList`` loop,
+          say), the parameters of ``ctx``'s modules that no other call of the microbatch
+          here holds (:attr:`IncomingCall.params`);
+        - none where the step function runs here too (it may use any parameter).
+        """
+        if ctx.streams is not None:
+            return ctx.streams
+        served = self._served.get((ctx.step, ctx.mb), ())
+        streams: Container[int]
+        if not ctx.single_run:
+            streams = frozenset()
+        elif isinstance(ctx, RootContext):
+            streams = frozenset() if served else ALL_PARAMETERS
+        elif (ctx.step, ctx.mb) in self.roots or not isinstance(ctx, IncomingCall):
+            streams = frozenset()
+        elif len(served) == 1:
+            streams = ALL_PARAMETERS
+        else:
+            others: set[int] = set()
+            for c in served:
+                if c is not ctx:
+                    others |= c.params
+            streams = ctx.params - others
+        ctx.streams = streams
+        return streams
 
     def new_root(self, step: int, mb: int) -> RootContext:
         root = RootContext(step, mb)

@@ -62,6 +62,8 @@ class ModuleDispatch:
         self._yield_hooks: list[Any] = []
         self._yield_ids: set[int] = set()  # handle ids of the yield hooks (not user hooks)
         self._local_subtrees: set[str] = set()  # modules whose whole subtree is owned here
+        # (path, span) -> ids of the parameters a request for it runs (call_params).
+        self._call_params: dict[tuple[str, tuple[str, ...] | None], frozenset[int]] = {}
 
     def install(
         self, assignment: dict[str, int], plan: CheckpointPlan, server: ExecutionServer
@@ -72,6 +74,7 @@ class ModuleDispatch:
         self.server = server
         self.free_remote_parameters()
         self._local_subtrees = local_subtrees(self.module, assignment, self.pp_rank)
+        self._call_params.clear()
         self._install_calls()
 
     def free_remote_parameters(self) -> None:
@@ -215,6 +218,21 @@ class ModuleDispatch:
         if span is not None:
             return all(p in local for p in span)
         return path in local
+
+    def call_params(self, path: str, span: tuple[str, ...] | None) -> frozenset[int]:
+        """``id()`` of the parameters in the subtrees a request for ``path`` (or its run
+        ``span``) runs, tied ones under every module that holds them: all a request may give
+        gradients to here, short of a module using a parameter it does not hold (see
+        :mod:`smp_pipeline.accumulation`, per-parameter streaming)."""
+        key = (path, span)
+        ids = self._call_params.get(key)
+        if ids is None:
+            mods = [self.modules[p] for p in span] if span is not None else [self.modules[path]]
+            ids = frozenset(
+                id(p) for m in mods for _, p in m.named_parameters(remove_duplicate=False)
+            )
+            self._call_params[key] = ids
+        return ids
 
     def _owned(self, path: str) -> nn.Module:
         m = self.modules.get(path)

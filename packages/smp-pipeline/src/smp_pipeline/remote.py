@@ -68,6 +68,11 @@ class RemoteCalls:
         # (path, span) -> whether the request runs only modules owned here (set by the
         # runtime once placed; static mode serves such requests on the main loop).
         self.runs_locally: Callable[[str, tuple[str, ...] | None], bool] = lambda _p, _s: False
+        # (path, span) -> id() of the parameters the request runs (set by the runtime once
+        # placed; deterministic accumulation streams by it, see CallRecords.streamable).
+        self.call_params: Callable[[str, tuple[str, ...] | None], frozenset[int]] = (
+            lambda _p, _s: frozenset()
+        )
 
     # ------------------------------------------------------------------ forward
     def call_remote(
@@ -150,6 +155,7 @@ class RemoteCalls:
         (args, kwargs), leaves = unpack_leaves(msg.inputs)
         rec = IncomingCall(msg.step, msg.mb, msg.key, task.module, leaves)
         rec.local = self.executor.inline_max_s > 0 and self.runs_locally(msg.path, msg.span)
+        rec.params = self.call_params(msg.path, msg.span)
         caller = msg.key[0]
         if msg.src != caller:  # relayed from the previous owner: its gradients go back there
             rec.back_to = msg.src

@@ -28,7 +28,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any
 
 import torch
@@ -123,7 +123,7 @@ class ExecutionServer:
         self.records = CallRecords(pp_rank)
         # Gradients of this rank's parameters, summed in microbatch order (see accumulation).
         self.grads = GradAccumulator(
-            self._current_mb, deterministic_accumulation, self.records.single_run
+            self._current_mb, deterministic_accumulation, self._streamable
         )
         self.remote = RemoteCalls(
             pp_rank, self.transport, self.executor, self.records, execute, backward_mode,
@@ -185,6 +185,14 @@ class ExecutionServer:
         """The microbatch of the task holding the execution token (None: the main loop)."""
         task = self.executor.current
         return None if task is None else task.mb
+
+    def _streamable(self) -> Container[int]:
+        """The parameters whose only contribution of its microbatch here the task holding
+        the token gives (see :meth:`CallRecords.streamable`)."""
+        task = self.executor.current
+        if task is None or task.context is None:
+            return frozenset()
+        return self.records.streamable(task.context)
 
     def _order_arrival(self, _handle: Any) -> None:
         self._wakeup.release()
