@@ -18,6 +18,9 @@ of these kinds alternate (best of ``BENCH_SEQ_ROUNDS`` runs, each the median of 
   request per block);
 - smp with ``static_mode`` too (a request that ran straight through before is served on
   the stage's main loop, not handed to a worker thread);
+- smp with the same blocks in an ``nn.ModuleList`` the model's forward loops over (the
+  Hugging Face decoder shape): ``fast_mode`` chains a stage's blocks into one request per
+  microbatch once the first step saw the loop follow the chaining rule;
 - ``torch.distributed.pipelining`` (``Schedule1F1B``) with the model cut where smp's
   automatic partition cut it (the smp run reports its cut; the same blocks on each stage).
 
@@ -70,12 +73,31 @@ def mlp_stack(width: int, blocks: int):  # type: ignore[no-untyped-def]
     )
 
 
-def _setup():  # type: ignore[no-untyped-def]
+def loop_stack(width: int, blocks: int):  # type: ignore[no-untyped-def]
+    """The same blocks in an ``nn.ModuleList`` that the model's own forward loops over (the
+    Hugging Face decoder shape), where ``fast_mode`` chains the calls instead of planning a
+    ``Sequential``."""
+    from torch import nn
+
+    class Loop(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(list(mlp_stack(width, blocks)))
+
+        def forward(self, x):  # type: ignore[no-untyped-def]
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    return Loop()
+
+
+def _setup(loop: bool = False):  # type: ignore[no-untyped-def]
     import torch
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    net = mlp_stack(WIDTH, BLOCKS)
+    net = loop_stack(WIDTH, BLOCKS) if loop else mlp_stack(WIDTH, BLOCKS)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(ROWS * MB, WIDTH, generator=g)
     y = torch.randn(ROWS * MB, WIDTH, generator=g)
@@ -120,8 +142,8 @@ def single(microbatches: int = 1) -> dict:
     return {"rate": _rate(times)}
 
 
-def smp_pp2(fast: bool, static: bool = False) -> dict:
-    torch, net, x, y = _setup()
+def smp_pp2(fast: bool, static: bool = False, loop: bool = False) -> dict:
+    torch, net, x, y = _setup(loop)
     import smp_torch as smp
     import torch.nn.functional as F
 
@@ -149,7 +171,8 @@ def smp_pp2(fast: bool, static: bool = False) -> dict:
     rt = model.engine.runtime
     # Stage 0's share of the top-level blocks (the cut torch.distributed.pipelining reuses),
     # and the requests stage 1 served per microbatch (forward + backward).
-    cut = sum(1 for i in range(BLOCKS) if rt.assignment[str(i)] == 0)
+    prefix = "blocks." if loop else ""
+    cut = sum(1 for i in range(BLOCKS) if rt.assignment[f"{prefix}{i}"] == 0)
     served = smp.allgather(rt.requests_served, smp.PP_GROUP)[1]
     per_mb = served / ((WARMUP + STEPS) * MB)
     inlined = smp.allgather(rt.server.executor.inlined, smp.PP_GROUP)[1]
@@ -223,7 +246,10 @@ def _compare(shape: str) -> None:
     best: dict[str, float] = {}
     info: dict[str, dict] = {}
     for _ in range(ROUNDS):
-        kinds = (("single", 1), ("accum", 1), ("smp_fast", 2), ("smp_static", 2), ("smp_slow", 2))
+        kinds = (
+            ("single", 1), ("accum", 1), ("smp_fast", 2), ("smp_static", 2), ("smp_slow", 2),
+            ("smp_list", 2),
+        )  # fmt: skip
         for kind, n in kinds:
             r = _launch(kind, n, shape)
             if r["rate"] > best.get(kind, 0.0):
@@ -233,7 +259,7 @@ def _compare(shape: str) -> None:
     one = best["single"]
     ceiling = 2 * MB / (MB + 1) * best["accum"] / one
     fast, slow, tpp = best["smp_fast"], best["smp_slow"], best["torchpp"]
-    static = best["smp_static"]
+    static, loop = best["smp_static"], best["smp_list"]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
         f"bench_sequential (load avg {load:.1f} on {os.cpu_count()} cores, bind "
@@ -251,7 +277,10 @@ def _compare(shape: str) -> None:
         f"static_mode (with fast_mode) {static / one:.2f}x one process, {static / tpp:.2f}x "
         f"torch, {static / fast:.2f}x without it "
         f"({info['smp_static']['inlined_per_mb']:.1f} of stage 1's requests per microbatch "
-        f"served on its main loop)",
+        f"served on its main loop); the blocks in an nn.ModuleList looped by the model's "
+        f"forward (fast_mode's chains) {loop / one:.2f}x one process, {loop / tpp:.2f}x torch, "
+        f"{loop / slow:.2f}x one request per block ({info['smp_list']['requests_per_mb']:.1f} "
+        f"requests/microbatch, cut {info['smp_list']['cut']}|{BLOCKS - info['smp_list']['cut']})",
         flush=True,
     )
 
@@ -266,6 +295,7 @@ def main() -> None:
             "smp_fast": lambda: smp_pp2(True),
             "smp_slow": lambda: smp_pp2(False),
             "smp_static": lambda: smp_pp2(True, True),
+            "smp_list": lambda: smp_pp2(True, loop=True),
             "torchpp": torch_pipelining,
         }[kind]()
         if result.get("rank", 0) == 0:

@@ -56,11 +56,11 @@ def same(a: torch.Tensor, b: torch.Tensor, what: str, exact: bool, rtol: float, 
         raise AssertionError(f"{what}: not bitwise equal (max abs diff {diff:.3g})\n{a}\n{b}")
 
 
-def gpt2():
+def gpt2(n_layer=2):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(
-        n_layer=2, n_embd=32, n_head=4, vocab_size=97, n_positions=32,
+        n_layer=n_layer, n_embd=32, n_head=4, vocab_size=97, n_positions=32,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=1, eos_token_id=2,
     )
     return GPT2LMHeadModel(cfg)
@@ -287,6 +287,16 @@ def suite_pp2(comm):
         run_case(comm, f"gpt2-{schedule}", gpt2, gb, {"transformer.h.1": 1, "transformer.ln_f": 1}, 4,
                  schedule, step_of=hf_loss_step, ref_loss=reference_hf)
     run_case(comm, "gpt2-auto", gpt2, gb, None, 2, step_of=hf_loss_step, ref_loss=reference_hf)
+    # fast_mode's ModuleList chains: GPT-2's own loop calls h.1, h.2, h.3 (pp rank 1) one by
+    # one; after the first step sees it follow the chaining rule, they are one request per
+    # microbatch (forward, and one backward), bitwise as before.
+    assign = {"transformer.h.1": 1, "transformer.h.2": 1, "transformer.h.3": 1, "transformer.ln_f": 1}
+    rt = run_case(comm, "gpt2-chained", lambda: gpt2(4), gb, assign, 4, step_of=hf_loss_step,
+                  ref_loss=reference_hf, steps=3)
+    chains = rt._dispatch.chains
+    if comm.rank == 0:
+        assert chains is not None and chains.misses == 0 and chains.hits >= 2 * 2 * 4, (
+            chains.seen, chains.off, chains.hits, chains.misses)
     # T5: the encoder's output feeds every decoder block's cross-attention, and blocks share
     # position biases; across ranks each use is a separate remote call whose input gradient
     # returns through its own boundary, so such a tensor's gradient sums more than two terms

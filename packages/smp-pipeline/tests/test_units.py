@@ -455,7 +455,7 @@ def test_frame_roundtrip_every_message_kind() -> None:
     packed = Packed(skeleton, tensors, [i % 2 == 0 for i in range(len(tensors))])
     messages = [
         FwdReq(1, (1, 7), "a.b", 3, 2, True, [("cpu", "bfloat16")], False, ("a.b.0", "a.b.1"),
-               ((2, ("a.b.2",)), (3, ("a.b.3", "a.b.4"))), packed),
+               ((2, ("a.b.2",)), (3, ("a.b.3", "a.b.4"))), (("a.c", True), ("a.d", False)), packed),
         FwdResp(0, (1, 7), 3, 2, packed),
         BwdReq(1, (1, 7), 4, "a.b", 3, 2, True, False, packed),
         BwdResp(0, (1, 7), 4, 3, 2, packed),

@@ -82,6 +82,8 @@ class Context:
         self.once = False
         # The parameters its backward streams (CallRecords.streamable), once asked.
         self.streams: Container[int] | None = None
+        # fast_mode: its last call of a ModuleList block that chains (smp_pipeline.chains).
+        self.chain: Any = None
 
     @property
     def single_run(self) -> bool:

@@ -16,8 +16,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from smp_pipeline.chains import ModuleListChains, chain_links
 from smp_pipeline.checkpointing import CheckpointPlan, grouped_sequential_forward, run_checkpointed
 from smp_pipeline.errors import PipelineError
+from smp_pipeline.execution_state import autocast_state
 from smp_pipeline.partition import canonical_modules
 from smp_pipeline.seqruns import (
     Relay,
@@ -62,6 +64,8 @@ class ModuleDispatch:
         self._yield_hooks: list[Any] = []
         self._yield_ids: set[int] = set()  # handle ids of the yield hooks (not user hooks)
         self._local_subtrees: set[str] = set()  # modules whose whole subtree is owned here
+        # fast_mode: the ModuleList blocks owned elsewhere whose calls chain (chains.py).
+        self.chains: ModuleListChains | None = None
         # (path, span) -> ids of the parameters a request for it runs (call_params).
         self._call_params: dict[tuple[str, tuple[str, ...] | None], frozenset[int]] = {}
 
@@ -75,6 +79,13 @@ class ModuleDispatch:
         self.free_remote_parameters()
         self._local_subtrees = local_subtrees(self.module, assignment, self.pp_rank)
         self._call_params.clear()
+        self.chains = None
+        if self.fast_mode:
+            links = chain_links(
+                self.module, assignment, self.pp_rank,
+                lambda r: local_subtrees(self.module, assignment, r),
+            )  # fmt: skip
+            self.chains = ModuleListChains(links) if links else None
         self._install_calls()
 
     def free_remote_parameters(self) -> None:
@@ -183,8 +194,24 @@ class ModuleDispatch:
         return forward
 
     def _call_remote(self, path: str, owner: int, *args: Any, **kwargs: Any) -> Any:
-        assert self.server is not None
-        return self.server.call_remote(path, owner, args, kwargs, path in self.plan.modules)
+        server, chains = self.server, self.chains
+        assert server is not None
+        ctx = None if chains is None else server.current_context()
+        if chains is None or ctx is None:  # (no context: call_remote says why it fails)
+            return server.call_remote(path, owner, args, kwargs, path in self.plan.modules)
+        # fast_mode's ModuleList chains (chains.py): a call the last request predicted
+        # returns its output from there; else a request, with the blocks after it chained.
+        state = (torch.is_grad_enabled(), autocast_state())
+        hit, out = chains.take(ctx.chain, path, args, kwargs, state)
+        if hit:
+            return out
+        after = chains.chain_after(path)
+        plan = self.plan.modules
+        chain = tuple((p, p in plan) for p in after)
+        out = server.call_remote(path, owner, args, kwargs, path in plan, chain=chain)
+        outputs = list(out) if chain else [out]
+        ctx.chain = chains.after_request(ctx.chain, path, outputs, args, kwargs, state)
+        return outputs[0]
 
     def _call_checkpointed(self, path: str, *args: Any, **kwargs: Any) -> Any:
         m = self.modules[path]
@@ -218,6 +245,11 @@ class ModuleDispatch:
         if span is not None:
             return all(p in local for p in span)
         return path in local
+
+    def begin_step(self) -> None:
+        """A step starts (every rank): what chains saw in the last one takes effect."""
+        if self.chains is not None:
+            self.chains.begin_step()
 
     def call_params(self, path: str, span: tuple[str, ...] | None) -> frozenset[int]:
         """``id()`` of the parameters in the subtrees a request for ``path`` (or its run

@@ -86,10 +86,11 @@ class MessageHandlers:
 
     def _on_forward_request(self, msg: FwdReq) -> None:
         self.requests_served += 1
-        label = span_label(msg.path, msg.span)
+        modules = msg.modules()
+        label = span_label(msg.path, modules)
         task = Task(self.remote.run_forward_request, msg.mb, label, "forward", None, msg.step, msg)
         ex = self.executor
-        if ex.may_inline("forward", label) and self.remote.runs_locally(msg.path, msg.span):
+        if ex.may_inline("forward", label) and self.remote.runs_locally(msg.path, modules):
             ex.run_inline(task)  # static mode: it cannot wait, and ran straight through before
         else:
             ex.start(task)

@@ -43,7 +43,17 @@ class FwdReq:
     # ``path`` the output goes to, each straight from the previous owner; the last owner
     # answers the caller (``key[0]``). Empty: answer the caller.
     then: tuple[tuple[int, tuple[str, ...]], ...]
+    # fast_mode's ModuleList chain (smp_pipeline.chains): the blocks ((path, checkpoint),
+    # ...) run after ``path``, each on its predecessor's output; every output is answered.
+    chain: tuple[tuple[str, bool], ...]
     inputs: Packed  # (args, kwargs)
+
+    def modules(self) -> tuple[str, ...] | None:
+        """The module paths a request runs in order when more than ``path``'s (a span, or
+        ``path`` and its chain); None: ``path`` alone."""
+        if self.chain:
+            return (self.path, *(p for p, _ in self.chain))
+        return self.span
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,7 @@ from smp_pipeline.autograd import (
     joined_mode,
     run_segment,
 )
+from smp_pipeline.chains import chain_input
 from smp_pipeline.errors import PipelineError
 from smp_pipeline.execution_state import capture, execution_state
 from smp_pipeline.executor import Executor
@@ -84,6 +85,7 @@ class RemoteCalls:
         checkpoint: bool,
         span: tuple[str, ...] | None = None,
         then: tuple[tuple[int, tuple[str, ...]], ...] = (),
+        chain: tuple[tuple[str, bool], ...] = (),
     ) -> Any:
         """Run module ``path`` on pp rank ``dest`` for the current task (caller side).
 
@@ -92,6 +94,9 @@ class RemoteCalls:
         ``then``: further runs of it, ``(owner, span)`` each, the output relayed from owner
         to owner (:class:`~smp_pipeline.seqruns.Relay`); the last owner answers, and is
         where this call's backward request goes.
+        ``chain``: blocks ``(path, checkpoint)`` to run after ``path`` on ``dest``, each on
+        its predecessor's output (:mod:`smp_pipeline.chains`); the result is then the tuple
+        of every block's output.
         """
         task = self.executor.current
         if task is not None and task.worker is None and task.context is not None:
@@ -126,9 +131,12 @@ class RemoteCalls:
             checkpoint,
             span,
             then,
+            chain,
             Packed(skeleton, [t.detach() for t in tensors], flags),
         )
         label = span_label(path, span if not then else (*(span or ()), *then[-1][1]))
+        if chain:
+            label = span_label(path, msg.modules())
         self.transport.expect(("fwd", key), dest, label, ctx.mb)
         self.transport.send(dest, msg)
         resp: FwdResp = task.worker.wait(("fwd", key))
@@ -154,14 +162,17 @@ class RemoteCalls:
         msg = task.payload
         (args, kwargs), leaves = unpack_leaves(msg.inputs)
         rec = IncomingCall(msg.step, msg.mb, msg.key, task.module, leaves)
-        rec.local = self.executor.inline_max_s > 0 and self.runs_locally(msg.path, msg.span)
-        rec.params = self.call_params(msg.path, msg.span)
+        modules = msg.modules()
+        rec.local = self.executor.inline_max_s > 0 and self.runs_locally(msg.path, modules)
+        rec.params = self.call_params(msg.path, modules)
         caller = msg.key[0]
         if msg.src != caller:  # relayed from the previous owner: its gradients go back there
             rec.back_to = msg.src
         task.context = rec
         with execution_state(msg.grad, msg.autocast):
             out = self.execute(msg.path, tuple(args), dict(kwargs), msg.checkpoint, msg.span)
+            if msg.chain:
+                out = self._run_chain(out, msg.chain, tuple(args[1:]), dict(kwargs))
         # Relayed on, the output is the next owner's input, (args, kwargs) = ((out,), {}):
         # the same tensors in the same order, in the skeleton a request carries.
         skeleton, tensors = flatten(((out,), {}) if msg.then else out)
@@ -178,11 +189,29 @@ class RemoteCalls:
             self.relayed += 1
             onward = FwdReq(
                 self.pp_rank, msg.key, msg.path, msg.step, msg.mb, msg.grad, msg.autocast,
-                False, span, tuple(further), outputs,
+                False, span, tuple(further), (), outputs,
             )  # fmt: skip
             self.transport.send(dest, onward)
             return
         self.transport.send(caller, FwdResp(self.pp_rank, msg.key, msg.step, msg.mb, outputs))
+
+    def _run_chain(
+        self,
+        out: Any,
+        chain: tuple[tuple[str, bool], ...],
+        rest: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> tuple[Any, ...]:
+        """A chained request's further blocks, each on its predecessor's output (see
+        :mod:`smp_pipeline.chains`): every block's output, stopping early at an output
+        that does not chain."""
+        outs = [out]
+        for path, checkpoint in chain:
+            x = chain_input(outs[-1])
+            if x is None:
+                break
+            outs.append(self.execute(path, (x, *rest), dict(kwargs), checkpoint, None))
+        return tuple(outs)
 
     # ------------------------------------------------------------------ BoundaryPort
     def backward_through(

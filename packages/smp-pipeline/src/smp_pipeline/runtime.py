@@ -322,6 +322,7 @@ class PipelineRuntime:
                 self.partition()
         # (A parameter made trainable since the last step joins the in-order accumulation.)
         self.server.grads.track(self._local_params)
+        self._dispatch.begin_step()
         if not self.is_driver:
             return self.server.follow_step()
         m = len(mbs)

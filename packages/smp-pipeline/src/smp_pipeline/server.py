@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from smp_pipeline.accumulation import GradAccumulator
-from smp_pipeline.autograd import BACKWARD_MODES, CallRecords, RootContext
+from smp_pipeline.autograd import BACKWARD_MODES, CallRecords, Context, RootContext
 from smp_pipeline.diagnosis import StallDiagnosis
 from smp_pipeline.errors import PipelineError
 from smp_pipeline.execution_state import execution_state
@@ -185,6 +185,12 @@ class ExecutionServer:
         """The microbatch of the task holding the execution token (None: the main loop)."""
         task = self.executor.current
         return None if task is None else task.mb
+
+    def current_context(self) -> Context | None:
+        """The context (a microbatch's step, or a served call) of the task holding the
+        token; None on the main loop."""
+        task = self.executor.current
+        return None if task is None else task.context
 
     def _streamable(self) -> Container[int]:
         """The parameters whose only contribution of its microbatch here the task holding
