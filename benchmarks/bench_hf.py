@@ -1,9 +1,10 @@
 """A Hugging Face model as users write it, pipelined over 2 CPU processes: smp with
 ``fast_mode``'s ModuleList chains (the default) and without them, vs one process.
 
-Run: python benchmarks/bench_hf.py      (spawns the workers itself; ~3-4 minutes)
+Run: python benchmarks/bench_hf.py      (spawns the workers itself; ~1-2 minutes)
 
-The model is ``transformers``' ``GPT2LMHeadModel`` built from a config (no download): its
+The model is ``transformers``' ``GPT2LMHeadModel`` (``BENCH_HF_MODEL=llama``:
+``LlamaForCausalLM``) built from a config (no download): its
 blocks sit in an ``nn.ModuleList`` that the model's own ``forward`` loops over, so smp
 cannot plan them like an ``nn.Sequential``; ``fast_mode`` chains them instead (one request
 per stage and microbatch once the first step saw the loop, smp-pipeline's ``chains.py``).
@@ -36,22 +37,33 @@ import time
 SHAPE = os.environ.get("BENCH_HF_SHAPE", "8,128,4,64,32,8")
 LAYERS, WIDTH, HEADS, SEQ, BATCH, MB = (int(v) for v in SHAPE.split(","))
 VOCAB = 512
+MODEL = os.environ.get("BENCH_HF_MODEL", "gpt2")  # or "llama" (LlamaForCausalLM)
+BLOCKS = "model.layers" if MODEL == "llama" else "transformer.h"
 WARMUP, STEPS = 2, 6
-ROUNDS = int(os.environ.get("BENCH_HF_ROUNDS", "2"))
+ROUNDS = int(os.environ.get("BENCH_HF_ROUNDS", "3"))
 BIND = os.environ.get("BENCH_HF_BIND", "core")
 
 
 def _setup():  # type: ignore[no-untyped-def]
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    cfg = GPT2Config(
-        n_layer=LAYERS, n_embd=WIDTH, n_head=HEADS, n_positions=SEQ, vocab_size=VOCAB,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
-    )  # fmt: skip
-    model = GPT2LMHeadModel(cfg)
+    if MODEL == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        model = LlamaForCausalLM(LlamaConfig(
+            num_hidden_layers=LAYERS, hidden_size=WIDTH, num_attention_heads=HEADS,
+            num_key_value_heads=HEADS, intermediate_size=4 * WIDTH, vocab_size=VOCAB,
+            max_position_embeddings=SEQ, use_cache=False,
+        ))  # fmt: skip
+    else:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        model = GPT2LMHeadModel(GPT2Config(
+            n_layer=LAYERS, n_embd=WIDTH, n_head=HEADS, n_positions=SEQ, vocab_size=VOCAB,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+        ))  # fmt: skip
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     return torch, model, ids
@@ -101,7 +113,7 @@ def smp_pp2(fast: bool) -> dict:
             times.append(time.perf_counter() - t0)
     rt = dmodel.engine.runtime
     served = smp.allgather(rt.requests_served, smp.PP_GROUP)[1]
-    on_1 = sum(1 for i in range(LAYERS) if rt.assignment[f"transformer.h.{i}"] == 1)
+    on_1 = sum(1 for i in range(LAYERS) if rt.assignment[f"{BLOCKS}.{i}"] == 1)
     chains = rt._dispatch.chains
     return {
         "rate": _tokens_per_s(times), "rank": smp.rank(), "blocks_on_1": on_1,
@@ -153,7 +165,7 @@ def main() -> None:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
         f"bench_hf (load avg {load:.1f} on {os.cpu_count()} cores, bind {BIND or 'none'}): "
-        f"HF GPT2LMHeadModel, {LAYERS} blocks of width {WIDTH}, {BATCH} x {SEQ} tokens, {MB} "
+        f"HF {'LlamaForCausalLM' if MODEL == 'llama' else 'GPT2LMHeadModel'}, {LAYERS} blocks of width {WIDTH}, {BATCH} x {SEQ} tokens, {MB} "
         f"microbatches, 1 thread/process: one process {one:,.0f} tokens/s; ceiling "
         f"{ceiling:.2f}x; smp pp=2 chained (default) {on / one:.2f}x one process "
         f"({on / (ceiling * one):.0%} of the ceiling; {info['chained']['requests_per_mb']:.1f} "

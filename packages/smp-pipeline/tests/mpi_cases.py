@@ -66,6 +66,17 @@ def gpt2(n_layer=2):
     return GPT2LMHeadModel(cfg)
 
 
+def llama(n_layer=4):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=n_layer,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    return LlamaForCausalLM(cfg)
+
+
 def t5():
     from transformers import T5Config, T5ForConditionalGeneration
 
@@ -296,6 +307,15 @@ def suite_pp2(comm):
     chains = rt._dispatch.chains
     if comm.rank == 0:
         assert chains is not None and chains.misses == 0 and chains.hits >= 2 * 2 * 4, (
+            chains.seen, chains.off, chains.hits, chains.misses)
+    # Llama's loop passes the rotary embeddings (a tuple), the mask and the position ids to
+    # every layer as keyword arguments: the chained layers get them once.
+    assign = {"model.layers.1": 1, "model.layers.2": 1, "model.layers.3": 1, "model.norm": 1}
+    rt = run_case(comm, "llama-chained", llama, gb, assign, 4, step_of=hf_loss_step,
+                  ref_loss=reference_hf, steps=3)
+    chains = rt._dispatch.chains
+    if comm.rank == 0:
+        assert chains is not None and chains.misses == 0 and chains.hits == 2 * 2 * 4, (
             chains.seen, chains.off, chains.hits, chains.misses)
     # T5: the encoder's output feeds every decoder block's cross-attention, and blocks share
     # position biases; across ranks each use is a separate remote call whose input gradient

@@ -54,7 +54,7 @@ PP2_CASES = [
     "chain-simple-m8", "chain-interleaved-m1", "chain-custom", "chain-auto-meta",
     "tied-ckpt-group_2", "seqrun-simple", "seqrun-interleaved", "seqrun-ckpt",
     "seqrun-preempt", "seqrun-preempt-yields", "reuse-interleaved", "branch-simple",
-    "gpt2-auto", "gpt2-chained", "t5-auto", "t5-manual", "state-and-timeline", "chain-segments",
+    "gpt2-auto", "gpt2-chained", "llama-chained", "t5-auto", "t5-manual", "state-and-timeline", "chain-segments",
     "reuse-segments", "tied-segments", "gpt2-segments", "diamond-joined", "diamond-segments",
 ]  # fmt: skip
 PP4_CASES = [
