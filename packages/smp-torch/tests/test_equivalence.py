@@ -21,7 +21,7 @@ def _case(name: str, **config: object) -> dict:
         k: config.pop(k)
         for k in (
             "optimizer", "checkpoint_blocks", "tied", "steps", "batch", "manual", "model",
-            "served_per_mb", "relayed",
+            "served_per_mb", "relayed", "layers", "chained",
         )  # fmt: skip
         if k in config
     }
@@ -63,6 +63,10 @@ PP2_CASES = [
     # checked: offloaded, reloaded, within the horizon).
     _case("pp2-checkpointing-offload", pipeline_parallel_degree=2, microbatches=4,
           checkpoint_blocks=True, offload_activations=True, activation_loading_horizon=1),
+    # fast_mode chains the model's own loop over its ModuleList of blocks (stage 1's blocks
+    # one request per microbatch from the second step), checkpointed blocks included.
+    _case("pp2-list-chained-checkpointing", pipeline_parallel_degree=2, microbatches=4,
+          layers=6, checkpoint_blocks=True, chained=True),
     _case("pp2-seq-offload-simple", pipeline_parallel_degree=2, microbatches=4, model="seq",
           checkpoint_blocks=True, offload_activations=True, pipeline="simple"),
 ]  # fmt: skip
@@ -88,6 +92,8 @@ PP4_CASES = [
     _case("pp4-seq-fast-off", pipeline_parallel_degree=4, microbatches=4, model="seq", fast_mode=False,
           relayed=False, **BY_SIZE),
     _case("pp2-dp2-gloo-backend", pipeline_parallel_degree=2, microbatches=2, collective_backend="gloo"),
+    # ModuleList chains under data parallelism (the reduction hooked on gradient folds).
+    _case("pp2-dp2-list-chained", pipeline_parallel_degree=2, microbatches=4, layers=6, chained=True),
     _case("pp4-seq-checkpointing-offload", pipeline_parallel_degree=4, microbatches=4,
           model="seq", checkpoint_blocks=True, offload_activations=True,
           activation_loading_horizon=1, **BY_SIZE),

@@ -33,6 +33,10 @@ work, run after run.
 Cost of a miss: the owner ran blocks whose outputs nobody used (compute, and a dropout mask
 or another random draw more than without chaining; module state such as batch-norm
 statistics updated by them).
+
+Not detected: a non-tensor argument (a dict, a cache object) is the same argument when it is
+the same object, so a loop that changes one in place between blocks, where the blocks read
+it, would get outputs computed before the change: such a loop needs ``fast_mode=False``.
 """
 
 from __future__ import annotations

@@ -140,6 +140,12 @@ def run_case(case: dict) -> None:
         served = dmodel.engine.runtime.requests_served
         want = case["served_per_mb"] * cfg.microbatches * case.get("steps", 3)
         assert served == want, f"[{name}] stage 1 served {served} requests, expected {want}"
+    if case.get("chained") and smp.pp_rank() == 0:
+        # fast_mode chained the loop's blocks on stage 1 (ModuleList chains), with no miss.
+        chains = dmodel.engine.runtime._dispatch.chains
+        assert chains is not None and chains.hits > 0 and chains.misses == 0, (
+            f"[{name}] chains: {None if chains is None else (chains.hits, chains.misses)}"
+        )
     if case.get("relayed") is not None:
         # fast_mode relays: requests a stage passed on to the next (forward and backward).
         relayed = sum(smp.allgather(dmodel.engine.runtime.server.remote.relayed, smp.PP_GROUP))

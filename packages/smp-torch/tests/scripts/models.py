@@ -62,10 +62,13 @@ def seq_lm(tp: bool = False, layers: int = 3, manual: bool = False) -> nn.Sequen
 
 
 def build(case: dict, tp: bool) -> nn.Module:
-    """The case's model: ``"seq"`` (:func:`seq_lm`) or :class:`TinyLM` (the default)."""
+    """The case's model: ``"seq"`` (:func:`seq_lm`) or :class:`TinyLM` (the default; its
+    blocks an ``nn.ModuleList`` its forward loops over, ``layers`` of them)."""
     if case.get("model") == "seq":
         return seq_lm(tp=tp, manual=case.get("manual", False))
-    return TinyLM(tp=tp, tied=case.get("tied", True), manual=case.get("manual", False))
+    return TinyLM(
+        tp=tp, tied=case.get("tied", True), layers=case.get("layers", 2), manual=case.get("manual", False)
+    )
 
 
 class _null:
