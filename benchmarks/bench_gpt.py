@@ -32,12 +32,12 @@ ceiling each pipeline reaches, and smp's ratio to torch.distributed.pipelining.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
+
+import workers  # (this folder)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -189,36 +189,17 @@ def torch_pipelining() -> dict:
 def _launch(kind: str, nprocs: int, shape: str) -> float:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", BENCH_GPT_SHAPE=shape)
     env.pop("SMP_CONFIG", None)
-    if nprocs == 1:
-        cmd = [sys.executable, __file__, "--worker", kind]
-    else:
-        from smp_comm.testing import mpiexec_path
-
-        mpiexec = mpiexec_path()
-        # Each process bound to a core of its own (the usual HPC launch, MPICH's
-        # -bind-to core), for every contender alike: threads then stop migrating between
-        # the cores, whose caches the two processes' compute would otherwise share.
-        bind = ["-bind-to", BIND] if BIND else []
-        cmd = [mpiexec, *bind, "-n", str(nprocs), sys.executable, __file__, "--worker", kind]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    if out.returncode != 0:
-        raise SystemExit(f"bench_gpt: {kind} failed:\n{out.stdout}\n{out.stderr}")
-    results = [json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    return min(r["tokens_per_s"] for r in results)
+    return float(workers.launch(__file__, kind, nprocs, env, BIND)["tokens_per_s"])
 
 
 def main() -> None:
-    if "--worker" in sys.argv:
-        kind = sys.argv[sys.argv.index("--worker") + 1]
-        result = {
-            "single": single,
-            "accum": lambda: single(MB),
-            "smp": smp_pp2,
-            "smp_active": lambda: smp_pp2(MB),
-            "torchpp": torch_pipelining,
-        }[kind]()
-        if result.get("rank", 0) == 0:  # one line per run: ranks' lines could interleave
-            print("RESULT " + json.dumps(result), flush=True)
+    if workers.serve_worker({
+        "single": single,
+        "accum": lambda: single(MB),
+        "smp": smp_pp2,
+        "smp_active": lambda: smp_pp2(MB),
+        "torchpp": torch_pipelining,
+    }):  # fmt: skip
         return
     for i, shape in enumerate(SHAPES):
         _compare(shape, ROUNDS if i == 0 else 1)

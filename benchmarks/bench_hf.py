@@ -26,12 +26,11 @@ stages, which is what this benchmark's users do not do; ``bench_sequential.py`` 
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import subprocess
-import sys
 import time
+
+import workers  # (this folder)
 
 # layers, width, heads, tokens per sample, samples per step, microbatches
 SHAPE = os.environ.get("BENCH_HF_SHAPE", "8,128,4,64,32,8")
@@ -126,31 +125,16 @@ def smp_pp2(fast: bool) -> dict:
 def _launch(kind: str, nprocs: int) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("SMP_CONFIG", None)
-    if nprocs == 1:
-        cmd = [sys.executable, __file__, "--worker", kind]
-    else:
-        from smp_comm.testing import mpiexec_path
-
-        bind = ["-bind-to", BIND] if BIND else []
-        cmd = [mpiexec_path(), *bind, "-n", str(nprocs), sys.executable, __file__, "--worker", kind]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    if out.returncode != 0:
-        raise SystemExit(f"bench_hf: {kind} failed:\n{out.stdout}\n{out.stderr}")
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    return json.loads(lines[0][7:])
+    return workers.launch(__file__, kind, nprocs, env, BIND, timeout=900)
 
 
 def main() -> None:
-    if "--worker" in sys.argv:
-        kind = sys.argv[sys.argv.index("--worker") + 1]
-        result = {
-            "single": single,
-            "accum": lambda: single(MB),
-            "chained": lambda: smp_pp2(True),
-            "unchained": lambda: smp_pp2(False),
-        }[kind]()
-        if result.get("rank", 0) == 0:
-            print("RESULT " + json.dumps(result), flush=True)
+    if workers.serve_worker({
+        "single": single,
+        "accum": lambda: single(MB),
+        "chained": lambda: smp_pp2(True),
+        "unchained": lambda: smp_pp2(False),
+    }):  # fmt: skip
         return
     best: dict[str, float] = {}
     info: dict[str, dict] = {}

@@ -34,12 +34,11 @@ more than a pipeline of two stages can win back.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import subprocess
-import sys
 import time
+
+import workers  # (this folder)
 
 # width, rows per microbatch. 64 rows: with fewer, one process running the 8 microbatches
 # one after another is far slower than running the whole batch at once (small matrix
@@ -225,19 +224,7 @@ def _launch(kind: str, nprocs: int, shape: str, cut: int | None = None) -> dict:
     env.pop("SMP_CONFIG", None)
     if cut is not None:
         env["BENCH_SEQ_CUT"] = str(cut)
-    if nprocs == 1:
-        cmd = [sys.executable, __file__, "--worker", kind]
-    else:
-        from smp_comm.testing import mpiexec_path
-
-        mpiexec = mpiexec_path()
-        bind = ["-bind-to", BIND] if BIND else []
-        cmd = [mpiexec, *bind, "-n", str(nprocs), sys.executable, __file__, "--worker", kind]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    if out.returncode != 0:
-        raise SystemExit(f"bench_sequential: {kind} failed:\n{out.stdout}\n{out.stderr}")
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    return json.loads(lines[0][7:])
+    return workers.launch(__file__, kind, nprocs, env, BIND)
 
 
 def _compare(shape: str) -> None:
@@ -286,20 +273,16 @@ def _compare(shape: str) -> None:
 
 
 def main() -> None:
-    if "--worker" in sys.argv:
-        kind = sys.argv[sys.argv.index("--worker") + 1]
-        result = {
-            "block": block_forward_ms,
-            "single": single,
-            "accum": lambda: single(MB),
-            "smp_fast": lambda: smp_pp2(True),
-            "smp_slow": lambda: smp_pp2(False),
-            "smp_static": lambda: smp_pp2(True, True),
-            "smp_list": lambda: smp_pp2(True, loop=True),
-            "torchpp": torch_pipelining,
-        }[kind]()
-        if result.get("rank", 0) == 0:
-            print("RESULT " + json.dumps(result), flush=True)
+    if workers.serve_worker({
+        "block": block_forward_ms,
+        "single": single,
+        "accum": lambda: single(MB),
+        "smp_fast": lambda: smp_pp2(True),
+        "smp_slow": lambda: smp_pp2(False),
+        "smp_static": lambda: smp_pp2(True, True),
+        "smp_list": lambda: smp_pp2(True, loop=True),
+        "torchpp": torch_pipelining,
+    }):  # fmt: skip
         return
     shapes = os.environ.get("BENCH_SEQ_SHAPES")
     for shape in shapes.split(";") if shapes else SHAPES:

@@ -11,20 +11,21 @@ from typing import Any
 import models
 import pytest
 import torch
-from smp_pipeline import PipelineRuntime, split_microbatches
+from smp_pipeline import PipelineRuntime
 from smp_pipeline.chains import ModuleListChains, chain_input, chain_links
-from test_loopback import Case, assert_workers_end, pipeline_steps, regression, run_ranks, values
+from test_loopback import (  # noqa: F401 - one_torch_thread: the autouse fixture, here too
+    Case,
+    assert_workers_end,
+    one_torch_thread,
+    pipeline_steps,
+    reference_steps,
+    regression,
+    run_ranks,
+    values,
+)
 from torch import nn
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Any:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 class LoopNet(nn.Module):
@@ -158,32 +159,14 @@ def test_a_tensor_changed_in_place_since_the_chain_ran_is_a_miss() -> None:
 # ---------------------------------------------------------------------- pipelines
 
 
-def reference(model: nn.Module, case: Case, steps: int,
-              configure: Callable[[nn.Module, int], None]) -> list[Any]:  # fmt: skip
-    """One thread accumulating the pipeline's microbatches in order (loss / m), SGD steps."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    out = []
-    for s in range(steps):
-        configure(model, s)
-        opt.zero_grad()
-        losses = []
-        for args, _ in split_microbatches(None, case.batch(), None, case.m):
-            loss = case.loss(model, *args)
-            (loss / case.m).backward()
-            losses.append(loss.detach())
-        grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
-        out.append((torch.stack(losses), grads))
-        opt.step()
-    return out
-
-
 def run_pipeline(case: Case, steps: int, configure: Callable[[nn.Module, int], None]) -> Any:
-    """The case over loopback ranks; every step checked bitwise against :func:`reference`.
+    """The case over loopback ranks; every step checked bitwise against one thread
+    (``reference_steps``, configured the same way).
     Returns the runtimes and, per step, the requests pp rank 1 served in it."""
     torch.manual_seed(1234)
     base = case.build()
     copies = [copy.deepcopy(base) for _ in range(case.pp)]
-    expected = reference(copy.deepcopy(base), case, steps, configure)
+    expected = reference_steps(copy.deepcopy(base), case, steps, configure)
     served: list[int] = []
     misses: list[int] = []  # the driver's misses so far, at each step's start
 

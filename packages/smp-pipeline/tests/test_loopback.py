@@ -232,14 +232,20 @@ CASES = {
 
 
 def reference_steps(
-    model: nn.Module, case: Case, steps: int
+    model: nn.Module,
+    case: Case,
+    steps: int,
+    configure: Callable[[nn.Module, int], None] | None = None,
 ) -> list[tuple[torch.Tensor, dict[str, torch.Tensor | None]]]:
     """One thread, the unwrapped model: per step, the per-microbatch losses and every
     parameter's gradient, accumulating the pipeline's microbatches in order with each loss
-    scaled by 1/m (what the pipeline computes); then an SGD step."""
+    scaled by 1/m (what the pipeline computes); then an SGD step. ``configure(model, s)``
+    runs before step ``s``."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     out = []
-    for _ in range(steps):
+    for s in range(steps):
+        if configure is not None:
+            configure(model, s)
         opt.zero_grad()
         losses = []
         for args, _ in split_microbatches(None, case.batch(), None, case.m):

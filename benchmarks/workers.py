@@ -1,0 +1,49 @@
+"""How a benchmark runs its contenders: each kind is a fresh worker process (one, or ``N``
+under ``mpiexec``, each bound to a core unless told otherwise) that prints one ``RESULT
+{json}`` line from its rank 0; the parent launches them in turn and reads that line.
+
+Used by ``bench_sequential.py``, ``bench_gpt.py`` and ``bench_hf.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+
+
+def serve_worker(kinds: Mapping[str, Callable[[], dict]]) -> bool:
+    """In a worker process (``--worker KIND`` on the command line): run ``kinds[KIND]``,
+    print its result from rank 0 (one line per run: ranks' lines could interleave), and
+    return True; in the parent, return False."""
+    if "--worker" not in sys.argv:
+        return False
+    kind = sys.argv[sys.argv.index("--worker") + 1]
+    result = kinds[kind]()
+    if result.get("rank", 0) == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+    return True
+
+
+def launch(
+    script: str, kind: str, nprocs: int, env: Mapping[str, str], bind: str, timeout: float = 600
+) -> dict:
+    """Run worker ``kind`` of ``script`` on ``nprocs`` processes; its result. ``bind``: MPICH's
+    ``-bind-to`` value (each process on a core of its own, the usual HPC launch, for every
+    contender alike), "" for none."""
+    if nprocs == 1:
+        cmd = [sys.executable, script, "--worker", kind]
+    else:
+        from smp_comm.testing import mpiexec_path
+
+        binding = ["-bind-to", bind] if bind else []
+        cmd = [mpiexec_path(), *binding, "-n", str(nprocs), sys.executable, script, "--worker", kind]
+    out = subprocess.run(cmd, env=dict(env), capture_output=True, text=True, timeout=timeout)
+    name = script.rsplit("/", 1)[-1]
+    if out.returncode != 0:
+        raise SystemExit(f"{name}: {kind} failed:\n{out.stdout}\n{out.stderr}")
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    if not lines:
+        raise SystemExit(f"{name}: {kind} printed no result:\n{out.stdout}\n{out.stderr}")
+    return json.loads(lines[0][7:])
