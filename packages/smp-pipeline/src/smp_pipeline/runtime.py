@@ -77,8 +77,11 @@ class PipelineRuntime:
         fast_mode: an ``nn.Sequential``'s consecutive children owned by one other rank run
             as one request per microbatch (and one backward request), nested plain
             Sequentials flattened in, instead of one request per child (see
-            :mod:`smp_pipeline.seqruns`: exact, with the fallbacks listed there). Every rank
-            must agree. False: one request per child (the paper's baseline).
+            :mod:`smp_pipeline.seqruns`: exact, with the fallbacks listed there); and a loop
+            over an ``nn.ModuleList`` in the model's own forward chains the blocks one rank
+            owns into one request, from the step after it saw the loop follow the chaining
+            rule (:mod:`smp_pipeline.chains`). Every rank must agree. False: one request per
+            child or block (the paper's baseline).
         offload_activations: what checkpointed modules keep for backward (their inputs)
             moves to host memory after their forward and comes back ahead of their backward
             (see :mod:`smp_pipeline.offload`; :attr:`offload_stats` counts it). Needs
