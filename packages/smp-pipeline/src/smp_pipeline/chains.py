@@ -47,6 +47,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from smp_pipeline.messages import flatten
+
 # A chained call's state that must match for a hit: (grad mode, autocast contexts).
 State = tuple[bool, Any]
 
@@ -76,19 +78,6 @@ def _same_args(args: tuple[Any, ...], kwargs: dict[str, Any], rest: tuple[Any, .
         and kwargs.keys() == kw.keys()
         and all(_same(v, kw[k]) for k, v in kwargs.items())
     )
-
-
-def _tensors(value: Any, out: list[torch.Tensor], depth: int = 0) -> list[torch.Tensor]:
-    """The tensors in ``value`` (nested tuples, lists and dict values), in order."""
-    if isinstance(value, torch.Tensor):
-        out.append(value)
-    elif depth < 4 and isinstance(value, (tuple, list)):
-        for v in value:
-            _tensors(v, out, depth + 1)
-    elif depth < 4 and isinstance(value, dict):
-        for v in value.values():
-            _tensors(v, out, depth + 1)
-    return out
 
 
 def _version(x: torch.Tensor | None) -> int:
@@ -122,11 +111,11 @@ class _Call:
         # The next block's input from each output, and the other arguments' tensors, with
         # their version counters as they were when the chained blocks ran.
         self.versions = [_version(chain_input(o)) for o in outputs]
-        self.held = [(t, t._version) for t in _tensors((rest, kwargs), [])]
+        self.held = [(t, t._version) for t in flatten((rest, kwargs))[1]]
 
     def unchanged(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether the tensors in ``args[1:]`` and ``kwargs`` are the ones held, unchanged."""
-        now = _tensors((args[1:], kwargs), [])
+        now = flatten((args[1:], kwargs))[1]
         held = self.held
         return len(now) == len(held) and all(
             a is t and a._version == v for a, (t, v) in zip(now, held)

@@ -134,9 +134,7 @@ class RemoteCalls:
             chain,
             Packed(skeleton, [t.detach() for t in tensors], flags),
         )
-        label = span_label(path, span if not then else (*(span or ()), *then[-1][1]))
-        if chain:
-            label = span_label(path, msg.modules())
+        label = span_label(path, msg.modules() if not then else (*(span or ()), *then[-1][1]))
         self.transport.expect(("fwd", key), dest, label, ctx.mb)
         self.transport.send(dest, msg)
         resp: FwdResp = task.worker.wait(("fwd", key))

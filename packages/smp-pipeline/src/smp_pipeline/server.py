@@ -195,10 +195,8 @@ class ExecutionServer:
     def _streamable(self) -> Container[int]:
         """The parameters whose only contribution of its microbatch here the task holding
         the token gives (see :meth:`CallRecords.streamable`)."""
-        task = self.executor.current
-        if task is None or task.context is None:
-            return frozenset()
-        return self.records.streamable(task.context)
+        ctx = self.current_context()
+        return frozenset() if ctx is None else self.records.streamable(ctx)
 
     def _order_arrival(self, _handle: Any) -> None:
         self._wakeup.release()
