@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 
 import workers  # (this folder)
 
@@ -75,16 +74,14 @@ def _tokens_per_s(times: list[float]) -> float:
 def single(microbatches: int = 1) -> dict:
     torch, model, ids = _setup()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    times = []
-    for step in range(WARMUP + STEPS):
-        t0 = time.perf_counter()
+
+    def run() -> None:
         opt.zero_grad()
         for chunk in ids.chunk(microbatches):
             (model(chunk, labels=chunk).loss / microbatches).backward()
         opt.step()
-        if step >= WARMUP:
-            times.append(time.perf_counter() - t0)
-    return {"rate": _tokens_per_s(times)}
+
+    return {"rate": _tokens_per_s(workers.timed_steps(run, WARMUP, STEPS))}
 
 
 def smp_pp2(fast: bool) -> dict:
@@ -101,15 +98,12 @@ def smp_pp2(fast: bool) -> dict:
         dmodel.backward(loss)
         return loss
 
-    times = []
-    for step in range(WARMUP + STEPS):
-        smp.barrier()
-        t0 = time.perf_counter()
+    def run() -> None:
         opt.zero_grad()
         train_step(ids)
         opt.step()
-        if step >= WARMUP:
-            times.append(time.perf_counter() - t0)
+
+    times = workers.timed_steps(run, WARMUP, STEPS, smp.barrier)
     rt = dmodel.engine.runtime
     served = smp.allgather(rt.requests_served, smp.PP_GROUP)[1]
     on_1 = sum(1 for i in range(LAYERS) if rt.assignment[f"{BLOCKS}.{i}"] == 1)

@@ -129,16 +129,14 @@ def single(microbatches: int = 1) -> dict:
     import torch.nn.functional as F
 
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
-    times = []
-    for step in range(WARMUP + STEPS):
-        t0 = time.perf_counter()
+
+    def run() -> None:
         opt.zero_grad()
         for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches)):
             (F.mse_loss(net(xs), ys) / microbatches).backward()
         opt.step()
-        if step >= WARMUP:
-            times.append(time.perf_counter() - t0)
-    return {"rate": _rate(times)}
+
+    return {"rate": _rate(workers.timed_steps(run, WARMUP, STEPS))}
 
 
 def smp_pp2(fast: bool, static: bool = False, loop: bool = False) -> dict:
@@ -158,15 +156,12 @@ def smp_pp2(fast: bool, static: bool = False, loop: bool = False) -> dict:
         model.backward(loss)
         return loss
 
-    times = []
-    for step in range(WARMUP + STEPS):
-        smp.barrier()
-        t0 = time.perf_counter()
+    def run() -> None:
         opt.zero_grad()
         train_step(x, y)
         opt.step()
-        if step >= WARMUP:
-            times.append(time.perf_counter() - t0)
+
+    times = workers.timed_steps(run, WARMUP, STEPS, smp.barrier)
     rt = model.engine.runtime
     # Stage 0's share of the top-level blocks (the cut torch.distributed.pipelining reuses),
     # and the requests stage 1 served per microbatch (forward + backward).
@@ -203,18 +198,16 @@ def torch_pipelining() -> dict:
     stage = PipelineStage(mod, rank, 2, torch.device("cpu"))
     sched = Schedule1F1B(stage, n_microbatches=MB, loss_fn=F.mse_loss)
     opt = torch.optim.SGD(mod.parameters(), lr=1e-3)
-    times = []
-    for step in range(WARMUP + STEPS):
-        dist.barrier()
-        t0 = time.perf_counter()
+
+    def run() -> None:
         opt.zero_grad()
         if rank == 0:
             sched.step(x)
         else:
             sched.step(target=y)
         opt.step()
-        if step >= WARMUP:
-            times.append(time.perf_counter() - t0)
+
+    times = workers.timed_steps(run, WARMUP, STEPS, dist.barrier)
     dist.destroy_process_group()
     return {"rate": _rate(times), "rank": rank}
 

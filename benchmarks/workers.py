@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Mapping
 
 
@@ -47,3 +48,19 @@ def launch(
     if not lines:
         raise SystemExit(f"{name}: {kind} printed no result:\n{out.stdout}\n{out.stderr}")
     return json.loads(lines[0][7:])
+
+
+def timed_steps(
+    run: Callable[[], object], warmup: int, steps: int, sync: Callable[[], object] | None = None
+) -> list[float]:
+    """``run()`` ``warmup + steps`` times; the seconds each of the last ``steps`` took.
+    ``sync()`` (a barrier across the processes) runs before each, untimed."""
+    times = []
+    for step in range(warmup + steps):
+        if sync is not None:
+            sync()
+        t0 = time.perf_counter()
+        run()
+        if step >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
