@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import select
 from collections import namedtuple
 
 import numpy as np
 import pytest
 import torch
+from smp_comm import doorbell
 from smp_comm.alloc import RangeAllocator
+from smp_comm.doorbell import Doorbells, doorbells_available
 from smp_comm.serialize import ALIGN, new_buffers, pack, unpack
 from smp_comm.settings import CommSettings, parse_bytes
 
@@ -236,3 +239,46 @@ def test_failed_step_hooks_run_and_never_mask_the_error(monkeypatch) -> None:
     shutdown.on_failed_step(lambda: calls.append("second"))
     shutdown.note_failed_step()
     assert calls == ["broken", "second"]
+
+
+@pytest.mark.skipif(not doorbells_available(), reason="doorbells need Linux and /dev/shm")
+def test_a_ring_wakes_the_waiting_thread_first_and_nobody_while_one_polls() -> None:
+    from mpi4py import MPI
+
+    bell = Doorbells(MPI.COMM_SELF)
+
+    def rung() -> tuple[bool, bool]:
+        """(tracker's socket, waiter's socket) got a datagram; both drained."""
+        got = tuple(select.select([s], [], [], 0)[0] != [] for s in (bell._sock, bell._waiter_sock))
+        for s in (bell._sock, bell._waiter_sock):
+            doorbell._drain(s)
+        return got  # type: ignore[return-value]
+
+    try:
+        me = bell.rank * doorbell._LINE
+        bell.ring(0)
+        assert rung() == (False, False)  # nobody asleep: nothing sent
+        bell._flags[me + doorbell.TRACKER] = 1
+        bell.ring(0)
+        assert rung() == (True, False)  # the tracker sleeps
+        bell._flags[me + doorbell.WAITER] = 1
+        bell.ring(0)
+        assert rung() == (False, True)  # the waiting thread too: it takes the ring
+        bell.polling(True)
+        bell.ring(0)
+        assert rung() == (False, False) and bell.polled == 1  # a thread polls: it will see it
+        bell.polling(False)
+        bell.wake_waiter()
+        assert rung() == (False, True)
+        # A doze whose re-check finds the wait over does not sleep, and clears the byte.
+        seen = []
+        bell.doze(lambda: seen.append(bell._flags[me + doorbell.WAITER]) or True, timeout=5.0)
+        assert seen == [1] and bell.dozes == 0 and bell._flags[me + doorbell.WAITER] == 0
+        bell.wake_waiter()  # nobody dozes: nothing sent
+        assert rung() == (False, False)
+        # A doze that finds nothing sleeps until rung (the datagram is already there).
+        bell._send(bell._waiter_addr[0])
+        bell.doze(lambda: False, timeout=5.0)
+        assert (bell.dozes, bell.rung) == (1, 1) and rung() == (False, False)  # drained
+    finally:
+        bell.close()

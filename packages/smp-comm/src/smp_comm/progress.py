@@ -43,6 +43,7 @@ __all__ = ["Progress", "Tracked"]
 # several probes (docs/perf-notes.md), and the probes are what finds a small message soonest.
 _SPIN_PROBES = 32
 _LANE_PROBES = 8  # probes per call into the compiled fast path, which drops the GIL for them
+_DOZE_S = 0.05  # longest sleep of a waiting thread on its doorbell between two polls (backstop)
 
 
 @dataclass
@@ -89,9 +90,12 @@ class Progress:
         self._seq_from = [0] * size  # next expected sequence number per source
         self._held: list[dict[int, tuple[int, Any]]] = [{} for _ in range(size)]
         self._wake = threading.Event()  # nudges the tracker out of its idle sleep
-        self._deep = False  # the tracker sleeps on its doorbell (not polling)
-        # One entry per thread inside wait's polling phase (list append/pop are atomic).
+        # One entry per thread inside wait's polling phase (list append/pop are atomic);
+        # the lock orders the doorbell's POLLING byte with the list.
         self._spinners: list[None] = []
+        self._spinners_lock = threading.Lock()
+        # Held by the one waiting thread that sleeps on the waiter's doorbell (see wait()).
+        self._doze_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         # Set by attach(): the receiver's handlers.
@@ -282,11 +286,7 @@ class Progress:
                 sleep = 0.0
                 continue
             if self.bell is not None and not self._active:  # (requests in flight: poll)
-                self._deep = True
-                try:
-                    self.bell.sleep(self._busy_before_sleep)
-                finally:
-                    self._deep = False
+                self.bell.sleep(self._busy_before_sleep)
                 self._wake.clear()
                 continue
             sleep = min(1e-3, max(2e-5, sleep * 2))
@@ -310,7 +310,8 @@ class Progress:
         progress itself (no thread hand-off on the critical path of a small message):
         mostly fast-path probes, the cheapest way to see a small message the moment it
         lands, with a full progress round every ``_SPIN_PROBES`` probes. After that it
-        sleeps and the tracker thread takes over.
+        sleeps: with doorbells on its own (:meth:`_doze`: the arrival wakes this thread, not
+        the tracker and then this one), else on the handle while the tracker thread polls.
         """
         if handle._done:
             return True
@@ -319,14 +320,12 @@ class Progress:
         spin_s = self._poll_spin if spin is None else min(spin, self._poll_spin)
         spin_until = now + spin_s
         life, working, lock = self._life, self._backlog.counts, self.lock
-        self._spinners.append(None)
-        if self._deep:  # this thread polls now: its tracker need not sleep through rings
-            self.nudge()
+        self._enter_spin()
         try:
             while not handle._done:
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
-                    return handle._done
+                    break
                 if now >= spin_until or life.closed:
                     break
                 if any(working):
@@ -350,12 +349,86 @@ class Progress:
                 finally:
                     lock.release()
         finally:
-            self._spinners.pop()
+            self._leave_spin()
         if handle._done:
             return True
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        if self.bell is not None and not life.closed and self._doze_lock.acquire(False):
+            try:
+                return self._doze(handle, deadline)
+            finally:
+                self._doze_lock.release()
         self.nudge()  # hand progress back to the tracker thread
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         return handle._sleep(left)
+
+    def _enter_spin(self) -> None:
+        """This thread polls: senders need not ring this rank's doorbells meanwhile."""
+        with self._spinners_lock:
+            self._spinners.append(None)
+            if self.bell is not None:
+                self.bell.polling(True)
+
+    def _leave_spin(self) -> None:
+        """This thread stops polling; if it was the last, senders ring again, and one more
+        round takes what arrived unrung in between (or the tracker would find it only at its
+        next wake-up)."""
+        with self._spinners_lock:
+            self._spinners.pop()
+            last = not self._spinners and self.bell is not None
+            if last:
+                assert self.bell is not None
+                self.bell.polling(False)
+        if last:
+            with self.lock:
+                try:
+                    self.poll_once()
+                except Exception as exc:
+                    raise self._table.fail_all(exc) from exc
+
+    def _doze(self, handle: Handle, deadline: float | None) -> bool:
+        """Sleep on the waiter's doorbell until ``handle`` completes (True) or ``deadline``
+        passes (False), polling after each wake-up. The tracker sleeps on meanwhile: a
+        sender rings this thread, and a completion on another thread (the tracker while it
+        polls requests in flight, a backend thread) rings it through the handle's
+        callback."""
+        bell = self.bell
+        assert bell is not None
+        me = threading.get_ident()
+        if not getattr(handle, "_rings_waiter", False):
+            handle._rings_waiter = True  # type: ignore[attr-defined]
+
+            def completed(_h: Handle) -> None:
+                if threading.get_ident() != me:  # (this thread's own polls need no ring)
+                    bell.wake_waiter()
+
+            handle.add_done_callback(completed)
+        lock = self.lock
+
+        def recheck_done() -> bool:
+            if handle._done:
+                return True
+            with lock:
+                try:
+                    self.poll_once()
+                except Exception as exc:
+                    raise self._table.fail_all(exc) from exc
+            return handle._done
+
+        while not handle._done:
+            if deadline is None:
+                left = _DOZE_S
+            else:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+            if self._life.closed:
+                self.nudge()
+                return handle._sleep(None if deadline is None else max(0.0, left))
+            bell.doze(recheck_done, min(left, _DOZE_S))
+            recheck_done()
+        return True
 
     def _spin_fast(self, handle: Handle) -> bool:
         """Probe for fast-path frames until one arrives (True) or ``_SPIN_PROBES`` probes

@@ -1,9 +1,11 @@
 """Doorbells: idle trackers sleep on them, senders ring them, and traffic still arrives.
 
-Every receive here waits with ``spin=0``, so no receiving thread polls: each message is
-found by the receiver's tracker, which sleeps on its doorbell while idle. Rank 0 checks that
-it rang sleeping peers; the peers check that their trackers slept. The same traffic then
-runs with doorbells off (by setting, and when ranks pretend to sit on different hosts).
+Every receive here waits with ``spin=0``, so no receiving thread polls: the receiving
+thread sleeps on its waiter's doorbell at once, and its tracker sleeps on its own while
+idle. Rank 0 checks that it rang sleeping peers; the peers check that their trackers slept
+and that rings woke their waiting threads (the small messages; the large ones complete on a
+backend thread, whose completion rings the waiter too). The same traffic then runs with
+doorbells off (by setting, and when ranks pretend to sit on different hosts).
 """
 
 from __future__ import annotations
@@ -68,20 +70,21 @@ def main() -> None:
         assert bell is not None, "one host, default settings: doorbells expected"
         exchange(comm, rounds=6)
         world.Barrier()
-        rings, sleeps = bell.rings, bell.sleeps
+        rings, sleeps, rung, woken = bell.rings, bell.sleeps, bell.rung, bell.woken
         quiet_notes(comm, rounds=3)
         world.Barrier()
     if rank == 0:
         assert rings > 0, f"rank 0 never rang a sleeping peer (rings={rings})"
     else:
         assert sleeps > 0, f"rank {rank}'s tracker never slept on its doorbell"
+        assert rung > 0, f"rank {rank}: no ring ever woke its waiting thread (rung={rung})"
     case_ok("rings-and-sleeps")
     for case, kwargs in (("doorbell-off", {"doorbell": False}), ("own-nodes", {"node_id": "{rank}"})):
         with smp_comm.Communicator(world, **kwargs) as comm:
             assert comm._bell is None, kwargs
             exchange(comm, rounds=2)
         case_ok(case)
-    print(f"rank {rank} OK doorbell (rings {rings}, sleeps {sleeps})", flush=True)
+    print(f"rank {rank} OK doorbell (rings {rings}, sleeps {sleeps}, rung {rung}, woken {woken})", flush=True)
 
 
 if __name__ == "__main__":
