@@ -108,6 +108,30 @@ def test_settings_kwargs_env_and_errors(monkeypatch) -> None:
         CommSettings.resolve(rank=0, disable="mpi")
 
 
+def test_poll_spin_auto_spins_only_where_every_rank_has_a_core(monkeypatch) -> None:
+    from mpi4py import MPI
+    from smp_comm import Communicator
+    from smp_comm.settings import SPIN_S, auto_poll_spin
+
+    assert auto_poll_spin(2, 2) == SPIN_S and auto_poll_spin(4, 2) == 0.0
+    assert auto_poll_spin(8, None) == SPIN_S  # (core count unknown: spin, as before)
+    monkeypatch.delenv("SMP_COMM_POLL_SPIN", raising=False)
+    assert CommSettings.resolve(rank=0).poll_spin is None  # "auto" until a Communicator
+    with Communicator(MPI.COMM_SELF) as comm:  # one rank on this node
+        assert comm.settings.poll_spin == SPIN_S
+    monkeypatch.setattr("os.cpu_count", lambda: 0)  # a node with more ranks than cores
+    with Communicator(MPI.COMM_SELF) as comm:
+        assert comm.settings.poll_spin == 0.0
+        h = comm.irecv(0, 2)  # a wait that sleeps at once still gets its message
+        comm.isend(torch.ones(3), dest=0, tag=2).wait(10)
+        assert torch.equal(h.wait(10)[0], torch.ones(3))
+    monkeypatch.setenv("SMP_COMM_POLL_SPIN", "0.0005")  # an explicit value wins
+    with Communicator(MPI.COMM_SELF) as comm:
+        assert comm.settings.poll_spin == 0.0005
+    monkeypatch.setenv("SMP_COMM_POLL_SPIN", "auto")
+    assert CommSettings.resolve(rank=0).poll_spin is None
+
+
 def test_self_send_on_comm_self() -> None:
     from mpi4py import MPI
     from smp_comm import ANY_SOURCE, Communicator

@@ -35,6 +35,7 @@ whichever thread and path carried each.
 from __future__ import annotations
 
 import atexit
+import os
 import warnings
 import weakref
 from dataclasses import fields, replace
@@ -55,7 +56,7 @@ from smp_comm.progress import Progress
 from smp_comm.receiver import Receiver
 from smp_comm.sender import Outgoing, Sender
 from smp_comm.serialize import pack, torch
-from smp_comm.settings import CommSettings
+from smp_comm.settings import CommSettings, auto_poll_spin
 from smp_comm.state import Backlog, Lifecycle, PathStats
 from smp_comm.wire import ANY_SOURCE, ANY_TAG
 
@@ -121,6 +122,10 @@ class Communicator:
         self._fc_handle: int = self._fc.handle
         self._tag_ub: int = int(cc.Get_attr(MPI.TAG_UB))  # type: ignore[arg-type]
         self._paths = DirectPaths(cc, self.settings)
+        if self.settings.poll_spin is None:  # "auto": by how many ranks share this node
+            here = self._paths.node_of.count(self._paths.node_of[self.rank])
+            spin = auto_poll_spin(here, os.cpu_count())
+            self.settings = replace(self.settings, poll_spin=spin)
         # Every rank's process: the exit protocol after a failed step watches their ends
         # (smp_comm.shutdown).
         know_peers(cc.allgather(ProcessInfo.here()), self.rank)
@@ -131,7 +136,7 @@ class Communicator:
         backlog = Backlog()
         table = self._table = MatchingTable(self.rank, self.size, self._life)
         self._progress = Progress(
-            self.rank, self.size, cc, self._fc, self._lane, self.settings.poll_spin,
+            self.rank, self.size, cc, self._fc, self._lane, float(self.settings.poll_spin or 0),
             table, self._paths, backlog, self._life, self._bell,
         )  # fmt: skip
         self._sender = Sender(

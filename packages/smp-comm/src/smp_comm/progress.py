@@ -318,7 +318,26 @@ class Progress:
         now = time.monotonic()
         deadline = None if timeout is None else now + timeout
         spin_s = self._poll_spin if spin is None else min(spin, self._poll_spin)
-        spin_until = now + spin_s
+        if spin_s > 0:
+            self._spin(handle, deadline, spin_s, now + spin_s)
+        if handle._done:
+            return True
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        if self.bell is not None and not self._life.closed and self._doze_lock.acquire(False):
+            try:
+                return self._doze(handle, deadline)
+            finally:
+                self._doze_lock.release()
+        self.nudge()  # hand progress back to the tracker thread
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return handle._sleep(left)
+
+    def _spin(
+        self, handle: Handle, deadline: float | None, spin_s: float, spin_until: float
+    ) -> None:
+        """:meth:`wait`'s polling phase: until ``handle`` completes, ``deadline`` passes or
+        ``spin_s`` seconds pass without an event (the first ending at ``spin_until``)."""
         life, working, lock = self._life, self._backlog.counts, self.lock
         self._enter_spin()
         try:
@@ -350,18 +369,6 @@ class Progress:
                     lock.release()
         finally:
             self._leave_spin()
-        if handle._done:
-            return True
-        if deadline is not None and time.monotonic() >= deadline:
-            return False
-        if self.bell is not None and not life.closed and self._doze_lock.acquire(False):
-            try:
-                return self._doze(handle, deadline)
-            finally:
-                self._doze_lock.release()
-        self.nudge()  # hand progress back to the tracker thread
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        return handle._sleep(left)
 
     def _enter_spin(self) -> None:
         """This thread polls: senders need not ring this rank's doorbells meanwhile."""

@@ -35,8 +35,11 @@ setting (kwarg)                environment variable                default
                                                                    when garbage collected; 0:
                                                                    copied out at once
 ``close_timeout``              ``SMP_COMM_CLOSE_TIMEOUT``          60 s
-``poll_spin``                  ``SMP_COMM_POLL_SPIN``              0.002 s of busy polling after
-                                                                   the last event, then sleeps
+``poll_spin``                  ``SMP_COMM_POLL_SPIN``              ``auto``: 0.002 s of busy
+                                                                   polling after the last event,
+                                                                   then sleep; 0 (sleep at once)
+                                                                   when this node runs more
+                                                                   ranks than it has cores
 ``doorbell``                   ``SMP_COMM_DOORBELL``               1: when all ranks share one
                                                                    Linux host, an idle tracker
                                                                    sleeps until a sender wakes
@@ -57,7 +60,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["DIRECT_PATHS", "PATHS", "CommSettings", "parse_bytes"]
+__all__ = ["DIRECT_PATHS", "PATHS", "SPIN_S", "CommSettings", "auto_poll_spin", "parse_bytes"]
 
 PATHS = ("mpi", "shm", "cuda_ipc", "rma")
 DIRECT_PATHS = ("shm", "cuda_ipc", "rma")
@@ -98,7 +101,7 @@ class CommSettings:
     node_id: str | None = None
     shm_zero_copy: bool = True
     close_timeout: float = 60.0
-    poll_spin: float = 0.002
+    poll_spin: float | None = None  # None: "auto", resolved by the Communicator (auto_poll_spin)
     doorbell: bool = True
     compiled: bool = True
 
@@ -145,7 +148,10 @@ class CommSettings:
             if close_timeout is not None
             else float(env.get("SMP_COMM_CLOSE_TIMEOUT", 60))
         )
-        ps = poll_spin if poll_spin is not None else float(env.get("SMP_COMM_POLL_SPIN", 0.002))
+        ps = poll_spin
+        if ps is None:
+            raw_spin = env.get("SMP_COMM_POLL_SPIN", "auto").strip().lower()
+            ps = None if raw_spin in ("", "auto") else float(raw_spin)
         if shm_zero_copy is None:
             shm_zero_copy = _flag(env, "SMP_COMM_SHM_ZERO_COPY")
         if doorbell is None:
@@ -175,6 +181,19 @@ class CommSettings:
             doorbell=bool(doorbell),
             compiled=bool(compiled),
         )
+
+
+# Busy polling after the last event, where the node's ranks each have a core.
+SPIN_S = 0.002
+
+
+def auto_poll_spin(ranks_on_node: int, cores: int | None) -> float:
+    """``poll_spin``'s ``auto`` value: spin (``SPIN_S``) only where every rank of the node can
+    have a core of its own. A rank that spins on a shared core takes the CPU from the very
+    rank whose message it waits for, and since a waiting thread sleeps on its own doorbell
+    (:mod:`smp_comm.doorbell`) a sleep costs one wake-up, so it sleeps at once there
+    (docs/perf-notes.md, "Waiting on the doorbell")."""
+    return SPIN_S if cores is None or ranks_on_node <= cores else 0.0
 
 
 def _flag(env: os._Environ[str], var: str) -> bool:
