@@ -169,8 +169,9 @@ class Transport:
 
     def wait_message(self) -> Message | None:
         """Idle, no device work under way: one blocking receive of up to 50 ms. This thread
-        drives the communicator's progress for a short spin, then sleeps while its tracker
-        thread polls (see docs/perf-notes.md, "Idle wait")."""
+        drives the communicator's progress for a short spin (none where the node's ranks
+        outnumber its cores: smp-comm's ``poll_spin``), then sleeps until the arrival wakes
+        it (see docs/perf-notes.md, "Idle wait")."""
         return self.next_message(0.05, spin=self.spin_s)
 
     def poll(self) -> None:
