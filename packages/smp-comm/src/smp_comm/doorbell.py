@@ -20,7 +20,7 @@ seen now), then blocks in ``select`` on its socket. Whoever posts a message to a
 that rank's bytes and rings the waiter if it sleeps, else the tracker if it sleeps, and
 nobody while a thread there polls (which, when it stops polling, probes once more, the same
 way). A byte read costs tens of nanoseconds, so busy ranks pay nothing; the syscall is paid
-only to wake a sleeper. Sleeps are bounded (``_MAX_SLEEP_S``) as a backstop: a lost ring
+only to wake a sleeper. Sleeps are bounded (``MAX_SLEEP_S``) as a backstop: a lost ring
 costs at most that.
 """
 
@@ -36,10 +36,10 @@ from collections.abc import Callable
 
 from mpi4py import MPI
 
-__all__ = ["Doorbells", "doorbells_available"]
+__all__ = ["MAX_SLEEP_S", "Doorbells", "doorbells_available"]
 
 _LINE = 64  # one cache line per rank: flags of different ranks never share a line
-_MAX_SLEEP_S = 0.05
+MAX_SLEEP_S = 0.05  # longest sleep on a doorbell: what a lost ring costs at most
 # Offsets of a rank's bytes in its line (see the module docstring).
 TRACKER, WAITER, POLLING = 0, 1, 2
 
@@ -129,7 +129,7 @@ class Doorbells:
             return False  # full queue: a ring is pending anyway; gone peer: nothing to wake
         return True
 
-    def sleep(self, recheck_busy: Callable[[], bool], timeout: float = _MAX_SLEEP_S) -> None:
+    def sleep(self, recheck_busy: Callable[[], bool], timeout: float = MAX_SLEEP_S) -> None:
         """Mark this rank asleep, run ``recheck_busy()`` (one progress round: True if it found
         work) and, if it found none, block until rung or ``timeout`` passes."""
         self._flags[self._me] = 1
@@ -145,7 +145,7 @@ class Doorbells:
             self._flags[self._me] = 0
         _drain(self._sock)
 
-    def doze(self, recheck_done: Callable[[], bool], timeout: float = _MAX_SLEEP_S) -> None:
+    def doze(self, recheck_done: Callable[[], bool], timeout: float = MAX_SLEEP_S) -> None:
         """The waiting thread's sleep (one thread at a time): mark the waiter asleep, run
         ``recheck_done()`` (one progress round: True if its wait is over) and, if not, block
         until rung (by a sender, or by :meth:`wake_waiter`) or ``timeout`` passes."""

@@ -19,7 +19,7 @@ from typing import Any
 from mpi4py import MPI
 
 from smp_comm import fastpath
-from smp_comm.doorbell import Doorbells
+from smp_comm.doorbell import MAX_SLEEP_S, Doorbells
 from smp_comm.errors import CommError
 from smp_comm.handles import Handle
 from smp_comm.matching import MatchingTable
@@ -43,7 +43,6 @@ __all__ = ["Progress", "Tracked"]
 # several probes (docs/perf-notes.md), and the probes are what finds a small message soonest.
 _SPIN_PROBES = 32
 _LANE_PROBES = 8  # probes per call into the compiled fast path, which drops the GIL for them
-_DOZE_S = 0.05  # longest sleep of a waiting thread on its doorbell between two polls (backstop)
 
 
 @dataclass
@@ -388,11 +387,15 @@ class Progress:
                 assert self.bell is not None
                 self.bell.polling(False)
         if last:
-            with self.lock:
-                try:
-                    self.poll_once()
-                except Exception as exc:
-                    raise self._table.fail_all(exc) from exc
+            self._poll_round()
+
+    def _poll_round(self) -> None:
+        """One progress round, waiting for ``lock`` if another thread runs one."""
+        with self.lock:
+            try:
+                self.poll_once()
+            except Exception as exc:
+                raise self._table.fail_all(exc) from exc
 
     def _doze(self, handle: Handle, deadline: float | None) -> bool:
         """Sleep on the waiter's doorbell until ``handle`` completes (True) or ``deadline``
@@ -411,30 +414,21 @@ class Progress:
                     bell.wake_waiter()
 
             handle.add_done_callback(completed)
-        lock = self.lock
 
         def recheck_done() -> bool:
-            if handle._done:
-                return True
-            with lock:
-                try:
-                    self.poll_once()
-                except Exception as exc:
-                    raise self._table.fail_all(exc) from exc
+            if not handle._done:
+                self._poll_round()
             return handle._done
 
+        # Each doze polls after marking the waiter asleep, so a wake-up needs no poll of its own.
         while not handle._done:
-            if deadline is None:
-                left = _DOZE_S
-            else:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
+            left = MAX_SLEEP_S if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                return recheck_done()  # (what the last sleep was woken for)
             if self._life.closed:
                 self.nudge()
                 return handle._sleep(None if deadline is None else max(0.0, left))
-            bell.doze(recheck_done, min(left, _DOZE_S))
-            recheck_done()
+            bell.doze(recheck_done, min(left, MAX_SLEEP_S))
         return True
 
     def _spin_fast(self, handle: Handle) -> bool:
