@@ -19,7 +19,9 @@ nested module hierarchy, stage i on pp rank i); the driver computes a mean loss.
               straight to the next) and without (every stage a request from the driver)
   overhead:   step latency per served request at zero compute, and CPU per request
               (all threads of all ranks, including the communicator's, while the step
-              runs: the MPI Barrier/allreduce that time it busy-wait and are left out)
+              runs: the MPI Barrier/allreduce that time it busy-wait and are left out);
+              beside it Schedule1F1B's CPU per stage-boundary transfer at zero compute
+              (as many transfers per microbatch as smp's chain serves requests)
 
 Medians of 5 steps; the two systems' steps alternate so both see the same machine load.
 """
@@ -169,22 +171,51 @@ def _worker() -> None:
             theirs[m].append(timed(lambda m=m: run_theirs(m, *data[m])))
     for rt, _ in (*runtimes.values(), *sequential.values()):
         rt.close()
+
+    def step_cpu(fn) -> float:
+        """CPU of this process (all its threads) while ``fn`` runs: the Barrier/allreduce
+        around a timed step busy-wait inside MPI and are left out."""
+        c0 = resource.getrusage(resource.RUSAGE_SELF)
+        fn()
+        c1 = resource.getrusage(resource.RUSAGE_SELF)
+        return c1.ru_utime - c0.ru_utime + c1.ru_stime - c0.ru_stime
+
+    # The yardstick for smp's CPU per request: Schedule1F1B at zero compute, m = 16. Per
+    # microbatch each of its p-1 stage boundaries carries one activation and one gradient,
+    # 2(p-1) transfers, as many as the requests smp's chain serves per microbatch.
+    x16, y16 = torch.randn(16 * MB_SIZE, D), torch.zeros(16 * MB_SIZE, D)
+    zero_stage = PipelineStage(Stage(0.0), rank, P, torch.device("cpu"))
+    zero_pippy = Schedule1F1B(zero_stage, n_microbatches=16, loss_fn=lambda o, y: F.mse_loss(o, y))
+
+    def zero_theirs() -> None:
+        if rank == 0:
+            zero_pippy.step(x16)
+        elif rank == P - 1:
+            zero_pippy.step(target=y16, losses=[])
+        else:
+            zero_pippy.step()
+
+    zero_theirs()  # warm-up
+    theirs_cpu = 0.0
+    theirs_zero = []
+    for _ in range(STEPS):
+        world.Barrier()
+        t0 = time.perf_counter()
+        theirs_cpu += step_cpu(zero_theirs)
+        theirs_zero.append(world.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+    theirs_cpu = world.allreduce(theirs_cpu, op=MPI.SUM)
+    theirs_transfers = STEPS * 16 * 2 * (P - 1)
     dist.destroy_process_group()
 
     # Runtime overhead: the same model with zero compute; latency and CPU per request.
     rt0, step0 = make_runtime(0.0, 7500)
-    x16 = torch.randn(16 * MB_SIZE, D)
     rt0.run_step(step0, (x16,), num_microbatches=16)
     before = rt0.requests_served
     cpu = 0.0
 
     def zero_step() -> None:
-        # CPU of the step only: the Barrier/allreduce around it busy-wait inside MPI.
         nonlocal cpu
-        c0 = resource.getrusage(resource.RUSAGE_SELF)
-        rt0.run_step(step0, (x16,), num_microbatches=16)
-        c1 = resource.getrusage(resource.RUSAGE_SELF)
-        cpu += c1.ru_utime - c0.ru_utime + c1.ru_stime - c0.ru_stime
+        cpu += step_cpu(lambda: rt0.run_step(step0, (x16,), num_microbatches=16))
 
     zero = statistics.median(timed(zero_step) for _ in range(STEPS))
     served = rt0.requests_served - before
@@ -223,6 +254,10 @@ def _worker() -> None:
         print(f"smp_pipeline overhead at zero compute (m=16): {zero / max(busiest, 1) * 1e6:.0f} us "
               f"step latency per request on the busiest rank ({busiest} requests, step "
               f"{zero * 1e3:.1f} ms), {total_cpu / max(total_served, 1) * 1e6:.0f} us CPU per request")
+        print(f"(for reference) Schedule1F1B at zero compute (m=16): "
+              f"{theirs_cpu / theirs_transfers * 1e6:.0f} us CPU per stage-boundary transfer "
+              f"(2(p-1) per microbatch, as many as smp's requests; step "
+              f"{statistics.median(theirs_zero) * 1e3:.1f} ms)")
 
 
 def main() -> None:
