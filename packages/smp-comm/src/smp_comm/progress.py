@@ -135,10 +135,11 @@ class Progress:
         if self.bell is not None:
             self.bell.nudge()
 
-    def ring(self, dest: int) -> None:
-        """After posting a message to ``dest``: wake its tracker if it sleeps."""
+    def ring(self, dest: int, tag: int | None = None) -> None:
+        """After posting a message (with ``tag``) to ``dest``: wake whoever sleeps there
+        (see :meth:`Doorbells.ring`)."""
         if self.bell is not None:
-            self.bell.ring(dest)
+            self.bell.ring(dest, tag)
 
     def track(self, requests: list[MPI.Request], on_done: Callable[[], None]) -> None:
         """Run ``on_done`` in a polling thread once every request completed."""
@@ -388,6 +389,10 @@ class Progress:
                 self.bell.polling(False)
         if last:
             self._poll_round()
+
+    def poll_round(self) -> None:
+        """One progress round on this thread (see :meth:`_poll_round`)."""
+        self._poll_round()
 
     def _poll_round(self) -> None:
         """One progress round, waiting for ``lock`` if another thread runs one."""
