@@ -152,6 +152,19 @@ class Progress:
 
     # ------------------------------------------------------------------ one round
 
+    def last_look(self) -> bool:
+        """The probe a thread makes after saying it will sleep (or stop polling), before it
+        relies on a ring; the caller holds ``lock``. True if anything happened.
+
+        Two rounds where the first finds nothing: MPICH's probes match against what earlier
+        progress brought in, and run progress only after, so a message that landed while no
+        thread of this rank made an MPI call surfaces on the second probe, not the first.
+        One round was not enough: a waiter woken by a ring polled once, found nothing, and
+        slept the full 50 ms backstop for every message of a ping-pong (median latency
+        49.7 ms against 76 µs with two; docs/perf-notes.md, "A last look takes two probes").
+        """
+        return self.poll_once() or self.poll_once()
+
     def poll_once(self) -> bool:
         """One round of MPI progress; the caller holds ``lock``. True if anything happened."""
         busy = False
@@ -299,7 +312,7 @@ class Progress:
         if self._wake.is_set() or self._spinners or self._stop.is_set():
             return True
         with self.lock:
-            return self.poll_once() or bool(self._active)
+            return self.last_look() or bool(self._active)
 
     # ------------------------------------------------------------------ waiting threads
 
@@ -391,14 +404,14 @@ class Progress:
             self._poll_round()
 
     def poll_round(self) -> None:
-        """One progress round on this thread (see :meth:`_poll_round`)."""
+        """A last look on this thread (see :meth:`last_look`)."""
         self._poll_round()
 
     def _poll_round(self) -> None:
-        """One progress round, waiting for ``lock`` if another thread runs one."""
+        """A last look (:meth:`last_look`), waiting for ``lock`` if another thread polls."""
         with self.lock:
             try:
-                self.poll_once()
+                self.last_look()
             except Exception as exc:
                 raise self._table.fail_all(exc) from exc
 

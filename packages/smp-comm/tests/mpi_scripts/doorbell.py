@@ -94,6 +94,38 @@ def quiet_rank(comm: smp_comm.Communicator, rounds: int) -> int:
     return bell.quieted
 
 
+def ping_pong(comm: smp_comm.Communicator, n: int) -> None:
+    """Every wait of a ping-pong (``spin=0``: the waiting thread sleeps at once) ends with
+    the message taken by that thread right after the ring: one doze per message. A waiter
+    whose last look misses a message that landed while the rank made no MPI call dozes a
+    second time, until the tracker's 50 ms backstop finds it (two dozes per message)."""
+    rank = comm.rank
+    bell = comm._bell
+    assert bell is not None
+    if rank > 1:
+        return
+    dozes = bell.dozes
+    for i in range(n):
+        if rank == 0:
+            comm.isend(torch.full((8,), float(i)), dest=1, tag=7000).wait(timeout=10)  # fast path
+            back, _, _ = comm.irecv(1, tag=7001).wait(timeout=10, spin=0)
+            assert float(back[0]) == i
+        else:
+            x, _, _ = comm.irecv(0, tag=7000).wait(timeout=10, spin=0)
+            big = {"x": x, "pad": np.full(8_000, i, dtype=np.int64)}  # general path (shm)
+            comm.isend(big, dest=0, tag=7002).wait(timeout=10)
+            comm.isend(x, dest=0, tag=7001).wait(timeout=10)
+        if rank == 0:
+            big, _, _ = comm.irecv(1, tag=7002).wait(timeout=10, spin=0)
+            assert (big["pad"] == i).all()
+    waits = 2 * n if rank == 0 else n
+    took = bell.dozes - dozes
+    # (Slack for a stale ring or a descheduled sender: each costs one more doze.)
+    assert took <= waits * 1.5, (
+        f"rank {rank}: {took} dozes for {waits} waits: woken waiters missed their messages"
+    )
+
+
 def main() -> None:
     world = MPI.COMM_WORLD
     rank = world.rank
@@ -106,6 +138,8 @@ def main() -> None:
         quiet_notes(comm, rounds=3)
         world.Barrier()
         quieted = quiet_rank(comm, rounds=4)
+        world.Barrier()
+        ping_pong(comm, 100)
         world.Barrier()
     if rank == 0:
         assert rings > 0, f"rank 0 never rang a sleeping peer (rings={rings})"
