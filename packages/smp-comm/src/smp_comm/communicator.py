@@ -306,8 +306,8 @@ class Communicator:
         Meanwhile a sender of such a message does not wake this rank's tracker thread, so a
         rank computing on its cores is not interrupted for a message it would only queue (a
         thread blocked in ``wait`` here is still woken, and messages with other tags wake
-        the tracker as before). ``quiet(None)`` runs one progress round on the calling
-        thread before it returns, so what arrived meanwhile is received, and its receives'
+        the tracker as before). ``quiet(None)`` takes a last look (two progress rounds) on
+        the calling thread before it returns, so what arrived meanwhile is received, and its receives'
         callbacks have run, as if the tracker had been woken. Left quiet, a message waits at
         most the tracker's idle sleep (50 ms). A no-op without doorbells (ranks on several
         hosts, or ``doorbell=False``), where the tracker polls anyway.

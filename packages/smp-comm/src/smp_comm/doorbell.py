@@ -17,11 +17,11 @@ page of shared memory that all ranks map, each byte written by one side only:
 - ``QUIET`` (with a tag in the line's next four bytes): "do not wake my tracker for messages
   with this tag; I will poll when I stop being quiet" (see :meth:`Doorbells.quiet`).
 
-A sleeper sets its byte, probes once more (a message posted before the byte was visible is
-seen now), then blocks in ``select`` on its socket. Whoever posts a message to a rank reads
+A sleeper sets its byte, takes a last look (``Progress.last_look``: a message posted
+before the byte was visible is seen now), then blocks in ``select`` on its socket. Whoever posts a message to a rank reads
 that rank's bytes and rings the waiter if it sleeps, else the tracker if it sleeps, and
-nobody while a thread there polls (which, when it stops polling, probes once more, the same
-way). A byte read costs tens of nanoseconds, so busy ranks pay nothing; the syscall is paid
+nobody while a thread there polls (which, when it stops polling, takes a last look the
+same way). A byte read costs tens of nanoseconds, so busy ranks pay nothing; the syscall is paid
 only to wake a sleeper. Sleeps are bounded (``MAX_SLEEP_S``) as a backstop: a lost ring
 costs at most that.
 """
@@ -157,7 +157,7 @@ class Doorbells:
         return True
 
     def sleep(self, recheck_busy: Callable[[], bool], timeout: float = MAX_SLEEP_S) -> None:
-        """Mark this rank asleep, run ``recheck_busy()`` (one progress round: True if it found
+        """Mark this rank asleep, run ``recheck_busy()`` (a last look: True if it found
         work) and, if it found none, block until rung or ``timeout`` passes."""
         self._flags[self._me] = 1
         try:
@@ -174,7 +174,7 @@ class Doorbells:
 
     def doze(self, recheck_done: Callable[[], bool], timeout: float = MAX_SLEEP_S) -> None:
         """The waiting thread's sleep (one thread at a time): mark the waiter asleep, run
-        ``recheck_done()`` (one progress round: True if its wait is over) and, if not, block
+        ``recheck_done()`` (a last look: True if its wait is over) and, if not, block
         until rung (by a sender, or by :meth:`wake_waiter`) or ``timeout`` passes."""
         waiter = self._me + WAITER
         self._flags[waiter] = 1
