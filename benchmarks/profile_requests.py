@@ -66,13 +66,8 @@ def _static_off(rt: Any) -> None:
     rt.server.executor.inline_max_s = 0.0  # every request on a worker (dynamic mode)
 
 
-def _quiet_off(rt: Any) -> None:
-    rt.server.executor._quiet = None  # arrivals during a task wake the tracker again
-
-
 _KNOBS: dict[str, Callable[[Any], None]] = {
     "static": _static_off,
-    "quiet": _quiet_off,
     "frames": _frames_off,
     "spin0": _spin(0.0),
     "spin50us": _spin(5e-5),

@@ -306,38 +306,3 @@ def test_a_ring_wakes_the_waiting_thread_first_and_nobody_while_one_polls() -> N
         assert (bell.dozes, bell.rung) == (1, 1) and rung() == (False, False)  # drained
     finally:
         bell.close()
-
-
-def test_a_quiet_rank_is_not_rung_for_its_tag_but_for_others_and_its_waiter() -> None:
-    from mpi4py import MPI
-
-    bell = Doorbells(MPI.COMM_SELF)
-
-    def rung() -> tuple[bool, bool]:
-        got = tuple(select.select([s], [], [], 0)[0] != [] for s in (bell._sock, bell._waiter_sock))
-        for s in (bell._sock, bell._waiter_sock):
-            doorbell._drain(s)
-        return got  # type: ignore[return-value]
-
-    try:
-        me = bell.rank * doorbell._LINE
-        bell._flags[me + doorbell.TRACKER] = 1  # the tracker sleeps
-        bell.quiet(7400)
-        bell.ring(0, 7400)
-        assert rung() == (False, False) and bell.quieted == 1  # its tag: left out
-        bell.ring(0, 7401)
-        assert rung() == (True, False)  # another tag (a collective's): rung as before
-        bell.ring(0)
-        assert rung() == (True, False)  # no tag (the library's own messages): rung
-        bell._flags[me + doorbell.WAITER] = 1
-        bell.ring(0, 7400)
-        assert rung() == (False, True)  # a waiting thread is rung whatever the tag
-        bell._flags[me + doorbell.WAITER] = 0
-        bell.quiet(None)
-        bell.ring(0, 7400)
-        assert rung() == (True, False) and bell.quieted == 1  # quiet no more
-        bell.quiet(2**31 - 1)  # the largest tag fits the line's int32
-        bell.ring(0, 2**31 - 1)
-        assert rung() == (False, False) and bell.quieted == 2
-    finally:
-        bell.close()

@@ -274,7 +274,7 @@ class Communicator:
                 counts.sent_bytes += nbytes
                 self._open_sends.add(handle)
         if wake:
-            self._ring(dest, tag)
+            self._ring(dest)
         if type(sent) is not int:
             req = pending if lane is None else MPI.Request.fromhandle(pending)
             self._progress.track([req], lambda: self._fast_sent(handle, frame))
@@ -298,26 +298,6 @@ class Communicator:
         handle = RecvHandle(source, tag, self.rank, self._wait, self._table.cancel)
         self._table.post(handle)
         return handle
-
-    def quiet(self, tag: int | None) -> None:
-        """Say that this rank will not look at messages with ``tag`` for a while (the thread
-        that takes them is busy with work that cannot use them); ``None`` ends it.
-
-        Meanwhile a sender of such a message does not wake this rank's tracker thread, so a
-        rank computing on its cores is not interrupted for a message it would only queue (a
-        thread blocked in ``wait`` here is still woken, and messages with other tags wake
-        the tracker as before). ``quiet(None)`` takes a last look (two progress rounds) on
-        the calling thread before it returns, so what arrived meanwhile is received, and its receives'
-        callbacks have run, as if the tracker had been woken. Left quiet, a message waits at
-        most the tracker's idle sleep (50 ms). A no-op without doorbells (ranks on several
-        hosts, or ``doorbell=False``), where the tracker polls anyway.
-        """
-        bell = self._bell
-        if bell is None:
-            return
-        bell.quiet(tag)
-        if tag is None and not self._life.closed:
-            self._progress.poll_round()
 
     @property
     def fast_path(self) -> str:

@@ -13,9 +13,7 @@ page of shared memory that all ranks map, each byte written by one side only:
 - ``WAITER``: "a thread blocked in ``wait`` is asleep on the waiter's doorbell" (the thread
   that waits for the message drives progress itself, so an arrival wakes one thread, not
   the tracker and then the waiter: see docs/perf-notes.md, "Waiting on the doorbell");
-- ``POLLING``: "a thread of mine is polling right now": no ring is needed;
-- ``QUIET`` (with a tag in the line's next four bytes): "do not wake my tracker for messages
-  with this tag; I will poll when I stop being quiet" (see :meth:`Doorbells.quiet`).
+- ``POLLING``: "a thread of mine is polling right now": no ring is needed.
 
 A sleeper sets its byte, takes a last look (``Progress.last_look``: a message posted
 before the byte was visible is seen now), then blocks in ``select`` on its socket. Whoever posts a message to a rank reads
@@ -32,7 +30,6 @@ import mmap
 import os
 import select
 import socket
-import struct
 import sys
 import uuid
 from collections.abc import Callable
@@ -43,10 +40,8 @@ __all__ = ["MAX_SLEEP_S", "Doorbells", "doorbells_available"]
 
 _LINE = 64  # one cache line per rank: flags of different ranks never share a line
 MAX_SLEEP_S = 0.05  # longest sleep on a doorbell: what a lost ring costs at most
-# Offsets of a rank's bytes in its line (see the module docstring); the quiet tag is an
-# int32 at QUIET_TAG.
-TRACKER, WAITER, POLLING, QUIET, QUIET_TAG = 0, 1, 2, 3, 4
-_TAG = struct.Struct("<i")
+# Offsets of a rank's bytes in its line (see the module docstring).
+TRACKER, WAITER, POLLING = 0, 1, 2
 
 
 def doorbells_available() -> bool:
@@ -67,7 +62,6 @@ class Doorbells:
         self.dozes = 0  # times a thread waiting for a message slept on the waiter's doorbell
         self.rung = 0  # of those, the ones a ring ended (not the timeout)
         self.polled = 0  # rings left out because a thread of the destination was polling
-        self.quieted = 0  # rings left out because the destination was quiet for the tag
         name = None
         if self.rank == 0:
             name = os.path.join("/dev/shm", f"smp-comm-bell-{os.getpid()}-{uuid.uuid4().hex[:12]}")
@@ -100,38 +94,17 @@ class Doorbells:
             raise OSError("smp-comm doorbells unavailable: " + "; ".join(failures))
         self._me = self.rank * _LINE
 
-    def ring(self, dest: int, tag: int | None = None) -> None:
+    def ring(self, dest: int) -> None:
         """Wake whoever sleeps for ``dest``'s messages: its waiting thread, else its tracker
-        (call after posting a message to it, with the message's ``tag``). Nothing while a
-        thread there polls, and not the tracker while ``dest`` is quiet for ``tag``."""
+        (call after posting a message to it). Nothing while a thread there polls."""
         flags, line = self._flags, dest * _LINE
         if flags[line + POLLING]:
             self.polled += 1
         elif flags[line + WAITER]:
             if self._send(self._waiter_addr[dest]):
                 self.rings += 1
-        elif flags[line]:
-            if (
-                tag is not None
-                and flags[line + QUIET]
-                and _TAG.unpack_from(flags, line + QUIET_TAG)[0] == tag
-            ):
-                self.quieted += 1
-            elif self._send(self._addr[dest]):
-                self.rings += 1
-
-    def quiet(self, tag: int | None) -> None:
-        """Senders of messages with ``tag`` need not wake this rank's tracker (a waiting
-        thread is still rung); ``None`` ends it. Whoever ends it probes once more (a ring
-        left out meanwhile is not repeated). The tag is stored before the flag is raised; a
-        sender that reads them out of order on a weakly ordered CPU at worst leaves out a
-        ring, which costs at most :data:`MAX_SLEEP_S`."""
-        me = self._me
-        if tag is None:
-            self._flags[me + QUIET] = 0
-            return
-        _TAG.pack_into(self._flags, me + QUIET_TAG, tag)
-        self._flags[me + QUIET] = 1
+        elif flags[line] and self._send(self._addr[dest]):
+            self.rings += 1
 
     def nudge(self) -> None:
         """Wake this rank's own tracker if it sleeps (local work for it)."""
@@ -191,7 +164,7 @@ class Doorbells:
     def close(self) -> None:
         # The page stays mapped until garbage collected: a late nudge (a received tensor
         # freed after close) must still find it; the closed sockets then just refuse.
-        for offset in (TRACKER, WAITER, POLLING, QUIET):
+        for offset in (TRACKER, WAITER, POLLING):
             self._flags[self._me + offset] = 0
         self._sock.close()
         self._waiter_sock.close()

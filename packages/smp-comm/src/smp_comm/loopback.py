@@ -105,8 +105,8 @@ class LoopbackWorld:
 
 class LoopbackCommunicator:
     """One rank of a :class:`LoopbackWorld`; the API of :class:`smp_comm.Communicator`
-    that callers use (``isend``, ``irecv``, ``quiet``, ``close``, ``closed``, ``stats``,
-    context manager). Thread-safe: any number of threads may send and receive at once."""
+    that callers use (``isend``, ``irecv``, ``close``, ``closed``, ``stats``, context
+    manager). Thread-safe: any number of threads may send and receive at once."""
 
     fast_path = "off"
 
@@ -154,10 +154,6 @@ class LoopbackCommunicator:
         if match is not None:  # out of the posted list: no other thread completes it
             match._complete((copy, self.rank, tag))
         return handle
-
-    def quiet(self, tag: int | None) -> None:
-        """No doorbells here (a send completes a waiting receive at once): nothing to do."""
-        del tag
 
     def irecv(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> RecvHandle:
         """Post a receive; ``wait()`` returns ``(obj, source, tag)``."""

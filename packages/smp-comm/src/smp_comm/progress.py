@@ -135,11 +135,10 @@ class Progress:
         if self.bell is not None:
             self.bell.nudge()
 
-    def ring(self, dest: int, tag: int | None = None) -> None:
-        """After posting a message (with ``tag``) to ``dest``: wake whoever sleeps there
-        (see :meth:`Doorbells.ring`)."""
+    def ring(self, dest: int) -> None:
+        """After posting a message to ``dest``: wake its tracker if it sleeps."""
         if self.bell is not None:
-            self.bell.ring(dest, tag)
+            self.bell.ring(dest)
 
     def track(self, requests: list[MPI.Request], on_done: Callable[[], None]) -> None:
         """Run ``on_done`` in a polling thread once every request completed."""
@@ -402,10 +401,6 @@ class Progress:
                 self.bell.polling(False)
         if last:
             self._poll_round()
-
-    def poll_round(self) -> None:
-        """A last look on this thread (see :meth:`last_look`)."""
-        self._poll_round()
 
     def _poll_round(self) -> None:
         """A last look (:meth:`last_look`), waiting for ``lock`` if another thread polls."""

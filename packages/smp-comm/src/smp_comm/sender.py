@@ -156,7 +156,7 @@ class Sender:
         assert op.packed is not None
         req = self._cc.isend(header, dest=op.dest, tag=T_HEADER)
         if op.wake:
-            self._progress.ring(op.dest, op.tag)
+            self._progress.ring(op.dest)
         nbytes = op.packed.nbytes
         reqs = [req, *extra]
         if not extra and MPI.Request.Testall(reqs):
@@ -216,7 +216,7 @@ class Sender:
         header: WireHeader = (op.msg_id, op.tag, "stream", -1, p.skeleton, p.stubs, None)
         reqs = [self._cc.isend(header, dest=dest, tag=T_HEADER)]
         if op.wake:
-            self._progress.ring(dest, op.tag)
+            self._progress.ring(dest)
         chunk = max(64 << 10, min(CHUNK_BYTES, paths.slice_bytes(path, dest) // 4))
         data_tag = op.msg_id % (self._tag_ub + 1)
         over_mpi = False  # once room failed to come, the rest goes over MPI

@@ -62,38 +62,6 @@ def quiet_notes(comm: smp_comm.Communicator, rounds: int) -> None:
             assert float(small[0]) == i, small
 
 
-def quiet_rank(comm: smp_comm.Communicator, rounds: int) -> int:
-    """A rank quiet for a tag (``Communicator.quiet``) is not rung for it, yet receives it:
-    ``quiet(None)`` polls, so a small message sent before is received when it returns.
-    (Nobody waits in smp-comm on the quiet ranks meanwhile: a waiting thread is rung
-    whatever the tag.) Returns the rings rank 0 left out."""
-    rank, size = comm.rank, comm.size
-    bell = comm._bell
-    assert bell is not None
-    world = MPI.COMM_WORLD
-    for i in range(rounds):
-        tag = 5000 + i
-        if rank == 0:
-            world.Barrier()  # the others are quiet, their receives posted
-            time.sleep(0.03)  # idle: the trackers go to sleep
-            for dest in range(1, size):
-                comm.isend(torch.full((4,), float(i)), dest, tag).wait(timeout=10)  # fast path
-                big = {"big": np.full(50_000, i, dtype=np.int64)}  # general path (shm)
-                comm.isend(big, dest, tag).wait(timeout=10)
-            world.Barrier()  # sent
-        else:
-            small, big = comm.irecv(0, tag=tag), comm.irecv(0, tag=tag)
-            comm.quiet(tag)
-            world.Barrier()
-            world.Barrier()  # rank 0 sent both
-            comm.quiet(None)  # one progress round: the small one is taken now
-            assert small.test(), f"round {i}: quiet(None) did not receive the quiet tag's message"
-            assert float(small.wait(timeout=0)[0][0]) == i
-            got, _, _ = big.wait(timeout=10)
-            assert (got["big"] == i).all()
-    return bell.quieted
-
-
 def ping_pong(comm: smp_comm.Communicator, n: int) -> None:
     """Every wait of a ping-pong (``spin=0``: the waiting thread sleeps at once) ends with
     the message taken by that thread right after the ring: one doze per message. A waiter
@@ -137,14 +105,10 @@ def main() -> None:
         rings, sleeps, rung, woken = bell.rings, bell.sleeps, bell.rung, bell.woken
         quiet_notes(comm, rounds=3)
         world.Barrier()
-        quieted = quiet_rank(comm, rounds=4)
-        world.Barrier()
         ping_pong(comm, 100)
         world.Barrier()
     if rank == 0:
         assert rings > 0, f"rank 0 never rang a sleeping peer (rings={rings})"
-        # (Left out only where the peer's tracker slept when the message was posted.)
-        assert quieted > 0, "rank 0 never left out a ring to a rank quiet for the tag"
     else:
         assert sleeps > 0, f"rank {rank}'s tracker never slept on its doorbell"
         assert rung > 0, f"rank {rank}: no ring ever woke its waiting thread (rung={rung})"

@@ -63,8 +63,6 @@ class Executor:
         order: tensor-parallel leader's channel: every token grant is published.
         preemption: forwards yield at yield points when work another rank waits for arrives.
         record_timeline: keep every task span in :attr:`events`.
-        quiet: ``quiet(True)`` while a task that cannot act on an arrival holds the token,
-            ``quiet(False)`` when it gives it back (:meth:`Transport.quiet`).
     """
 
     def __init__(
@@ -76,10 +74,8 @@ class Executor:
         order: OrderChannel | None = None,
         preemption: bool = False,
         record_timeline: bool = False,
-        quiet: Callable[[bool], None] | None = None,
     ) -> None:
         self.pp_rank = pp_rank
-        self._quiet = quiet
         self._aborts = aborts
         self._wakeup = wake
         self._order = order if order is not None and order.is_leader else None
@@ -187,21 +183,10 @@ class Executor:
         assert task is not None
         start = self._grant(task, worker.grant_kind)
         worker.grant_kind = "task"
-        # Arrivals cannot change what this task does unless it may yield to them: then
-        # nobody need wake on this rank for them until the token comes back (the tracker
-        # would run on the cores the task computes on).
-        may_yield = self.preemption and task.phase == "forward" and not task.in_segment
-        quiet = None if may_yield else self._quiet
-        if quiet is not None:
-            quiet(True)
         worker.give_token()
-        try:
-            while not self._main_sem.acquire(timeout=0.1):
-                # A stalled task here: raise if the others gave up on us.
-                self._aborts.poll_abort()
-        finally:
-            if quiet is not None:
-                quiet(False)
+        while not self._main_sem.acquire(timeout=0.1):
+            # A stalled task here: raise if the others gave up on us.
+            self._aborts.poll_abort()
         self._token_back(task, start, finished=worker.task is None)
 
     def _grant(self, task: Task[Any], kind: str) -> float:
@@ -265,8 +250,6 @@ class Executor:
         self.inlined += 1
         start = self._grant(task, "task")
         set_inline_task(task)
-        if self._quiet is not None:  # (no yield point acts inline: see switch())
-            self._quiet(True)
         try:
             with _offloading(self.offloader):
                 task.fn(task)
@@ -274,8 +257,6 @@ class Executor:
             self.failure = (task, exc, traceback.format_exc())
         finally:
             set_inline_task(None)
-            if self._quiet is not None:
-                self._quiet(False)
         self._token_back(task, start, finished=True)
 
     # ------------------------------------------------------------------ preemption

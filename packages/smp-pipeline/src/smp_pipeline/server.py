@@ -116,7 +116,6 @@ class ExecutionServer:
             order=order,
             preemption=preemption,
             record_timeline=record_timeline,
-            quiet=self.transport.quiet,
         )
         if static_mode and order is None:
             self.executor.inline_max_s = STATIC_INLINE_MAX_S

@@ -81,7 +81,6 @@ class Transport:
         settings = getattr(comm, "settings", None)
         self.frame_limit: int = getattr(settings, "small_message_bytes", DEFAULT_LIMIT)
         self.spin_s = _SPIN_S
-        self._comm_quiet: Callable[[int | None], None] | None = getattr(comm, "quiet", None)
         # Called with each completed receive handle, on the communicator's thread (set by the
         # server for preemption; it reads the message with :meth:`arrived_message`).
         self.on_arrival: Callable[[Any], None] | None = None
@@ -314,15 +313,6 @@ class Transport:
             # One reference assignment (atomic); the loop reads it at every turn.
             self.abort_msg = Abort(self.pp_rank, self.comm_rank, "interrupt", reason)
         self._wake()
-
-    def quiet(self, on: bool) -> None:
-        """While a worker holds the token for work that cannot act on an arrival (no yield
-        point ahead: a backward, or a forward without preemption), arrivals need not wake
-        this rank's communicator thread on the cores that compute: the main loop polls
-        when the token comes back (smp-comm's ``Communicator.quiet``; off it runs one
-        progress round). A no-op for a communicator without it."""
-        if self._comm_quiet is not None:
-            self._comm_quiet(self.tag if on else None)
 
     def poll_abort(self) -> None:
         """Take arrived messages; raise if one of them is an abort."""
