@@ -15,13 +15,13 @@ page of shared memory that all ranks map, each byte written by one side only:
   the tracker and then the waiter: see docs/perf-notes.md, "Waiting on the doorbell");
 - ``POLLING``: "a thread of mine is polling right now": no ring is needed.
 
-A sleeper sets its byte, takes a last look (``Progress.last_look``: a message posted
-before the byte was visible is seen now), then blocks in ``select`` on its socket. Whoever posts a message to a rank reads
-that rank's bytes and rings the waiter if it sleeps, else the tracker if it sleeps, and
-nobody while a thread there polls (which, when it stops polling, takes a last look the
-same way). A byte read costs tens of nanoseconds, so busy ranks pay nothing; the syscall is paid
-only to wake a sleeper. Sleeps are bounded (``MAX_SLEEP_S``) as a backstop: a lost ring
-costs at most that.
+A sleeper sets its byte, takes a last look (``Progress.last_look``: a message posted before
+the byte was visible is seen now), then blocks in ``select`` on its socket. Whoever posts a
+message to a rank reads that rank's bytes and rings the waiter if it sleeps, else the
+tracker if it sleeps, and nobody while a thread there polls (which, when it stops polling,
+takes a last look the same way). A byte read costs tens of nanoseconds, so busy ranks pay
+nothing; the syscall is paid only to wake a sleeper. Sleeps are bounded (``MAX_SLEEP_S``) as
+a backstop: a lost ring costs at most that.
 """
 
 from __future__ import annotations
