@@ -135,13 +135,16 @@ def _worker() -> None:
         stage = PipelineStage(stage_mod, rank, P, torch.device("cpu"))
         pippy[m] = Schedule1F1B(stage, n_microbatches=m, loss_fn=lambda o, y: F.mse_loss(o, y))
 
-    def run_theirs(m: int, x, y) -> None:
+    def run_schedule(schedule, x, y) -> None:
         if rank == 0:
-            pippy[m].step(x)
+            schedule.step(x)
         elif rank == P - 1:
-            pippy[m].step(target=y, losses=[])
+            schedule.step(target=y, losses=[])
         else:
-            pippy[m].step()
+            schedule.step()
+
+    def run_theirs(m: int, x, y) -> None:
+        run_schedule(pippy[m], x, y)
 
     def timed(fn) -> float:
         world.Barrier()
@@ -187,22 +190,14 @@ def _worker() -> None:
     zero_stage = PipelineStage(Stage(0.0), rank, P, torch.device("cpu"))
     zero_pippy = Schedule1F1B(zero_stage, n_microbatches=16, loss_fn=lambda o, y: F.mse_loss(o, y))
 
-    def zero_theirs() -> None:
-        if rank == 0:
-            zero_pippy.step(x16)
-        elif rank == P - 1:
-            zero_pippy.step(target=y16, losses=[])
-        else:
-            zero_pippy.step()
-
-    zero_theirs()  # warm-up
     theirs_cpu = 0.0
-    theirs_zero = []
-    for _ in range(STEPS):
-        world.Barrier()
-        t0 = time.perf_counter()
-        theirs_cpu += step_cpu(zero_theirs)
-        theirs_zero.append(world.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+
+    def zero_theirs() -> None:
+        nonlocal theirs_cpu
+        theirs_cpu += step_cpu(lambda: run_schedule(zero_pippy, x16, y16))
+
+    run_schedule(zero_pippy, x16, y16)  # warm-up
+    theirs_zero = statistics.median(timed(zero_theirs) for _ in range(STEPS))
     theirs_cpu = world.allreduce(theirs_cpu, op=MPI.SUM)
     theirs_transfers = STEPS * 16 * 2 * (P - 1)
     dist.destroy_process_group()
@@ -257,7 +252,7 @@ def _worker() -> None:
         print(f"(for reference) Schedule1F1B at zero compute (m=16): "
               f"{theirs_cpu / theirs_transfers * 1e6:.0f} us CPU per stage-boundary transfer "
               f"(2(p-1) per microbatch, as many as smp's requests; step "
-              f"{statistics.median(theirs_zero) * 1e3:.1f} ms)")
+              f"{theirs_zero * 1e3:.1f} ms)")
 
 
 def main() -> None:

@@ -78,14 +78,13 @@ def ping_pong(comm: smp_comm.Communicator, n: int) -> None:
             comm.isend(torch.full((8,), float(i)), dest=1, tag=7000).wait(timeout=10)  # fast path
             back, _, _ = comm.irecv(1, tag=7001).wait(timeout=10, spin=0)
             assert float(back[0]) == i
+            big, _, _ = comm.irecv(1, tag=7002).wait(timeout=10, spin=0)
+            assert (big["pad"] == i).all()
         else:
             x, _, _ = comm.irecv(0, tag=7000).wait(timeout=10, spin=0)
             big = {"x": x, "pad": np.full(8_000, i, dtype=np.int64)}  # general path (shm)
             comm.isend(big, dest=0, tag=7002).wait(timeout=10)
             comm.isend(x, dest=0, tag=7001).wait(timeout=10)
-        if rank == 0:
-            big, _, _ = comm.irecv(1, tag=7002).wait(timeout=10, spin=0)
-            assert (big["pad"] == i).all()
     waits = 2 * n if rank == 0 else n
     took = bell.dozes - dozes
     # (Slack for a stale ring or a descheduled sender: each costs one more doze.)
