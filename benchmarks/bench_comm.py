@@ -11,6 +11,12 @@ parts: ``floor`` is the least any Python fast path can do (encode one tensor int
 threads); ``lane`` is the same done by the compiled fast path's two calls
 (:mod:`smp_comm.compiled`), so ``smp - lane`` is what smp-comm's Python logic costs;
 ``general`` is smp-comm with the fast path off (``small_message_bytes=0``).
+
+The last line sweeps the medium sizes a pipeline's activations have (32 KiB to 512 KiB),
+where ``small_message_bytes`` decides the path: each size as a fast-path frame and on the
+general path (each forced by the setting), as a round trip and as a one-way stream with 8
+sends in flight (what a stage boundary carries), µs per message; the default (256 KiB) sits
+where the fast path stops winning.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import time
 MIB = 1 << 20
 BIG = 64 * MIB
 SMALL = 1024
+MEDIUM = (32 << 10, 128 << 10, 256 << 10, 512 << 10)
 
 
 def _free_port() -> int:
@@ -76,6 +83,11 @@ def worker() -> None:
     comm = Communicator(world)
     copy_comm = Communicator(world, shm_zero_copy=False)  # receiver copies out of shm
     general_comm = Communicator(world, buffer_bytes="1M", small_message_bytes=0)
+    # The medium-size sweep: every size forced onto one path or the other.
+    sweep_comms = {
+        "frame": Communicator(world, small_message_bytes=64 * MIB),
+        "general": Communicator(world, small_message_bytes=0),
+    }
     floor_comm = world.Dup()
     big_t = torch.randn(BIG // 4)
     small_t = torch.randn(SMALL // 4)
@@ -168,6 +180,34 @@ def worker() -> None:
     for k, v in _interleaved_medians(world, latency, blocks=20, per_block=100).items():
         results[f"{k}_lat"] = v
     world.Barrier()
+
+    def stream(t: torch.Tensor, c: Communicator, n: int = 200, depth: int = 8) -> None:
+        if rank == 0:
+            pending = []
+            for _ in range(n):
+                pending.append(c.isend(t, dest=peer, tag=2))
+                if len(pending) >= depth:
+                    pending.pop(0).wait(60)
+            for h in pending:
+                h.wait(60)
+            c.irecv(source=peer, tag=3).wait(60)
+        else:
+            for _ in range(n):
+                c.irecv(source=peer, tag=2).wait(60)
+            c.isend(None, dest=peer, tag=3).wait(60)
+
+    sweep: dict[str, float] = {}
+    for size in MEDIUM:
+        t = torch.randn(size // 4)
+        fns = {}
+        for path, c in sweep_comms.items():
+            fns[f"{size}_{path}_rt"] = lambda t=t, c=c: smp_pingpong(t, c)
+            fns[f"{size}_{path}_stream"] = lambda t=t, c=c: stream(t, c)
+        for k, v in _interleaved_medians(world, fns, blocks=5, per_block=20).items():
+            sweep[k] = v / (200 if k.endswith("stream") else 1)
+    for c in sweep_comms.values():
+        c.close()
+    world.Barrier()
     fast = comm.stats()["mpi"]["fast_sent"]
     copy_shm = copy_comm.stats()["shm"]["messages_sent"]
     comm.close()
@@ -203,6 +243,19 @@ def worker() -> None:
             )
             + f" | fast path off (small_message_bytes=0) {us['general']:.1f} us"
             f" (general/mpi {us['general'] / us['mpi']:.2f}x)"
+        )
+        parts = []
+        for size in MEDIUM:
+            got = {k: sweep[f"{size}_{k}"] * 1e6 for k in ("frame_rt", "general_rt", "frame_stream", "general_stream")}
+            parts.append(
+                f"{size >> 10} KiB round trip frame {got['frame_rt']:.1f} / general {got['general_rt']:.1f} us"
+                f" ({got['general_rt'] / got['frame_rt']:.2f}x), stream {got['frame_stream']:.1f} / "
+                f"{got['general_stream']:.1f} us per message ({got['general_stream'] / got['frame_stream']:.2f}x)"
+            )
+        print(
+            "comm medium sizes, fast-path frame vs general path (general/frame > 1: the frame "
+            f"wins; default small_message_bytes {comm.settings.small_message_bytes >> 10} KiB): "
+            + " | ".join(parts)
         )
 
 

@@ -109,7 +109,7 @@ def test_bytes_are_copied_at_encode() -> None:
 
 
 def test_small_message_setting(monkeypatch) -> None:
-    assert CommSettings.resolve(0).small_message_bytes == 4096
+    assert CommSettings.resolve(0).small_message_bytes == 192 << 10
     monkeypatch.setenv("SMP_COMM_SMALL_MESSAGE_BYTES", "8K")
     assert CommSettings.resolve(0).small_message_bytes == 8192
     assert CommSettings.resolve(0, small_message_bytes=0).small_message_bytes == 0
@@ -147,7 +147,7 @@ def test_fast_path_self_send_and_order_with_general_path() -> None:
     from mpi4py import MPI
     from smp_comm import Communicator
 
-    with Communicator(MPI.COMM_SELF) as comm:
+    with Communicator(MPI.COMM_SELF, small_message_bytes=LIMIT) as comm:
         big = torch.randn(LIMIT)  # 4 * LIMIT bytes: general path
         small = torch.arange(6, dtype=torch.int16).reshape(2, 3)
         h1 = comm.isend(big, dest=0, tag=3)

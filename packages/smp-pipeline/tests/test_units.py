@@ -484,6 +484,9 @@ def test_frame_roundtrip_every_message_kind() -> None:
         assert all(t._version == 0 for t in ts[1:])
     # Too large for the frame, or not a CPU tensor of a known kind: the plain tuple.
     big = FwdResp(0, (1, 7), 3, 2, Packed(None, [torch.zeros(2048)], [False]))
+    assert type(encode(big)) is not tuple  # 8 KiB: within the default limit
+    assert type(encode(big, limit=4096)) is tuple and type(decode(encode(big, limit=4096))) is FwdResp
+    big = FwdResp(0, (1, 7), 3, 2, Packed(None, [torch.zeros(65537)], [False]))
     assert type(encode(big)) is tuple and type(decode(encode(big))) is FwdResp
     assert type(encode(MbDone(0, 3, 2), limit=0)) is tuple
     sparse = FwdResp(0, (1, 7), 3, 2, Packed(None, [torch.eye(2).to_sparse()], [False]))

@@ -63,7 +63,8 @@ def main() -> None:
     case_ok("600mib-message")
 
     # 2. Held views fill a 1 MiB buffer; the fallback takes over; dropping them frees it.
-    comm = Communicator(world, buffer_bytes="1M")
+    # (Lone 256 KiB tensors: the fast path is off for cases 2-3, whatever its limit.)
+    comm = Communicator(world, buffer_bytes="1M", small_message_bytes=0)
     n_msgs, size = 6, 256 << 10
     if rank == 0:
         for i in range(n_msgs):
@@ -96,7 +97,7 @@ def main() -> None:
     case_ok("held-views-fallback")
 
     # 3. Copy-out mode frees each region at once: 6 messages all take shm.
-    comm = Communicator(world, buffer_bytes="1M", shm_zero_copy=False)
+    comm = Communicator(world, buffer_bytes="1M", shm_zero_copy=False, small_message_bytes=0)
     if rank == 0:
         for i in range(n_msgs):
             comm.isend(torch.full((size // 4,), float(i)), dest=1, tag=i).wait(timeout=30)

@@ -45,7 +45,7 @@ from smp_pipeline.protocol import Message, from_wire, has_payload, to_wire
 __all__ = ["DEFAULT_LIMIT", "decode", "encode", "wire_code"]
 
 # The frame size smp-comm's fast path takes by default (its ``small_message_bytes``).
-DEFAULT_LIMIT = 4 << 10
+DEFAULT_LIMIT = 192 << 10
 _HEAD = struct.Struct("<B3xI")
 _ALIGN = 16
 _TENSOR = torch.Tensor
