@@ -16,8 +16,10 @@ nested module hierarchy, stage i on pp rank i); the driver computes a mean loss.
   vs 1F1B:    smp_pipeline step time / torch.distributed.pipelining Schedule1F1B step time
   Sequential: the same two lines for the stages as one plain ``nn.Sequential`` on the driver
               (default active bound), with fast_mode's relays (each stage hands its output
-              straight to the next) and without (every stage a request from the driver)
-  overhead:   step latency per served request at zero compute, and CPU per request
+              straight to the next), with the relays and ``static_mode``, and without
+              relays (every stage a request from the driver)
+  overhead:   step latency per served request at zero compute, and CPU per request (also
+              with ``static_mode``)
               (all threads of all ranks, including the communicator's, while the step
               runs: the MPI Barrier/allreduce that time it busy-wait and are left out);
               beside it Schedule1F1B's CPU per stage-boundary transfer at zero compute
@@ -100,9 +102,11 @@ def _worker() -> None:
     dist.init_process_group("gloo", rank=rank, world_size=P)
     assignment = {".".join(["next"] * i): i for i in range(1, P)}
 
-    def make_runtime(t: float, tag: int, active: int = P + 2, relay: bool | None = None):
+    def make_runtime(
+        t: float, tag: int, active: int = P + 2, relay: bool | None = None, static: bool = False
+    ):
         """The nested chain; with ``relay`` set, the plain ``nn.Sequential`` of the stages
-        instead (fast_mode's relays on or off)."""
+        instead (fast_mode's relays on or off); ``static``: with ``static_mode``."""
         if relay is None:
             model, placement = chain(t), assignment
         else:
@@ -110,7 +114,7 @@ def _worker() -> None:
             placement = {str(i): i for i in range(1, P)}
         seqruns.RELAY = relay is not False  # read when the runtime plans the Sequential
         rt = PipelineRuntime(model, comm, rank, P, assignment=placement, tag=tag,
-                             active_microbatches=active, timeout_s=120)
+                             active_microbatches=active, timeout_s=120, static_mode=static)
         seqruns.RELAY = True
 
         def step(x):
@@ -128,6 +132,7 @@ def _worker() -> None:
     # fast_mode relays each stage's output straight to the next, or (relays off) every stage
     # is a request from the driver and back.
     sequential = {"relayed": make_runtime(T, 7600, relay=True),
+                  "relayed, static_mode": make_runtime(T, 7620, relay=True, static=True),
                   "via rank 0": make_runtime(T, 7610, relay=False)}  # fmt: skip
     stage_mod = Stage(T)
     pippy = {}
@@ -202,22 +207,30 @@ def _worker() -> None:
     theirs_transfers = STEPS * 16 * 2 * (P - 1)
     dist.destroy_process_group()
 
-    # Runtime overhead: the same model with zero compute; latency and CPU per request.
-    rt0, step0 = make_runtime(0.0, 7500)
-    rt0.run_step(step0, (x16,), num_microbatches=16)
-    before = rt0.requests_served
-    cpu = 0.0
+    # Runtime overhead: the same model with zero compute; latency and CPU per request, in
+    # dynamic mode and with static_mode.
+    def zero_overhead(static: bool) -> tuple[float, int, float]:
+        """(median step, requests served per step on the busiest rank, CPU per request)."""
+        rt0, step0 = make_runtime(0.0, 7500 + 10 * static, static=static)
+        rt0.run_step(step0, (x16,), num_microbatches=16)
+        rt0.run_step(step0, (x16,), num_microbatches=16)  # (static mode records)
+        before = rt0.requests_served
+        cpu = 0.0
 
-    def zero_step() -> None:
-        nonlocal cpu
-        cpu += step_cpu(lambda: rt0.run_step(step0, (x16,), num_microbatches=16))
+        def zero_step() -> None:
+            nonlocal cpu
+            cpu += step_cpu(lambda: rt0.run_step(step0, (x16,), num_microbatches=16))
 
-    zero = statistics.median(timed(zero_step) for _ in range(STEPS))
-    served = rt0.requests_served - before
-    busiest = world.allreduce(served, op=MPI.MAX) // STEPS
-    total_served = world.allreduce(served, op=MPI.SUM)
-    total_cpu = world.allreduce(cpu, op=MPI.SUM)
-    rt0.close()
+        zero = statistics.median(timed(zero_step) for _ in range(STEPS))
+        served = rt0.requests_served - before
+        busiest = world.allreduce(served, op=MPI.MAX) // STEPS
+        total_served = world.allreduce(served, op=MPI.SUM)
+        total_cpu = world.allreduce(cpu, op=MPI.SUM)
+        rt0.close()
+        return zero, busiest, total_cpu / max(total_served, 1)
+
+    zero, busiest, cpu_per_request = zero_overhead(False)
+    _, _, static_cpu_per_request = zero_overhead(True)
     comm.close()
     ours_med = {k: statistics.median(v) for k, v in ours.items()}
     seq_med = {k: statistics.median(v) for k, v in ours_seq.items()}
@@ -248,7 +261,8 @@ def _worker() -> None:
         print(f"(for reference) Schedule1F1B efficiency / ideal: {ref}")
         print(f"smp_pipeline overhead at zero compute (m=16): {zero / max(busiest, 1) * 1e6:.0f} us "
               f"step latency per request on the busiest rank ({busiest} requests, step "
-              f"{zero * 1e3:.1f} ms), {total_cpu / max(total_served, 1) * 1e6:.0f} us CPU per request")
+              f"{zero * 1e3:.1f} ms), {cpu_per_request * 1e6:.0f} us CPU per request; with "
+              f"static_mode {static_cpu_per_request * 1e6:.0f} us CPU per request")
         print(f"(for reference) Schedule1F1B at zero compute (m=16): "
               f"{theirs_cpu / theirs_transfers * 1e6:.0f} us CPU per stage-boundary transfer "
               f"(2(p-1) per microbatch, as many as smp's requests; step "
