@@ -122,6 +122,13 @@ class Communicator:
         self._fc_handle: int = self._fc.handle
         self._tag_ub: int = int(cc.Get_attr(MPI.TAG_UB))  # type: ignore[arg-type]
         self._paths = DirectPaths(cc, self.settings)
+        # Ranks on this node: with MPICH a fast-path frame to one completes without this
+        # rank's progress (the receiver finishes the shared-memory transfer; measured, see
+        # README "Frames past MPI's eager size"), so its send is tracked lazily
+        # (smp_comm.progress.Tracked). Other MPI libraries keep eager tracking.
+        node = self._paths.node_of[self.rank]
+        mpich = "MPICH" in MPI.Get_library_version()
+        self._local = [mpich and n == node for n in self._paths.node_of]
         if self.settings.poll_spin is None:  # "auto": by how many ranks share this node
             here = self._paths.node_of.count(self._paths.node_of[self.rank])
             spin = auto_poll_spin(here, os.cpu_count())
@@ -277,7 +284,10 @@ class Communicator:
             self._ring(dest)
         if type(sent) is not int:
             req = pending if lane is None else MPI.Request.fromhandle(pending)
-            self._progress.track([req], lambda: self._fast_sent(handle, frame))
+            tracked = self._progress.track(
+                [req], lambda: self._fast_sent(handle, frame), lazy=self._local[dest]
+            )
+            handle._want = lambda: self._progress.want(tracked)
         return handle
 
     def _fast_sent(self, handle: SendHandle, buf: bytes) -> None:

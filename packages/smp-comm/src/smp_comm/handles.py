@@ -109,6 +109,17 @@ class SendHandle(Handle):
     """Returned by ``isend``; ``wait()`` returns ``None`` once the payload has left this rank's
     buffers (the sent tensors may be modified again)."""
 
+    # Set for a send tracked lazily (a fast-path frame to a rank on this node): called when
+    # a thread waits for it, so that the tracker polls for it again.
+    _want: Callable[[], None] | None = None
+
+    def wait(self, timeout: float | None = None, spin: float | None = None) -> Any:
+        want = self._want
+        if want is not None and not self._done:
+            self._want = None
+            want()
+        return super().wait(timeout, spin)
+
     def _timeout_text(self, timeout: float | None) -> str:
         return (
             f"smp-comm rank {self._rank}: send to rank {self.peer} ({_tag(self.tag)}) "

@@ -47,10 +47,16 @@ _LANE_PROBES = 8  # probes per call into the compiled fast path, which drops the
 
 @dataclass
 class Tracked:
-    """MPI requests to test; ``on_done`` runs in the polling thread once all completed."""
+    """MPI requests to test; ``on_done`` runs in the polling thread once all completed.
+
+    ``lazy``: they complete without this rank's progress (a fast-path frame to a rank on
+    this node: the receiver copies it out), so the tracker need not keep polling for them;
+    any round tests them. Cleared when a thread waits for them (:meth:`Progress.want`).
+    """
 
     requests: list[MPI.Request]
     on_done: Callable[[], None]
+    lazy: bool = False
 
 
 class Progress:
@@ -140,14 +146,30 @@ class Progress:
         if self.bell is not None:
             self.bell.ring(dest)
 
-    def track(self, requests: list[MPI.Request], on_done: Callable[[], None]) -> None:
-        """Run ``on_done`` in a polling thread once every request completed."""
+    def track(
+        self, requests: list[MPI.Request], on_done: Callable[[], None], lazy: bool = False
+    ) -> Tracked:
+        """Run ``on_done`` in a polling thread once every request completed (``lazy``: see
+        :class:`Tracked`)."""
+        tracked = Tracked(requests, on_done, lazy)
+        self._track_q.put(tracked)
         # No Event wake-up: a polling tracker polls within 1 ms anyway, and a thread waiting
         # on the handle polls at once (waking the tracker would only contend for the GIL).
-        # A tracker asleep on its doorbell is woken (a flag read when it is not).
-        self._track_q.put(Tracked(requests, on_done))
-        if self.bell is not None:
+        # A tracker asleep on its doorbell is woken (a flag read when it is not), unless
+        # the requests are lazy: its next round, whenever it comes, takes them.
+        if self.bell is not None and not lazy:
             self.bell.nudge()
+        return tracked
+
+    def want(self, tracked: Tracked) -> None:
+        """A thread waits for ``tracked``: it is lazy no more (the tracker polls it again)."""
+        if tracked.lazy:
+            tracked.lazy = False
+            self.nudge()
+
+    def _polling_needed(self) -> bool:
+        """Requests in flight that need this rank's progress (the caller holds ``lock``)."""
+        return any(not t.lazy for t in self._active) or not self._track_q.empty()
 
     # ------------------------------------------------------------------ one round
 
@@ -297,7 +319,7 @@ class Progress:
             if busy:
                 sleep = 0.0
                 continue
-            if self.bell is not None and not self._active:  # (requests in flight: poll)
+            if self.bell is not None and not self._polling_needed():  # (in flight: poll)
                 self.bell.sleep(self._busy_before_sleep)
                 self._wake.clear()
                 continue
@@ -311,7 +333,7 @@ class Progress:
         if self._wake.is_set() or self._spinners or self._stop.is_set():
             return True
         with self.lock:
-            return self.last_look() or bool(self._active)
+            return self.last_look() or self._polling_needed()
 
     # ------------------------------------------------------------------ waiting threads
 
