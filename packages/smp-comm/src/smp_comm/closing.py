@@ -80,6 +80,7 @@ class CloseProtocol:
 
         everyone = set(range(self.size))
         cc = self._comms[0]
+        progress.end_lazy()  # the tracker completes lazily tracked sends now (waited below)
         try:
             wait_for(
                 lambda: not table.open_sends,

@@ -103,6 +103,7 @@ class Progress:
         self._doze_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._lazy_off = False  # set by end_lazy()
         # Set by attach(): the receiver's handlers.
         self._on_header: Callable[[int, int, Header], None] = _unattached
         self._post_queued_free: Callable[[str, int, int], tuple[bool, MPI.Request | None]] = (
@@ -167,9 +168,18 @@ class Progress:
             tracked.lazy = False
             self.nudge()
 
+    def end_lazy(self) -> None:
+        """Track every request eagerly from now on (``close()`` waits for the sends)."""
+        self._lazy_off = True
+        self.nudge()
+
     def _polling_needed(self) -> bool:
         """Requests in flight that need this rank's progress (the caller holds ``lock``)."""
-        return any(not t.lazy for t in self._active) or not self._track_q.empty()
+        if not self._track_q.empty():
+            return True
+        if self._lazy_off:
+            return bool(self._active)
+        return any(not t.lazy for t in self._active)
 
     # ------------------------------------------------------------------ one round
 
