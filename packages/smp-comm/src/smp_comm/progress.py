@@ -175,8 +175,6 @@ class Progress:
 
     def _polling_needed(self) -> bool:
         """Requests in flight that need this rank's progress (the caller holds ``lock``)."""
-        if not self._track_q.empty():
-            return True
         if self._lazy_off:
             return bool(self._active)
         return any(not t.lazy for t in self._active)
