@@ -15,8 +15,8 @@ threads); ``lane`` is the same done by the compiled fast path's two calls
 The last line sweeps the medium sizes a pipeline's activations have (32 KiB to 512 KiB),
 where ``small_message_bytes`` decides the path: each size as a fast-path frame and on the
 general path (each forced by the setting), as a round trip and as a one-way stream with 8
-sends in flight (what a stage boundary carries), µs per message; the default (256 KiB) sits
-where the fast path stops winning.
+sends in flight (what a stage boundary carries), µs per message; the default (192 KiB) sits
+where the frame's stream stops winning.
 """
 
 from __future__ import annotations

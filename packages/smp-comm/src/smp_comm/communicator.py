@@ -130,7 +130,7 @@ class Communicator:
         mpich = "MPICH" in MPI.Get_library_version()
         self._local = [mpich and n == node for n in self._paths.node_of]
         if self.settings.poll_spin is None:  # "auto": by how many ranks share this node
-            here = self._paths.node_of.count(self._paths.node_of[self.rank])
+            here = self._paths.node_of.count(node)
             spin = auto_poll_spin(here, os.cpu_count())
             self.settings = replace(self.settings, poll_spin=spin)
         # Every rank's process: the exit protocol after a failed step watches their ends
@@ -287,7 +287,8 @@ class Communicator:
             tracked = self._progress.track(
                 [req], lambda: self._fast_sent(handle, frame), lazy=self._local[dest]
             )
-            handle._want = lambda: self._progress.want(tracked)
+            if tracked.lazy:  # (an eager one needs nothing when waited for)
+                handle._want = lambda: self._progress.want(tracked)
         return handle
 
     def _fast_sent(self, handle: SendHandle, buf: bytes) -> None:

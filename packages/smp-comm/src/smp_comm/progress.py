@@ -174,7 +174,9 @@ class Progress:
         self.nudge()
 
     def _polling_needed(self) -> bool:
-        """Requests in flight that need this rank's progress (the caller holds ``lock``)."""
+        """Requests in flight that need this rank's progress. (The tracker also reads it
+        without ``lock``, as it read ``_active`` before: a list swapped whole, so a stale
+        answer only delays or repeats one round.)"""
         if self._lazy_off:
             return bool(self._active)
         return any(not t.lazy for t in self._active)
