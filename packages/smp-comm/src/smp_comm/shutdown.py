@@ -36,6 +36,17 @@ So, at exit, after a failed step:
    only: MPICH's launcher kills every other rank, with SIGKILL, when a rank that finalized
    MPI ends without the C library's ``exit`` (reproduced with three ranks: finalize, then
    ``os._exit(0)`` on one; the others, still running, are killed and the job fails);
+3a. if the threads have ended (a peer's end released them) and every other rank's process
+   ends within a few seconds (:data:`_LEAVE_AFTER_PEERS_S`; only where their ends can be
+   seen), leave without interpreter finalization as well: nobody is left for the launcher
+   to kill, and torch's native threads (gloo's, whose collective the peer's end has just
+   failed) may still drop the collective's tensors, which needs the interpreter. A
+   fresh-clone CI run aborted that way once after the pause of point 4 ("terminate called
+   without an active exception": smp-pipeline's tensor-parallel abort case, the worker
+   released from a gloo ``all_reduce`` by its peer's end). What finalization would
+   still do for this process (the remaining exit handlers) is skipped; the standard streams
+   are flushed. Two such ranks wait for each other's end: after the few seconds, each
+   goes on to point 4;
 4. otherwise pause briefly (:data:`SETTLE_S`, longer on a host with more runnable threads
    than cores: :func:`settle_seconds`) once, so gloo's worker threads drop the collectives
    that have just ended while the interpreter can still give them the GIL.
@@ -109,6 +120,9 @@ _exit_deadline: float | None = None
 _peers_ended: Callable[[], bool] | None = None
 # How often the wait after finalizing MPI asks _peers_ended.
 _PEERS_POLL_S = 0.05
+# Point 3a: how long a rank whose blocked threads have ended waits for every peer's end
+# before it leaves without interpreter finalization (else it finalizes after the pause).
+_LEAVE_AFTER_PEERS_S = 5.0
 # Collectives (objects with ``wait()``) a failed step left unfinished. Held until the
 # interpreter ends, so their last reference is not dropped on one of gloo's threads.
 _abandoned: list[Any] = []
@@ -257,6 +271,19 @@ def _join_until_peers_end(threads: list[threading.Thread], seconds: float) -> li
     return pending
 
 
+def _peers_end_within(seconds: float) -> bool:
+    """Whether every other rank's process ends within ``seconds`` (False at once when their
+    ends cannot be seen: peers on another host and no caller's check)."""
+    if _peers_ended is None and not _peers_seen():
+        return False
+    deadline = time.monotonic() + seconds
+    while not _all_peers_ended():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(_PEERS_POLL_S)
+    return True
+
+
 def _finalize_mpi() -> None:
     from smp_comm.communicator import close_live_communicators
 
@@ -294,6 +321,13 @@ def wait_for_threads_at_exit(threads: Iterable[threading.Thread], who: str) -> N
         wait = max(wait, SEEN_PEERS_WAIT_S)
     pending = _join_until_peers_end(pending, wait)
     if not pending:
+        left = max(0.0, finalized_at + wait - time.monotonic())
+        if _peers_end_within(min(_LEAVE_AFTER_PEERS_S, left)):  # point 3a (module docstring)
+            leave_now(
+                exit_status(),
+                f"{who}: thread(s) {names} released and every other rank has ended; "
+                "exiting without interpreter finalization",
+            )
         _settle()
         return
     status = exit_status()

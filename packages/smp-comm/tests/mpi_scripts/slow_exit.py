@@ -1,4 +1,4 @@
-"""Usage: slow_exit.py MARKER_DIR [deadline|seen|none|peers_ended]. The exit protocol of
+"""Usage: slow_exit.py MARKER_DIR [deadline|seen|released|none|peers_ended]. The exit protocol of
 :mod:`smp_comm.shutdown` after a failed step, where the call a thread is blocked in is
 released only when a peer that is slow to exit ends.
 
@@ -11,6 +11,10 @@ runs on this host and its process is known (as every Communicator makes it known
 wait for rank 2 too. With ``none`` (a peer as if on another host, no deadline) they give up 3 s after
 finalizing MPI and leave without the C library's exit, and MPICH's launcher then kills the
 others (the job fails): what the deadline and the /proc view are for.
+
+``released``: only rank 0 holds a blocked thread (rank 1 exits normally at once), every
+peer seen: once rank 2's end released it and every peer has ended, rank 0 leaves without
+interpreter finalization (point 3a of the protocol), the job ending normally.
 
 ``peers_ended`` (two ranks): rank 1's thread is blocked for good (a module that never
 returns); rank 0 exits normally, slowly. Rank 1's deadline is far ahead, but its check of
@@ -54,6 +58,10 @@ def main() -> None:
         atexit.register(slow_exit)
         return
 
+    if mode == "released" and rank == 1:  # a rank with nothing blocked
+        atexit.register(lambda: print("rank 1 exits normally", flush=True))
+        return
+
     def blocked() -> None:
         while not os.path.exists(marker):
             time.sleep(0.01)
@@ -63,7 +71,7 @@ def main() -> None:
     shutdown.note_failed_step()
     if mode == "deadline":
         shutdown.set_exit_deadline(time.monotonic() + 20.0)
-    elif mode == "seen":  # what every Communicator does at construction
+    elif mode in ("seen", "released"):  # what every Communicator does at construction
         know_peers(infos, rank)
 
     def at_exit() -> None:
