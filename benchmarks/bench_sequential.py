@@ -27,7 +27,8 @@ of these kinds alternate (best of ``BENCH_SEQ_ROUNDS`` runs, each the median of 
 Multi-process runs are launched with ``mpiexec -bind-to core`` (``BENCH_SEQ_BIND=""`` turns
 it off). The two shapes are picked so that one block's forward on one microbatch takes about
 0.2 ms and about 2 ms on one core (the run prints the measured time): at 0.2 ms a request's
-~1 ms of CPU is as large as the work it carries, at 2 ms it is small against it. Each has 64
+~0.5 ms of CPU (docs/perf-notes.md) is as large as the work it carries, at 2 ms it is small
+against it. Each has 64
 rows per microbatch (see ``SHAPES``), so that splitting the batch does not by itself cost
 more than a pipeline of two stages can win back.
 """
