@@ -542,3 +542,37 @@ def test_sequential_plan_relays() -> None:
         seqruns.RELAY = True
     assert not any(isinstance(i, Relay) for i in items)
     assert items[1] == (1, ("1", "2")) and items[2] is seq[3] and items[3] is seq[4]
+
+
+def test_device_queue_runs_blocks_in_queue_order() -> None:
+    """Device work runs in the order it was queued (one stream), not in the order the OS
+    wakes the waiting threads: waiters queued 0..7 and started in reverse order take the
+    device 0..7. Each waiter then holds it a moment, so a lock handing it to any waiter
+    would show up as another order."""
+    import threading
+    import time
+
+    from smp_pipeline.worker import DeviceQueue
+
+    device = DeviceQueue()
+    assert device.queue() is None  # free: now this thread's
+    order: list[int] = []
+    places = [device.queue() for _ in range(8)]
+    assert all(p is not None for p in places)
+
+    def run(i: int) -> None:
+        DeviceQueue.wait(places[i])
+        order.append(i)
+        time.sleep(0.002)
+        device.leave()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in reversed(range(8))]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)  # every waiter blocked on its place
+    assert order == []
+    device.leave()
+    for t in threads:
+        t.join(timeout=10)
+    assert order == list(range(8))
+    assert device.queue() is None  # the last one left: free again

@@ -26,6 +26,7 @@ from smp_pipeline.order import OrderChannel
 from smp_pipeline.worker import (
     DEVICE,
     Baton,
+    DeviceQueue,
     Task,
     Worker,
     current_worker,
@@ -98,7 +99,7 @@ class Executor:
             queue.SimpleQueue()
         )
         self.device_active = 0
-        self._device_lock = threading.Lock()
+        self._device = DeviceQueue()
         # Preemption at yield points: set when a message that unblocks other work arrives
         # while a forward task runs; workers that gave the token back.
         self._preempt = False
@@ -299,8 +300,10 @@ class Executor:
         """Run the block as *device* work: the token goes back to the main loop meanwhile.
 
         The block must not touch the runtime (no module calls, no messages). Device work of a
-        rank is serialised by a lock (one device), while the main loop keeps serving other
-        tasks' CPU work, as with asynchronous GPU kernels. Outside a worker it just runs.
+        rank runs one block at a time, in the order the blocks were reached (one device, one
+        stream: :class:`~smp_pipeline.worker.DeviceQueue`), while the main loop keeps serving
+        other tasks' CPU work, as with asynchronous GPU kernels. Outside a worker it just
+        runs.
         """
         worker = current_worker()
         task = self.current
@@ -312,13 +315,19 @@ class Executor:
         worker.state = DEVICE
         start = end = time.time()
         self.device_active += 1
+        # In line before the token goes back: device work runs in token order, as kernels
+        # run in the order they were issued.
+        place = self._device.queue()
         self.current = None
         self.token_returned()
         try:
-            with self._device_lock:
+            self._device.wait(place)
+            try:
                 start = time.time()
                 yield
                 end = time.time()
+            finally:
+                self._device.leave()
         finally:
             self._returning.put((worker, task, start, end))
             self._wakeup.release()

@@ -15,6 +15,7 @@ wait, reporting a failure, the abort check, device work) comes through the narro
 from __future__ import annotations
 
 import _thread
+import collections
 import contextlib
 import threading
 import traceback
@@ -72,6 +73,48 @@ class Baton:
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         """Take the baton (waiting up to ``timeout`` seconds, forever if -1); True if taken."""
         return self._lock.acquire(blocking, timeout)
+
+
+class DeviceQueue:
+    """One device: blocks of device work run one at a time, in the order they were queued.
+
+    A GPU runs the kernels of one stream in the order they were issued; a plain lock would
+    let whichever waiting thread the OS wakes first go next, so a forward queued later could
+    overtake the backward the rest of the pipeline waits for. Each waiter gets its own
+    :class:`Baton` and the one leaving hands the device straight to the oldest waiter.
+    """
+
+    __slots__ = ("_busy", "_lock", "_waiters")
+
+    def __init__(self) -> None:
+        self._lock = _thread.allocate_lock()
+        self._waiters: collections.deque[Baton] = collections.deque()
+        self._busy = False
+
+    def queue(self) -> Baton | None:
+        """Take a place in line: None if the device is free (it is now this caller's), else
+        the baton :meth:`wait` blocks on until every earlier caller has left."""
+        with self._lock:
+            if not self._busy:
+                self._busy = True
+                return None
+            baton = Baton()
+            self._waiters.append(baton)
+            return baton
+
+    @staticmethod
+    def wait(place: Baton | None) -> None:
+        """Block until the device is this caller's (``place`` from :meth:`queue`)."""
+        if place is not None:
+            place.acquire()
+
+    def leave(self) -> None:
+        """Done with the device: it goes to the oldest waiter, if any."""
+        with self._lock:
+            if self._waiters:
+                self._waiters.popleft().release()
+            else:
+                self._busy = False
 
 
 P = TypeVar("P")
