@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+from no_peers import NoPeers
 from smp_pipeline import PipelineConfigError, Scheduler, split_microbatches, trace_dict
 from smp_pipeline.messages import flatten, pack, unflatten, unpack_leaves
 from smp_pipeline.timeline import to_chrome_trace
@@ -185,30 +186,6 @@ def test_chrome_trace() -> None:
     assert spans[1]["tid"] == 1 and spans[1]["cat"] == "backward"
 
 
-class _NoPeers:
-    """A communicator for a single rank: nothing ever arrives, sending is a bug."""
-
-    rank = 0
-
-    class _Handle:
-        def test(self) -> bool:
-            return False
-
-        def wait(self, timeout=None):
-            from smp_comm import CommTimeoutError
-
-            raise CommTimeoutError("nothing", 0, 0)
-
-        def cancel(self) -> bool:
-            return True
-
-    def irecv(self, source=-1, tag=-1):
-        return self._Handle()
-
-    def isend(self, obj, dest, tag=0):
-        raise AssertionError(f"a single rank sent {obj.get('kind')}")
-
-
 def test_single_rank_runtime_matches_plain_training() -> None:
     """pp=1: the runtime runs everything locally; microbatching + checkpointing keep grads."""
     pytest.importorskip("smp_comm")
@@ -222,7 +199,7 @@ def test_single_rank_runtime_matches_plain_training() -> None:
     ref = copy.deepcopy(model)
     x, y = torch.randn(8, 4), torch.randn(8, 1)
     F.mse_loss(ref(x), y).backward()
-    rt = PipelineRuntime(model, _NoPeers(), 0, 1, assignment={}, checkpointing={"": "group_2"},
+    rt = PipelineRuntime(model, NoPeers(), 0, 1, assignment={}, checkpointing={"": "group_2"},
                          timeline=True)
 
     def step(x, y):
