@@ -5,9 +5,10 @@ Run: python benchmarks/bench_pipeline.py   (spawns `mpiexec -n 4` of itself)
 A simulated model of p=4 stages: each stage sleeps t in forward and 2t in backward (the
 backward sleep is in a custom autograd Function), like a GPU kernel that leaves the CPU free,
 so 2 CPU cores can stand for 4 devices. The sleeps run inside ``smp_pipeline.device_work()``:
-the rank's device is busy (device work is serialised per rank) while its server keeps doing
-other tasks' CPU work (relaying responses, sending requests), as it would while a real GPU
-runs asynchronous kernels. Outside smp_pipeline (the torch.distributed.pipelining run)
+the rank's device is busy (one block at a time per rank, in the order the blocks were
+reached, like kernels on one stream) while its server keeps doing other tasks' CPU work
+(relaying responses, sending requests), as it would while a real GPU runs asynchronous
+kernels. Outside smp_pipeline (the torch.distributed.pipelining run)
 ``device_work()`` simply runs the sleep. In smp_pipeline each stage calls the next one (a
 nested module hierarchy, stage i on pp rank i); the driver computes a mean loss. Prints:
 
