@@ -13,7 +13,7 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
+from models import Block, mse_step
 from no_peers import NoPeers
 from smp_pipeline import PipelineRuntime
 from torch import nn
@@ -28,26 +28,12 @@ DEVICES = [
 ]
 
 
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.lin = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.lin(x)) + x
-
-
 def _steps(model: nn.Module, offload: bool, x: torch.Tensor, y: torch.Tensor, horizon: int):  # type: ignore[no-untyped-def]
     rt = PipelineRuntime(
         model, NoPeers(), 0, 1, assignment={}, checkpointing={"": "each"},
         offload_activations=offload, activation_loading_horizon=horizon, timeout_s=60,
     )  # fmt: skip
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = F.mse_loss(model(x), y)
-        rt.backward(loss)
-        return loss
-
+    step = mse_step(model, rt.backward)
     losses, grads = [], []
     try:
         for schedule in ("simple", "interleaved"):
