@@ -137,7 +137,14 @@ def single(microbatches: int = 1) -> dict:
             (F.mse_loss(net(xs), ys) / microbatches).backward()
         opt.step()
 
-    return {"rate": _rate(workers.timed_steps(run, WARMUP, STEPS))}
+    rate = _rate(workers.timed_steps(run, WARMUP, STEPS))
+    return {"rate": rate, "cpu": [_per_mb(workers.LAST_CPU)]}
+
+
+def _per_mb(cpu: dict[str, float]) -> tuple[float, float]:
+    """A process's CPU (ms) and context switches per microbatch over the timed steps."""
+    n = STEPS * MB
+    return (1e3 * cpu["cpu_s"] / n, cpu["switches"] / n)
 
 
 def smp_pp2(fast: bool, static: bool = False, loop: bool = False) -> dict:
@@ -177,10 +184,11 @@ def smp_pp2(fast: bool, static: bool = False, loop: bool = False) -> dict:
     stage_mb = smp.allgather(
         sum(p.numel() * p.element_size() for p in rt.local_parameters()) / 2**20, smp.PP_GROUP
     )[1]
+    cpu = smp.allgather(_per_mb(workers.LAST_CPU), smp.PP_GROUP)
     return {
         "rate": _rate(times), "rank": smp.rank(), "cut": cut, "requests_per_mb": per_mb,
         "inlined_per_mb": inlined / ((WARMUP + STEPS) * MB), "buffers": buffers,
-        "stage_mib": stage_mb,
+        "stage_mib": stage_mb, "cpu": cpu,
     }  # fmt: skip
 
 
@@ -209,8 +217,10 @@ def torch_pipelining() -> dict:
         opt.step()
 
     times = workers.timed_steps(run, WARMUP, STEPS, dist.barrier)
+    cpu: list[object] = [None, None]
+    dist.all_gather_object(cpu, _per_mb(workers.LAST_CPU))
     dist.destroy_process_group()
-    return {"rate": _rate(times), "rank": rank}
+    return {"rate": _rate(times), "rank": rank, "cpu": cpu}
 
 
 def _launch(kind: str, nprocs: int, shape: str, cut: int | None = None) -> dict:
@@ -236,7 +246,8 @@ def _compare(shape: str) -> None:
             if r["rate"] > best.get(kind, 0.0):
                 best[kind], info[kind] = r["rate"], r
         r = _launch("torchpp", 2, shape, info["smp_fast"]["cut"])
-        best["torchpp"] = max(best.get("torchpp", 0.0), r["rate"])
+        if r["rate"] > best.get("torchpp", 0.0):
+            best["torchpp"], info["torchpp"] = r["rate"], r
     one = best["single"]
     ceiling = 2 * MB / (MB + 1) * best["accum"] / one
     fast, slow, tpp = best["smp_fast"], best["smp_slow"], best["torchpp"]
@@ -262,6 +273,20 @@ def _compare(shape: str) -> None:
         f"forward (fast_mode's chains) {loop / one:.2f}x one process, {loop / tpp:.2f}x torch, "
         f"{loop / slow:.2f}x one request per block ({info['smp_list']['requests_per_mb']:.1f} "
         f"requests/microbatch, cut {info['smp_list']['cut']}|{BLOCKS - info['smp_list']['cut']})",
+        flush=True,
+    )
+    # Where a stage's time goes: CPU per microbatch of each rank (all its threads, inside the
+    # timed steps) against the compute itself (half of one process's, accumulating the same
+    # microbatches: a balanced stage's share), and the context switches.
+    compute = info["accum"]["cpu"][0][0] / 2
+
+    def ranks(kind: str) -> str:
+        return " | ".join(f"{ms:.2f} ms ({sw:.0f} switches)" for ms, sw in info[kind]["cpu"])
+
+    print(
+        f"  CPU per microbatch per rank (rank 0 | rank 1), best runs: compute alone "
+        f"{compute:.2f} ms per stage; smp fast_mode {ranks('smp_fast')}; static_mode "
+        f"{ranks('smp_static')}; torch 1F1B {ranks('torchpp')}",
         flush=True,
     )
 

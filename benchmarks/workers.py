@@ -8,10 +8,16 @@ Used by ``bench_sequential.py``, ``bench_gpt.py`` and ``bench_hf.py``.
 from __future__ import annotations
 
 import json
+import resource
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
+
+# What this process spent inside the timed ``run()`` calls of the last ``timed_steps``: CPU
+# seconds of all its threads (``time.process_time``) and context switches of all its threads
+# (``getrusage``: voluntary + involuntary). Read by benchmarks that print CPU per microbatch.
+LAST_CPU: dict[str, float] = {"cpu_s": 0.0, "switches": 0.0}
 
 
 def serve_worker(kinds: Mapping[str, Callable[[], dict]]) -> bool:
@@ -54,13 +60,24 @@ def timed_steps(
     run: Callable[[], object], warmup: int, steps: int, sync: Callable[[], object] | None = None
 ) -> list[float]:
     """``run()`` ``warmup + steps`` times; the seconds each of the last ``steps`` took.
-    ``sync()`` (a barrier across the processes) runs before each, untimed."""
+    ``sync()`` (a barrier across the processes) runs before each, untimed. The CPU and the
+    context switches of the timed calls go to :data:`LAST_CPU` (the barrier's left out)."""
     times = []
+    cpu = switches = 0.0
     for step in range(warmup + steps):
         if sync is not None:
             sync()
+        c0, s0 = time.process_time(), _switches()
         t0 = time.perf_counter()
         run()
         if step >= warmup:
             times.append(time.perf_counter() - t0)
+            cpu += time.process_time() - c0
+            switches += _switches() - s0
+    LAST_CPU.update(cpu_s=cpu, switches=switches)
     return times
+
+
+def _switches() -> int:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_nvcsw + usage.ru_nivcsw
