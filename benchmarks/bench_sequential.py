@@ -24,6 +24,11 @@ of these kinds alternate (best of ``BENCH_SEQ_ROUNDS`` runs, each the median of 
 - ``torch.distributed.pipelining`` (``Schedule1F1B``) with the model cut where smp's
   automatic partition cut it (the smp run reports its cut; the same blocks on each stage).
 
+A second line gives each rank's CPU (all its threads) and context switches per microbatch
+inside the timed steps, for smp, ``static_mode`` and 1F1B, beside the compute alone (half of
+one process's CPU per microbatch while it accumulates): where a stage's time goes, side by
+side with the peer's.
+
 Multi-process runs are launched with ``mpiexec -bind-to core`` (``BENCH_SEQ_BIND=""`` turns
 it off). The two shapes are picked so that one block's forward on one microbatch takes about
 0.2 ms and about 2 ms on one core (the run prints the measured time): at 0.2 ms a request's
