@@ -81,7 +81,7 @@ def single(microbatches: int = 1) -> dict:
             (model(chunk, labels=chunk).loss / microbatches).backward()
         opt.step()
 
-    return {"rate": _tokens_per_s(workers.timed_steps(run, WARMUP, STEPS))}
+    return {"rate": _tokens_per_s(workers.timed_steps(run, WARMUP, STEPS).times)}
 
 
 def smp_pp2(fast: bool) -> dict:
@@ -103,7 +103,7 @@ def smp_pp2(fast: bool) -> dict:
         train_step(ids)
         opt.step()
 
-    times = workers.timed_steps(run, WARMUP, STEPS, smp.barrier)
+    times = workers.timed_steps(run, WARMUP, STEPS, smp.barrier).times
     rt = dmodel.engine.runtime
     served = smp.allgather(rt.requests_served, smp.PP_GROUP)[1]
     on_1 = sum(1 for i in range(LAYERS) if rt.assignment[f"{BLOCKS}.{i}"] == 1)

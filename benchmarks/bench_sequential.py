@@ -142,14 +142,14 @@ def single(microbatches: int = 1) -> dict:
             (F.mse_loss(net(xs), ys) / microbatches).backward()
         opt.step()
 
-    rate = _rate(workers.timed_steps(run, WARMUP, STEPS))
-    return {"rate": rate, "cpu": [_per_mb(workers.LAST_CPU)]}
+    timed = workers.timed_steps(run, WARMUP, STEPS)
+    return {"rate": _rate(timed.times), "cpu": [_per_mb(timed)]}
 
 
-def _per_mb(cpu: dict[str, float]) -> tuple[float, float]:
+def _per_mb(timed: workers.TimedSteps) -> tuple[float, float]:
     """A process's CPU (ms) and context switches per microbatch over the timed steps."""
     n = STEPS * MB
-    return (1e3 * cpu["cpu_s"] / n, cpu["switches"] / n)
+    return (1e3 * timed.cpu_s / n, timed.switches / n)
 
 
 def smp_pp2(fast: bool, static: bool = False, loop: bool = False) -> dict:
@@ -174,7 +174,7 @@ def smp_pp2(fast: bool, static: bool = False, loop: bool = False) -> dict:
         train_step(x, y)
         opt.step()
 
-    times = workers.timed_steps(run, WARMUP, STEPS, smp.barrier)
+    timed = workers.timed_steps(run, WARMUP, STEPS, smp.barrier)
     rt = model.engine.runtime
     # Stage 0's share of the top-level blocks (the cut torch.distributed.pipelining reuses),
     # and the requests stage 1 served per microbatch (forward + backward).
@@ -189,9 +189,9 @@ def smp_pp2(fast: bool, static: bool = False, loop: bool = False) -> dict:
     stage_mb = smp.allgather(
         sum(p.numel() * p.element_size() for p in rt.local_parameters()) / 2**20, smp.PP_GROUP
     )[1]
-    cpu = smp.allgather(_per_mb(workers.LAST_CPU), smp.PP_GROUP)
+    cpu = smp.allgather(_per_mb(timed), smp.PP_GROUP)
     return {
-        "rate": _rate(times), "rank": smp.rank(), "cut": cut, "requests_per_mb": per_mb,
+        "rate": _rate(timed.times), "rank": smp.rank(), "cut": cut, "requests_per_mb": per_mb,
         "inlined_per_mb": inlined / ((WARMUP + STEPS) * MB), "buffers": buffers,
         "stage_mib": stage_mb, "cpu": cpu,
     }  # fmt: skip
@@ -221,11 +221,11 @@ def torch_pipelining() -> dict:
             sched.step(target=y)
         opt.step()
 
-    times = workers.timed_steps(run, WARMUP, STEPS, dist.barrier)
-    cpu: list[object] = [None, None]
-    dist.all_gather_object(cpu, _per_mb(workers.LAST_CPU))
+    timed = workers.timed_steps(run, WARMUP, STEPS, dist.barrier)
+    cpu: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(cpu, _per_mb(timed))
     dist.destroy_process_group()
-    return {"rate": _rate(times), "rank": rank, "cpu": cpu}
+    return {"rate": _rate(timed.times), "rank": rank, "cpu": cpu}
 
 
 def _launch(kind: str, nprocs: int, shape: str, cut: int | None = None) -> dict:

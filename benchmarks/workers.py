@@ -13,11 +13,16 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
-# What this process spent inside the timed ``run()`` calls of the last ``timed_steps``: CPU
-# seconds of all its threads (``time.process_time``) and context switches of all its threads
-# (``getrusage``: voluntary + involuntary). Read by benchmarks that print CPU per microbatch.
-LAST_CPU: dict[str, float] = {"cpu_s": 0.0, "switches": 0.0}
+
+@dataclass(frozen=True)
+class TimedSteps:
+    """What :func:`timed_steps` measured over the timed (post-warm-up) ``run()`` calls."""
+
+    times: list[float]  # seconds each call took
+    cpu_s: float  # CPU seconds of all this process's threads (``time.process_time``)
+    switches: float  # context switches of all its threads (``getrusage``: both kinds)
 
 
 def serve_worker(kinds: Mapping[str, Callable[[], dict]]) -> bool:
@@ -58,10 +63,10 @@ def launch(
 
 def timed_steps(
     run: Callable[[], object], warmup: int, steps: int, sync: Callable[[], object] | None = None
-) -> list[float]:
-    """``run()`` ``warmup + steps`` times; the seconds each of the last ``steps`` took.
-    ``sync()`` (a barrier across the processes) runs before each, untimed. The CPU and the
-    context switches of the timed calls go to :data:`LAST_CPU` (the barrier's left out)."""
+) -> TimedSteps:
+    """``run()`` ``warmup + steps`` times; the seconds each of the last ``steps`` took, and
+    their CPU and context switches. ``sync()`` (a barrier across the processes) runs before
+    each, untimed (its CPU is left out too)."""
     times = []
     cpu = switches = 0.0
     for step in range(warmup + steps):
@@ -74,8 +79,7 @@ def timed_steps(
             times.append(time.perf_counter() - t0)
             cpu += time.process_time() - c0
             switches += _switches() - s0
-    LAST_CPU.update(cpu_s=cpu, switches=switches)
-    return times
+    return TimedSteps(times, cpu, switches)
 
 
 def _switches() -> int:
