@@ -17,14 +17,14 @@ from typing import Any
 
 from smp_torch.errors import ConfigError
 
-__all__ = ["SMPConfig", "parse_config", "resolve_placement", "CONFIG_ENV"]
+__all__ = ["SMPConfig", "parse_config", "resolve_placement", "CONFIG_ENV", "TRACE_DEVICES"]
 
 CONFIG_ENV = "SMP_CONFIG"
 
 _PIPELINES = ("simple", "interleaved")
 _COLLECTIVE_BACKENDS = ("auto", "gloo", "smp")
 _OPTIMIZE = ("speed", "memory")
-_TRACE_DEVICES = ("cpu", "cuda")
+TRACE_DEVICES = ("cpu", "meta", "cuda")
 # Keys whose name differs from the dataclass field (SageMaker v1 spellings).
 _ALIASES = {"partitions": "pipeline_parallel_degree", "_prescaled_batch": "prescaled_batch"}
 
@@ -224,9 +224,9 @@ def _validate_values(cfg: SMPConfig, world_size: int) -> None:
         raise ConfigError("pipeline", f"must be one of {_PIPELINES}, got {cfg.pipeline!r}")
     if cfg.optimize not in _OPTIMIZE:
         raise ConfigError("optimize", f"must be one of {_OPTIMIZE}, got {cfg.optimize!r}")
-    if cfg.trace_device not in _TRACE_DEVICES:
+    if cfg.trace_device not in TRACE_DEVICES:
         raise ConfigError(
-            "trace_device", f"must be one of {_TRACE_DEVICES}, got {cfg.trace_device!r}"
+            "trace_device", f"must be one of {TRACE_DEVICES}, got {cfg.trace_device!r}"
         )
     resolve_placement(cfg.placement_strategy)
     if not 0.0 <= cfg.memory_weight <= 1.0:
@@ -304,8 +304,4 @@ def _validate_sharding(cfg: SMPConfig) -> None:
             "sharded data parallelism with both pipeline_parallel_degree > 1 and "
             "tensor_parallel_degree > 1 is not supported yet",
         )
-    if cfg.delayed_parameter_initialization:
-        raise ConfigError(
-            "delayed_parameter_initialization",
-            "is not supported with sharded_data_parallel_degree > 1 yet",
-        )
+

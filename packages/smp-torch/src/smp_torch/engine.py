@@ -26,17 +26,37 @@ from smp_torch.annotations import checkpoint_options
 from smp_torch.context import SMPContext
 from smp_torch.errors import SMPError
 from smp_torch.precision import autocast_context
-from smp_torch.weights import broadcast_tensors, has_meta, materialize_meta, module_tensors
+from smp_torch.deferred import DeferredInit
+from smp_torch.weights import (
+    broadcast_on_host,
+    broadcast_tensors,
+    fill_shards,
+    has_meta,
+    materialize_named,
+    module_tensors,
+    shared_rng_state,
+)
 
-__all__ = ["Engine", "LocalEngine", "Microbatches", "init_seed"]
+__all__ = ["Engine", "LocalEngine", "Microbatches", "delayed_init"]
 
 Microbatches = list[tuple[tuple[Any, ...], dict[str, Any]]]
 
 
-def init_seed(ctx: SMPContext) -> int:
-    """Collective: rank 0's torch seed, so delayed initialisation is the same everywhere."""
-    seed = torch.initial_seed() % (2**31)
-    return int(ctx.mpi_comms["world"].bcast(seed, root=0))
+def delayed_init(ctx: SMPContext, module: nn.Module) -> tuple[DeferredInit, torch.Tensor] | None:
+    """Collective when ``module`` was built under ``smp.delay_param_initialization()``: its
+    recording and the generator state every rank replays (rank 0's); None for a model built
+    normally (decided by rank 0, so every rank takes the same path)."""
+    metas = [bool(m) for m in ctx.mpi_comms["world"].allgather(has_meta(module))]
+    if not any(metas):
+        return None
+    if not all(metas):
+        normal = [r for r, m in enumerate(metas) if not m]
+        raise SMPError(
+            f"the model has meta-device tensors on some ranks only (built normally on ranks "
+            f"{normal}): build it under smp.delay_param_initialization() on every rank or on none"
+        )
+    init = DeferredInit.of(module)
+    return init, shared_rng_state(init, ctx.mpi_comms["world"])
 
 
 class Engine(ABC):
@@ -66,10 +86,21 @@ class Engine(ABC):
         for callback in list(self._subscribers):
             callback()
 
-    def _prepare_weights(self, module: nn.Module, broadcast_weights: bool) -> None:
+    def _prepare_weights(self, module: nn.Module, broadcast_weights: bool, to_device: bool = True) -> None:
+        """Give every replica rank 0's weights; move them to this rank's device unless the
+        caller moves only what the rank owns later (``to_device=False``).
+
+        A model on the host is broadcast there (MPI), before it moves: whatever smp's groups
+        serve, and without the whole model on any device. One built on a device is broadcast
+        over the world group, on this rank's device."""
         ctx = self.ctx
-        module.to(ctx.device)
-        if broadcast_weights and ctx.size > 1:
+        tensors = module_tensors(module)
+        on_host = all(t.device.type == "cpu" for t in tensors)
+        if broadcast_weights and ctx.size > 1 and on_host:
+            broadcast_on_host(tensors, ctx.mpi_comms["world"])
+        if to_device or not on_host:
+            module.to(ctx.device)
+        if broadcast_weights and ctx.size > 1 and not on_host:
             broadcast_tensors(module_tensors(module), 0, ctx.process_groups["world"])
 
     def _parallelize(self, module: nn.Module) -> nn.Module:
@@ -83,7 +114,9 @@ class Engine(ABC):
             cfg.optimize,
             cfg.tensor_parallel_seed,
         )
-        out.to(self.ctx.device)
+        device = self.ctx.device
+        # (Under delayed initialisation the other stages' tensors stay on the meta device.)
+        out._apply(lambda t: t if t.is_meta else t.to(device))
         return out
 
     @property
@@ -162,12 +195,22 @@ class Engine(ABC):
 class LocalEngine(Engine):
     """pp = 1: the whole model in this process; microbatches run one after the other."""
 
-    def __init__(self, ctx: SMPContext, module: nn.Module, broadcast_weights: bool) -> None:
+    def __init__(
+        self, ctx: SMPContext, module: nn.Module, broadcast_weights: bool, trace_device: str = "cpu"
+    ) -> None:
         super().__init__(ctx)
         cfg = ctx.config
-        if has_meta(module):
-            materialize_meta(module, ctx.device, init_seed(ctx))
-        self._prepare_weights(module, broadcast_weights)
+        # (trace_device: nothing is traced without a pipeline; the whole model is this rank's.)
+        delayed = delayed_init(ctx, module)
+        # Sharded without tensor parallelism: a delayed model is sharded while still on the
+        # meta device and each shard is filled as its tensor is replayed (fill_shards), so no
+        # rank ever holds the whole model. Otherwise the whole model is materialised here.
+        shard_delayed = delayed is not None and cfg.sdp > 1 and cfg.tp == 1
+        targets = delayed[0].targets(module) if delayed is not None and shard_delayed else None
+        if delayed is not None and not shard_delayed:
+            materialize_named(module, ctx.device, None, delayed[1])
+        if delayed is None:
+            self._prepare_weights(module, broadcast_weights)
         self.module = self._parallelize(module)
         config, options = checkpoint_options(self.module)
         checkpoint_in_place(self.module, config, options)
@@ -187,6 +230,9 @@ class LocalEngine(Engine):
             if cfg.sdp > 1
             else None
         )
+        if shard_delayed:
+            assert delayed is not None and targets is not None
+            fill_shards(self.module, targets, delayed[0], ctx.device, delayed[1])
 
     @property
     def partitioned(self) -> bool:

@@ -35,7 +35,8 @@ from smp_torch import sharded, tp_glue
 from smp_torch.consistency import StepInputs, check_tp_inputs
 from smp_torch.context import SMPContext, StepOutcome
 from smp_torch.engine import Engine, LocalEngine, Microbatches
-from smp_torch.errors import SMPError
+from smp_torch.config import TRACE_DEVICES
+from smp_torch.errors import ConfigError, SMPError
 from smp_torch.grads import GradReducer, GradSpec
 from smp_torch.pipeline import PipelineEngine
 from smp_torch.sharded_tp import TPShardedGrads
@@ -60,8 +61,12 @@ class DistributedModel(nn.Module):
     Args:
         module: the model, built identically on every rank (or under
             ``smp.delay_param_initialization()``).
-        trace_device: ``"cpu"`` or ``"cuda"``: where the partitioner's trace runs (defaults to
-            the config's ``trace_device``).
+        trace_device: ``"cpu"``, ``"meta"`` or ``"cuda"``: where the partitioner's trace runs
+            (defaults to the config's ``trace_device``; rank 0's value is used on every rank).
+            ``"cpu"``: the first step's trace runs on the host and only this rank's modules move
+            to its device afterwards; ``"meta"``: nothing is traced, the model is partitioned at
+            wrap time from its parameter counts; ``"cuda"``: the whole model moves to the
+            device for the trace (a model that fits one device).
         broadcast_weights: start every replica from rank 0's weights (default True).
         bucket_bytes: size of the data-parallel gradient buckets.
         overlap_grad_reduction: start each data-parallel bucket's all-reduce as soon as its
@@ -86,6 +91,8 @@ class DistributedModel(nn.Module):
         self.context: SMPContext = ctx
         self._cfg = cfg
         self._trace_device = trace_device or cfg.trace_device
+        if self._trace_device not in TRACE_DEVICES:
+            raise ConfigError("trace_device", f"must be one of {TRACE_DEVICES}, got {self._trace_device!r}")
         self._in_step = False
         self._backward_calls = 0
         self._loss_scale: Callable[[], float] | None = None
@@ -101,7 +108,7 @@ class DistributedModel(nn.Module):
                 "'delayed_parameter_initialization': True in the smp config"
             )
         engine_cls = PipelineEngine if cfg.pp > 1 else LocalEngine
-        self.engine: Engine = engine_cls(ctx, module, broadcast_weights)
+        self.engine: Engine = engine_cls(ctx, module, broadcast_weights, self._trace_device)
         self.module = self.engine.module
         self.engine.on_partitioned(self._after_partition)
         self.engine.start()

@@ -25,11 +25,11 @@ parameter lists.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 from smp_comm import Communicator
 from smp_pipeline import OrderChannel, PipelineRuntime
 from smp_pipeline.partition import partition_model, resolve_assignment
@@ -39,15 +39,19 @@ from torch import nn
 from smp_torch import sharded, tp_glue
 from smp_torch.annotations import checkpoint_options, get_checkpoint_mark, get_partition_mark
 from smp_torch.context import SMPContext
-from smp_torch.engine import Engine, Microbatches, init_seed
+from smp_torch.engine import Engine, Microbatches, delayed_init
 from smp_torch.errors import SMPError
 from smp_torch.precision import autocast_context
 from smp_torch.sharded_pp import StageShards
-from smp_torch.weights import Shallow, has_meta, materialize_meta
+from smp_torch.weights import materialize_named, owned_tensor_names
 
 __all__ = ["PipelineEngine"]
 
 _ORDER_TAG = 7401
+
+
+def _to_host(x: Any) -> Any:
+    return x.to("cpu") if isinstance(x, torch.Tensor) else x
 
 
 def _marks(module: nn.Module, default: int) -> dict[str, int]:
@@ -60,10 +64,30 @@ def _marks(module: nn.Module, default: int) -> dict[str, int]:
     return marks
 
 
+def keep_whole(module: nn.Module, assignment: dict[str, int]) -> dict[str, int]:
+    """Keep some subtrees on one stage: move descendants the partitioner put elsewhere.
+
+    - a checkpointed (non-Sequential) module is recomputed on its owner;
+    - an smp-tp distributed module uses its submodules' parameters directly (not by
+      calling them), so they must live where it runs.
+    """
+    out = dict(assignment)
+    for name, m in module.named_modules():
+        checkpointed = get_checkpoint_mark(m) is not None and not isinstance(m, nn.Sequential)
+        if not (checkpointed or isinstance(m, DistributedModule)) or name not in out:
+            continue
+        for sub, _ in m.named_modules(prefix=name):
+            if sub in out:
+                out[sub] = out[name]
+    return out
+
+
 class PipelineEngine(Engine):
     """pp > 1: one ``PipelineRuntime`` per pipeline (see the module docstring)."""
 
-    def __init__(self, ctx: SMPContext, module: nn.Module, broadcast_weights: bool) -> None:
+    def __init__(
+        self, ctx: SMPContext, module: nn.Module, broadcast_weights: bool, trace_device: str = "cpu"
+    ) -> None:
         super().__init__(ctx)
         cfg = ctx.config
         self.pp_rank = ctx.index("pp")
@@ -73,18 +97,29 @@ class PipelineEngine(Engine):
         self.stage_shards: StageShards | None = None
         self.shard_plan: sharded.ShardPlan | None = None
         world = ctx.mpi_comms["world"]
+        # Where the trace runs decides when partitioning happens, a collective: rank 0's word.
+        self.trace_device = str(world.bcast(trace_device, root=0))
+        delayed = delayed_init(ctx, module)
 
         assignment: dict[str, int] | None = None
         if not cfg.auto_partition:
             assignment = _marks(module, cfg.default_partition)
-        elif has_meta(module):
+        elif delayed is not None or self.trace_device == "meta":
+            # Nothing to run (or running is not wanted): the static graph's parameter counts.
             outcome = self._partition(module, static=True)
             assignment = outcome.assignment
-        if has_meta(module):
+        if delayed is not None:
             assert assignment is not None
-            self._materialize_owned(module, assignment, init_seed(ctx))
+            full = keep_whole(module, resolve_assignment(module, assignment, cfg.pp))
+            owned = [name for name, stage in full.items() if stage == self.pp_rank]
+            materialize_named(module, ctx.device, owned_tensor_names(module, owned), delayed[1])
         else:
-            self._prepare_weights(module, broadcast_weights)
+            # Only a device trace needs the whole model on the device; otherwise what this
+            # rank owns moves there once the assignment is applied (_apply).
+            whole = assignment is None and self.trace_device not in ("cpu", "meta")
+            self._prepare_weights(module, broadcast_weights, to_device=whole)
+        # Tensor-parallel layers run collectives on this rank's device (in the trace too):
+        # they are built and placed there whatever the trace device.
         self.module = module = self._parallelize(module)
         checkpointing, _options = checkpoint_options(module)
         # One communicator over the whole job, shared by every pipeline: each runtime talks to
@@ -117,7 +152,7 @@ class PipelineEngine(Engine):
             timeout_s=cfg.timeout_s,
             checkpointing=checkpointing,
             timeline=bool(cfg.timeline),
-            trace_device=None,
+            trace_device=None,  # (smp partitions itself: _partition, prepare_step)
             order_channel=order,
             abort_ranks=[r for r in range(ctx.size) if r not in ctx.groups["pp"]],
         )
@@ -159,15 +194,6 @@ class PipelineEngine(Engine):
             self.partition_report = (outcome.graph, outcome.result)
         return outcome
 
-    def _materialize_owned(self, module: nn.Module, assignment: dict[str, int], seed: int) -> None:
-        full = resolve_assignment(module, assignment, self.ctx.config.pp)
-        for name, m in module.named_modules():
-            if full.get(name) != self.pp_rank:
-                continue
-            if any(t.is_meta for t in [*m._parameters.values(), *m._buffers.values()] if t is not None):
-                # crc32, not hash(): str hashes differ between processes.
-                materialize_meta(Shallow(m), self.ctx.device, seed + zlib.crc32(name.encode()) % 100003)
-
     @property
     def partitioned(self) -> bool:
         return self.runtime.assignment is not None
@@ -178,7 +204,8 @@ class PipelineEngine(Engine):
         names = {n for n, _ in self.module.named_modules(remove_duplicate=False)}
         kept = {k: v for k, v in assignment.items() if k in names}
         full = resolve_assignment(self.module, kept, self.ctx.config.pp)
-        self.runtime.set_assignment(self._keep_whole(full))
+        self.runtime.set_assignment(keep_whole(self.module, full))  # (frees the other stages' parameters)
+        self._owned_to_device()
         if self.ctx.config.sdp > 1:  # collective: every rank partitions at the same time
             self.stage_shards = StageShards(
                 self.module, self.runtime.owned_modules(), self.runtime.named_local_parameters(), self.ctx
@@ -186,12 +213,25 @@ class PipelineEngine(Engine):
             self.shard_plan = self.stage_shards.plan
         self._notify_partitioned()
 
+    def _owned_to_device(self) -> None:
+        """Move this stage's modules (their own parameters and buffers) to the rank's device;
+        the other stages' modules stay where they are (empty stand-ins, host or meta)."""
+        device = self.ctx.device
+        assert self.runtime.assignment is not None
+        modules = dict(self.module.named_modules())
+        for path, stage in self.runtime.assignment.items():
+            if stage == self.pp_rank and path in modules:
+                modules[path]._apply(lambda t: t.to(device), recurse=False)
+
     def prepare_step(self, fn: Callable[..., Any], microbatches: Microbatches) -> None:
         """Trace (world rank 0) and partition on the first step; identical on every rank."""
         if self.partitioned:
             return
         ctx, cfg = self.ctx, self.ctx.config
         args, kwargs = microbatches[0]
+        if self.trace_device == "cpu" and self.ctx.device.type != "cpu":
+            # A host trace: the model is still on the host, so its inputs go there too.
+            args, kwargs = tree_map(_to_host, (args, kwargs))
         self.tracing = True
         try:
             with autocast_context(cfg.fp16, cfg.bf16, ctx.device):
@@ -204,23 +244,6 @@ class PipelineEngine(Engine):
         finally:
             self.tracing = False
         self._apply(outcome.assignment)
-
-    def _keep_whole(self, assignment: dict[str, int]) -> dict[str, int]:
-        """Keep some subtrees on one stage: move descendants the partitioner put elsewhere.
-
-        - a checkpointed (non-Sequential) module is recomputed on its owner;
-        - an smp-tp distributed module uses its submodules' parameters directly (not by
-          calling them), so they must live where it runs.
-        """
-        out = dict(assignment)
-        for name, m in self.module.named_modules():
-            checkpointed = get_checkpoint_mark(m) is not None and not isinstance(m, nn.Sequential)
-            if not (checkpointed or isinstance(m, DistributedModule)) or name not in out:
-                continue
-            for sub, _ in m.named_modules(prefix=name):
-                if sub in out:
-                    out[sub] = out[name]
-        return out
 
     # -- execution ---------------------------------------------------------------------------
 

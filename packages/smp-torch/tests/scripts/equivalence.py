@@ -60,6 +60,30 @@ def check_offloading(dmodel: smp.DistributedModel, cfg: smp.SMPConfig, case: dic
         print(f"STATS {name} {stats}", flush=True)
 
 
+def check_initial_weights(dmodel: smp.DistributedModel, ref: torch.nn.Module, name: str) -> None:
+    """Every tensor this rank materialised equals the normal construction's bitwise, before
+    any step (the local state dict: this stage's entries, a sharded tensor's local shard
+    compared with the same slice of the whole)."""
+    from smp_torch import sharded, tp_glue
+
+    want = {**dict(ref.named_parameters(remove_duplicate=False)), **dict(ref.named_buffers(remove_duplicate=False))}
+    local = {**dict(dmodel.module.named_parameters(remove_duplicate=False)), **dict(dmodel.module.named_buffers(remove_duplicate=False))}
+    checked = 0
+    for k, t in local.items():
+        if k not in want or t.numel() == 0 or t.is_meta:
+            continue  # (another stage's empty stand-in)
+        full = want[k].detach()
+        mine = sharded.local_tensor(t).detach()
+        if sharded.is_sharded(t):
+            full = sharded.shard_like(full, t).to_local()  # type: ignore[arg-type]
+        if tp_glue.is_shard(t):
+            continue  # (a tensor-parallel slice: compared through the gathered state dict)
+        if mine.shape != full.shape or not torch.equal(mine, full):
+            raise AssertionError(f"[{name}] rank {smp.rank()}: {k} differs from a normal construction")
+        checked += 1
+    assert checked, f"[{name}] rank {smp.rank()} materialised nothing"
+
+
 def run_case(case: dict) -> None:
     name = case["name"]
     cfg = smp.init(case["config"])
@@ -70,21 +94,39 @@ def run_case(case: dict) -> None:
     groups = [smp.get_dp_process_group(), smp.get_tp_process_group(), smp.get_pp_process_group()]
     backends = {torch.distributed.get_backend(g) for g in groups}
     assert backends == {want}, f"[{name}] groups on {backends}, want {want}"
-    torch.manual_seed(case.get("seed", 0))
     tp_marks = cfg.tp > 1 or case.get("tp_marks", False)
-    if case.get("model") in models.HF_MODELS:
-        model = models.HF_MODELS[case["model"]]()
-        if tp_marks:
-            smp.set_tensor_parallelism(model)
-    else:
-        model = models.build(case, tp_marks)
+
+    def construct() -> torch.nn.Module:
+        torch.manual_seed(case.get("seed", 0))
+        if case.get("model") in models.HF_MODELS:
+            built = models.HF_MODELS[case["model"]]()
+            if tp_marks:
+                smp.set_tensor_parallelism(built)
+            return built
+        return models.build(case, tp_marks)
+
+    model = construct()
     if case.get("checkpoint_blocks"):
         blocks = getattr(model, "blocks", None) or [m for m in model.children() if isinstance(m, models.MLPBlock)]
         for block in blocks:
             smp.set_activation_checkpointing(block)
     ref = copy.deepcopy(model)
     ref_opt = make_opt(case.get("optimizer", "adam"), ref.parameters())
-    dmodel = smp.DistributedModel(model)
+    if case.get("delayed"):
+        # The same construction, recorded on the meta device: every rank materialises what
+        # it owns, and must get the normal construction's values (the reference) bitwise.
+        with smp.delay_param_initialization():
+            model = construct()
+        assert all(t.is_meta for t in model.parameters()), f"[{name}] not built on meta"
+        if case.get("checkpoint_blocks"):
+            blocks = getattr(model, "blocks", None) or [m for m in model.children() if isinstance(m, models.MLPBlock)]
+            for block in blocks:
+                smp.set_activation_checkpointing(block)
+    dmodel = smp.DistributedModel(model, **case.get("wrap", {}))
+    if case.get("partitioned_at_wrap") is not None:
+        assert dmodel.partitioned == case["partitioned_at_wrap"], f"[{name}] partitioned: {dmodel.partitioned}"
+    if case.get("delayed"):
+        check_initial_weights(dmodel, ref, name)
     if cfg.tp > 1:
         from smp_torch import tp_glue
 

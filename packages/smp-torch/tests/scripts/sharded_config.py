@@ -31,7 +31,6 @@ CASES = [
     # tp=2 leaves 2 ranks per tensor-parallel slice: a sharding degree of 4 cannot fit.
     ("not-dividing-tp-slice", {"sharded_data_parallel_degree": 4, "tensor_parallel_degree": 2}, "sharded_data_parallel_degree"),
     ("without-ddp", {**SDP2, "ddp": False}, "ddp"),
-    ("with-delayed-init", {**SDP2, "delayed_parameter_initialization": True}, "delayed_parameter_initialization"),
 ]
 
 

@@ -1,0 +1,84 @@
+"""A model that does not fit one rank: a ~0.65 B-parameter Hugging Face Llama trained on
+4 CPU processes under delayed initialization (issue 42's acceptance figure).
+
+Run: python benchmarks/bench_big_model.py   (~5-10 minutes on 2 cores, ~12 GiB of memory)
+
+The model (fp32 parameters ~2.6 GB) is built under ``smp.delay_param_initialization()`` and
+trained 2 SGD steps at ``pipeline_parallel_degree=4`` and, separately, at
+``sharded_data_parallel_degree=4``; one process then builds it normally from the same seed
+and accumulates the same microbatches. Printed per configuration: each rank's peak RSS growth
+(``/proc/self/status`` VmHWM after a reset at the start, over the RSS then) as a ratio of the
+model's fp32 parameter bytes — the budget is 0.75, so no rank could hold the whole model —
+and the largest relative difference of the losses from the one process's.
+
+``BENCH_BIG_SIZE`` (a JSON object of LlamaConfig fields) overrides the model's size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "..", "packages", "smp-torch", "tests", "scripts", "big_model.py")
+# 12 layers of 2048 (intermediate 5504) and an 8000-token vocabulary, untied: 0.640 B
+# parameters, 2.56 GB in fp32.
+SIZE = {
+    "hidden_size": 2048,
+    "intermediate_size": 5504,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "vocab_size": 8000,
+}
+BUDGET = 0.75
+
+
+def _run(cmd: list[str]) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "SMP_CONFIG": ""}
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    wall = time.perf_counter() - t0
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("BIG-RESULT ")]
+    if proc.returncode != 0 or not lines:
+        sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    out = json.loads(lines[-1][len("BIG-RESULT ") :])
+    out["wall_s"] = wall
+    return out
+
+
+def main() -> None:
+    from smp_comm.testing import mpiexec_path
+
+    size = json.loads(os.environ.get("BENCH_BIG_SIZE", json.dumps(SIZE)))
+    print(f"bench_big_model: Llama {size}", flush=True)
+    for mode in ("pp4", "sdp4"):
+        got = _run([mpiexec_path(), "-n", "4", sys.executable, SCRIPT, json.dumps(size), mode])
+        ref = _run([sys.executable, SCRIPT, json.dumps(size), mode, "reference"])
+        total = got["param_bytes"]
+        print(f"  {mode}: model fp32 parameters {total / 2**30:.2f} GiB; 4 ranks took {got['wall_s']:.0f} s", flush=True)
+        worst = 0.0
+        for row in got["ranks"]:
+            ratio = row["peak_growth"] / total
+            worst = max(worst, ratio)
+            print(
+                f"    rank {row['rank']}: peak RSS growth {row['peak_growth'] / 2**30:.2f} GiB = "
+                f"{ratio:.3f}x the model (budget {BUDGET}); parameters held "
+                f"{row['param_bytes_held'] / total:.3f}x",
+                flush=True,
+            )
+        diffs = [abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"])]
+        print(
+            f"    losses {['%.6f' % v for v in got['losses']]} vs one process "
+            f"{['%.6f' % v for v in ref['losses']]}: max relative difference {max(diffs):.2e}",
+            flush=True,
+        )
+        verdict = "within" if worst <= BUDGET else "OVER"
+        print(f"    worst rank {worst:.3f}x: {verdict} the {BUDGET}x budget", flush=True)
+
+
+if __name__ == "__main__":
+    main()
