@@ -6,9 +6,10 @@
 - ``smp.set_partition(module, i)`` — the same for an existing module.
 - ``smp.set_activation_checkpointing(module, preserve_rng_state=True, pack_args_as_tuple=False,
   strategy="each")`` — recompute the module's activations in backward.
-- ``with smp.delay_param_initialization():`` — parameters are created on the ``meta`` device
-  (no memory); :class:`smp.DistributedModel` materialises only the modules this rank owns,
-  after partitioning, by calling their ``reset_parameters()``.
+- ``with smp.delay_param_initialization():`` — parameters and buffers are created on the
+  ``meta`` device (no memory) while the construction is recorded, so that only what a rank
+  owns is later materialised, bitwise as a normal construction makes it
+  (:mod:`smp_torch.deferred`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Any
 import torch
 from smp_pipeline.checkpointing import CheckpointOptions
 from torch import nn
+
+from smp_torch.deferred import recording
 
 __all__ = [
     "partition",
@@ -159,9 +162,12 @@ def checkpoint_options(
 
 @contextlib.contextmanager
 def delay_param_initialization(enabled: bool = True) -> Iterator[None]:
-    """Create parameters and buffers on the ``meta`` device inside the block (no memory)."""
+    """Create parameters and buffers on the ``meta`` device inside the block (no memory),
+    recording how they are built; :func:`smp_torch.deferred.materialize` (or
+    :class:`smp_torch.deferred.DeferredInit`) later makes any of them real, bitwise equal to
+    a normal CPU construction with the same seed. See :mod:`smp_torch.deferred`."""
     if not enabled:
         yield
         return
-    with torch.device("meta"):
+    with recording():
         yield
