@@ -1,9 +1,9 @@
-"""A model that does not fit one rank: a ~0.65 B-parameter Hugging Face Llama trained on
+"""A model that does not fit one rank: a ~0.66 B-parameter Hugging Face Llama trained on
 4 CPU processes under delayed initialization (issue 42's acceptance figure).
 
 Run: python benchmarks/bench_big_model.py   (~5-10 minutes on 2 cores, ~12 GiB of memory)
 
-The model (fp32 parameters ~2.6 GB) is built under ``smp.delay_param_initialization()`` and
+The model (fp32 parameters 2.65 GB) is built under ``smp.delay_param_initialization()`` and
 trained 2 SGD steps at ``pipeline_parallel_degree=4`` and, separately, at
 ``sharded_data_parallel_degree=4``; one process then builds it normally from the same seed
 and accumulates the same microbatches. Printed per configuration: each rank's peak RSS growth
@@ -24,14 +24,16 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "..", "packages", "smp-torch", "tests", "scripts", "big_model.py")
-# 12 layers of 2048 (intermediate 5504) and an 8000-token vocabulary, untied: 0.640 B
-# parameters, 2.56 GB in fp32.
+# 22 layers of 1024 (MLP 8192) and an 8000-token vocabulary, untied: 0.663 B parameters,
+# 2.65 GB in fp32. Many narrow layers keep a shard unit (one layer, 4.4 % of the model) small
+# beside the budget; MLP weights of 32 MiB are above glibc's largest mmap threshold, so a freed
+# one goes back to the system instead of fragmenting the heap.
 SIZE = {
-    "hidden_size": 2048,
-    "intermediate_size": 5504,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 16,
+    "hidden_size": 1024,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 22,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
     "vocab_size": 8000,
 }
 BUDGET = 0.75

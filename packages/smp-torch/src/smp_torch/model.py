@@ -363,7 +363,7 @@ class DistributedModel(nn.Module):
     def stage_full_state(self) -> dict[str, torch.Tensor]:
         """This pipeline stage's entries of the full state dict (TP shards gathered)."""
         if self._cfg.sdp > 1 and self._cfg.tp == 1:
-            return {k: v for k, v in sharded.full_state(self.module).items() if self.owns_full_key(k)}
+            return sharded.full_state(self.module, self.owns_full_key)
         if self._cfg.sdp > 1:
             # Gather FSDP2's shards into plain parameters, then smp-tp's slices over TP.
             with sharded.gathered(self.module):

@@ -350,11 +350,14 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def full_state(module: nn.Module) -> dict[str, torch.Tensor]:
+def full_state(module: nn.Module, keep: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
     """Collective over the sharding mesh: ``module.state_dict()`` with every shard gathered
-    (the unwrapped model's keys and shapes), on CPU."""
+    (the unwrapped model's keys and shapes), on CPU; only the keys ``keep`` accepts (every
+    rank of the mesh must accept the same keys)."""
     out: dict[str, torch.Tensor] = {}
     for k, v in module.state_dict().items():
+        if keep is not None and not keep(k):
+            continue  # (another stage's entry: an empty or meta stand-in here)
         full = v.full_tensor() if isinstance(v, DTensor) else v
         out[k] = full.detach().to("cpu").clone()
     return out

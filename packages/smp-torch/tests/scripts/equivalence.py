@@ -86,7 +86,8 @@ def check_initial_weights(dmodel: smp.DistributedModel, ref: torch.nn.Module, na
 
 def run_case(case: dict) -> None:
     name = case["name"]
-    cfg = smp.init(case["config"])
+    delayed = {"delayed_parameter_initialization": True} if case.get("delayed") else {}
+    cfg = smp.init({**case["config"], **delayed})
     # the groups really run on the chosen backend ("auto": smp on CPU, NCCL on CUDA)
     want = cfg.collective_backend
     if want == "auto":
