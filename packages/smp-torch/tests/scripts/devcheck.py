@@ -18,9 +18,14 @@ wrong ones are CPU tensors here, so this module keeps a second, *virtual* device
     CUDA);
   - ``torch.from_numpy``/``torch.frombuffer``, ``Tensor.cpu()``, ``Tensor.to("cpu")``, and
     every tensor ``torch.load`` returns;
+  - a ``nn.Parameter`` around host data (``Parameter.__new__`` is wrapped: no mode sees it);
   - the result of any other op whose tensor inputs are *all* host. One input on the device
     makes the result a device tensor, as CUDA does when it combines a device tensor with a
-    0-dim CPU scalar. An in-place op keeps its target's mark.
+    0-dim CPU scalar. An in-place op keeps its target's mark. When smp_torch's own code
+    combines a host tensor of one or more dimensions with a device tensor (``torch.cat`` of
+    device gradients and host flags), CUDA would refuse the op: the tracker raises
+    :class:`DeviceMismatchError` there (only for smp_torch's calls: smp-tp's numpy mask
+    packing is a CPU-only branch a GPU run never takes).
 
   Everything else counts as on the device smp drives: tensors made or moved with an explicit
   ``torch.device``, gradients (autograd puts them beside their parameter), FSDP2's and
@@ -39,10 +44,14 @@ wrong ones are CPU tensors here, so this module keeps a second, *virtual* device
 :attr:`DeviceCheck.calls` counts the checked calls per (caller file, caller function,
 collective), so a test can show that the call sites it claims were really exercised.
 
+A checked function that torch calls from inside another (``batch_isend_irecv``'s ``isend``,
+a collective handing itself to a torch-function mode) is checked once, at the outer call.
+
 What this cannot see: a tensor made with an explicit ``torch.device("cpu")`` object (it
 counts as on the device), collectives issued below ``torch.distributed``'s Python functions
-(DTensor's functional collectives), and code that only runs on a real GPU (branches on
-``device.type == "cuda"``).
+(DTensor's functional collectives), threads whose class overrides ``run`` (not tracked),
+and code that only runs on a real GPU (branches on ``device.type == "cuda"``, such as the
+reducer's ``wait`` on NCCL work).
 """
 
 from __future__ import annotations
