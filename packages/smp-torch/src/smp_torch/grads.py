@@ -29,6 +29,12 @@ The phase, at every pipeline degree:
 
 A small flag per parameter travels with each bucket so that a gradient that is ``None`` on
 every rank stays ``None`` (the optimizer then skips it exactly as it would in one process).
+
+Every tensor handed to a collective lives on the reducer's ``device`` (``ctx.device``: on CUDA
+the groups are NCCL groups, which take device tensors only), and the flags are built there
+without copies from the host. One device-to-host read per step remains, in
+:meth:`GradReducer.finish`: the flags (and the late agreement) decide on the host which
+gradients stay ``None`` and whether to reduce again.
 """
 
 from __future__ import annotations
@@ -80,6 +86,8 @@ class GradReducer:
         wait: waits for one launched collective (default ``work.wait()``); smp's raises if
             another rank failed meanwhile (see :mod:`smp_torch.watch`), and the reducer is
             then disarmed by its owner.
+        device: the device the groups serve, where the late-accumulation flag is made
+            (``ctx.device``); default the first parameter's device.
     """
 
     def __init__(
@@ -90,8 +98,12 @@ class GradReducer:
         overlap: bool = True,
         register_hook: Callable[[torch.Tensor, Callable[[torch.Tensor], None]], Any] | None = None,
         wait: Callable[[Any], None] | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self._lock = threading.Lock()
+        if device is None:
+            device = specs[0].param.device if specs else torch.device("cpu")
+        self._device = device
         self._wait_work: Callable[[Any], None] = wait or (lambda work: work.wait())
         self._armed = False
         self._overlap = overlap
@@ -194,20 +206,24 @@ class GradReducer:
 
     def _launch(self, b: _Bucket) -> None:
         parts: list[torch.Tensor] = []
-        flags: list[float] = []
+        missing: list[int] = []
         ref = b.specs[0].param
-        for spec in b.specs:
+        for i, spec in enumerate(b.specs):
             g = spec.param.grad
             if g is None:
                 parts.append(torch.zeros(spec.param.numel(), dtype=ref.dtype, device=ref.device))
-                flags.append(0.0)
+                missing.append(i)
             else:
                 parts.append(g.detach().reshape(-1).to(ref.dtype))
-                flags.append(1.0)
-        parts.append(torch.tensor(flags, dtype=ref.dtype, device=ref.device))
+        # Made on the device (torch.tensor(list) would copy from the host, a stream sync on
+        # CUDA, during backward): ones, zeroed where this rank has no gradient.
+        flags = torch.ones(len(b.specs), dtype=ref.dtype, device=ref.device)
+        for i in missing:
+            flags[i] = 0.0
+        parts.append(flags)
         flat = torch.cat(parts)
         spec0 = b.specs[0]
-        n = flat.numel() - len(flags)
+        n = flat.numel() - len(b.specs)
         if spec0.divisor != 1:
             flat[:n].div_(spec0.divisor)
         b.flat = flat
@@ -235,28 +251,36 @@ class GradReducer:
             late = self._late
         self._wait()
         if self._overlap and self._expected is not None:
-            flag = torch.tensor([1.0 if late else 0.0])
+            # On the groups' device (an NCCL group takes no host tensor); torch.full fills on
+            # the device, no copy from the host.
+            flag = torch.full((1,), 1.0 if late else 0.0, device=self._device)
             work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._stale_group, async_op=True)
             self._wait_work(work)
-            if flag.item() > 0:
+            # Read with the buckets' flags: one device-to-host read per step.
+            stale, *flags = self._read_flags(flag)
+            if stale > 0:
                 # Every rank re-reduces everything from its local gradients (still in .grad).
                 self._next = 0
                 self._launch_rest()
                 self._wait()
+                flags = self._read_flags()
+        else:
+            flags = self._read_flags()
         # Next step expects what this one did (per rank: only the launch order is shared).
         self._expected = {
             id(s.param): self._counts.get(id(s.param), 0) for b in self._buckets for s in b.specs
         }
+        at = 0
         for b in self._buckets:
             assert b.flat is not None
             flat = b.flat
-            n_params = len(b.specs)
-            flags = flat[flat.numel() - n_params :]
             offset = 0
-            for i, spec in enumerate(b.specs):
+            for spec in b.specs:
                 p = spec.param
                 k = p.numel()
-                if flags[i].item() > 0:
+                has = flags[at] > 0
+                at += 1
+                if has:
                     value = flat[offset : offset + k].view_as(p)
                     if p.grad is None:
                         p.grad = value.clone()
@@ -265,6 +289,16 @@ class GradReducer:
                 offset += k
         with self._lock:
             self._reset()
+
+    def _read_flags(self, first: torch.Tensor | None = None) -> list[float]:
+        """``first`` (if given) and every bucket's per-parameter flags, in bucket order, read
+        to the host in one transfer (the host decides which gradients stay ``None``)."""
+        tails = [b.flat[b.flat.numel() - len(b.specs) :] for b in self._buckets if b.flat is not None]
+        if first is not None:
+            tails.insert(0, first.to(tails[0].dtype) if tails else first)
+        if not tails:
+            return []
+        return [float(v) for v in torch.cat(tails).tolist()]
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

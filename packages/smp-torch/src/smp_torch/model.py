@@ -218,6 +218,7 @@ class DistributedModel(nn.Module):
             overlap=self._overlap,
             register_hook=self.engine.register_grad_hook,
             wait=lambda work: ctx.watch.wait_work(work, cuda),
+            device=ctx.device,
         )
 
     # -- parameters ----------------------------------------------------------------------
@@ -417,7 +418,11 @@ class DistributedModel(nn.Module):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients by the norm of the *whole* model's gradient (all stages and shards).
 
-        Call after the step, before ``optimizer.step()``. Returns the total norm.
+        Call after the step, before ``optimizer.step()``. Returns the total norm (float32, on
+        ``ctx.device``). Like ``torch.nn.utils.clip_grad_norm_``, the sums, the norm and the
+        coefficient ``min(1, max_norm / (norm + 1e-6))`` stay on the device (the collectives
+        need them there: NCCL takes no host tensor) and every gradient is multiplied by it:
+        no device-to-host sync.
         """
         ctx, cfg = self.context, self._cfg
         plan = getattr(self.engine, "shard_plan", None)
@@ -430,9 +435,10 @@ class DistributedModel(nn.Module):
                 tp_group=ctx.process_groups["tp"] if cfg.tp > 1 else None,
                 tp_shard=tp_glue.is_shard,
                 pp_group=ctx.process_groups["pp"] if cfg.pp > 1 else None,
+                device=ctx.device,
             )
-        local = torch.zeros((), dtype=torch.float64)
-        distributed = torch.zeros((), dtype=torch.float64)
+        local = torch.zeros((), dtype=torch.float64, device=ctx.device)
+        distributed = torch.zeros((), dtype=torch.float64, device=ctx.device)
         for p in self.parameters():
             if p.grad is None:
                 continue
@@ -448,9 +454,5 @@ class DistributedModel(nn.Module):
         if cfg.pp > 1:
             dist.all_reduce(total, group=ctx.process_groups["pp"])
         norm = total ** (1.0 / norm_type)
-        coef = max_norm / (float(norm) + 1e-6)
-        if coef < 1.0:
-            for p in self.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+        sharded.scale_grads([p.grad for p in self.parameters() if p.grad is not None], max_norm, norm)
         return norm.float()

@@ -178,7 +178,7 @@ class DistributedOptimizer:
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         if self.scaler is not None:
             finite = self.scaler.unscale_and_check(
-                params, self.context.process_groups["world"], self._wait
+                params, self.context.process_groups["world"], self._wait, self.context.device
             )
             self.scaler.update(finite)
             if not finite:

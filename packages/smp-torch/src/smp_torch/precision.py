@@ -50,20 +50,33 @@ class LossScaler:
         params: list[torch.Tensor],
         group: Any = None,
         wait: Callable[[Any], None] | None = None,
+        device: torch.device | None = None,
     ) -> bool:
         """Divide gradients by the scale; return True when every rank's grads are finite.
-        ``wait`` waits for the agreement's collective (default: ``work.wait()``)."""
+
+        ``wait`` waits for the agreement's collective (default: ``work.wait()``). ``device``:
+        the device ``group`` serves (``ctx.device``; an NCCL group takes no host tensor),
+        where the overflow flag is made; default the first gradient's device. The flags are
+        computed on the device; the one read of the agreed flag is the only device-to-host
+        sync (skipping the update is a decision of the host, as in ``torch.amp.GradScaler``).
+        """
         inv = 1.0 / self.scale
-        found = torch.zeros(1, dtype=torch.float32)
-        for p in params:
-            if p.grad is None:
-                continue
-            # A sharded gradient (DTensor) is checked on this rank's shard; the all-reduce
-            # below covers the others.
-            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        # A sharded gradient (DTensor) is checked on this rank's shard; the all-reduce below
+        # covers the others.
+        grads = [
+            p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            for p in params
+            if p.grad is not None
+        ]
+        if device is None:
+            device = grads[0].device if grads else torch.device("cpu")
+        for g in grads:
             g.mul_(inv)
-            if not torch.isfinite(g).all():
-                found.fill_(1.0)
+        if grads:
+            finite = torch.stack([torch.isfinite(g).all().to(device) for g in grads]).all()
+            found = finite.logical_not().to(torch.float32).reshape(1)
+        else:
+            found = torch.zeros(1, dtype=torch.float32, device=device)
         if dist.is_initialized():
             work = dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group, async_op=True)
             if wait is None:

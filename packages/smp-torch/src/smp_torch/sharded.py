@@ -440,6 +440,7 @@ def grad_norm(
     tp_group: Any = None,
     tp_shard: Callable[[torch.Tensor], bool] | None = None,
     pp_group: Any = None,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
     """Collective over ``shard_group`` (and ``tp_group``, ``pp_group`` when given): the norm
     of the whole model's gradient from its shards.
@@ -448,9 +449,15 @@ def grad_norm(
     sharding group alone counts each element once. With tensor parallelism the sums of
     ``tp_shard`` parameters (slices that differ across the tensor-parallel group) are added
     over ``tp_group`` too, while parameters replicated across it are counted once, as the
-    non-sharded clipping does; stages add up over ``pp_group``. Sums are float64."""
-    sharded_sums = torch.zeros(2, dtype=torch.float64)  # [FSDP shards, FSDP shards of TP slices]
-    whole = torch.zeros((), dtype=torch.float64)
+    non-sharded clipping does; stages add up over ``pp_group``. Sums are float64, on
+    ``device``: the device the groups serve (``ctx.device``; NCCL takes no host tensor),
+    default the first parameter's (local shard's) device."""
+    params = list(params)
+    if device is None:
+        device = local_tensor(params[0]).device if params else torch.device("cpu")
+    # [FSDP shards, FSDP shards of TP slices]
+    sharded_sums = torch.zeros(2, dtype=torch.float64, device=device)
+    whole = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
         g = p.grad
         if g is None:
@@ -481,15 +488,21 @@ def clip_grad_norm(
     tp_group: Any = None,
     tp_shard: Callable[[torch.Tensor], bool] | None = None,
     pp_group: Any = None,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
     """Scale every gradient shard by ``max_norm / (norm + 1e-6)`` when that is below 1
     (``torch.nn.utils.clip_grad_norm_``'s rule) with the norm of the whole model's gradient
-    (:func:`grad_norm`, same arguments). Returns the norm (float32)."""
-    norm = grad_norm(params, shard_group, norm_type, tp_group, tp_shard, pp_group)
-    coef = max_norm / (float(norm) + 1e-6)
-    if coef < 1.0:
-        with torch.no_grad():
-            for p in params:
-                if p.grad is not None:
-                    local_tensor(p.grad).mul_(coef)
+    (:func:`grad_norm`, same arguments). Returns the norm (float32, on ``device``)."""
+    norm = grad_norm(params, shard_group, norm_type, tp_group, tp_shard, pp_group, device)
+    scale_grads([local_tensor(p.grad) for p in params if p.grad is not None], max_norm, norm)
     return norm.float()
+
+
+def scale_grads(grads: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+    """Multiply ``grads`` by ``min(1, max_norm / (norm + 1e-6))``, computed where ``norm``
+    is, as ``torch.nn.utils.clip_grad_norm_`` does: no device-to-host sync to decide. A
+    factor of exactly 1 leaves every gradient bit for bit as it was."""
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    with torch.no_grad():
+        for g in grads:
+            g.mul_(coef.to(g.device))

@@ -83,7 +83,12 @@ class TPShardedGrads:
                         if g is not None
                         else torch.zeros(local.numel(), dtype=dtype, device=device)
                     )
-                flags = torch.tensor([p.grad is not None for p in ps], dtype=dtype, device=device)
+                # On the group's device (NCCL takes no host tensor), filled there: no copy from
+                # the host. The read of ``flat``'s flags below is this step's one sync per dtype.
+                flags = torch.ones(len(ps), dtype=dtype, device=device)
+                for i, p in enumerate(ps):
+                    if p.grad is None:
+                        flags[i] = 0.0
                 flat = torch.cat([*parts, flags])
                 self._wait(dist.all_reduce(flat, group=self._group, async_op=True))
                 offset = 0
