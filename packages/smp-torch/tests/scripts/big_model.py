@@ -128,7 +128,15 @@ def distributed(size: dict, mode: str) -> None:
     held = sum(
         (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in model.parameters()
     )
-    rows = smp.allgather({"rank": smp.rank(), "peak_growth": growth, "param_bytes_held": held}, smp.WORLD)
+    # Under pipelining, the most microbatches whose gradients this rank held apart at once
+    # (deterministic accumulation buffers a contribution that arrives before an earlier
+    # microbatch's: each buffer is a gradient-sized copy of what the microbatch reached).
+    runtime = getattr(model.engine, "runtime", None)
+    buffered = runtime.server.grads.peak_buffers if runtime is not None else 0
+    rows = smp.allgather(
+        {"rank": smp.rank(), "peak_growth": growth, "param_bytes_held": held, "peak_microbatch_buffers": buffered},
+        smp.WORLD,
+    )
     if smp.rank() == 0:
         print("BIG-RESULT " + json.dumps({"mode": mode, "losses": losses, "param_bytes": total, "ranks": rows}), flush=True)
 
