@@ -24,7 +24,7 @@ from torch.utils._pytree import TreeSpec, tree_leaves, tree_unflatten
 
 from smp_torch.errors import SMPError
 
-__all__ = ["Ref", "Const", "Scratch", "DEVICE", "Entry", "StorageInfo", "plan", "Replayer"]
+__all__ = ["Ref", "Const", "Scratch", "DEVICE", "Entry", "StorageInfo", "plan", "Replayer", "where"]
 
 SKIP, RUN, SCRATCH = 0, 1, 2
 CPU = torch.device("cpu")
@@ -83,6 +83,12 @@ class Entry:
     bad: str | None = None  # why it cannot be replayed
     state: torch.Tensor | None = None
 
+    @classmethod
+    def generator_set(cls, state: torch.Tensor) -> Entry:
+        """The global generator was set to ``state`` here (``torch.manual_seed``...)."""
+        empty: frozenset[int] = frozenset()
+        return cls(None, [], None, empty, empty, empty, empty, (), (), None, False, "", state=state)
+
 
 @dataclass(eq=False)
 class StorageInfo:
@@ -90,14 +96,12 @@ class StorageInfo:
     creator: int | None  # index of the entry that created it; None: made outside the block
 
 
-def _where(name: str) -> str:
+def where(name: str) -> str:
     module, _, tensor = name.rpartition(".")
     return f"{name!r} (module {module or '<root>'!r}, tensor {tensor!r})"
 
 
-def plan(
-    entries: list[Entry], storages: list[StorageInfo], wanted: dict[int, str]
-) -> bytearray:
+def plan(entries: list[Entry], storages: list[StorageInfo], wanted: dict[int, str]) -> bytearray:
     """What to do with each entry so that storages ``wanted`` (sid -> the target name that
     needs it, for errors) end up as a normal construction leaves them, and the generator
     advances as it does there. Raises :class:`SMPError` naming the target that cannot be."""
@@ -115,7 +119,7 @@ def plan(
             why = live[hit]
             if e.bad is not None:
                 raise SMPError(
-                    f"smp.delay_param_initialization: cannot materialise {_where(why)}: it is "
+                    f"smp.delay_param_initialization: cannot materialise {where(why)}: it is "
                     f"computed by {e.func}, which cannot be replayed ({e.bad})"
                 )
             actions[i] = RUN
@@ -134,13 +138,11 @@ def plan(
             actions[i] = SCRATCH
             for s in e.rng_reads:
                 live.setdefault(s, f"<input of random op {e.func}>")
-    for s, why in live.items():
-        origin = storages[s].creator
+    for why in live.values():  # only storages no entry created are still wanted here
         raise SMPError(
-            f"smp.delay_param_initialization: cannot materialise {_where(why)}: it is (or is "
-            "computed from) a meta tensor made outside the delay_param_initialization() block"
-            + ("" if origin is None else f" (storage {s})")
-            + ", so there is no record of how a normal construction would fill it"
+            f"smp.delay_param_initialization: cannot materialise {where(why)}: it is (or is "
+            "computed from) a meta tensor made outside the delay_param_initialization() block, "
+            "so there is no record of how a normal construction would fill it"
         )
     return actions
 
