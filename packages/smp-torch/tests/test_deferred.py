@@ -6,6 +6,7 @@ SMPError naming the tensor. Single process."""
 
 from __future__ import annotations
 
+import gc
 import weakref
 from collections.abc import Callable
 
@@ -293,3 +294,41 @@ def test_disabled_and_nested_blocks() -> None:
         with smp.delay_param_initialization():
             inner = nn.Linear(2, 2)
     assert DeferredInit.of(outer) is DeferredInit.of(inner)
+
+
+def test_default_dtype_of_the_construction_is_replayed() -> None:
+    def build() -> nn.Module:
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            return Computed()
+        finally:
+            torch.set_default_dtype(old)
+
+    ref = _build(build, 0, delayed=False)
+    model = _build(build, 0, delayed=True)
+    materialize(model, torch.device("cpu"))
+    assert model.w.dtype == torch.float64
+    assert _differ(_tensors(ref), _tensors(model)) == []
+
+
+def test_conversion_after_the_block_is_refused() -> None:
+    with smp.delay_param_initialization():
+        net = nn.Linear(3, 3)
+    net.half()  # new meta tensors, made where nothing records
+    with pytest.raises(SMPError, match="not created under smp.delay_param_initialization"):
+        materialize(net, torch.device("cpu"))
+
+
+def test_recording_lives_as_long_as_its_tensors() -> None:
+    from smp_torch import deferred_record
+
+    gc.collect()
+    entries = len(deferred_record._LIVE)
+    model = _build(_llama, 0, delayed=True)
+    rec = weakref.ref(DeferredInit.of(model))
+    gc.collect()
+    assert rec() is not None  # kept by the model's meta tensors alone
+    del model
+    gc.collect()
+    assert rec() is None and len(deferred_record._LIVE) == entries

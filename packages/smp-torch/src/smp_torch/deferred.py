@@ -103,7 +103,7 @@ class DeferredInit(Recording):
             hit = lookup(t)
             if hit is None:
                 outside.append(name)
-            else:
+            elif isinstance(hit[0], DeferredInit):
                 found[id(hit[0])] = hit[0]
         what = f"module {type(module).__name__}"
         if len(found) > 1:
@@ -140,8 +140,9 @@ class DeferredInit(Recording):
             if not t.is_meta:
                 continue
             self._check_target(name, t)
+            version = t._version
             seen = self._versions.get(id(t))
-            if seen is not None and seen[0]() is t and t._version != seen[1]:
+            if seen is not None and seen[0]() is t and seen[1] != version:
                 raise SMPError(
                     f"smp.delay_param_initialization: {where(name)} was changed in place "
                     "after the block ended, where nothing records it; do it inside the block"
@@ -183,7 +184,8 @@ class DeferredInit(Recording):
                 + (
                     "not a meta tensor"
                     if not t.is_meta
-                    else "a meta tensor made outside this block"
+                    else "a meta tensor made outside this block (by .to(), .half()... after "
+                    "it? convert inside the block)"
                 )
                 + ", so this recording cannot materialise it"
             )
@@ -200,7 +202,7 @@ def recording() -> Iterator[DeferredInit]:
     """Build on ``meta`` and record how (``smp.delay_param_initialization()``). Nested, the
     inner block is part of the outer recording."""
     outer = active()
-    if outer is not None:
+    if isinstance(outer, DeferredInit):
         yield outer
         return
     rec = DeferredInit()

@@ -8,6 +8,7 @@ aten op that touches a meta tensor and every random op on a real CPU tensor;
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Callable
@@ -165,12 +166,13 @@ class Recording:
         sid = len(self.storages)
         self.storages.append(StorageInfo(st.nbytes(), creator))
         self._sids[key] = sid
-        self._storage_refs[sid] = weakref.ref(st, lambda _, k=key, s=sid: self._died(k, s))
+        self._storage_refs[sid] = weakref.ref(st, functools.partial(self._died, key, sid))
         with _registry_lock:
             _LIVE[key] = (self, sid)
         return sid, True
 
-    def _died(self, key: int, sid: int) -> None:
+    def _died(self, key: int, sid: int, _: object) -> None:
+        """Storage ``sid`` is gone: its address may be reused by a storage we never saw."""
         if self._sids.get(key) == sid:
             del self._sids[key]
         self._storage_refs.pop(sid, None)
@@ -300,6 +302,7 @@ class Recording:
                 rng=rng,
                 generator=_generator_mode(func) if rng else "",
                 bad=bad,
+                default_dtype=torch.get_default_dtype(),
             )
         )
         if rng and real:

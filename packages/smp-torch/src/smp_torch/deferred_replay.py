@@ -82,6 +82,8 @@ class Entry:
     generator: str  # how to hand the replay's generator to it: "kw", "overload:<name>", "swap"
     bad: str | None = None  # why it cannot be replayed
     state: torch.Tensor | None = None
+    # factory ops given no dtype use the default dtype of the time they ran
+    default_dtype: torch.dtype = torch.float32
 
     @classmethod
     def generator_set(cls, state: torch.Tensor) -> Entry:
@@ -274,7 +276,14 @@ class Replayer:
             return
         args, kwargs, extra = self._args(e, scratch_writes=action == SCRATCH)
         self.peak = max(self.peak, self.held + extra)
-        out = self._call(e, args, kwargs)
+        default = torch.get_default_dtype()
+        if e.default_dtype != default:
+            torch.set_default_dtype(e.default_dtype)
+        try:
+            out = self._call(e, args, kwargs)
+        finally:
+            if e.default_dtype != default:
+                torch.set_default_dtype(default)
         if action == RUN:
             self._adopt_outputs(e, out)
             self.peak = max(self.peak, self.held + extra)
