@@ -16,6 +16,7 @@ import torch
 from smp_torch.deferred import DeferredInit, materialize
 from smp_torch.errors import SMPError
 from torch import nn
+from torch.nn.init import trunc_normal_  # captured before any block: must still be seen
 
 transformers = pytest.importorskip("transformers")
 
@@ -82,6 +83,31 @@ class Computed(nn.Module):
         self.proj.weight = self.w_t = nn.Parameter(self.w.detach()[:3, :].clone())  # reassigned
 
 
+class Zoo(nn.Module):
+    """torch's own modules and initialisers, including those that skip meta tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(16, 4)
+        self.lstm = nn.LSTM(8, 8, num_layers=2)
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm1d(5)
+        self.orth = nn.Parameter(torch.empty(6, 6))
+        nn.init.orthogonal_(self.orth)
+        self.trunc = nn.Parameter(torch.empty(50))
+        trunc_normal_(self.trunc, std=0.02)  # rejection sampling: data-dependent draws
+        self.sparse = nn.Parameter(torch.empty(5, 5))
+        nn.init.sparse_(self.sparse, 0.5)  # its randperm draws from the global generator
+        self.dirac = nn.Parameter(torch.empty(4, 2, 3))
+        nn.init.dirac_(self.dirac, groups=2)
+        self.fused = nn.Parameter(torch.empty(6, 4))  # initialised slice by slice
+        nn.init.normal_(self.fused[:3])
+        nn.init.zeros_(self.fused[3:])
+        self.register_buffer("perm", torch.randperm(10))
+        self.register_buffer("mask", torch.rand(8) > 0.5)
+        self.drop = nn.Parameter(nn.functional.dropout(torch.ones(20), 0.5))
+
+
 def _tensors(m: nn.Module) -> dict[str, torch.Tensor]:
     return {
         **dict(m.named_parameters(remove_duplicate=False)),
@@ -114,9 +140,9 @@ def _build(build: Callable[[], nn.Module], seed: int, delayed: bool) -> nn.Modul
         return build()
 
 
-@pytest.mark.parametrize("name", [*HF_MODELS, "computed"])
+@pytest.mark.parametrize("name", [*HF_MODELS, "computed", "zoo"])
 def test_materialised_model_is_bitwise_the_normal_one(name: str) -> None:
-    build = HF_MODELS.get(name, Computed)
+    build = HF_MODELS.get(name, Computed if name == "computed" else Zoo)
     ref = _build(build, 0, delayed=False)
     model = _build(build, 0, delayed=True)
     metas = [k for k, t in _tensors(model).items() if t.is_meta]
@@ -332,3 +358,38 @@ def test_recording_lives_as_long_as_its_tensors() -> None:
     del model
     gc.collect()
     assert rec() is None and len(deferred_record._LIVE) == entries
+
+
+def test_parameters_nothing_wrote_are_refused_buffers_are_not() -> None:
+    def skips_meta(t: torch.Tensor) -> None:  # an initialiser that tests is_meta itself
+        if not t.is_meta:
+            with torch.no_grad():
+                t.normal_()
+
+    class Half(nn.Module):
+        def __init__(self, how: str) -> None:
+            super().__init__()
+            self.register_buffer("cache", torch.empty(3), persistent=False)  # garbage, as normal
+            self.w = nn.Parameter(torch.empty(4, 4))
+            if how == "skipped":
+                skips_meta(self.w)
+            elif how == "half":
+                nn.init.normal_(self.w[:2])
+
+    for how, seen in (("skipped", "its value is"), ("half", "its value is")):
+        with smp.delay_param_initialization():
+            net = Half(how)
+        with pytest.raises(SMPError, match=rf"'w' .*{seen} memory that nothing wrote after"):
+            materialize(net, torch.device("cpu"))
+        materialize(net, torch.device("cpu"), names=["cache"])
+        assert not net.cache.is_meta
+
+
+def test_patches_are_undone_after_the_block() -> None:
+    seed, trunc = torch.manual_seed, nn.init.trunc_normal_.__code__
+    with pytest.raises(RuntimeError, match="boom"):
+        with smp.delay_param_initialization():
+            assert torch.manual_seed is not seed and nn.init.trunc_normal_.__code__ is not trunc
+            raise RuntimeError("boom")
+    assert torch.manual_seed is seed and torch.random.get_rng_state.__module__ == "torch.random"
+    assert nn.init.trunc_normal_.__code__ is trunc and not torch.empty(1).is_meta

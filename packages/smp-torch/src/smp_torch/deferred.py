@@ -24,6 +24,14 @@ How the log is kept:
   tensors inside the block, as in a normal construction: they are small, and code probes
   ``torch.tensor([]).device`` to tell a meta construction — Hugging Face's ``init_weights``
   skips the model's whole initialisation when it sees ``meta`` there.
+- ``torch.nn.init.trunc_normal_``, ``orthogonal_``, ``sparse_`` and ``dirac_`` return at once
+  on a meta tensor, where no mode sees them; while a block records, their code is swapped for
+  a hook that logs the call itself (references taken earlier, like Hugging Face's, included),
+  and the replay calls the function on the real tensor. Other code that tests
+  ``tensor.is_meta`` and skips work cannot be seen: when that leaves a *parameter* holding
+  bytes nothing wrote after ``torch.empty`` (garbage in a normal construction too), the replay
+  refuses it rather than hand out garbage; buffers (caches) are handed out as they are.
+- Factory ops given no dtype replay under the default dtype they ran under.
 
 Random numbers: the recording does not draw the numbers of random ops on meta tensors, so the
 global CPU generator is *not* advanced for them (a normal construction advances it); after a
@@ -42,13 +50,17 @@ Replay (:mod:`smp_torch.deferred_replay`) runs only the ops the wanted storages 
 every other random op only for its random numbers (on scratch memory, freed at once), and
 skips the rest; it allocates a storage at its last full overwrite (``normal_``, ``fill_``,
 ``copy_`` into the whole storage...) and frees it as soon as its targets are handed to the
-caller's ``sink``, so peak memory is about one tensor, not the model. It uses a private
-``torch.Generator``; ops without a generator argument (``rand_like``, dropout) borrow the
-global one for the call and put its state back.
+caller's ``sink``, so peak memory is about one tensor, not the model (a 95M-parameter Llama:
++64 MiB peak RSS for 364 MiB of parameters, ``benchmarks/bench_deferred_init.py``). It
+uses a private ``torch.Generator``; ops without a generator argument (``rand_like``,
+dropout, the logged ``torch.nn.init`` calls) borrow the global one for the call and put its
+state back. Every random op of the log runs on every replay, so a replay costs at least the
+random-number work of the whole construction, whatever share it materialises.
 
-A meta tensor with no recorded producer (made outside the block, or changed in place on meta
-after it ended), an op that cannot be replayed, or an explicit generator raises
-:class:`SMPError` naming the module and tensor; nothing falls back to ``reset_parameters``.
+A meta tensor with no recorded producer (made outside the block, or converted or changed in
+place on meta after it ended), an op that cannot be replayed, an explicit generator, or a
+parameter nothing initialised raises :class:`SMPError` naming the module and tensor; nothing
+falls back to ``reset_parameters``.
 """
 
 from __future__ import annotations
@@ -68,7 +80,7 @@ from smp_torch.deferred_record import (
     layout,
     lookup,
     set_active,
-    watch_generator,
+    watch_entry_points,
 )
 from smp_torch.deferred_replay import Ref, Replayer, plan, where
 from smp_torch.errors import SMPError
@@ -163,11 +175,14 @@ class DeferredInit(Recording):
         after, so a sink that keeps a slice lets the rest be freed."""
         refs: dict[str, Ref] = {}
         wanted: dict[int, str] = {}
+        params: dict[int, list[tuple[str, Ref]]] = {}
         for name, t in targets.items():
             sid = self._check_target(name, t)
             refs[name] = Ref(sid, *layout(t))
             wanted.setdefault(sid, name)
-        actions = plan(self.entries, self.storages, wanted)
+            if isinstance(t, nn.Parameter):
+                params.setdefault(sid, []).append((name, refs[name]))
+        actions = plan(self.entries, self.storages, wanted, strict=params)
         gen = torch.Generator()
         gen.set_state(self.rng_state if rng_state is None else rng_state)
         replayer = Replayer(self.entries, self.storages, gen)
@@ -206,7 +221,7 @@ def recording() -> Iterator[DeferredInit]:
         yield outer
         return
     rec = DeferredInit()
-    watch_generator(True)
+    watch_entry_points(True)
     try:
         with DelayedDevice("meta"), Recorder(rec):
             set_active(rec)
@@ -215,7 +230,7 @@ def recording() -> Iterator[DeferredInit]:
             finally:
                 set_active(None)
     finally:
-        watch_generator(False)
+        watch_entry_points(False)
         rec.finish()
 
 

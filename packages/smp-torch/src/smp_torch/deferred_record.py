@@ -3,13 +3,16 @@
 :class:`Recording` keeps the log; :class:`Recorder` (a ``TorchDispatchMode``) feeds it every
 aten op that touches a meta tensor and every random op on a real CPU tensor;
 :class:`DelayedDevice` is ``torch.device("meta")`` except for tensors made from Python data;
-:func:`watch_generator` wraps ``torch.manual_seed`` and friends while a block records.
+:func:`watch_entry_points` wraps ``torch.manual_seed`` and friends, and the
+``torch.nn.init`` functions that skip meta tensors, while a block records.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -35,7 +38,7 @@ __all__ = [
     "Recording",
     "Recorder",
     "DelayedDevice",
-    "watch_generator",
+    "watch_entry_points",
     "active",
     "set_active",
     "lookup",
@@ -64,6 +67,16 @@ _OVERWRITE = {
     _aten.bernoulli_.Tensor,
 }
 _DATA_CONSTRUCTORS = {torch.tensor, torch.as_tensor, torch.asarray}
+# Ops that allocate without writing: what a normal construction has there is whatever the
+# memory held.
+_UNINITIALISED = {
+    _aten.empty.memory_format,
+    _aten.empty_strided.default,
+    _aten.empty_like.default,
+    _aten.new_empty.default,
+    _aten.new_empty_strided.default,
+    _aten.empty_permuted.default,
+}
 
 _registry_lock = threading.RLock()
 _LIVE: dict[int, tuple[Recording, int]] = {}  # storage address -> (recording, sid)
@@ -123,10 +136,12 @@ def _generator_arg(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     return None
 
 
-def _write_flags(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[bool]:
-    """For each leaf of ``(args, kwargs)``: whether the op writes it (from its schema)."""
+def _arg_flags(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], test: Callable[[Any], bool]
+) -> list[bool]:
+    """For each leaf of ``(args, kwargs)``: ``test`` of its schema argument (e.g. written)."""
     schema = func._schema.arguments
-    by_name = {a.name: bool(a.alias_info is not None and a.alias_info.is_write) for a in schema}
+    by_name = {a.name: bool(test(a)) for a in schema}
     shadow_args = tuple(_filled(a, by_name[schema[i].name]) for i, a in enumerate(args))
     shadow_kwargs = {k: _filled(v, by_name.get(k, False)) for k, v in kwargs.items()}
     return tree_leaves((shadow_args, shadow_kwargs))
@@ -215,7 +230,10 @@ class Recording:
         """Run ``func`` and log it if it creates or writes a recorded storage or draws random
         numbers (``real``: an op on real CPU tensors, logged only for its random numbers)."""
         flat, spec = tree_flatten((args, kwargs))
-        flags = _write_flags(func, args, kwargs)
+        flags = _arg_flags(
+            func, args, kwargs, lambda a: a.alias_info is not None and a.alias_info.is_write
+        )
+        out_flags = _arg_flags(func, args, kwargs, lambda a: bool(a.is_out))
         generator = _generator_arg(func, args, kwargs)
         rng = _SEEDED in func.tags
         bad: str | None = None
@@ -275,18 +293,22 @@ class Recording:
             bad = "it resizes a storage in place"
         if not (writes or creates or rng):
             return out  # a view or a query: later ops name the storage themselves
-        full = None
-        first = leaves[0] if leaves else None
-        if (
-            func in _OVERWRITE
-            and 0 in written
-            and isinstance(first, Ref)
-            and first.sid not in read_sids
-            and _covers(first, self.storages[first.sid].nbytes)
-        ):
-            full = first.sid
+        # Written without being read: ``self`` of an overwriting op, and ``out=`` arguments,
+        # unless the op also reads their storage through another argument.
+        blind = {
+            j
+            for j in written
+            if (out_flags[j] or (j == 0 and func in _OVERWRITE)) and leaves[j].sid not in read_sids
+        }
+        partly = {leaves[j].sid for j in written - blind}
+        full = {
+            leaves[j].sid
+            for j in blind
+            if leaves[j].sid not in partly
+            and _covers(leaves[j], self.storages[leaves[j].sid].nbytes)
+        }
         # a partial write keeps the rest of the storage: its earlier content is needed too
-        reads = (read_sids | writes) - ({full} if full is not None else set())
+        reads = (read_sids | writes) - full
         self.entries.append(
             Entry(
                 func=func,
@@ -298,11 +320,13 @@ class Recording:
                 writes=frozenset(writes),
                 creates=tuple(creates),
                 outs=tuple(outs),
-                full=full,
+                full=frozenset(full),
                 rng=rng,
                 generator=_generator_mode(func) if rng else "",
                 bad=bad,
                 default_dtype=torch.get_default_dtype(),
+                blind=frozenset(blind),
+                uninitialised=func in _UNINITIALISED,
             )
         )
         if rng and real:
@@ -310,6 +334,47 @@ class Recording:
         elif rng:
             self._pending = True
         return out
+
+    def record_call(self, func: Callable[..., Any], args: Any, kwargs: Any, rng: bool) -> None:
+        """Log a call of initialiser ``func`` (one of :data:`_SKIPPING_INITS`) on a meta
+        tensor, which it would skip: the replay calls it on the real tensor."""
+        bound = inspect.signature(func).bind(*args, **kwargs)
+        rest = dict(bound.arguments)
+        tensor = rest.pop("tensor")
+        generator = rest.pop("generator", None)
+        bad = None
+        if generator is not None and generator is not torch.default_generator:
+            rng, bad = False, "it draws from an explicit generator= the replay cannot reproduce"
+        if rng:
+            self._check_generator()
+        self._see(tensor)
+        sid, _ = self._sid(tensor, None)
+        ref = Ref(sid, *layout(tensor))
+        full = frozenset({sid}) if _covers(ref, self.storages[sid].nbytes) else frozenset()
+        leaves, spec = tree_flatten(((tensor,), rest))
+        leaves[0] = ref
+        self.entries.append(
+            Entry(
+                func=func,
+                leaves=leaves,
+                spec=spec,
+                written=frozenset({0}),
+                reads=frozenset() if full else frozenset({sid}),
+                rng_reads=frozenset(),
+                writes=frozenset({sid}),
+                creates=(),
+                outs=(),
+                full=full,
+                rng=rng,
+                # on the global generator, as it ran: sparse_'s randperm takes no generator=
+                generator="swap" if rng else "",
+                bad=bad,
+                default_dtype=torch.get_default_dtype(),
+                blind=frozenset({0}),
+            )
+        )
+        if rng:
+            self._pending = True
 
     def _current_nbytes(self, sid: int, default: int) -> int:
         ref = self._storage_refs.get(sid)
@@ -374,11 +439,63 @@ class DelayedDevice(DeviceContext):
         return super().__torch_function__(func, types, args, kwargs)
 
 
-# -- the generator's Python entry points, watched while a block records ------------------------
+# -- Python entry points watched while a block records -----------------------------------------
 _patch_lock = threading.Lock()
 _patch_depth = 0
 _originals: dict[str, Any] = {}
 _RNG_FUNCS = ("manual_seed", "seed", "set_rng_state", "get_rng_state")
+# torch.nn.init functions that return at once on a meta tensor (torch 2.13: "meta tensors have
+# no storage, so sampling is a no-op"), below no mode's sight: nothing would be recorded and
+# the replay would lose both their values and their random numbers. While a block records,
+# their code is swapped for a trampoline into :func:`_init_hook` (so references captured
+# before, such as Hugging Face's TORCH_INIT_FUNCTIONS, go through it too), which logs the
+# call; the replay calls the original on the real tensor.
+_SKIPPING_INITS = {"trunc_normal_": True, "orthogonal_": True, "sparse_": True, "dirac_": False}
+_HOOK = "_smp_deferred_init_hook"
+_init_code: dict[str, types.CodeType] = {}
+_init_real: dict[str, Callable[..., Any]] = {}
+
+
+def _init_hook(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    real = _init_real[name]
+    rec = active()
+    tensor = args[0] if args else kwargs.get("tensor")
+    if rec is None or not isinstance(tensor, torch.Tensor) or not tensor.is_meta:
+        return real(*args, **kwargs)
+    rec.record_call(real, args, kwargs, rng=_SKIPPING_INITS[name])
+    return tensor
+
+
+def _trampoline(*args: Any, **kwargs: Any) -> Any:
+    # The template of the swapped code: ``_smp_deferred_init_hook`` is looked up in the
+    # globals of the function it runs as (torch.nn.init's, where it is put for the block).
+    return _smp_deferred_init_hook("NAME", args, kwargs)
+
+
+_smp_deferred_init_hook = _init_hook
+
+
+def _hook_inits(on: bool) -> None:
+    import torch.nn.init as init_module
+
+    if on:
+        init_module.__dict__[_HOOK] = _init_hook
+        for name in _SKIPPING_INITS:
+            fn = getattr(init_module, name, None)
+            if not isinstance(fn, types.FunctionType) or fn.__closure__:
+                continue  # not the plain function this was written against: leave it
+            code = fn.__code__
+            real = types.FunctionType(code, fn.__globals__, name, fn.__defaults__)
+            real.__kwdefaults__ = fn.__kwdefaults__
+            real.__module__ = fn.__module__
+            _init_code[name], _init_real[name] = code, real
+            consts = tuple(name if c == "NAME" else c for c in _trampoline.__code__.co_consts)
+            fn.__code__ = _trampoline.__code__.replace(co_consts=consts, co_name=name)
+    else:
+        for name, code in _init_code.items():
+            getattr(init_module, name).__code__ = code
+        _init_code.clear()
+        init_module.__dict__.pop(_HOOK, None)
 
 
 def _watched(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -398,11 +515,12 @@ def _watched(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def watch_generator(on: bool) -> None:
+def watch_entry_points(on: bool) -> None:
     """Wrap (``on``) or unwrap ``torch.manual_seed``, ``seed``, ``set_rng_state`` and
-    ``get_rng_state`` (also under ``torch.random``): inside a recording, a set is logged
-    for the replay, and a get first brings the generator up to date. Counted, so nested and
-    concurrent blocks share one wrapping; other threads pass straight through."""
+    ``get_rng_state`` (also under ``torch.random``) — inside a recording, a set is logged
+    for the replay, and a get first brings the generator up to date — and the initialisers
+    of :data:`_SKIPPING_INITS`. Counted, so nested and concurrent blocks share one wrapping;
+    threads that are not recording pass straight through."""
     global _patch_depth
     with _patch_lock:
         if on:
@@ -414,6 +532,7 @@ def watch_generator(on: bool) -> None:
                     wrapped = _watched(name, original)
                     setattr(torch.random, name, wrapped)
                     setattr(torch, name, wrapped)
+                _hook_inits(True)
         else:
             _patch_depth -= 1
             if _patch_depth == 0:
@@ -421,3 +540,4 @@ def watch_generator(on: bool) -> None:
                     setattr(torch.random, name, original)
                     setattr(torch, name, original)
                 _originals.clear()
+                _hook_inits(False)
