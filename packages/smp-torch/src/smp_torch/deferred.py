@@ -72,6 +72,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
+from smp_torch.deferred_hooks import watch_entry_points
 from smp_torch.deferred_record import (
     DelayedDevice,
     Recorder,
@@ -80,7 +81,6 @@ from smp_torch.deferred_record import (
     layout,
     lookup,
     set_active,
-    watch_entry_points,
 )
 from smp_torch.deferred_replay import Ref, Replayer, plan, where
 from smp_torch.errors import SMPError
