@@ -51,6 +51,10 @@ def _child(kind: str, out: mp.Queue) -> None:
 
     torch.set_num_threads(1)
     config = transformers.LlamaConfig(**CONFIG)
+    # import the model's modules first (transformers loads them lazily), so RSS counts tensors
+    tiny = dict(CONFIG, vocab_size=8, hidden_size=12, intermediate_size=8, num_hidden_layers=1)
+    with smp.delay_param_initialization():
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**tiny))
     torch.manual_seed(0)
     base = _rss_mib()
     t0 = time.perf_counter()

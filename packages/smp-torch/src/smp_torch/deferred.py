@@ -51,7 +51,7 @@ every other random op only for its random numbers (on scratch memory, freed at o
 skips the rest; it allocates a storage at its last full overwrite (``normal_``, ``fill_``,
 ``copy_`` into the whole storage...) and frees it as soon as its targets are handed to the
 caller's ``sink``, so peak memory is about one tensor, not the model (a 95M-parameter Llama:
-+64 MiB peak RSS for 364 MiB of parameters, ``benchmarks/bench_deferred_init.py``). It
++55 to +62 MiB peak RSS for 364 MiB of parameters, ``benchmarks/bench_deferred_init.py``). It
 uses a private ``torch.Generator``; ops without a generator argument (``rand_like``,
 dropout, the logged ``torch.nn.init`` calls) borrow the global one for the call and put its
 state back. Every random op of the log runs on every replay, so a replay costs at least the

@@ -110,6 +110,9 @@ class StorageInfo:
 
 
 def where(name: str) -> str:
+    """``name`` (a target's qualified name) as errors show it."""
+    if name.startswith("<"):
+        return name  # not a target: what needed it
     module, _, tensor = name.rpartition(".")
     return f"{name!r} (module {module or '<root>'!r}, tensor {tensor!r})"
 
