@@ -20,7 +20,6 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from smp_pipeline.checkpointing import CheckpointOptions
 from torch import nn
 

@@ -24,7 +24,7 @@ from torch.utils._pytree import TreeSpec, tree_leaves, tree_unflatten
 
 from smp_torch.errors import SMPError
 
-__all__ = ["Ref", "Const", "Scratch", "DEVICE", "Entry", "StorageInfo", "plan", "Replayer"]
+__all__ = ["Ref", "Const", "Scratch", "DEVICE", "Entry", "StorageInfo", "plan", "Replayer", "where"]
 
 SKIP, RUN, SCRATCH = 0, 1, 2
 CPU = torch.device("cpu")
@@ -77,11 +77,30 @@ class Entry:
     writes: frozenset[int]  # storages it writes in place
     creates: tuple[tuple[int, int], ...]  # (storage, index in its flattened outputs)
     outs: tuple[Ref | None, ...]  # the recorded layout of each flattened output
-    full: int | None  # a storage it overwrites entirely without reading it
+    full: frozenset[int]  # storages it overwrites entirely without reading them
     rng: bool  # consumes the CPU default generator
     generator: str  # how to hand the replay's generator to it: "kw", "overload:<name>", "swap"
     bad: str | None = None  # why it cannot be replayed
     state: torch.Tensor | None = None
+    # factory ops given no dtype use the default dtype of the time they ran
+    default_dtype: torch.dtype = torch.float32
+    blind: frozenset[int] = frozenset()  # leaves it writes without reading (all or part)
+    uninitialised: bool = False  # creates storage without writing it (torch.empty)
+
+    @property
+    def name(self) -> str:
+        f = self.func
+        if isinstance(f, torch._ops.OpOverload) or f is None:
+            return str(f)
+        return f"{f.__module__}.{f.__name__}"
+
+    @classmethod
+    def generator_set(cls, state: torch.Tensor) -> Entry:
+        """The global generator was set to ``state`` here (``torch.manual_seed``...)."""
+        empty: frozenset[int] = frozenset()
+        return cls(
+            None, [], None, empty, empty, empty, empty, (), (), empty, False, "", state=state
+        )
 
 
 @dataclass(eq=False)
@@ -90,17 +109,25 @@ class StorageInfo:
     creator: int | None  # index of the entry that created it; None: made outside the block
 
 
-def _where(name: str) -> str:
+def where(name: str) -> str:
+    """``name`` (a target's qualified name) as errors show it."""
+    if name.startswith("<"):
+        return name  # not a target: what needed it
     module, _, tensor = name.rpartition(".")
     return f"{name!r} (module {module or '<root>'!r}, tensor {tensor!r})"
 
 
 def plan(
-    entries: list[Entry], storages: list[StorageInfo], wanted: dict[int, str]
+    entries: list[Entry],
+    storages: list[StorageInfo],
+    wanted: dict[int, str],
+    strict: dict[int, list[tuple[str, Ref]]] | None = None,
 ) -> bytearray:
     """What to do with each entry so that storages ``wanted`` (sid -> the target name that
     needs it, for errors) end up as a normal construction leaves them, and the generator
-    advances as it does there. Raises :class:`SMPError` naming the target that cannot be."""
+    advances as it does there. Raises :class:`SMPError` naming the target that cannot be, and
+    for the targets in ``strict`` (parameters, by storage) whose value would be memory that
+    nothing wrote after ``torch.empty``."""
     actions = bytearray(len(entries))
     live = dict(wanted)  # storage -> name of a target whose value needs its current content
     for i in range(len(entries) - 1, -1, -1):
@@ -115,34 +142,95 @@ def plan(
             why = live[hit]
             if e.bad is not None:
                 raise SMPError(
-                    f"smp.delay_param_initialization: cannot materialise {_where(why)}: it is "
-                    f"computed by {e.func}, which cannot be replayed ({e.bad})"
+                    f"smp.delay_param_initialization: cannot materialise {where(why)}: it is "
+                    f"computed by {e.name}, which cannot be replayed ({e.bad})"
                 )
             actions[i] = RUN
             for s, _ in e.creates:
                 live.pop(s, None)
-            if e.full is not None:
-                live.pop(e.full, None)  # what was written there before is never seen
+            for s in e.full:
+                live.pop(s, None)  # what was written there before is never seen
             for s in e.reads:
                 live.setdefault(s, why)
         elif e.rng:
             if e.bad is not None:
                 raise SMPError(
-                    f"smp.delay_param_initialization: random op {e.func} cannot be replayed "
+                    f"smp.delay_param_initialization: random op {e.name} cannot be replayed "
                     f"({e.bad}), so no random value drawn after it can be reproduced"
                 )
             actions[i] = SCRATCH
             for s in e.rng_reads:
-                live.setdefault(s, f"<input of random op {e.func}>")
-    for s, why in live.items():
-        origin = storages[s].creator
+                live.setdefault(s, f"<input of random op {e.name}>")
+    for sid, named in (strict or {}).items():
+        creator = storages[sid].creator
+        if creator is not None and actions[creator] == RUN and entries[creator].uninitialised:
+            seen = _unwritten_read(entries, actions, sid, creator, storages[sid].nbytes, named)
+            if seen is not None:
+                raise SMPError(
+                    f"smp.delay_param_initialization: cannot materialise {where(named[0][0])}: "
+                    f"{seen} memory that nothing wrote after {entries[creator].name}, so a normal "
+                    "construction leaves whatever the memory held there. Usually an initialiser "
+                    "skipped it because it was on the meta device: smp records torch's own "
+                    "(torch.nn.init) but not code that tests tensor.is_meta itself"
+                )
+    for why in live.values():  # only storages no entry created are still wanted here
         raise SMPError(
-            f"smp.delay_param_initialization: cannot materialise {_where(why)}: it is (or is "
-            "computed from) a meta tensor made outside the delay_param_initialization() block"
-            + ("" if origin is None else f" (storage {s})")
-            + ", so there is no record of how a normal construction would fill it"
+            f"smp.delay_param_initialization: cannot materialise {where(why)}: it is (or is "
+            "computed from) a meta tensor made outside the delay_param_initialization() block, "
+            "so there is no record of how a normal construction would fill it"
         )
     return actions
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _unwritten_read(
+    entries: list[Entry],
+    actions: bytearray,
+    sid: int,
+    creator: int,
+    nbytes: int,
+    named: list[tuple[str, Ref]],
+) -> str | None:
+    """Follow which bytes of storage ``sid`` are written after its uninitialised creation:
+    how the first byte nothing wrote is observed (read by an op, or part of a target), or
+    None. One byte of mask per byte of storage, for as long as the check runs."""
+    mask = torch.zeros(nbytes, dtype=torch.uint8)
+
+    def view(ref: Ref) -> torch.Tensor | None:
+        kind = _INT_OF_SIZE.get(ref.dtype.itemsize)
+        if kind is None or nbytes % ref.dtype.itemsize:
+            return None
+        return mask.view(kind).as_strided(ref.size, ref.stride, ref.offset)
+
+    def ones(v: torch.Tensor) -> int:  # every bit set
+        return 255 if v.dtype == torch.uint8 else -1
+
+    def written(v: torch.Tensor) -> bool:
+        return bool((v == ones(v)).all())
+
+    for i in range(creator + 1, len(entries)):
+        e = entries[i]
+        if actions[i] != RUN or e.func is None:
+            continue
+        for j, x in enumerate(e.leaves):
+            if not (isinstance(x, Ref) and x.sid == sid):
+                continue
+            v = view(x)
+            if v is None:
+                return None  # a layout the mask cannot follow: do not refuse
+            if j not in e.blind and not written(v):
+                return f"{e.name} reads"
+            if j in e.written:
+                v.fill_(ones(v))
+        if bool(mask.all()):
+            return None
+    for _, ref in named:
+        v = view(ref)
+        if v is not None and not written(v):
+            return "its value is"
+    return None
 
 
 @contextlib.contextmanager
@@ -218,7 +306,7 @@ class Replayer:
                 elif j in e.written:
                     x = self.view(self._storage(x.sid), x)
                 else:
-                    assert x.sid in self.real, f"{e.func} reads storage {x.sid} before it exists"
+                    assert x.sid in self.real, f"{e.name} reads storage {x.sid} before it exists"
                     x = self.view(self.real[x.sid], x)
             elif isinstance(x, Scratch):
                 extra += x.nbytes
@@ -233,6 +321,14 @@ class Replayer:
         return tuple(args), dict(kwargs), extra
 
     def _call(self, e: Entry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not isinstance(e.func, torch._ops.OpOverload):
+            # a Python initialiser: tensors it makes without a device go where a normal CPU
+            # construction puts them, whatever the default device (a block's meta) is now
+            with torch.device(CPU):
+                return self._call_op(e, args, kwargs)
+        return self._call_op(e, args, kwargs)
+
+    def _call_op(self, e: Entry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not e.rng:
             return e.func(*args, **kwargs)
         how = e.generator
@@ -272,7 +368,14 @@ class Replayer:
             return
         args, kwargs, extra = self._args(e, scratch_writes=action == SCRATCH)
         self.peak = max(self.peak, self.held + extra)
-        out = self._call(e, args, kwargs)
+        default = torch.get_default_dtype()
+        if e.default_dtype != default:
+            torch.set_default_dtype(e.default_dtype)
+        try:
+            out = self._call(e, args, kwargs)
+        finally:
+            if e.default_dtype != default:
+                torch.set_default_dtype(default)
         if action == RUN:
             self._adopt_outputs(e, out)
             self.peak = max(self.peak, self.held + extra)
