@@ -21,7 +21,7 @@ SMALL = {"sdp_param_persistence_threshold": 100}
 
 
 def _case(name: str, sdp: int, **kw: object) -> dict:
-    extra = {k: kw.pop(k) for k in list(kw) if k in ("optimizer", "steps", "units", "nodes", "reshard_after_forward", "forward_prefetch", "static_loss_scale", "tied", "model", "pin", "error")}
+    extra = {k: kw.pop(k) for k in list(kw) if k in ("optimizer", "steps", "units", "nodes", "reshard_after_forward", "forward_prefetch", "static_loss_scale", "tied", "model", "pin", "error", "routes")}
     return {"name": name, "config": {"sharded_data_parallel_degree": sdp, **kw}, **extra}
 
 
@@ -83,6 +83,11 @@ SDP2_TP2_CASES = [
     # A static loss scale: at the default dynamic 2**16 smp-tp's fp16 collectives overflow in
     # the first step, which is then skipped (with or without sharding) unlike the reference.
     _case("sdp2-tp2-fp16", 2, **TP2, fp16=True, static_loss_scale=1024.0),
+    # Issue 42: a data-dependent branch under tensor parallelism (each of the 4 ranks has its
+    # own samples): expert 1 runs on one rank only in steps 0 and 1, so its tensor-parallel
+    # peer gets its gradient from the tensor-parallel sum alone, and on none in step 2.
+    _case("sdp2-tp2-moe", 2, tensor_parallel_degree=2, sdp_param_persistence_threshold=1100,
+          model="moe", routes=[[1, 0, 0, 0], [0, 0, 1, 0], [0, 0, 0, 0]], units=["moe", ""]),
 ]
 
 

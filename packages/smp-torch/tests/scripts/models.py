@@ -70,10 +70,11 @@ class MoELM(nn.Module):
     is chosen by its first token (below ``VOCAB // 2``: expert 0), so which expert runs is
     decided by each rank's data (see :func:`moe_batch`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tp: bool = False) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, HIDDEN)
-        self.block = MLPBlock(HIDDEN)
+        with smp.tensor_parallelism(enabled=tp) if tp else _null():
+            self.block = MLPBlock(HIDDEN)
         self.moe = Experts(HIDDEN)
         self.ln = nn.LayerNorm(HIDDEN)
         self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
@@ -83,17 +84,25 @@ class MoELM(nn.Module):
         return self.head(self.ln(self.moe(self.block(self.emb(x)), route)))
 
 
-def moe_batch(step: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`global_batch` with each sample's first token set so that, split in two halves
-    (two data-parallel ranks), step 0 sends the first half to expert 0 and the second to
-    expert 1, step 1 the other way round, and step 2 every sample to expert 0 (expert 1 gets
-    a gradient on no rank: it must keep none)."""
+# The expert of each equal part of the batch (a data-parallel rank's share), per step.
+MOE_ROUTES = [[0, 1], [1, 0], [0, 0]]
+
+
+def moe_batch(
+    step: int, batch: int, routes: list[list[int]] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`global_batch` with each sample's first token set so that part ``i`` of the
+    batch goes to expert ``routes[step][i]``. By default (two parts: two data-parallel
+    ranks) step 0 sends the first half to expert 0 and the second to expert 1, step 1 the
+    other way round, and step 2 every sample to expert 0 (expert 1 gets a gradient on no
+    rank: it must keep none)."""
     x, y = global_batch(step, batch)
-    half = batch // 2
-    first = [0, VOCAB // 2] if step == 0 else [VOCAB // 2, 0] if step == 1 else [0, 0]
+    route = (routes or MOE_ROUTES)[step]
+    part = batch // len(route)
     x = x.clone()
-    x[:half, 0] = x[:half, 0] % (VOCAB // 2) + first[0]
-    x[half:, 0] = x[half:, 0] % (VOCAB // 2) + first[1]
+    for i, expert in enumerate(route):
+        rows = slice(i * part, (i + 1) * part)
+        x[rows, 0] = x[rows, 0] % (VOCAB // 2) + expert * (VOCAB // 2)
     return x, y
 
 

@@ -84,12 +84,19 @@ def build_model(case: dict, tp: bool) -> torch.nn.Module:
         if tp:
             smp.set_tensor_parallelism(model)
     elif kind == "moe":
-        model = models.MoELM()
+        model = models.MoELM(tp=tp)
     else:
         model = models.TinyLM(tp=tp, tied=case.get("tied", True), layers=case.get("layers", 2))
     for path, stage in case.get("pin", {}).items():
         smp.set_partition(model.get_submodule(path), stage)
     return model
+
+
+def batch_of(case: dict, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step`` (MoE: routed by ``case["routes"]``, models.moe_batch)."""
+    if case.get("model") == "moe":
+        return models.moe_batch(step, case.get("batch", 8), case.get("routes"))
+    return models.global_batch(step, case.get("batch", 8))
 
 
 def expect_error(case: dict, step: Any) -> bool:
@@ -163,15 +170,14 @@ def run_case(case: dict) -> None:
         return loss
 
     if "error" in case:
-        x, y = (models.moe_batch if case.get("model") == "moe" else models.global_batch)(0, case.get("batch", 8))
+        x, y = batch_of(case, 0)
         expect_error(case, lambda: train_step(local_slice(x, cfg), local_slice(y, cfg)))
         return
 
-    batch = case.get("batch", 8)
     clipped = 0
     t0 = time.perf_counter()
     for step in range(case.get("steps", 3)):
-        x, y = (models.moe_batch if case.get("model") == "moe" else models.global_batch)(step, batch)
+        x, y = batch_of(case, step)
         ref_opt.zero_grad()
         ctx = torch.autocast("cpu", dtype=half) if bf16 else contextlib.nullcontext()
         with ctx:
