@@ -122,9 +122,12 @@ MANUAL_PP2 = {"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition"
 TIED_ON_0 = {"model.layers.1": 1, "model.norm": 1}
 TIED_ON_1 = {"model.embed_tokens": 1, "lm_head": 1, "model.layers.1": 1, "model.norm": 1}
 SDP2_PP2_TIED_CASES = [
-    _case("sdp2-pp2-llama-tied-stage0", 2, **MANUAL_PP2, model="llama", pin=TIED_ON_0),
-    _case("sdp2-pp2-llama-tied-stage1", 2, **MANUAL_PP2, model="llama", pin=TIED_ON_1),
-]
+    _case("sdp2-pp2-llama-tied-stage0", 2, **MANUAL_PP2, model="llama", pin=TIED_ON_0,
+          units={"0": [""], "1": ["model.norm", "model.layers.1"]}),
+    # Stage 1's tops lm_head and model.embed_tokens share the weight: one grouped unit.
+    _case("sdp2-pp2-llama-tied-stage1", 2, **MANUAL_PP2, model="llama", pin=TIED_ON_1,
+          units={"0": [""], "1": ["lm_head+model.embed_tokens", "model.norm", "model.layers.1"]}),
+]  # fmt: skip
 
 
 def test_sharded_pipeline_tied_embeddings_on_either_stage_4_ranks() -> None:
