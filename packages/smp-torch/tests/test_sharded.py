@@ -21,7 +21,7 @@ SMALL = {"sdp_param_persistence_threshold": 100}
 
 
 def _case(name: str, sdp: int, **kw: object) -> dict:
-    extra = {k: kw.pop(k) for k in list(kw) if k in ("optimizer", "steps", "units", "nodes", "reshard_after_forward", "forward_prefetch", "static_loss_scale", "tied")}
+    extra = {k: kw.pop(k) for k in list(kw) if k in ("optimizer", "steps", "units", "nodes", "reshard_after_forward", "forward_prefetch", "static_loss_scale", "tied", "model", "pin", "error", "routes")}
     return {"name": name, "config": {"sharded_data_parallel_degree": sdp, **kw}, **extra}
 
 
@@ -83,6 +83,11 @@ SDP2_TP2_CASES = [
     # A static loss scale: at the default dynamic 2**16 smp-tp's fp16 collectives overflow in
     # the first step, which is then skipped (with or without sharding) unlike the reference.
     _case("sdp2-tp2-fp16", 2, **TP2, fp16=True, static_loss_scale=1024.0),
+    # Issue 42: a data-dependent branch under tensor parallelism (each of the 4 ranks has its
+    # own samples): expert 1 runs on one rank only in steps 0 and 1, so its tensor-parallel
+    # peer gets its gradient from the tensor-parallel sum alone, and on none in step 2.
+    _case("sdp2-tp2-moe", 2, tensor_parallel_degree=2, sdp_param_persistence_threshold=1100,
+          model="moe", routes=[[1, 0, 0, 0], [0, 0, 1, 0], [0, 0, 0, 0]], units=["moe", ""]),
 ]
 
 
@@ -108,6 +113,83 @@ SDP2_PP2_CASES = [
 def test_sharded_with_pipeline_4_ranks() -> None:
     out = launch("sharded.py", 4, SDP2_PP2_CASES, timeout=300)
     assert ok_cases(out) == [c["name"] for c in SDP2_PP2_CASES], out
+
+
+# Issue 42: a tiny Hugging Face Llama with tied embeddings (embedding and head one parameter)
+# at sdp=2 x pp=2, the tied pair pinned to stage 0 (with the root: one unit holds both) and to
+# stage 1 (separate stage tops: the pair must still be one sharded parameter, one gradient).
+MANUAL_PP2 = {"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": False}
+TIED_ON_0 = {"model.layers.1": 1, "model.norm": 1}
+TIED_ON_1 = {"model.embed_tokens": 1, "lm_head": 1, "model.layers.1": 1, "model.norm": 1}
+SDP2_PP2_TIED_CASES = [
+    _case("sdp2-pp2-llama-tied-stage0", 2, **MANUAL_PP2, model="llama", pin=TIED_ON_0,
+          units={"0": [""], "1": ["model.norm", "model.layers.1"]}),
+    # Stage 1's tops lm_head and model.embed_tokens share the weight: one grouped unit.
+    _case("sdp2-pp2-llama-tied-stage1", 2, **MANUAL_PP2, model="llama", pin=TIED_ON_1,
+          units={"0": [""], "1": ["lm_head+model.embed_tokens", "model.norm", "model.layers.1"]}),
+]  # fmt: skip
+
+
+def test_sharded_pipeline_tied_embeddings_on_either_stage_4_ranks() -> None:
+    out = launch("sharded.py", 4, SDP2_PP2_TIED_CASES, timeout=400)
+    assert ok_cases(out) == [c["name"] for c in SDP2_PP2_TIED_CASES], out
+
+
+# Issue 42: a data-dependent branch (models.MoELM: each sample's first token picks one of two
+# experts; the batches send one data-parallel rank's samples to expert 0 and the other's to
+# expert 1, then the other way round, then all to expert 0, so that expert 1 has a gradient
+# on no rank and must keep none). Exact: a parameter with a gradient on some ranks only joins
+# the reduce-scatter with zeros elsewhere. Threshold 1100: the experts (552 each) stay inside
+# the always-run "moe" unit (the ModuleList holding them is never called: no unit).
+MOE = {"model": "moe"}
+SDP2_BRANCH_CASES = [
+    _case("sdp2-moe", 2, sdp_param_persistence_threshold=1100, **MOE, units=["moe", ""]),
+    _case("sdp2-moe-root-mb2-sgd", 2, microbatches=2, optimizer="sgd", **MOE, units=[""]),
+    # Threshold 100: each expert's Linear layers are units of their own, which one rank runs
+    # and the other does not: cannot be exact; every rank must raise, naming both units.
+    _case("sdp2-moe-expert-units", 2, **SMALL, **MOE,
+          error=["ran different modules", "rank 0: all-gather unit 'moe.experts.0.fc1' for forward",
+                 "rank 1: all-gather unit 'moe.experts.1.fc1' for forward"]),
+]  # fmt: skip
+
+
+def test_sharded_data_dependent_branch_2_ranks() -> None:
+    out = launch("sharded.py", 2, SDP2_BRANCH_CASES, timeout=400)
+    exact = [c["name"] for c in SDP2_BRANCH_CASES if "error" not in c]
+    assert ok_cases(out) == exact, out
+    raised = re.findall(r"RANK (\d) RAISED sdp2-moe-expert-units: SMPError", out)
+    assert sorted(raised) == ["0", "1"], out
+
+
+# With a pipeline every unit is gathered before the step and reduced after it, so a branch
+# trains exactly even where a whole unit runs on one rank only: expert 1 is a stage-1 top (its
+# own unit), expert 0 sits in stage 0's root unit.
+SDP2_PP2_BRANCH_CASES = [
+    _case("sdp2-pp2-moe", 2, **MANUAL_PP2, **MOE, pin={"moe.experts.1": 1, "ln": 1, "head": 1},
+          units={"0": [""], "1": ["head", "ln", "moe.experts.1"]}),
+]  # fmt: skip
+
+
+def test_sharded_pipeline_data_dependent_branch_4_ranks() -> None:
+    out = launch("sharded.py", 4, SDP2_PP2_BRANCH_CASES, timeout=400)
+    assert ok_cases(out) == [c["name"] for c in SDP2_PP2_BRANCH_CASES], out
+
+
+# Issue 42: sharded data x pipeline x tensor parallelism (8 ranks: pp=2, tp=2, sdp=2): each
+# stage's tensor-parallel slice is sharded over its two data-parallel ranks; smp-tp's spec
+# rides on the sharded parameters and its gradient rules apply after the reduce-scatter.
+PP2_TP2 = {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2}
+SDP2_PP2_TP2_CASES = [
+    _case("sdp2-pp2-tp2", 2, **PP2_TP2),
+    # The tied embedding/head pinned to stage 1 (two stage tops there), with clipping.
+    _case("sdp2-pp2-tp2-tied-stage1-clip", 2, **PP2_TP2, auto_partition=False, optimizer="sgd",
+          sdp_gradient_clipping=0.05, pin={"emb": 1, "head": 1, "blocks.1": 1, "ln": 1}),
+]  # fmt: skip
+
+
+def test_sharded_pipeline_tensor_parallel_8_ranks() -> None:
+    out = launch("sharded.py", 8, SDP2_PP2_TP2_CASES, timeout=400)
+    assert ok_cases(out) == [c["name"] for c in SDP2_PP2_TP2_CASES], out
 
 
 def _ck(name: str, save: dict, load: dict, partial: bool, optimizer: str = "adam") -> dict:

@@ -6,7 +6,7 @@ import pytest
 from smp_torch.config import parse_config
 from smp_torch.errors import ConfigError
 from smp_torch.sharded import choose_units, post_forward_reshard, prefetch_plan
-from smp_torch.sharded_pp import stage_tops
+from smp_torch.sharded_pp import stage_tops, unit_groups
 from torch import nn
 
 
@@ -93,6 +93,10 @@ def test_sharded_config_keys() -> None:
     # With tensor parallelism the sharding groups are cut from each slice's ranks (rdp).
     cfg = parse_config({"sharded_data_parallel_degree": 2, "tensor_parallel_degree": 2}, world_size=8)
     assert cfg.sdp == 2 and cfg.rdp == 4
+    # All three: each stage's tensor-parallel slice sharded over its 2 data-parallel ranks.
+    both = {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2}
+    cfg = parse_config({"sharded_data_parallel_degree": 2, **both}, world_size=8)
+    assert cfg.sdp == 2 and cfg.rdp == 2
 
 
 @pytest.mark.parametrize(
@@ -100,9 +104,6 @@ def test_sharded_config_keys() -> None:
     [
         ({"sharded_data_parallel_degree": 3}, "sharded_data_parallel_degree"),
         ({"sharded_data_parallel_degree": 4, "pipeline_parallel_degree": 4}, "sharded_data_parallel_degree"),
-        # sdp x pp and sdp x tp work; all three together is not supported yet.
-        ({"sharded_data_parallel_degree": 2, "pipeline_parallel_degree": 2, "tensor_parallel_degree": 2},
-         "sharded_data_parallel_degree"),
         # tp=4 of 8 ranks leaves 2 ranks per tensor-parallel slice: sdp=4 does not fit.
         ({"sharded_data_parallel_degree": 4, "tensor_parallel_degree": 4}, "sharded_data_parallel_degree"),
         ({"sharded_data_parallel_degree": 2, "shard_optimizer_state": True}, "shard_optimizer_state"),
@@ -124,3 +125,26 @@ def test_stage_tops_are_owned_modules_with_a_foreign_parent_outermost_first() ->
     assert stage_tops(owned) == ["", "blocks.2.attn"]
     # Stage 1: two whole blocks under a container owned by stage 0.
     assert stage_tops(["blocks.0", "blocks.0.fc", "blocks.1", "ln"]) == ["ln", "blocks.0", "blocks.1"]
+
+
+def _groups(net: nn.Module, owned: list[str]) -> list[list[str]]:
+    modules = dict(net.named_modules())
+    local = {id(p) for name in owned for p in modules[name]._parameters.values() if p is not None}
+    return unit_groups(stage_tops(owned), modules, local)
+
+
+def test_stage_tops_sharing_a_parameter_are_one_unit() -> None:
+    # A stage holding the tied embedding and head but not the root: two tops, one parameter,
+    # so one (grouped) unit; the blocks stay units of their own.
+    owned = ["emb", "head", "blocks.1", "blocks.1.fc1", "blocks.1.fc2", "blocks.1.ln"]
+    assert _groups(Net(tied=True), owned) == [["emb", "head"], ["blocks.1"]]
+    assert _groups(Net(tied=False), owned) == [["emb"], ["head"], ["blocks.1"]]
+
+
+def test_a_nested_stage_top_joins_the_enclosing_one() -> None:
+    # The root with block 0's fc1 (non-contiguous: block 0 itself is elsewhere) is one unit;
+    # a top without parameters here (a foreign subtree only) is none.
+    owned = ["", "emb", "head", "blocks.0.fc1"]
+    assert _groups(Net(tied=True), owned) == [[""]]
+    assert _groups(Net(tied=True), ["blocks.0.ln"]) == [["blocks.0.ln"]]
+    assert _groups(Net(tied=True), []) == []

@@ -298,10 +298,3 @@ def _validate_sharding(cfg: SMPConfig) -> None:
         )
     if not cfg.ddp:
         raise ConfigError("ddp", "sharded_data_parallel_degree > 1 requires ddp=True")
-    if cfg.pipeline_parallel_degree > 1 and cfg.tensor_parallel_degree > 1:
-        raise ConfigError(
-            "sharded_data_parallel_degree",
-            "sharded data parallelism with both pipeline_parallel_degree > 1 and "
-            "tensor_parallel_degree > 1 is not supported yet",
-        )
-

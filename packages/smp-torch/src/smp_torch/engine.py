@@ -26,6 +26,7 @@ from smp_torch.annotations import checkpoint_options
 from smp_torch.context import SMPContext
 from smp_torch.errors import SMPError
 from smp_torch.precision import autocast_context
+from smp_torch.sharded_agree import END
 from smp_torch.deferred import DeferredInit
 from smp_torch.weights import (
     broadcast_on_host,
@@ -270,6 +271,10 @@ class LocalEngine(Engine):
                             results.append(fn(*args, **kwargs))
                     finally:
                         self._forward = None
+                if self.shard_plan is not None and self.shard_plan.agreement is not None:
+                    # A rank whose data skipped a unit its peers still gather must not leave
+                    # them waiting: the step's end is agreed on too (smp_torch.sharded_agree).
+                    self.shard_plan.agreement.exchange(END, -1)
 
         if self.watched:
             self.ctx.watch.run(run)

@@ -318,8 +318,14 @@ class PipelineEngine(Engine):
         if not self.partitioned:
             return super().load_full_state(sd, strict)
         mine = {k: v for k, v in sd.items() if self.owns_full_key(k)}
-        if self.stage_shards is not None:  # (tp == 1: the config refuses sdp x pp x tp)
+        if self.stage_shards is not None and cfg.tp == 1:
             sharded.load_full(self.module, mine, strict=False)  # slices locally
+            return None
+        if self.stage_shards is not None:
+            # smp-tp slices its shards out of plain parameters; FSDP2 slices those again
+            # (collective over the stage's sharding mesh: every rank loads).
+            with sharded.gathered(self.module, write_back=True):
+                tp_glue.load_full_state_dict(self.module, mine, cfg.tp, strict=False)
             return None
         target = self.module.state_dict()
         if cfg.tp == 1:

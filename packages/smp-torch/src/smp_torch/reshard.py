@@ -148,14 +148,16 @@ def optimizer_state_from_full(
                 scalars.setdefault(k, v)
     # Buffers ride along unchanged (smp-tp translates whole modules); parameter entries carry
     # the state. Tied aliases without state are left out so they cannot overwrite it.
+    # With a pipeline, only this stage's entries: other stages' parameters are empty
+    # stand-ins here, which smp-tp cannot slice a full tensor into.
     param_keys = set(model.full_param_names())
     current = tp_glue.full_state_dict(model.module, cfg.tp)
-    buffers = {k: v for k, v in current.items() if k not in param_keys}
+    buffers = {k: v for k, v in current.items() if k not in param_keys and model.owns_full_key(k)}
     named = {}
     for key in tensor_keys:
         sd = dict(buffers)
         for fname, st in full_state.items():
-            if key in st:
+            if key in st and model.owns_full_key(fname):
                 sd[fname] = st[key]
         # NaN marks "not loaded": a parameter without this state keeps none.
         fresh = {n: torch.full_like(p, float("nan")) for n, p in params.items()}

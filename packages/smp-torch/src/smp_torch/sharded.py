@@ -13,6 +13,8 @@ what FSDP2 leaves to its user:
   would make its parent's unit larger than ``sdp_reduce_bucket_size`` (the largest gradient
   reduce-scatter smp asks of FSDP2, in elements). A parameter shared by several modules (a
   tied embedding and head) stays in the unit of their common ancestor, as FSDP2 requires.
+  A container that is never called itself (``nn.ModuleList``, ``nn.ModuleDict``) is no
+  unit: its hooks would never run.
 - **A bound on gathered parameters** (:func:`prefetch_plan`): ``sdp_max_live_parameters`` is
   mapped to FSDP2's explicit prefetch lists: a unit prefetches the next units (forward order,
   reversed in backward; at most two) only while the root unit, itself and the prefetched
@@ -31,6 +33,10 @@ what FSDP2 leaves to its user:
   ``reshard_after_forward``), so the backward all-gather stays inside a node. Where the whole
   sharding group is on one node (or its nodes are not contiguous in it) there is no
   cross-node gather to avoid and units reshard fully, as without the key.
+- **Data-dependent branches** (:mod:`smp_torch.sharded_agree`): a parameter with a gradient
+  on some data-parallel ranks only joins the reduce-scatter with zeros elsewhere (exact); a
+  unit that runs on some ranks only raises on every rank, naming it, before FSDP2's
+  collectives could mismatch (each unit's all-gathers and reductions are agreed on first).
 - **Exact whole-model gradient norm over shards** (:func:`clip_grad_norm`): each rank sums the
   squares of its shards in float64 and the sums are all-reduced over the sharding group.
 - **Full state dicts**: :func:`full_state` all-gathers every sharded tensor, :func:`load_full`
@@ -56,6 +62,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from smp_torch import group_cache
+from smp_torch.sharded_agree import UnitAgreement, guard_units, param_groups
 
 __all__ = [
     "ShardPlan",
@@ -70,6 +77,8 @@ __all__ = [
     "load_full",
     "gathered",
     "shard_like",
+    "param_marks",
+    "carry_marks",
     "grad_norm",
     "clip_grad_norm",
 ]
@@ -86,6 +95,8 @@ class ShardPlan:
     forward_prefetch: dict[str, list[str]] = field(default_factory=dict)
     backward_prefetch: dict[str, list[str]] = field(default_factory=dict)
     reshard_after_forward: bool | int = True
+    #: The units' agreement (:mod:`smp_torch.sharded_agree`).
+    agreement: UnitAgreement | None = None
 
 
 # ---------------------------------------------------------------------------- planning
@@ -147,7 +158,10 @@ def choose_units(
         return all(s == name or s.startswith(name + ".") or name == "" for s in sharers[pid])
 
     def can_unit(name: str, pending: set[int]) -> bool:
-        return bool(pending) and all(inside(name, pid) for pid in pending)
+        # A ModuleList or ModuleDict is never called itself, so FSDP2's hooks on it would
+        # never gather its parameters.
+        called = not isinstance(modules[name], (nn.ModuleList, nn.ModuleDict))
+        return called and bool(pending) and all(inside(name, pid) for pid in pending)
 
     def visit(name: str) -> set[int]:
         pending = own(name)
@@ -273,7 +287,7 @@ def _node_ids(ctx: Any) -> list[str]:
     return list(ctx.mpi_comms["world"].allgather(mine))
 
 
-def _marks(module: nn.Module) -> dict[str, dict[str, Any]]:
+def param_marks(module: nn.Module) -> dict[str, dict[str, Any]]:
     """The ``_smp_*`` attributes (smp-tp's parameter spec) of every parameter, by name."""
     return {
         name: {k: v for k, v in vars(p).items() if k.startswith("_smp_")}
@@ -281,7 +295,9 @@ def _marks(module: nn.Module) -> dict[str, dict[str, Any]]:
     }
 
 
-def _carry_marks(module: nn.Module, marks: dict[str, dict[str, Any]]) -> None:
+def carry_marks(module: nn.Module, marks: dict[str, dict[str, Any]]) -> None:
+    """Set the marks of :func:`param_marks` on the parameters now registered under the same
+    names (``fully_shard`` replaced them)."""
     for name, p in module.named_parameters(remove_duplicate=False):
         for k, v in marks.get(name, {}).items():
             setattr(p, k, v)
@@ -302,13 +318,18 @@ def shard_module(
     modules = dict(module.named_modules())
     # fully_shard replaces every parameter by a new DTensor parameter: smp-tp's spec (which
     # decides gradient scaling, clipping and checkpoint gathering) moves over to it.
-    marks = _marks(module)
+    marks = param_marks(module)
     for name, _ in units:
         if name:
             fully_shard(modules[name], mesh=mesh, reshard_after_forward=raf)
     # The root keeps its parameters gathered from forward to backward (FSDP2's default).
     fully_shard(module, mesh=mesh)
-    _carry_marks(module, marks)
+    carry_marks(module, marks)
+    # Every unit's all-gathers and reductions are agreed on first (data-dependent branches).
+    in_order = [modules[n] for n, _ in units]
+    width = max((len(g.fsdp_params) for u in in_order for g in param_groups(u)), default=0)
+    agreement = UnitAgreement.over_rdp(ctx, [n for n, _ in units], width)
+    guard_units(in_order, agreement)
     order = [n for n, _ in module.named_modules()]  # definition order stands for forward order
     fwd, bwd = prefetch_plan(units, order, cfg.sdp_max_live_parameters)
     # On CPU FSDP2's all-gathers block (no streams: unshard_async_op is False), so a prefetch
@@ -329,6 +350,7 @@ def shard_module(
         forward_prefetch=fwd,
         backward_prefetch=bwd,
         reshard_after_forward=raf,
+        agreement=agreement,
     )
 
 

@@ -94,13 +94,11 @@ class TPShardedGrads:
                 offset = 0
                 for p, has in zip(ps, flat[flat.numel() - len(ps) :].tolist()):
                     n = local_tensor(p).numel()
+                    if p.grad is None and has > 0:
+                        # Only a peer's data reached it (a data-dependent branch): the sum is
+                        # the peers' (this rank sent zeros), as the non-sharded reducer does.
+                        p.grad = torch.zeros_like(p.detach())
                     if p.grad is not None:
                         local_tensor(p.grad).copy_(flat[offset : offset + n].view_as(local_tensor(p.grad)))
                         local_tensor(p.grad).div_(self._size)
-                    elif has > 0:
-                        raise RuntimeError(
-                            "a parameter replicated across the tensor-parallel group received a "
-                            "gradient on another tensor-parallel rank but not here; sharded data "
-                            "parallelism needs every rank to run every module in every step"
-                        )
                     offset += n

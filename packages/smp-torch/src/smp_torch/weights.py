@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from smp_torch.deferred import DeferredInit, materialize
+from smp_torch.sharded import is_sharded, shard_like
 
 __all__ = [
     "broadcast_tensors",
@@ -134,8 +135,6 @@ def fill_shards(
     (:meth:`DeferredInit.targets`); the sharded module's storage is allocated here
     (``to_empty``, shards only) and each replayed full value is sliced into this rank's shard
     and dropped at once, so no rank holds more than its shards and one full tensor."""
-    from smp_torch.sharded import is_sharded, shard_like  # (FSDP2 only where sharding is on)
-
     module.to_empty(device=device)
     slots: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
     slots.update(dict(module.named_buffers(remove_duplicate=False)))

@@ -47,6 +47,65 @@ class TinyLM(nn.Module):
         return self.head(self.ln(h))
 
 
+class Experts(nn.Module):
+    """Two residual MLP experts; each sample goes to the expert its ``route`` entry names, and
+    an expert no sample chose is not called at all (the data-dependent branch)."""
+
+    def __init__(self, hidden: int, n: int = 2) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(MLPBlock(hidden) for _ in range(n))
+
+    def forward(self, h: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+        out = h
+        for e, expert in enumerate(self.experts):
+            idx = (route == e).nonzero().flatten()
+            if idx.numel() == 0:
+                continue
+            out = out.index_copy(0, idx, expert(h.index_select(0, idx)))
+        return out
+
+
+class MoELM(nn.Module):
+    """Embedding, an MLP block, a two-expert layer, layer norm, untied head. A sample's expert
+    is chosen by its first token (below ``VOCAB // 2``: expert 0), so which expert runs is
+    decided by each rank's data (see :func:`moe_batch`)."""
+
+    def __init__(self, tp: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, HIDDEN)
+        with smp.tensor_parallelism(enabled=tp) if tp else _null():
+            self.block = MLPBlock(HIDDEN)
+        self.moe = Experts(HIDDEN)
+        self.ln = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        route = (x[:, 0] >= VOCAB // 2).long()
+        return self.head(self.ln(self.moe(self.block(self.emb(x)), route)))
+
+
+# The expert of each equal part of the batch (a data-parallel rank's share), per step.
+MOE_ROUTES = [[0, 1], [1, 0], [0, 0]]
+
+
+def moe_batch(
+    step: int, batch: int, routes: list[list[int]] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`global_batch` with each sample's first token set so that part ``i`` of the
+    batch goes to expert ``routes[step][i]``. By default (two parts: two data-parallel
+    ranks) step 0 sends the first half to expert 0 and the second to expert 1, step 1 the
+    other way round, and step 2 every sample to expert 0 (expert 1 gets a gradient on no
+    rank: it must keep none)."""
+    x, y = global_batch(step, batch)
+    route = (routes or MOE_ROUTES)[step]
+    part = batch // len(route)
+    x = x.clone()
+    for i, expert in enumerate(route):
+        rows = slice(i * part, (i + 1) * part)
+        x[rows, 0] = x[rows, 0] % (VOCAB // 2) + expert * (VOCAB // 2)
+    return x, y
+
+
 def seq_lm(tp: bool = False, layers: int = 3, manual: bool = False) -> nn.Sequential:
     """A plain ``nn.Sequential`` LM (embedding, residual MLP blocks, norm, untied head): the
     ``fast_mode`` path, where a run of children on one stage is one request. ``manual``: the

@@ -1,7 +1,11 @@
 """Sharded data parallelism: several configurations in one MPI job, each against one process.
 
 Usage: ``mpiexec -n N python sharded.py CASES_JSON``; a case is ``{"name", "config", "steps",
-"optimizer", "layers", "static_loss_scale", ...}``. With ``tensor_parallel_degree`` > 1 the
+"optimizer", "layers", "static_loss_scale", ...}``; ``"model"``: ``"llama"`` (a tiny Hugging Face
+Llama with tied embeddings), ``"moe"`` (:class:`models.MoELM`: each rank's data picks its expert)
+or TinyLM (default); ``"pin"``: ``{module path: pipeline stage}`` (manual partition, with
+``auto_partition`` False); ``"error"``: substrings every rank's error of the first step must
+contain (the case passes when every rank raised it; such a case ends the job). With ``tensor_parallel_degree`` > 1 the
 model's blocks and norm are marked for tensor parallelism (smp-tp's layers, sharded by FSDP2). Every rank trains the single-process reference on the
 global batch itself (same seed, same initial weights, the same autocast and clipping as the
 configuration) and checks after every step the mean loss and every parameter of the gathered
@@ -72,6 +76,43 @@ def close_bf16(what: str, got: torch.Tensor, want: torch.Tensor, start: torch.Te
         )
 
 
+def build_model(case: dict, tp: bool) -> torch.nn.Module:
+    """The case's model (see the module docstring), its ``pin`` marks set."""
+    kind = case.get("model")
+    if kind == "llama":
+        model: torch.nn.Module = models.hf_llama()
+        if tp:
+            smp.set_tensor_parallelism(model)
+    elif kind == "moe":
+        model = models.MoELM(tp=tp)
+    else:
+        model = models.TinyLM(tp=tp, tied=case.get("tied", True), layers=case.get("layers", 2))
+    for path, stage in case.get("pin", {}).items():
+        smp.set_partition(model.get_submodule(path), stage)
+    return model
+
+
+def batch_of(case: dict, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step`` (MoE: routed by ``case["routes"]``, models.moe_batch)."""
+    if case.get("model") == "moe":
+        return models.moe_batch(step, case.get("batch", 8), case.get("routes"))
+    return models.global_batch(step, case.get("batch", 8))
+
+
+def expect_error(case: dict, step: Any) -> bool:
+    """Run ``step()`` expecting an error that contains every substring of ``case["error"]``;
+    print it as ``RANK <r> RAISED <name>: <message>`` (the test checks every rank)."""
+    try:
+        step()
+    except Exception as exc:  # noqa: BLE001 - checked below, on every rank
+        text = " ".join(str(exc).split())
+        missing = [w for w in case["error"] if w not in text]
+        assert not missing, f"[{case['name']}] rank {smp.rank()}: {missing} not in {type(exc).__name__}: {text}"
+        os.write(1, f"RANK {smp.rank()} RAISED {case['name']}: {type(exc).__name__}: {text}\n".encode())
+        return True
+    raise AssertionError(f"[{case['name']}] rank {smp.rank()}: the step did not raise")
+
+
 def run_case(case: dict) -> None:
     name = case["name"]
     config = case["config"]
@@ -86,7 +127,8 @@ def run_case(case: dict) -> None:
     cfg = smp.init(config)
     torch.manual_seed(case.get("seed", 0))
     # With tensor parallelism the blocks and the norm are smp-tp's (FSDP2 shards their slices).
-    model = models.TinyLM(tp=cfg.tp > 1, tied=case.get("tied", True), layers=case.get("layers", 2))
+    model = build_model(case, cfg.tp > 1)
+    hf = case.get("model") == "llama"
     ref = copy.deepcopy(model)
     start = copy.deepcopy(ref.state_dict())
     ref_opt = make_opt(case.get("optimizer", "adam"), ref.parameters())
@@ -123,19 +165,23 @@ def run_case(case: dict) -> None:
 
     @smp.step
     def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = models.lm_loss(dmodel(x), y)
+        loss = models.lm_loss(dmodel(input_ids=x).logits if hf else dmodel(x), y)
         dmodel.backward(loss)
         return loss
 
-    batch = case.get("batch", 8)
+    if "error" in case:
+        x, y = batch_of(case, 0)
+        expect_error(case, lambda: train_step(local_slice(x, cfg), local_slice(y, cfg)))
+        return
+
     clipped = 0
     t0 = time.perf_counter()
     for step in range(case.get("steps", 3)):
-        x, y = models.global_batch(step, batch)
+        x, y = batch_of(case, step)
         ref_opt.zero_grad()
         ctx = torch.autocast("cpu", dtype=half) if bf16 else contextlib.nullcontext()
         with ctx:
-            ref_loss = models.lm_loss(ref(x), y)
+            ref_loss = models.lm_loss(ref(input_ids=x).logits if hf else ref(x), y)
         ref_loss.backward()
         if clip > 0:
             clipped += float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)) > clip
@@ -165,7 +211,7 @@ def run_case(case: dict) -> None:
                 check_close(f"{k} after step {step}", full[k], v, name)
     elapsed = time.perf_counter() - t0
     assert clip == 0 or clipped, f"[{name}] the clipping bound never applied: choose a smaller one"
-    fresh = models.TinyLM(tied=case.get("tied", True), layers=case.get("layers", 2))
+    fresh = build_model({k: v for k, v in case.items() if k != "pin"}, False)
     fresh.load_state_dict(dmodel.state_dict(), strict=True)
     # The gathered optimizer state loads back exactly (state_dict -> load_state_dict round trip).
     osd = opt.state_dict()
@@ -175,6 +221,12 @@ def run_case(case: dict) -> None:
         for k, v in st.items():
             if torch.is_tensor(v):
                 assert torch.equal(v, again["state"][pname][k]), (name, pname, k)
+    # A full state dict loads back, every rank slicing its shards: a shifted copy comes back.
+    shifted = {k: v + 1 if v.is_floating_point() else v for k, v in full.items()}
+    dmodel.load_state_dict(shifted)
+    again = dmodel.state_dict()
+    for k, v in shifted.items():
+        assert torch.equal(again[k], v), (name, k)
     smp.barrier()
     if smp.rank() == 0:
         print(f"CASE-OK {name} ({elapsed:.1f}s; units {plan.units})", flush=True)
@@ -185,6 +237,8 @@ def main() -> None:
     cases = json.loads(sys.argv[1])
     for case in cases:
         run_case(case)
+        if "error" in case:
+            return  # (the failed step's groups are not reused: nothing follows it)
 
 
 if __name__ == "__main__":
