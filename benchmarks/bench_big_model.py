@@ -74,8 +74,8 @@ def main() -> None:
             )
         diffs = [abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"])]
         print(
-            f"    losses {['%.6f' % v for v in got['losses']]} vs one process "
-            f"{['%.6f' % v for v in ref['losses']]}: max relative difference {max(diffs):.2e}",
+            f"    losses {[f'{v:.6f}' for v in got['losses']]} vs one process "
+            f"{[f'{v:.6f}' for v in ref['losses']]}: max relative difference {max(diffs):.2e}",
             flush=True,
         )
         verdict = "within" if worst <= BUDGET else "OVER"

@@ -24,10 +24,10 @@ from torch import nn
 from smp_torch import sharded, tp_glue
 from smp_torch.annotations import checkpoint_options
 from smp_torch.context import SMPContext
+from smp_torch.deferred import DeferredInit
 from smp_torch.errors import SMPError
 from smp_torch.precision import autocast_context
 from smp_torch.sharded_agree import END
-from smp_torch.deferred import DeferredInit
 from smp_torch.weights import (
     broadcast_on_host,
     broadcast_tensors,

@@ -32,10 +32,10 @@ from smp_partition.render import svg, table
 from torch import nn
 
 from smp_torch import sharded, tp_glue
+from smp_torch.config import TRACE_DEVICES
 from smp_torch.consistency import StepInputs, check_tp_inputs
 from smp_torch.context import SMPContext, StepOutcome
 from smp_torch.engine import Engine, LocalEngine, Microbatches
-from smp_torch.config import TRACE_DEVICES
 from smp_torch.errors import ConfigError, SMPError
 from smp_torch.grads import GradReducer, GradSpec
 from smp_torch.pipeline import PipelineEngine

@@ -29,12 +29,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
 from smp_comm import Communicator
 from smp_pipeline import OrderChannel, PipelineRuntime
 from smp_pipeline.partition import partition_model, resolve_assignment
 from smp_tp import DistributedModule
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from smp_torch import sharded, tp_glue
 from smp_torch.annotations import checkpoint_options, get_checkpoint_mark, get_partition_mark

@@ -133,9 +133,11 @@ def fill_shards(
     """Materialise a delayed construction *into an already sharded* ``module``, one tensor at
     a time: ``targets`` are the meta tensors by name taken before sharding
     (:meth:`DeferredInit.targets`); the sharded module's storage is allocated here
-    (``to_empty``, shards only) and each replayed full value is sliced into this rank's shard
+    (shards only) and each replayed full value is sliced into this rank's shard
     and dropped at once, so no rank holds more than its shards and one full tensor."""
-    module.to_empty(device=device)
+    # Storage for the meta tensors only (shards, where sharded); tensors the construction
+    # made real (``torch.tensor`` data, e.g. Gemma2's ``embed_scale``) keep their values.
+    module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
     slots: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
     slots.update(dict(module.named_buffers(remove_duplicate=False)))
 
