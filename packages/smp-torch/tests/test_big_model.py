@@ -1,13 +1,13 @@
 """A model that does not fit a rank's memory budget trains (issue 42), at a size CI affords.
 
-A ~111 M-parameter Hugging Face Llama (444 MB of fp32 parameters) is built under
+A 369 M-parameter Hugging Face Llama (1.48 GB of fp32 parameters) is built under
 ``smp.delay_param_initialization()`` on 4 processes and trained 2 SGD steps at
 ``pipeline_parallel_degree=4`` and at ``sharded_data_parallel_degree=4``. Each rank's peak
 RSS growth from building the model to the end (``scripts/big_model.py``: measured from
 ``/proc``, after a reset of the peak mark) must stay at or below 0.75x the model's fp32
 parameter bytes, so no rank ever held the whole model; the losses must equal one process
 that built the model normally from the same seed and accumulated the same microbatches.
-``benchmarks/bench_big_model.py`` runs the same at 0.64 B parameters.
+``benchmarks/bench_big_model.py`` runs the same at 0.66 B parameters.
 """
 
 from __future__ import annotations
@@ -17,18 +17,25 @@ import os
 import sys
 
 import pytest
-from conftest import SCRIPTS, launch
+from conftest import SCRIPTS
 from smp_comm.testing import run_mpi
 
+# 12 layers of 1024 (MLP 8192), an 8000-token vocabulary, untied: 0.369 B parameters, 1.48 GB.
 SIZE = {
     "hidden_size": 1024,
-    "intermediate_size": 2816,
-    "num_hidden_layers": 8,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 12,
     "num_attention_heads": 8,
     "num_key_value_heads": 8,
-    "vocab_size": 4000,
+    "vocab_size": 8000,
 }
 BUDGET = 0.75
+# glibc's malloc raises its mmap threshold (up to 32 MiB) after a large block is freed, and
+# from then on keeps freed tensors in its heaps instead of giving them back: measured on the
+# sdp=4 run of a 134 M-parameter Llama, peak RSS growth 1.50x the parameters by default,
+# 0.77x with the threshold fixed. Fixing the trim threshold turns that adjustment off, as a
+# CPU user would (or use jemalloc/tcmalloc); on a GPU the weights live in device memory.
+ENV = {"OMP_NUM_THREADS": "1", "SMP_CONFIG": "", "MALLOC_TRIM_THRESHOLD_": str(1 << 20)}
 
 
 def _result(out: str) -> dict:
@@ -39,12 +46,11 @@ def _result(out: str) -> dict:
 
 @pytest.mark.parametrize("mode", ["pp4", "sdp4"])
 def test_model_larger_than_a_rank_budget_trains(mode: str) -> None:
-    got = _result(launch("big_model.py", 4, SIZE, mode, timeout=600))
-    ref = _result(
-        run_mpi([os.path.join(SCRIPTS, "big_model.py"), json.dumps(SIZE), mode, "reference"], 1, timeout=600)
-    )
+    script = os.path.join(SCRIPTS, "big_model.py")
+    got = _result(run_mpi([script, json.dumps(SIZE), mode], 4, timeout=900, env=ENV))
+    ref = _result(run_mpi([script, json.dumps(SIZE), mode, "reference"], 1, timeout=900, env=ENV))
     total = got["param_bytes"]
-    assert total == ref["param_bytes"] and total > 400e6, (total, ref["param_bytes"])
+    assert total == ref["param_bytes"] and total > 1.4e9, (total, ref["param_bytes"])
     report = [(r["rank"], round(r["peak_growth"] / total, 3)) for r in got["ranks"]]
     print(f"{mode}: peak RSS growth / fp32 parameter bytes per rank: {report}", file=sys.stderr)
     for rank, ratio in report:

@@ -155,7 +155,9 @@ PPTP4_CASES = [
 
 @pytest.mark.skipif(not HAS_TP, reason="smp_tp not installed")
 def test_pipeline_and_tensor_parallel_4_ranks() -> None:
-    out = launch("equivalence.py", 4, PPTP4_CASES, timeout=240)
+    # (A bound on a hang, not a latency target: this job took 35-200 s on a busy 2-core box,
+    # the time going into setting up each case, as before issue 42.)
+    out = launch("equivalence.py", 4, PPTP4_CASES, timeout=420)
     assert ok_cases(out) == [c["name"] for c in PPTP4_CASES], out
 
 
