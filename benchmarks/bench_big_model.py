@@ -4,7 +4,8 @@
 Run: python benchmarks/bench_big_model.py   (~5-10 minutes on 2 cores, ~12 GiB of memory)
 
 The model (fp32 parameters 2.65 GB) is built under ``smp.delay_param_initialization()`` and
-trained 2 SGD steps at ``pipeline_parallel_degree=4`` and, separately, at
+trained 2 SGD steps at ``pipeline_parallel_degree=4`` (with the default deterministic
+accumulation, and without: ``pp4-stream``) and, separately, at
 ``sharded_data_parallel_degree=4``; one process then builds it normally from the same seed
 and accumulates the same microbatches. Printed per configuration: each rank's peak RSS growth
 (``/proc/self/status`` VmHWM after a reset at the start, over the RSS then) as a ratio of the
@@ -61,7 +62,7 @@ def main() -> None:
 
     size = json.loads(os.environ.get("BENCH_BIG_SIZE", json.dumps(SIZE)))
     print(f"bench_big_model: Llama {size}", flush=True)
-    for mode in ("pp4", "sdp4"):
+    for mode in ("pp4", "pp4-stream", "sdp4"):
         got = _run([mpiexec_path(), "-n", "4", sys.executable, SCRIPT, json.dumps(size), mode])
         ref = _run([sys.executable, SCRIPT, json.dumps(size), mode, "reference"])
         total = got["param_bytes"]

@@ -275,6 +275,6 @@ def _as_parameter(old: torch.Tensor, value: torch.Tensor) -> nn.Parameter:
     if type(old) is nn.Parameter:
         new = nn.Parameter(value, requires_grad=old.requires_grad)
     else:
-        new = torch.Tensor._make_subclass(type(old), value, old.requires_grad)
+        new = torch.Tensor._make_subclass(type(old), value, old.requires_grad)  # type: ignore[assignment]
     new.__dict__.update(old.__dict__)  # marks such as smp-tp's _smp_tp_spec, HF's flags
     return new

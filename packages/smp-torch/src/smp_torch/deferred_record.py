@@ -150,7 +150,7 @@ def _filled(tree: Any, value: bool) -> Any:
 
 
 def layout(t: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]:
-    return t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype
+    return int(t.storage_offset()), tuple(t.shape), tuple(t.stride()), t.dtype
 
 
 class Recording:

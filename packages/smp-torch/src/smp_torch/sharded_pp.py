@@ -168,7 +168,7 @@ class StageShards:
         self._root = fully_shard.state(module) if self.units else None  # type: ignore[attr-defined]
         if self._root is not None:
             self._root._lazy_init()
-        self._groups = [g for unit in self.units for g in param_groups(unit)]
+        self._groups = [g for unit in self.units for g in param_groups(unit)]  # type: ignore[arg-type]
         # The end-of-step gradient flags (a branch this rank's data skipped: sharded_agree).
         self._agreement = UnitAgreement.over_rdp(
             ctx, units, sum(len(g.fsdp_params) for g in self._groups)

@@ -152,7 +152,7 @@ def fill_shards(
         slot = slots[name]
         with torch.no_grad():
             if is_sharded(slot):
-                slot.to_local().copy_(shard_like(value, slot).to_local())  # type: ignore[attr-defined]
+                slot.to_local().copy_(shard_like(value, slot).to_local())  # type: ignore[attr-defined,arg-type]
             else:
                 slot.copy_(value)
 

@@ -4,8 +4,9 @@ initialization, with its per-rank peak memory measured (issue 42's acceptance ru
 Usage (one JSON line ``BIG-RESULT {...}`` on rank 0 / the single process):
 
     mpiexec -n 4 python big_model.py SIZE pp4     # pipeline_parallel_degree=4, 4 microbatches
+    mpiexec -n 4 python big_model.py SIZE pp4-stream   # the same, deterministic_accumulation off
     mpiexec -n 4 python big_model.py SIZE sdp4    # sharded_data_parallel_degree=4
-    python big_model.py SIZE reference            # one process, built normally, same seed
+    python big_model.py SIZE MODE reference       # one process, built normally, same seed
 
 ``SIZE`` is a JSON object of LlamaConfig fields (hidden_size, intermediate_size,
 num_hidden_layers, num_attention_heads, vocab_size). Every run builds the model from
@@ -29,9 +30,13 @@ import torch
 
 SEED, STEPS, SEQ, LR = 1234, 2, 32, 1e-3
 GLOBAL_BATCH = 4
-MICROBATCHES = {"pp4": 4, "sdp4": 1}
+MICROBATCHES = {"pp4": 4, "pp4-stream": 4, "sdp4": 1}
 CONFIGS = {
     "pp4": {"pipeline_parallel_degree": 4, "microbatches": 4},
+    # Gradients summed in autograd's order: no per-microbatch gradient buffers (the default's
+    # deterministic order buffers a microbatch whose backward reaches a parameter before an
+    # earlier one's did: a gradient-sized copy of what it reached).
+    "pp4-stream": {"pipeline_parallel_degree": 4, "microbatches": 4, "deterministic_accumulation": False},
     "sdp4": {"sharded_data_parallel_degree": 4, "microbatches": 1},
 }
 
