@@ -12,7 +12,8 @@ and accumulates the same microbatches. Printed per configuration: each rank's pe
 model's fp32 parameter bytes — the budget is 0.75, so no rank could hold the whole model —
 and the largest relative difference of the losses from the one process's.
 
-``BENCH_BIG_SIZE`` (a JSON object of LlamaConfig fields) overrides the model's size.
+``BENCH_BIG_SIZE`` (a JSON object of LlamaConfig fields) overrides the model's size,
+``BENCH_BIG_MODES`` (comma-separated) the configurations run.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def main() -> None:
 
     size = json.loads(os.environ.get("BENCH_BIG_SIZE", json.dumps(SIZE)))
     print(f"bench_big_model: Llama {size}", flush=True)
-    for mode in ("pp4", "pp4-stream", "sdp4"):
+    modes = os.environ.get("BENCH_BIG_MODES", "pp4,pp4-stream,sdp4").split(",")
+    for mode in modes:
         got = _run([mpiexec_path(), "-n", "4", sys.executable, SCRIPT, json.dumps(size), mode])
         ref = _run([sys.executable, SCRIPT, json.dumps(size), mode, "reference"])
         total = got["param_bytes"]
