@@ -48,6 +48,9 @@ def _result(out: str) -> dict:
 # pp4-stream: deterministic_accumulation off. With it on (the default), a microbatch whose
 # backward reaches a parameter before an earlier microbatch's did is held in a gradient-sized
 # buffer until its turn; benchmarks/bench_big_model.py measures both.
+# pytest-timeout's 300 s default could cut a run on a busy machine; each job is bounded by
+# run_mpi's timeout instead, which prints every rank's output.
+@pytest.mark.timeout(1500)
 @pytest.mark.parametrize("mode", ["pp4-stream", "sdp4"])
 def test_model_larger_than_a_rank_budget_trains(mode: str) -> None:
     script = os.path.join(SCRIPTS, "big_model.py")
