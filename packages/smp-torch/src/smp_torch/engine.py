@@ -98,8 +98,7 @@ class Engine(ABC):
         tensors = module_tensors(module)
         on_host = all(t.device.type == "cpu" for t in tensors)
         if broadcast_weights and ctx.size > 1 and on_host:
-            host_group = ctx.process_groups["world"] if ctx.device.type == "cpu" else None
-            broadcast_on_host(tensors, ctx.mpi_comms["world"], host_group)
+            broadcast_on_host(tensors, ctx.mpi_comms["world"])
         if to_device or not on_host:
             module.to(ctx.device)
         if broadcast_weights and ctx.size > 1 and not on_host:

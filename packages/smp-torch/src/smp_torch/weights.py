@@ -3,8 +3,7 @@
 Used by both engines while the model is wrapped; nothing here knows about pipelines.
 
 - A model built normally is identical on every rank once rank 0's values are broadcast.
-  The broadcast runs on the host *before* anything moves to the device (over smp's groups
-  when they serve the host, over MPI when they are NCCL's)
+  The broadcast runs on the host, over MPI, *before* anything moves to the device
   (:func:`broadcast_on_host`): every rank already holds the whole model there, and only what
   a rank owns goes to its device afterwards (the paper's order), whatever the device and the
   backend of smp's process groups.
@@ -60,25 +59,20 @@ def broadcast_tensors(tensors: list[torch.Tensor], src: int, group: Any) -> None
                 offset += n
 
 
-def broadcast_on_host(tensors: list[torch.Tensor], comm: Any, group: Any = None, root: int = 0) -> None:
-    """Broadcast host (CPU) tensors in place from global rank ``root``, tensor by tensor in
-    pieces of at most 64 MiB (no second copy of the model). ``group``: a process group that
-    serves host tensors (smp's groups when the device is the CPU) carries them; without one
-    (the groups are NCCL's) the mpi4py communicator ``comm`` does. Every rank passes tensors
-    of the same shapes in the same order."""
+def broadcast_on_host(tensors: list[torch.Tensor], comm: Any, root: int = 0) -> None:
+    """Broadcast host (CPU) tensors in place from ``root`` over the mpi4py communicator
+    ``comm``, tensor by tensor in pieces of at most 64 MiB: no device, no process group (smp's
+    may be NCCL's, which take device tensors only), no second copy of the model. Every rank
+    passes tensors of the same shapes in the same order."""
     for t in tensors:
         if t.device.type != "cpu":
             raise ValueError(f"broadcast_on_host takes host tensors, got one on {t.device}")
         if t.numel() == 0:
             continue
         buf = t.detach() if t.is_contiguous() else t.detach().contiguous()
-        raw = buf.reshape(-1).view(torch.uint8)
-        for start in range(0, raw.numel(), _HOST_CHUNK):
-            piece = raw[start : start + _HOST_CHUNK]
-            if group is not None:
-                dist.broadcast(piece, src=root, group=group)
-            else:
-                comm.Bcast(piece.numpy(), root=root)
+        raw = buf.reshape(-1).view(torch.uint8).numpy()
+        for start in range(0, raw.size, _HOST_CHUNK):
+            comm.Bcast(raw[start : start + _HOST_CHUNK], root=root)
         if buf.data_ptr() != t.data_ptr():
             with torch.no_grad():
                 t.copy_(buf)
