@@ -251,7 +251,7 @@ def test_bad_sharded_configs_raise_on_every_rank() -> None:
     total = re.findall(r"RANK (\d) ALL (\d+)", out)
     assert sorted(r for r, _ in total) == ["0", "1", "2", "3"], out
     n = int(total[0][1])
-    assert n >= 13, out
+    assert n >= 12, out  # (sdp x pp x tp and sdp with delayed init are accepted since issue 42)
     for rank in "0123":
         cases = [c for r, c, _ in hits if r == rank]
         assert len(cases) == n == len(set(cases)), (rank, out)
