@@ -8,7 +8,11 @@ FAULT: ``before_step`` / ``after_step`` (a user exception between steps), ``forw
 user thread), ``raw_collective`` (the victim raises between steps while the other ranks block
 in a ``torch.distributed`` collective of their own, outside smp), ``kill`` (SIGKILL of the
 victim's own process inside a forward), ``stall`` (a module's forward on the victim never
-returns: blocked in user code; the job runs with ``timeout_s`` = :data:`STALL_TIMEOUT_S`).
+returns: blocked in user code; the job runs with ``timeout_s`` = :data:`STALL_TIMEOUT_S`),
+``sigstop`` (the victim's process stops itself with SIGSTOP inside a forward: every thread
+frozen, the process still alive; ``timeout_s`` as for ``stall``), ``bad_config`` (the victim
+passes a misspelt key to ``smp.init``, the others a valid configuration).
+The environment variable ``SMP_FAULT_TIMEOUT_S`` overrides ``timeout_s`` for every fault.
 
 Checkpoint faults (DIR: where checkpoints go; every rank saves tag ``ckpt`` with
 ``user_content={"step": 1}`` after step 1, then at step ``FAULT_STEP``):
@@ -150,8 +154,13 @@ def main() -> None:
     if fault == "microbatches" and RANK == victim:
         print(f"FAULT {RANK} {fault} t={time.time():.3f}", flush=True)
         microbatches = 4
-    timeout_s = STALL_TIMEOUT_S if fault == "stall" else 120
-    cfg = smp.init({**CONFIGS[config], "microbatches": microbatches, "timeout_s": timeout_s})
+    timeout_s = STALL_TIMEOUT_S if fault in ("stall", "sigstop") else 120
+    timeout_s = float(os.environ.get("SMP_FAULT_TIMEOUT_S", timeout_s))
+    config_dict = {**CONFIGS[config], "microbatches": microbatches, "timeout_s": timeout_s}
+    if fault == "bad_config" and RANK == victim:
+        print(f"FAULT {RANK} {fault} t={time.time():.3f}", flush=True)
+        config_dict["microbatchs"] = 2  # a typo, on this rank only
+    cfg = smp.init(config_dict)
     me = smp.rank() == victim
     torch.manual_seed(0)
     model = smp.DistributedModel(models.TinyLM(tp=cfg.tp > 1))
@@ -178,6 +187,9 @@ def main() -> None:
         if now(step, "stall"):
             announce()
             threading.Event().wait()  # never set: this rank's worker is stuck here for good
+        if now(step, "sigstop"):
+            announce()
+            os.kill(os.getpid(), signal.SIGSTOP)  # every thread of the process freezes
         if now(step, "backward") and isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(lambda grad: fail())
 
