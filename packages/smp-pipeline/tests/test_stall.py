@@ -161,7 +161,8 @@ def test_chain_through_a_queued_request_to_the_running_task() -> None:
         0: RankState(0, 1, (_task("<step>", 0, WAITING, waits=A),), (_req(A, 1, "m", 0),), ()),
         1: RankState(1, 1, (_task("n", 1, RUNNING),), (), (Queued(A, 0, "m", 0),)),
     }
-    text = explain("pp rank 0 waited", 0, A, reports, 2.0, [0, 1])
+    text, culprit = explain("pp rank 0 waited", 0, A, reports, 2.0, [0, 1])
+    assert culprit == 1
     assert "pp rank 1: received it, not started: its execution token is held by the " in text
     assert "ends at pp rank 1: the forward of module 'n' (microbatch 1) runs for 3.0 s" in text
 
@@ -175,7 +176,8 @@ def test_chain_follows_a_relay_to_the_owner_that_holds_it() -> None:
         2: RankState(2, 1, (_task("s.2", 0, RUNNING, serves=A),), (), ()),
         3: RankState(3, 1, (), (), ()),
     }
-    text = explain("pp rank 0 waited", 0, A, reports, 2.0, [0, 1, 2, 3])
+    text, culprit = explain("pp rank 0 waited", 0, A, reports, 2.0, [0, 1, 2, 3])
+    assert culprit == 2
     assert "pp rank 1: passed it on to pp rank 2 (a relay)" in text
     assert "ends at pp rank 2: the forward of module 's.2' (microbatch 0) runs for 3.0 s" in text
 
@@ -188,7 +190,8 @@ def test_chain_to_a_rank_that_does_not_answer_and_other_work() -> None:
         1: RankState(1, 1, (_task("m", 0, WAITING, serves=A, waits=B),), (_req(B, 2, "m.k", 0),), ()),
         2: None,
     }  # fmt: skip
-    text = explain("pp rank 1 waited", 1, B, reports, 2.0, [0, 2, 4])
+    text, culprit = explain("pp rank 1 waited", 1, B, reports, 2.0, [0, 2, 4])
+    assert culprit == 2  # (the pp rank; the transport maps it to its communicator rank)
     lines = text.splitlines()
     assert lines[0].endswith("ends at pp rank 2 (communicator rank 4), which did not answer "
                              "(not serving the pipeline)"), text  # fmt: skip
@@ -204,5 +207,28 @@ def test_a_cycle_of_requests_is_named_a_deadlock() -> None:
         0: RankState(0, 1, (_task("a", 0, WAITING, serves=B, waits=A),), (_req(A, 1, "b", 0),), ()),
         1: RankState(1, 1, (_task("b", 0, WAITING, serves=A, waits=B),), (_req(B, 0, "a", 0),), ()),
     }  # fmt: skip
-    text = explain("pp rank 0 waited", 0, A, reports, 2.0, [0, 1])
+    text, culprit = explain("pp rank 0 waited", 0, A, reports, 2.0, [0, 1])
+    assert culprit is None
     assert "closes a cycle" in text and "(a deadlock)" in text.splitlines()[0], text
+
+
+def test_no_request_waited_for_blames_the_rank_whose_task_runs() -> None:
+    """Issue 49: the driver's step function stuck in a module before its first request (a
+    stall on stage 0) while pp rank 1 waits for work and times out: the chain ends at pp
+    rank 0's running task (with its module), not at the rank that noticed."""
+    step = _task("<step>", 0, RUNNING)._replace(where=", in module 'emb', at hook (x.py:3)")
+    reports: dict[int, RankState | None] = {
+        0: RankState(0, 1, (step,), (), ()),
+        1: RankState(1, 1, (), (), ()),
+    }
+    text, culprit = explain("pp rank 1 made no progress", 1, None, reports, 2.0, [0, 1])
+    assert culprit == 0, text
+    first = text.splitlines()[0]
+    assert "ends at pp rank 0: the step function's forward (microbatch 0) runs for 3.0 s, in module 'emb'" in first, text
+
+
+def test_no_request_and_a_silent_rank_blames_the_silent_rank() -> None:
+    """Nothing runs and a rank did not answer the query (frozen): the chain ends there."""
+    reports: dict[int, RankState | None] = {0: RankState(0, 1, (), (), ()), 1: None}
+    text, culprit = explain("pp rank 0 made no progress", 0, None, reports, 2.0, [0, 1])
+    assert culprit == 1 and "pp rank 1, which did not answer" in text.splitlines()[0], text

@@ -57,31 +57,45 @@ def _start_of(pid: int) -> int:
 
 
 def test_heartbeat_ring_between_nodes() -> None:
-    groups = [[3, 4], [0, 1], [2]]
-    assert not Heartbeats(1, groups, 0.0).active  # only each node's first rank beats
-    assert not Heartbeats(0, [[0, 1]], 0.0).active  # one node: nothing to watch
+    groups = [[3, 4], [0, 1], [2]]  # the ring, node by node: 0 1 2 3 4
+    assert Heartbeats(1, groups, 0.0).active  # every rank beats (issue 49: frozen ranks)
+    assert not Heartbeats(0, [[0]], 0.0).active  # alone: nothing to watch
     hb = Heartbeats(0, groups, 0.0)
-    assert (hb.send_to, hb.watched, hb.watched_group) == (2, 3, [3, 4])
+    assert (hb.send_to, hb.watched, hb.watched_group, hb.same_node) == (1, 4, [3, 4], False)
+    assert hb.limit == BEAT_TIMEOUT_S
     assert hb.beat_due(0.0) and not hb.beat_due(0.1) and hb.beat_due(BEAT_PERIOD_S + 0.01)
     t = 0.0
     while t < BEAT_TIMEOUT_S - 0.5:
         t += 0.5
         assert hb.silent(t) is None
-    hb.heard(3, False, t)
-    hb.heard(4, False, t + 3)  # not the watched rank: ignored
+    hb.heard(4, False, t)
+    hb.heard(3, False, t + 3)  # not the watched rank: ignored
     heard, silent = t, None
     while silent is None and t < heard + 2 * BEAT_TIMEOUT_S:
         t += 0.25  # the watcher's turns (far apart, but not a stall)
         silent = hb.silent(t)
-    assert silent == 3 and heard + BEAT_TIMEOUT_S < t <= heard + BEAT_TIMEOUT_S + 0.25
+    assert silent == 4 and heard + BEAT_TIMEOUT_S < t <= heard + BEAT_TIMEOUT_S + 0.25
     assert hb.silent(t + 0.25) is None  # reported once
+    assert hb.beat_due(t + 1.0)  # ... and this rank still beats (it lives)
 
     stalled = Heartbeats(0, groups, 0.0)
     assert stalled.silent(0.5) is None
     assert stalled.silent(9.0) is None  # this rank did not run for 8.5 s: not the peer's fault
     bye = Heartbeats(0, groups, 0.0)
-    bye.heard(3, True, 1.0)
+    bye.heard(4, True, 1.0)
     assert bye.silent(60.0) is None
+
+
+def test_heartbeat_from_a_rank_of_this_node_is_silent_after_timeout_s() -> None:
+    """A rank of the same node is watched too: its silence for ``timeout_s`` (not the
+    node timeout) means its process is frozen (issue 49)."""
+    hb = Heartbeats(1, [[0, 1, 2]], 0.0, frozen_after_s=8.0)
+    assert (hb.send_to, hb.watched, hb.watched_group, hb.same_node) == (2, 0, [0], True)
+    t, silent = 0.0, None
+    while silent is None and t < 20:
+        t += 0.25
+        silent = hb.silent(t)
+    assert silent == 0 and 8.0 < t <= 8.25
 
 
 class _Work:

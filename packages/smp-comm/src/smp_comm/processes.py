@@ -11,6 +11,7 @@ be seen this way.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 from dataclasses import dataclass
 
@@ -113,6 +114,29 @@ class PeerProcesses:
     def ended(self) -> list[int]:
         """The checked peers whose process has ended (gone, zombie, or pid reused)."""
         return [r for r in self.checked if has_ended(self.infos[r])]
+
+    def state(self, r: int) -> str | None:
+        """Peer ``r``'s process state letter in ``/proc`` (``"R"``, ``"S"``, ``"D"``, ``"T"``
+        stopped, ``"t"`` stopped by a debugger...), None if it cannot be seen or has ended."""
+        if r not in self.checked:
+            return None
+        info = self.infos[r]
+        stat = _stat(info.pid)
+        if stat is None or stat[1] != info.start or stat[0] in ("Z", "X"):
+            return None
+        return stat[0]
+
+    def kill(self, r: int) -> bool:
+        """SIGKILL peer ``r``'s process (a frozen one: it cannot end by itself, and a
+        launcher that waits for every rank would wait for it). Only a checked peer whose pid
+        still belongs to it; returns whether the signal was sent."""
+        if self.state(r) is None:
+            return False
+        try:
+            os.kill(self.infos[r].pid, signal.SIGKILL)
+        except OSError:
+            return False
+        return True
 
     def all_ended(self, world_size: int) -> bool:
         """Whether every other rank's process is known to have ended (only peers on this

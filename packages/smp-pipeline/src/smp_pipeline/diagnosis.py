@@ -93,8 +93,14 @@ class StallDiagnosis:
         self._query = 0  # the query under way (0: none)
         self._reports: dict[int, RankState | None] = {}
         self._sends: list[Any] = []  # handles of queries and reports sent (kept until done)
+        self._names: dict[int, str] = {}  # id(module) -> its path (see name_modules)
         transport.on_stall_message = self.on_message
         transport.explain_stall = self.explain
+
+    def name_modules(self, root: torch.nn.Module) -> None:
+        """Name the modules of ``root`` by their paths where a report says which module a
+        stuck thread is in."""
+        self._names = {id(m): path or "<root>" for path, m in root.named_modules()}
 
     # ------------------------------------------------------------------ answering
     def on_message(self, msg: Message) -> None:
@@ -153,7 +159,7 @@ class StallDiagnosis:
             where = ""
             if state in (RUNNING, DEVICE):
                 frames = frames if frames is not None else sys._current_frames()
-                where = _where(frames.get(worker.thread.ident or -1))
+                where = _where(frames.get(worker.thread.ident or -1), self._names)
             age = now - ex.current_since if state == RUNNING else None
             serves = _serves(task)
             tasks.append(
@@ -167,12 +173,13 @@ class StallDiagnosis:
         return RankState(self.pp_rank, self._step(), tuple(tasks), requests, queued)
 
     # ------------------------------------------------------------------ asking
-    def explain(self, reason: str, key: Any) -> str:
+    def explain(self, reason: str, key: Any) -> tuple[str, int | None]:
         """``reason`` (a timeout of request ``key``, or None) with the chain of waits behind
-        it, from every rank's report. Returns ``reason`` alone if that cannot be done; raises
-        only if an abort arrived meanwhile (then that abort is the error)."""
+        it, from every rank's report, and the pp rank the chain ends at (None: unknown).
+        Returns ``reason`` alone if that cannot be done; raises only if an abort arrived
+        meanwhile (then that abort is the error)."""
         if self.pp_size < 2:
-            return reason
+            return reason, None
         try:
             reports = self._ask()
             ranks = self.transport.comm_ranks
@@ -180,7 +187,7 @@ class StallDiagnosis:
         except PipelineError:
             raise
         except Exception as exc:  # noqa: BLE001 - the timeout itself must still be raised
-            return f"{reason} (the stall diagnosis failed: {exc!r})"
+            return f"{reason} (the stall diagnosis failed: {exc!r})", None
 
     def _ask(self) -> dict[int, RankState | None]:
         """Every rank's report (a rank that does not answer within QUERY_WAIT_S is absent)."""
@@ -221,16 +228,30 @@ def _frame_text(frame: FrameType) -> str:
     return f"{frame.f_code.co_name} ({os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno})"
 
 
-def _where(frame: FrameType | None) -> str:
-    """Where a thread is: its innermost frame outside Python, torch and this package (the
-    user's code), and its innermost frame if that differs."""
+def _module(frame: FrameType | None, names: dict[int, str]) -> str:
+    """``", in module 'path'"`` for the innermost module call among ``frame`` and its callers
+    (named by ``names``, else by its class), or ""."""
+    while frame is not None:
+        if frame.f_code.co_name in ("_call_impl", "_wrapped_call_impl"):
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, torch.nn.Module):
+                return f", in module '{names.get(id(owner), '<' + type(owner).__name__ + '>')}'"
+        frame = frame.f_back
+    return ""
+
+
+def _where(frame: FrameType | None, names: dict[int, str] | None = None) -> str:
+    """Where a thread is: the innermost module it runs (``names``: module paths by id), its
+    innermost frame outside Python, torch and this package (the user's code), and its
+    innermost frame if that differs."""
     if frame is None:
         return ""
+    module = _module(frame, names or {})
     user: FrameType | None = frame
     while user is not None and user.f_code.co_filename.startswith(_LIBRARY_DIRS):
         user = user.f_back
     if user is None:
-        return f", at {_frame_text(frame)}"
+        return f"{module}, at {_frame_text(frame)}"
     if user is frame:
-        return f", at {_frame_text(user)}"
-    return f", at {_frame_text(user)} (innermost: {_frame_text(frame)})"
+        return f"{module}, at {_frame_text(user)}"
+    return f"{module}, at {_frame_text(user)} (innermost: {_frame_text(frame)})"

@@ -131,6 +131,7 @@ class Abort:
     comm_rank: int  # the reporting rank on the communicator (it may be another pipeline's)
     error: str
     text: str
+    culprit: int | None = None  # the communicator rank a stall is attributed to (None: src)
 
 
 @dataclass(frozen=True, slots=True)

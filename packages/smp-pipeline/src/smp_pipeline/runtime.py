@@ -170,6 +170,7 @@ class PipelineRuntime:
         )
         self.server.remote.runs_locally = self._dispatch.runs_locally
         self.server.remote.call_params = self._dispatch.call_params
+        self.server.diagnosis.name_modules(module)
         self.order_channel = order_channel
         if not isinstance(offload_activations, bool):
             raise PipelineConfigError(f"offload_activations must be a bool, got {offload_activations!r}")

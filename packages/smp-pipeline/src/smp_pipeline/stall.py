@@ -105,6 +105,8 @@ class _Walk:
         self.comm_ranks = comm_ranks
         self.lines: list[str] = []
         self.culprit = ""
+        #: The pp rank holding the chain up (None: none, or a cycle).
+        self.culprit_rank: int | None = None
         self.seen: set[tuple[int, Any]] = set()
         self.mentioned: set[tuple[int, Any]] = set()  # (rank, request key or task) in the chain
 
@@ -130,6 +132,7 @@ class _Walk:
         if (req.dest, req.key) in self.seen:
             self.lines.append("  ... which closes a cycle: these requests wait on each other")
             self.culprit = "a cycle of requests waiting on each other (a deadlock)"
+            self.culprit_rank = None
             return
         self.seen.add((req.dest, req.key))
         self._follow(req.dest, req)
@@ -144,6 +147,7 @@ class _Walk:
                 "outside the pipeline, or gone)"
             )
             self.culprit = f"{self.name(rank)}, which did not answer (not serving the pipeline)"
+            self.culprit_rank = rank
             return
         task = next((t for t in dest.tasks if t.serves == req.key), None)
         if task is not None:
@@ -160,6 +164,7 @@ class _Walk:
             else:
                 self.lines.append(f"{self.name(dest.rank)}: received it, not started yet")
                 self.culprit = f"{self.name(dest.rank)}, which has not started it"
+                self.culprit_rank = dest.rank
             return
         # Segment-mode backward: the task that served it ended, its nested requests remain.
         same = sorted((r for r in dest.requests if r.mb == req.mb), key=lambda r: -r.age)
@@ -180,6 +185,7 @@ class _Walk:
             f"{self.name(dest.rank)}: has no record of it (the request, or its answer, is in flight)"
         )
         self.culprit = f"{self.name(dest.rank)}, which has no record of it"
+        self.culprit_rank = dest.rank
 
     def _holder(self, key: Any, but: int) -> int | None:
         """Another rank (not yet followed) with a task serving ``key`` or holding it queued."""
@@ -193,6 +199,7 @@ class _Walk:
     def task(self, state: RankState, task: TaskState) -> None:
         """``task`` of ``state.rank`` holds up the chain: say how, following its own wait."""
         self.mentioned.add((state.rank, task))
+        self.culprit_rank = state.rank
         what = f"{self.name(state.rank)}: {task_text(task)}"
         if task.state == RUNNING:
             age = f" for {task.age:.1f} s" if task.age is not None else ""
@@ -200,7 +207,7 @@ class _Walk:
                 f"{what} has held the execution token{age} (blocked in user code, or a "
                 f"module that does not return){task.where}"
             )
-            self.culprit = f"{self.name(state.rank)}: {task_text(task)} runs{age}"
+            self.culprit = f"{self.name(state.rank)}: {task_text(task)} runs{age}{task.where}"
         elif task.state == DEVICE:
             self.lines.append(f"{what} is in device work{task.where}")
             self.culprit = f"{self.name(state.rank)}: {task_text(task)} in device work"
@@ -261,8 +268,9 @@ def explain(
     reports: Mapping[int, RankState | None],
     wait_s: float,
     comm_ranks: Sequence[int],
-) -> str:
-    """The timeout message ``reason`` with the chain of waits behind it.
+) -> tuple[str, int | None]:
+    """The timeout message ``reason`` with the chain of waits behind it, and the pp rank the
+    chain ends at (None: a cycle, or no chain).
 
     Args:
         reason: the timeout's own message (one line).
@@ -275,14 +283,32 @@ def explain(
 
     Returns:
         ``reason``, the chain's end on the same line, then the chain (a line per link) and
-        the other pending work.
+        the other pending work; and the rank the chain ends at.
     """
     walk = _Walk(reports, wait_s, comm_ranks)
     start = _start(origin, root, reports)
-    if start is None:
-        walk.lines.append("no rank waits for a request")
-    else:
+    if start is not None:
         walk.request(*_head(reports, *start))
+    else:
+        # No request is waited for: a rank whose task keeps the token holds everyone up
+        # (the driver's own step function, stuck before its first request), or a rank that
+        # did not answer.
+        running = [
+            (t.age or 0.0, s.rank, t)
+            for s in reports.values() if s is not None for t in s.tasks if t.state == RUNNING
+        ]  # fmt: skip
+        silent = sorted(r for r in range(len(comm_ranks)) if reports.get(r) is None)
+        if running:
+            _, rank, task = max(running, key=lambda x: (x[0], -x[1]))
+            state = reports[rank]
+            assert state is not None
+            walk.lines.append("no rank waits for a request of another")
+            walk.task(state, task)
+        elif silent:
+            walk.lines.append("no rank waits for a request of another")
+            walk._follow(silent[0], Request(None, silent[0], "", -1, 0.0))
+        else:
+            walk.lines.append("no rank waits for a request")
     head = reason if not walk.culprit else f"{reason}; the chain of waits ends at {walk.culprit}"
     out = [head, "stall chain (each rank's own report):"]
     out += [f"  {line}" for line in walk.lines]
@@ -290,7 +316,7 @@ def explain(
     if others:
         out.append("other pending work:")
         out += [f"  {line}" for line in others]
-    return "\n".join(out)
+    return "\n".join(out), walk.culprit_rank
 
 
 def _start(

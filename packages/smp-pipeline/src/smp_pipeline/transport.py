@@ -94,7 +94,7 @@ class Transport:
         # Stall diagnosis (set by the server, see smp_pipeline.diagnosis): takes a stall query
         # or report as it arrives; words a timeout with the chain of waits behind it.
         self.on_stall_message: Callable[[Message], None] | None = None
-        self.explain_stall: Callable[[str, Any], str] | None = None
+        self.explain_stall: Callable[[str, Any], tuple[str, int | None]] | None = None
 
     # ------------------------------------------------------------------ receiving
     def _arrived(self, handle: Any) -> None:
@@ -273,14 +273,15 @@ class Transport:
         """Abort with a timeout: ``reason``, and the chain of waits behind the request
         ``key`` (None: no request of this rank timed out) when :attr:`explain_stall` can
         tell it."""
+        culprit = None
         if self.explain_stall is not None and self.abort_msg is None:
-            reason = self.explain_stall(reason, key)
-        self.abort("timeout", reason)
+            reason, culprit = self.explain_stall(reason, key)
+        self.abort("timeout", reason, None if culprit is None else self.comm_ranks[culprit])
         raise AssertionError("abort() always raises")  # pragma: no cover
 
     # ------------------------------------------------------------------ aborts
-    def abort_message(self, error: str, text: str) -> Abort:
-        return Abort(self.pp_rank, self.comm_rank, error, text)
+    def abort_message(self, error: str, text: str, culprit: int | None = None) -> Abort:
+        return Abort(self.pp_rank, self.comm_rank, error, text, culprit)
 
     def raise_if_aborted(self) -> None:
         """Raise the error an abort message (received, sent from here, or an interrupt)
@@ -302,7 +303,8 @@ class Transport:
         error: PipelineError = (
             PipelineTimeoutError(text) if msg.error == "timeout" else PipelineRemoteError(text)
         )
-        error.origin = msg.comm_rank
+        # The rank the failure is attributed to: a stall's culprit, else the reporter.
+        error.origin = msg.comm_rank if msg.culprit is None else msg.culprit
         raise error
 
     def interrupt(self, reason: str) -> None:
@@ -320,10 +322,12 @@ class Transport:
         if self.abort_msg is not None:
             self.raise_if_aborted()
 
-    def abort(self, error: str, text: str) -> None:
-        """Tell every pipeline rank (and ``abort_ranks``) to raise, then raise here."""
+    def abort(self, error: str, text: str, culprit: int | None = None) -> None:
+        """Tell every pipeline rank (and ``abort_ranks``) to raise, then raise here.
+        ``culprit``: the communicator rank the failure is attributed to (a stall's), if not
+        this one."""
         if self.abort_msg is None:
-            msg = self.abort_message(error, text)
+            msg = self.abort_message(error, text, culprit)
             self.abort_msg = msg
             targets = [self.comm_ranks[r] for r in range(self.pp_size) if r != self.pp_rank]
             targets += [r for r in self.abort_ranks if r not in targets and r != self.comm_rank]

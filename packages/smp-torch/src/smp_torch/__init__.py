@@ -20,7 +20,7 @@ from smp_torch.annotations import (
 from smp_torch.checkpoint import CheckpointError, resume_from_checkpoint, save_checkpoint
 from smp_torch.comm import CommGroup, RankType, allgather, barrier, broadcast, recv_from, send
 from smp_torch.config import SMPConfig
-from smp_torch.errors import ConfigError, NotInitializedError, PeerFailedError, SMPError
+from smp_torch.errors import ConfigError, NotInitializedError, PeerFailedError, SMPError, StallError
 from smp_torch.model import DistributedModel
 from smp_torch.optimizer import DistributedOptimizer
 from smp_torch.state import (
@@ -86,6 +86,7 @@ __all__ = [
     "SMPError",
     "NotInitializedError",
     "PeerFailedError",
+    "StallError",
     "CheckpointError",
     "DistributedModel",
     "DistributedOptimizer",

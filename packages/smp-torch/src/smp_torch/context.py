@@ -215,7 +215,9 @@ def create_context(cfg: SMPConfig) -> SMPContext:
         mpi_comms=comms,
         used_groups=used,
         # SMP_FAILURE_PROC_CHECK=0: heartbeats watch every peer (tests of the heartbeat ring).
-        watch=FailureWatch(world, pid_check=os.environ.get("SMP_FAILURE_PROC_CHECK", "1") != "0"),
+        watch=FailureWatch(
+            world, cfg.timeout_s, pid_check=os.environ.get("SMP_FAILURE_PROC_CHECK", "1") != "0"
+        ),
     )
 
 

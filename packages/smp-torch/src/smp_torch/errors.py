@@ -9,6 +9,7 @@ __all__ = [
     "SMPError",
     "NotInitializedError",
     "PeerFailedError",
+    "StallError",
 ]
 
 
@@ -86,3 +87,10 @@ class CheckpointPeerError(CheckpointError, PeerFailedError):
     rank where it did not fail. Catchable as either base class; its message is
     :class:`~smp_torch.errors.PeerFailedError`'s (the failed rank, its error, what it and
     this rank were doing)."""
+
+
+class StallError(SMPError, TimeoutError):
+    """This rank held the job up: a wait of another rank inside smp (or of this one) lasted
+    ``timeout_s`` while this rank ran user code or a module that did not return. Raised on
+    this rank, if it can still raise; the other ranks raise :class:`PeerFailedError` naming
+    it (see the package README, "Failures")."""

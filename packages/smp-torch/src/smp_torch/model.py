@@ -40,6 +40,7 @@ from smp_torch.errors import ConfigError, SMPError
 from smp_torch.grads import GradReducer, GradSpec
 from smp_torch.pipeline import PipelineEngine
 from smp_torch.sharded_tp import TPShardedGrads
+from smp_torch.stall_report import register_model
 from smp_torch.state import state
 from smp_torch.weights import has_meta
 
@@ -110,6 +111,7 @@ class DistributedModel(nn.Module):
         engine_cls = PipelineEngine if cfg.pp > 1 else LocalEngine
         self.engine: Engine = engine_cls(ctx, module, broadcast_weights, self._trace_device)
         self.module = self.engine.module
+        register_model(self.module)  # (stall reports name its modules)
         self.engine.on_partitioned(self._after_partition)
         self.engine.start()
         _CURRENT = self

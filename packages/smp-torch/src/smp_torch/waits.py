@@ -19,7 +19,15 @@ from typing import Any, Protocol
 
 from smp_comm.shutdown import settle_at_exit, wait_for_threads_at_exit
 
-__all__ = ["Located", "Waiting", "run_raising", "wait_for_step_threads", "wait_request", "wait_work"]
+__all__ = [
+    "Located",
+    "Waiting",
+    "run_raising",
+    "step_threads",
+    "wait_for_step_threads",
+    "wait_request",
+    "wait_work",
+]
 
 _STEP_POLL_S = 2e-3
 # Step threads that have not ended (a step that raised elsewhere leaves one blocked).
@@ -39,9 +47,11 @@ def wait_for_step_threads() -> None:
 
 
 class Located(Protocol):
-    """What :class:`Waiting` labels: anything with a ``where`` attribute."""
+    """What :class:`Waiting` labels: anything with ``where`` and ``where_since`` (when the
+    current label was set, ``time.monotonic()``)."""
 
     where: str | None
+    where_since: float
 
 
 class Waiting:
@@ -49,26 +59,34 @@ class Waiting:
     tags an exception leaving it with the innermost label (a class, not a generator: it runs
     every step)."""
 
-    __slots__ = ("holder", "label", "previous")
+    __slots__ = ("holder", "label", "previous", "previous_since")
 
     def __init__(self, holder: Located, label: str) -> None:
         self.holder = holder
         self.label = label
         self.previous: str | None = None
+        self.previous_since = 0.0
 
     def __enter__(self) -> None:
-        self.previous = self.holder.where
-        self.holder.where = self.label
+        self.previous, self.previous_since = self.holder.where, self.holder.where_since
+        self.holder.where, self.holder.where_since = self.label, time.monotonic()
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        # (Back outside: the time outside is counted from now.)
         self.holder.where = self.previous
+        self.holder.where_since = self.previous_since if self.previous is not None else time.monotonic()
         if exc is not None and not hasattr(exc, "_smp_where"):
             try:  # the innermost label: what the rank did when it raised (for its notice)
                 exc._smp_where = self.label  # type: ignore[attr-defined]
             except AttributeError:
                 pass
+
+
+def step_threads() -> list[threading.Thread]:
+    """The step threads that run now (for stall reports)."""
+    return list(_RUNNING)
 
 
 def run_raising(fn: Callable[[], None], check: Callable[[], None]) -> None:

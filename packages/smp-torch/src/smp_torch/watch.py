@@ -41,7 +41,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from mpi4py import MPI
 from smp_comm.shutdown import (
@@ -52,11 +52,12 @@ from smp_comm.shutdown import (
     unlink_mpi_shared_memory,
 )
 
-from smp_torch.errors import PeerFailedError
+from smp_torch.errors import PeerFailedError, StallError
 from smp_torch.exit_hooks import arm_exit_alarm, forget, install
 from smp_torch.liveness import BEAT_TIMEOUT_S, Heartbeats, PeerProcesses, ProcessInfo
 from smp_torch.notices import Failure, first_line, maybe_consequence
-from smp_torch.waits import Waiting, run_raising, wait_request, wait_work
+from smp_torch.stall_report import RankReport, describe, judge
+from smp_torch.waits import Waiting, run_raising, step_threads, wait_request, wait_work
 
 __all__ = [
     "EXIT_GRACE_S",
@@ -70,6 +71,11 @@ __all__ = [
 
 _NOTICE_TAG = 7
 _BEAT_TAG = 8
+_QUERY_TAG = 9  # a wait timed out: "what are you doing?" (answered by the watcher)
+_ANSWER_TAG = 10
+#: How long a stall query waits for the other ranks' answers (a watcher answers within a
+#: turn, ~25 ms; one that does not is frozen).
+QUERY_WAIT_S = 2.0
 #: The watcher's period (seconds).
 POLL_S = 0.025
 #: A rank outside smp gets this long to enter smp (and raise there) before it is ended.
@@ -88,6 +94,10 @@ EXIT_GRACE_S = 15.0
 _BACKSTOP_S = 3.0
 # The exit alarm rings this long after EXIT_GRACE_S, behind the watcher's own deadline.
 _ALARM_AFTER_S = 10.0
+# A rank another rank named as the one holding the job up (see stalled) leaves this long
+# after: its main thread raises at once if it can (it waits for a step thread), else it is
+# stuck in user code.
+_CULPRIT_GRACE_S = 0.25
 _SEND_WAIT_S = 2.0  # how long an uncaught exception waits for its notices to leave
 _EXPLAIN_S = 0.5  # how long a communication error waits for the watcher to explain it
 _CONFIRM_S = 0.1  # how long an unexplained process end waits for a notice explaining it
@@ -100,11 +110,15 @@ class FailureWatch:
 
     Args:
         world: the job's communicator (duplicated).
+        timeout_s: the longest any wait inside smp lasts before the ranks are asked who holds
+            it up (:meth:`stalled`), and the silence after which a peer on this node is
+            taken for frozen.
         pid_check: check same-node peers in ``/proc``; False treats every rank as alone on
             its node, so heartbeats watch every peer (used by the fault tests).
     """
 
-    def __init__(self, world: Any, pid_check: bool = True) -> None:
+    def __init__(self, world: Any, timeout_s: float = 300.0, pid_check: bool = True) -> None:
+        self.timeout_s = timeout_s
         self.comm = world.Dup()
         self.rank: int = self.comm.Get_rank()
         self.size: int = self.comm.Get_size()
@@ -122,9 +136,13 @@ class FailureWatch:
         self.node_ranks = node_ranks
         unique = {tuple(g): list(g) for g in groups}
         self.peers = PeerProcesses(self.rank, self.infos, node_ranks)
-        self.beats = Heartbeats(self.rank, list(unique.values()), time.monotonic())
-        #: What this rank is doing inside smp (None: outside), for messages and deadlines.
+        self.beats = Heartbeats(self.rank, list(unique.values()), time.monotonic(), timeout_s)
+        #: What this rank is doing inside smp (None: outside), for messages and deadlines,
+        #: and since when (``time.monotonic()``).
         self.where: str | None = None
+        self.where_since = time.monotonic()
+        self._query = 0  # the stall query this rank asked last (see stalled)
+        self._answers: dict[int, RankReport] = {}
         #: ``@smp.step`` calls so far.
         self.step = 0
         #: The first failure learnt (any rank's, this one's included), or None.
@@ -305,10 +323,11 @@ class FailureWatch:
             # says so before its process ends, so its end is never taken for the failure.
             ended = [r for r in self.peers.ended() if r not in self.dead]
             notices: list[tuple[Failure, tuple[int, bool] | None]] = []
+            queries: list[tuple[int, int]] = []
             try:
                 with self._lock:
                     if self._mpi_open:
-                        notices = self._receive(now)
+                        notices, queries = self._receive(now)
                         if self.beats.beat_due(now) and self.beats.send_to is not None:
                             beat = self.comm.isend("beat", dest=self.beats.send_to, tag=_BEAT_TAG)
                             self._sends.append(beat)
@@ -319,18 +338,26 @@ class FailureWatch:
                 self._learn(failure)
                 if left is not None:
                     self.left[left[0]] = left[1]
+            for src, query in queries:
+                self._send(_ANSWER_TAG, (query, self.report()), [src])
             for r in ended:
                 self._ended_at.setdefault(r, now)
             self._judge_ended(now)
             silent = self.beats.silent(now)
-            if silent is not None:
+            if silent is not None and self.beats.same_node:
+                self._peer_frozen(silent)
+            elif silent is not None:
                 self._node_silent(silent)
         self._enforce(now)
 
-    def _receive(self, now: float) -> list[tuple[Failure, tuple[int, bool] | None]]:
-        """Take every arrived message: heartbeats are noted, notices returned (each with
-        its sender's departure, if it leaves: see :meth:`_notify`)."""
+    def _receive(
+        self, now: float
+    ) -> tuple[list[tuple[Failure, tuple[int, bool] | None]], list[tuple[int, int]]]:
+        """Take every arrived message: heartbeats are noted, answers to this rank's stall
+        query kept; notices are returned (each with its sender's departure, if it leaves:
+        see :meth:`_notify`), and the stall queries to answer (sender, query)."""
         notices = []
+        queries = []
         status = MPI.Status()
         while True:
             # A matched probe: the receive below takes exactly this message, at once.
@@ -344,7 +371,11 @@ class FailureWatch:
             elif tag == _NOTICE_TAG:
                 rank, error, where, dead, left = msg
                 notices.append((Failure(rank, error, where, dead), left))
-        return notices
+            elif tag == _QUERY_TAG:
+                queries.append((src, msg))
+            elif tag == _ANSWER_TAG and msg[0] == self._query:
+                self._answers[src] = msg[1]
+        return notices, queries
 
     def _judge_ended(self, now: float) -> None:
         """Turn ended peer processes into failures. One that left because of a failure (it
@@ -373,6 +404,26 @@ class FailureWatch:
         if live and live[0] == self.rank:
             self._notify(Failure(r, text, "", dead=True), self._others(self.node_ranks))
 
+    def _peer_frozen(self, r: int) -> None:
+        """Peer ``r`` on this node sent no heartbeat for ``timeout_s`` yet its process lives:
+        it is frozen. It is ended (SIGKILL: a stopped process cannot end by itself, and the
+        launcher would wait for it) and the job told."""
+        state = self.peers.state(r)
+        how = {
+            "T": "stopped (SIGSTOP)",
+            "t": "stopped by a debugger",
+            "D": "in uninterruptible sleep",
+        }.get(state or "", f"in state {state}" if state else "state unknown")
+        killed = self.peers.kill(r)
+        text = (
+            f"FrozenRankError: its process is frozen: alive ({self.infos[r].describe()}, {how}) "
+            f"but no heartbeat from it for {self.beats.limit:g} s (timeout_s)"
+            + ("; ended with SIGKILL by rank " + str(self.rank) if killed else "")
+        )
+        failure = Failure(r, text, "", dead=True)
+        self._learn(failure)
+        self._notify(failure, self._others([r]))
+
     def _node_silent(self, leader: int) -> None:
         group = self.beats.watched_group
         text = (
@@ -399,7 +450,12 @@ class FailureWatch:
             return
         if self.delivered:
             return
-        if self.where is None:
+        if f.rank == self.rank and not self._announced:
+            # Another rank named this one (stalled): its main thread is stuck, raising here
+            # is not to be expected.
+            if now - self.failed_at > _CULPRIT_GRACE_S:
+                self._leave(1, "another rank found it stalled")
+        elif self.where is None:
             if now - self.failed_at > OUTSIDE_GRACE_S:
                 self._leave(1, f"it did not enter smp within {OUTSIDE_GRACE_S:g} s")
         elif now - self.failed_at > INSIDE_GRACE_S:
@@ -471,6 +527,22 @@ class FailureWatch:
                 f"MPI_Finalize: leaving with status {status} without it too (it would wait for "
                 f"them) [unix time {time.time():.3f}]",
             )
+        if self.stalled_here():
+            # Its stuck thread (user code, a module that never returns) ends never: waiting
+            # for it would hold the peers, whose own blocked collectives wait for this end.
+            status = exit_status() or 1
+            leave_now(
+                status,
+                f"smp rank {self.rank}: this rank held the job up (a thread stuck, see the "
+                f"StallError): leaving with status {status} without waiting for it "
+                f"[unix time {time.time():.3f}]",
+                finalize_mpi=True,
+            )
+
+    def stalled_here(self) -> bool:
+        """Whether the failure is a stall this rank was found to cause (:meth:`stalled`)."""
+        f = self.failure
+        return f is not None and f.rank == self.rank and f.error.startswith("StallError")
 
     def close(self) -> None:
         """Stop the watcher and free the communicator (``smp.init`` again; collective)."""
@@ -486,15 +558,30 @@ class FailureWatch:
                 pass
 
     # ------------------------------------------------------------------ waits that raise
+    def bounded(self) -> Callable[[], None]:
+        """A ``check`` for one wait that begins now: :meth:`check`, and after ``timeout_s``
+        :meth:`stalled`."""
+        deadline = time.monotonic() + self.timeout_s
+
+        def check() -> None:
+            if self.failure is not None:
+                raise self.error()
+            if time.monotonic() > deadline:
+                self.stalled(self.where_now())
+
+        return check
+
     def run(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on a helper thread; re-raise its exception, or raise
-        :class:`PeerFailedError` as soon as a failure is known (see :func:`waits.run_raising`)."""
-        run_raising(fn, self.check)
+        :class:`PeerFailedError` as soon as a failure is known (see :func:`waits.run_raising`),
+        or :meth:`stalled` after ``timeout_s``."""
+        run_raising(fn, self.bounded())
 
     def wait_request(self, request: Any) -> None:
         """Wait for an MPI request, raising :class:`PeerFailedError` meanwhile if a failure
-        is known (a peer that failed never completes it)."""
-        wait_request(request, self.check)
+        is known (a peer that failed never completes it), or :meth:`stalled` after
+        ``timeout_s``."""
+        wait_request(request, self.bounded())
 
     def wait_work(self, work: Any, cuda: bool = False) -> None:
         """Wait for a ``torch.distributed`` collective (``async_op=True``), raising
@@ -503,8 +590,8 @@ class FailureWatch:
         the peer's failed step) raises the peer's :class:`PeerFailedError` instead, once
         known (:meth:`explain`)."""
         try:
-            wait_work(work, self.check, cuda)
-        except PeerFailedError:
+            wait_work(work, self.bounded(), cuda)
+        except (PeerFailedError, StallError):
             raise
         except Exception as exc:
             peer = self.explain(exc)
@@ -519,3 +606,45 @@ class FailureWatch:
         recv = array.array("q", [0] * len(values))
         self.wait_request(self.comm.Iallreduce(send, recv, op=MPI.MAX))
         return [int(v) for v in recv]
+
+    # ------------------------------------------------------------------ stalls
+    def report(self) -> RankReport:
+        """What this rank does now (:mod:`smp_torch.stall_report`; from any thread)."""
+        for_s = time.monotonic() - self.where_since
+        return describe(self.rank, self.where_now(), for_s, step_threads())
+
+    def stalled(self, waited: str) -> NoReturn:
+        """A wait of this rank (``waited``) lasted ``timeout_s``: ask every rank what it does
+        (their watchers answer; :data:`QUERY_WAIT_S` at most), name the rank that holds the
+        job up (:func:`smp_torch.stall_report.judge`), tell every rank, and raise:
+        :class:`StallError` if it is this rank, else :class:`PeerFailedError` naming it."""
+        with self._lock:
+            self._query += 1
+            self._answers = {}
+        others = self._others()
+        mine = self.report()
+        self._send(_QUERY_TAG, self._query, others)
+        deadline = time.monotonic() + QUERY_WAIT_S
+        while len(self._answers) < len(others) and time.monotonic() < deadline:
+            self.check()  # (another rank may have named the culprit meanwhile)
+            time.sleep(0.01)
+        with self._lock:
+            answers = dict(self._answers)
+        reports: dict[int, RankReport | None] = {r: answers.get(r) for r in others}
+        reports[self.rank] = mine
+        verdict = judge(self.rank, waited, self.timeout_s, reports, QUERY_WAIT_S)
+        failure = Failure(verdict.rank, verdict.error, verdict.where)
+        self._learn(failure)
+        self.check_known(failure)
+        self._notify(failure, self._others())
+        self._settle_sends(0.5)
+        if verdict.rank == self.rank:
+            self.delivered = True
+            raise StallError(verdict.error.removeprefix("StallError: "))
+        raise self.error(failure)
+
+    def check_known(self, failure: Failure) -> None:
+        """Raise the failure learnt first if it is not ``failure`` (another rank's verdict,
+        or another failure, came first)."""
+        if self.failure is not None and self.failure != failure:
+            raise self.error()
