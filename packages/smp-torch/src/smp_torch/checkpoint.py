@@ -179,7 +179,8 @@ def save_checkpoint(
     staging = os.path.join(path, f".{tag}.tmp")
     doing = f"smp.save_checkpoint({os.path.join(path, tag)!r})"
     try:
-        with s.watch.waiting(f"in {doing}"):
+        # (Not bounded by timeout_s: writing files may take long, and a save must not be cut.)
+        with s.watch.waiting(f"in {doing}"), s.watch.patient():
             return _save(s, doing, path, tag, staging, partial, model, optimizer, user_content)
     except BaseException:
         if s.rank == 0:  # (a rank killed meanwhile leaves it: nothing loads it, recover() ends it)
@@ -319,7 +320,7 @@ def resume_from_checkpoint(
         optimizer = current_optimizer()
     s = model.context
     doing = f"smp.resume_from_checkpoint({path!r}, tag={tag!r})"
-    with s.watch.waiting(f"in {doing}"):
+    with s.watch.waiting(f"in {doing}"), s.watch.patient():  # (reading files may take long)
         error: BaseException | None = None
         loaded: tuple[str, dict[str, Any], Any, Any] | None = None
         try:

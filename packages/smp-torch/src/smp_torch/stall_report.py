@@ -50,6 +50,7 @@ _WAIT_DIRS = tuple(
 _WAIT_FILES = frozenset(
     os.path.join(os.path.dirname(os.path.abspath(__file__)), f) for f in ("waits.py", "watch.py")
 )
+_WORKER_PREFIX = "smp-pipeline-worker"  # smp_pipeline.worker's thread names
 _CALL_FRAMES = frozenset({"_call_impl", "_wrapped_call_impl"})
 
 _MODELS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -127,12 +128,17 @@ def _thread_state(frame: FrameType | None) -> tuple[bool, str, str]:
 def describe(rank: int, where: str, for_s: float, step_threads: Iterable[threading.Thread]) -> RankReport:
     """This rank's :class:`RankReport` (from any thread: the watcher's, when answering).
 
-    The thread described is a running step thread (the step at pp = 1 with tensor
-    parallelism runs on one while the main thread waits for it), else the main thread; not
-    the calling thread (a rank describing itself does so from a wait).
+    The thread described is the first that runs among the step threads (the step at pp = 1
+    with tensor parallelism runs on one while the main thread waits for it), the pipeline's
+    workers and the main thread, else the main thread; not the calling thread (a rank
+    describing itself does so from a wait). Other threads (a data loader's) are not smp's
+    to judge.
     """
     frames = sys._current_frames()
-    idents = [t.ident for t in step_threads if t.is_alive() and t.ident is not None]
+    # smp's step threads and the pipeline's workers (which run modules), then the main thread.
+    workers = [t for t in threading.enumerate() if t.name.startswith(_WORKER_PREFIX)]
+    threads = [*step_threads, *workers]
+    idents = [t.ident for t in threads if t.is_alive() and t.ident is not None]
     idents.append(threading.main_thread().ident or -1)
     # The thread asking (the main thread, in a wait that timed out) is where it asks from.
     idents = [i for i in idents if i != threading.get_ident()]

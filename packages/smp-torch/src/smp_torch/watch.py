@@ -37,10 +37,11 @@ otherwise the exit is the orderly one of :mod:`smp_comm.shutdown`, given
 from __future__ import annotations
 
 import array
+import contextlib
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 from mpi4py import MPI
@@ -142,6 +143,7 @@ class FailureWatch:
         self.where: str | None = None
         self.where_since = time.monotonic()
         self._query = 0  # the stall query this rank asked last (see stalled)
+        self._patient = 0  # inside patient() blocks
         self._answers: dict[int, RankReport] = {}
         #: ``@smp.step`` calls so far.
         self.step = 0
@@ -558,9 +560,21 @@ class FailureWatch:
                 pass
 
     # ------------------------------------------------------------------ waits that raise
+    @contextlib.contextmanager
+    def patient(self) -> Iterator[None]:
+        """Waits that begin in this block are not bounded by ``timeout_s`` (a checkpoint's
+        phases: a peer may write or read files for longer, and a save must not be cut)."""
+        self._patient += 1
+        try:
+            yield
+        finally:
+            self._patient -= 1
+
     def bounded(self) -> Callable[[], None]:
         """A ``check`` for one wait that begins now: :meth:`check`, and after ``timeout_s``
-        :meth:`stalled`."""
+        :meth:`stalled` (outside :meth:`patient`)."""
+        if self._patient:
+            return self.check
         deadline = time.monotonic() + self.timeout_s
 
         def check() -> None:
@@ -574,7 +588,8 @@ class FailureWatch:
     def run(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on a helper thread; re-raise its exception, or raise
         :class:`PeerFailedError` as soon as a failure is known (see :func:`waits.run_raising`),
-        or :meth:`stalled` after ``timeout_s``."""
+        or :meth:`stalled` after ``timeout_s`` (the step at pp = 1 with tensor parallelism;
+        outside :meth:`patient`)."""
         run_raising(fn, self.bounded())
 
     def wait_request(self, request: Any) -> None:

@@ -375,6 +375,55 @@ def test_stalled_module(request: pytest.FixtureRequest) -> None:
     assert not left, f"left in /dev/shm: {left}\n{out}"
 
 
+# Issue 49: faults that used to hang a job or blame the wrong rank. A frozen rank (SIGSTOP,
+# alive in /proc) and a stall in user code (a module's forward that never returns) on
+# stage 0 or at pp = 1: every rank must end within timeout_s + LIMIT_S of the fault, and
+# every rank that can still speak must name the culprit (and, for a stall, its module).
+NO_HANG_CASES = [
+    Case("sigstop", "pp2", 1, "shell"),
+    Case("sigstop", "dp2", 1, "shell"),
+    Case("stall", "pp2", 0),
+    Case("stall", "tp2", 0),
+    Case("stall", "dp2", 1),
+]
+# What names the culprit: smp's stall verdict, a frozen rank's, or the pipeline's chain.
+_NAMES = r"rank {v}\b.*(?:StallError|FrozenRankError)|chain of waits ends at pp rank {v}\b"
+
+
+@pytest.mark.parametrize("case", NO_HANG_CASES, ids=[c.id for c in NO_HANG_CASES])
+def test_no_hang(case: Case, request: pytest.FixtureRequest) -> None:
+    before = _shm_entries()
+    job = _launch(case)
+    out = job.out
+    n = RANKS[case.config]
+    assert job.rc != -999, f"the job hung past {JOB_TIMEOUT_S:g} s:\n{out}"
+    assert job.rc != 0 and sorted(job.pids) == list(range(n)), out
+    fault = re.search(rf"FAULT {case.victim} \w+ t=([\d.]+) timeout_s=([\d.]+)", out)
+    assert fault, f"the fault never happened:\n{out}"
+    t_fault, timeout_s = float(fault.group(1)), float(fault.group(2))
+    statuses = _statuses(case, job)
+    assert all(s != "0" for s in statuses.values()), (statuses, out)
+    message = ""
+    for rank in range(n):
+        if case.fault == "sigstop" and rank == case.victim:
+            continue  # frozen, then killed: it can say nothing
+        text = "\n".join(job.by_rank.get(rank, []))
+        said = re.search(_NAMES.format(v=case.victim), text)
+        assert said, f"rank {rank} did not name rank {case.victim}:\n{out}"
+        line = text[text.rfind("\n", 0, said.start()) + 1 : text.find("\n", said.end())]
+        if case.fault == "stall":
+            assert re.search(r"module '[\w.]+'", line), f"rank {rank}: no module in {line!r}"
+        message = message or line.strip()
+    last = max(job.ended.values()) - t_fault
+    request.config.stash[FAULT_TABLE].append(
+        (case.fault, case.config, f"rank {case.victim} ({ROLES[case.config][case.victim]})",
+         case.launcher, last, message[:150])
+    )  # fmt: skip
+    assert last <= timeout_s + LIMIT_S, f"last rank ended {last:.2f} s after the fault:\n{out}"
+    left = _left_in_shm(job, before)
+    assert not left, f"left in /dev/shm: {left}\n{out}"
+
+
 def _check_previous_checkpoint(case: Case, root: str) -> None:
     """After a failed save: nothing half-written looks like a checkpoint, and a new job
     resumes from the previous one (saved after step 1)."""
