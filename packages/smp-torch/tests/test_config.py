@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 
 import pytest
 from smp_torch.config import SMPConfig, parse_config
@@ -80,3 +82,66 @@ def test_json_file_and_environment(tmp_path, monkeypatch) -> None:  # type: igno
         parse_config(None, 2)
     with pytest.raises(ConfigError, match="cannot read"):
         parse_config(str(tmp_path / "missing.json"), 2)
+
+
+# Every float-valued key, read from the dataclass so that a key added later is covered too.
+FLOAT_KEYS = sorted(
+    f.name
+    for f in dataclasses.fields(SMPConfig)
+    if str(f.type) == "float" and not f.metadata.get("derived")
+)
+
+
+def test_float_keys_are_the_known_ones() -> None:
+    # A guard on the discovery above: if it found nothing, the tests below would pass vacuously.
+    assert FLOAT_KEYS == ["memory_weight", "sdp_gradient_clipping", "timeout_s"]
+
+
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+@pytest.mark.parametrize(
+    "value", [math.nan, math.inf, -math.inf, 10**400], ids=["nan", "inf", "-inf", "int1e400"]
+)
+def test_non_finite_floats_raise_config_error(key: str, value: float) -> None:
+    """NaN passes ``nan <= 0``-style checks, and inf overflowed later in smp.init
+    (``timedelta``) with a raw ValueError / OverflowError instead of naming the key."""
+    with pytest.raises(ConfigError, match="finite") as info:
+        parse_config({key: value}, world_size=4)
+    assert info.value.key == key
+
+
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_json_literals_raise_config_error(key: str, literal: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # json.loads accepts these non-standard literals; SMP_CONFIG text goes through it.
+    monkeypatch.setenv("SMP_CONFIG", f'{{"{key}": {literal}}}')
+    with pytest.raises(ConfigError) as info:
+        parse_config(None, world_size=4)
+    assert info.value.key == key
+
+
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+def test_numbers_as_strings_are_refused(key: str) -> None:
+    with pytest.raises(ConfigError, match="must be a number") as info:
+        parse_config({key: "nan"}, world_size=4)
+    assert info.value.key == key
+
+
+@pytest.mark.parametrize(
+    ("config", "key"),
+    [
+        ({"timeout_s": 1e300}, "timeout_s"),  # finite, but timedelta() overflowed on it
+        ({"timeout_s": 0}, "timeout_s"),
+        ({"sdp_gradient_clipping": -0.5}, "sdp_gradient_clipping"),
+        ({"memory_weight": -0.1}, "memory_weight"),
+        ({"tensor_parallel_seed": 2**64}, "tensor_parallel_seed"),  # beyond a torch seed
+    ],
+)
+def test_out_of_range_numbers_name_the_key(config: dict, key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(config, world_size=4)
+    assert info.value.key == key
+
+
+def test_large_finite_values_within_range_are_kept() -> None:
+    cfg = parse_config({"timeout_s": 86400 * 30, "sdp_gradient_clipping": 1e30}, world_size=4)
+    assert cfg.timeout_s == 86400.0 * 30 and cfg.sdp_gradient_clipping == 1e30
