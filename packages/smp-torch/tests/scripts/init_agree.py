@@ -42,6 +42,9 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any], float, float]] = {
 
 def run(name: str, uncaught: bool) -> None:
     config0, config1, sleep0, sleep1 = CASES[name]
+    # Start every case together (a timed-out case leaves the ranks apart), so that the sleeps
+    # alone decide which rank is late, by 1.5 s more than a timeout_s.
+    MPI.COMM_WORLD.Barrier()
     time.sleep(sleep0 if RANK == 0 else sleep1)
     start = time.monotonic()
     try:
