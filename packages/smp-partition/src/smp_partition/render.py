@@ -5,11 +5,16 @@ gives a node's name, its subtree's normalised cost and its device. To stay reada
 deep models, a node whose subtree lies on one device is not expanded (below the first
 level), nothing deeper than 24 levels is drawn, and a run of sibling nodes of the same
 type that lie entirely on one device is drawn as one box such as ``block[0:6]``.
+
+A name may hold any character: in the SVG, ``& < > " '`` become entities and what XML 1.0
+cannot hold at all (a NUL, other controls, U+FFFF, a lone surrogate) is shown as a Python
+escape such as ``\\x00``, so the drawing always parses and still shows the name.
 """
 
 from __future__ import annotations
 
 import colorsys
+import re
 from dataclasses import dataclass, field
 from xml.sax.saxutils import escape
 
@@ -22,6 +27,25 @@ _PALETTE = [
     "#8dd3c7", "#ffffb3", "#bebada", "#fb8072", "#80b1d3", "#fdb462",
     "#b3de69", "#fccde5", "#d9d9d9", "#bc80bd", "#ccebc5", "#ffed6f",
 ]  # fmt: skip
+
+
+# Characters XML 1.0 cannot hold (C0 controls but tab, newline and CR; surrogates; U+FFFE and
+# U+FFFF), and tab, newline and CR too: a parser turns those into spaces or newlines, so a
+# label holding one would not read back as written, and none belongs on a one-line label.
+_NOT_IN_XML = re.compile("[\x00-\x1f\ud800-\udfff\ufffe\uffff]")
+
+
+def _visible(text: str) -> str:
+    """``text`` with each character of :data:`_NOT_IN_XML` written as a Python escape
+    (``\\x00``, ``\\udc80``, ``\\uffff``): a module name may hold any character (JSON
+    allows ``\\u0000``), and the drawing must still be valid XML and show what is there."""
+    return _NOT_IN_XML.sub(lambda m: ascii(m.group())[1:-1], text)
+
+
+def _xml(text: str) -> str:
+    """``text`` as XML character data or attribute value: visible escapes for what XML
+    cannot hold, then entities for ``& < > " '``."""
+    return escape(_visible(text), {'"': "&quot;", "'": "&apos;"})
 
 
 def device_colour(device: int) -> str:
@@ -181,7 +205,8 @@ def dot(graph: ModuleGraph, result: PartitionResult) -> str:
         f'max load {result.max_load:.3f} (bound {result.lower_bound:.3f})";',
     ]
     for me, box, parent in _walk(boxes(graph, result)):
-        text = box.label.replace("\\", "\\\\").replace('"', '\\"')
+        # DOT is not XML, but Graphviz reads no NUL either; then DOT's own quoting.
+        text = _visible(box.label).replace("\\", "\\\\").replace('"', '\\"')
         lines.append(
             f'  n{me} [label="{text}\\n{box.cost:.3f}, {box.device}", '
             f'fillcolor="{device_colour(box.device)}"];'
@@ -236,10 +261,10 @@ def svg(graph: ModuleGraph, result: PartitionResult, title: str = "") -> str:
         f'<rect width="{width:.0f}" height="{height:.0f}" fill="white"/>',
     ]
     if title:
-        out.append(f'<text x="{_PAD}" y="{_PAD + 14}" font-size="16">{escape(title)}</text>')
+        out.append(f'<text x="{_PAD}" y="{_PAD + 14}" font-size="16">{_xml(title)}</text>')
     out.append(
         f'<text x="{_PAD}" y="{top - 12}" font-size="12" fill="#444">'
-        f"{result.num_devices} devices, alpha {result.alpha:g}, method {result.method}: "
+        f"{result.num_devices} devices, alpha {result.alpha:g}, method {_xml(result.method)}: "
         f"max load {result.max_load:.3f}, lower bound {result.lower_bound:.3f}, "
         f"{len(result.cut_edges)} cut edges</text>"
     )
@@ -254,11 +279,11 @@ def svg(graph: ModuleGraph, result: PartitionResult, title: str = "") -> str:
         x, y = xy(me)
         text = box.label if len(box.label) <= 24 else box.label[:23] + "…"
         out.append(
-            f"<g><title>{escape(box.label)}</title>"
+            f"<g><title>{_xml(box.label)}</title>"
             f'<rect x="{x:.1f}" y="{y:.1f}" width="{_W}" height="{_H}" rx="5" '
             f'fill="{device_colour(box.device)}" stroke="#333"/>'
             f'<text x="{x + _W / 2:.1f}" y="{y + 16:.1f}" font-size="12" '
-            f'text-anchor="middle">{escape(text)}</text>'
+            f'text-anchor="middle">{_xml(text)}</text>'
             f'<text x="{x + _W / 2:.1f}" y="{y + 32:.1f}" font-size="11" '
             f'text-anchor="middle" fill="#333">{box.cost:.3f}, {box.device}</text></g>'
         )

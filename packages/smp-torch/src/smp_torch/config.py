@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -27,6 +28,12 @@ _OPTIMIZE = ("speed", "memory")
 TRACE_DEVICES = ("cpu", "meta", "cuda")
 # Keys whose name differs from the dataclass field (SageMaker v1 spellings).
 _ALIASES = {"partitions": "pipeline_parallel_degree", "_prescaled_batch": "prescaled_batch"}
+# The longest timeout accepted (about 3 years): far below what every consumer of timeout_s
+# can hold (datetime.timedelta, threading waits, the c10d stores' milliseconds), so a huge
+# finite value is refused here by name instead of overflowing later inside smp.init.
+MAX_TIMEOUT_S = 1e8
+# tensor_parallel_seed plus a small per-rank offset seeds a torch.Generator (at most 2**64 - 1).
+_MAX_SEED = 2**63
 
 
 @dataclass
@@ -174,7 +181,15 @@ def _check_type(key: str, value: Any, annotation: str) -> Any:
     if base == "float":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(key, f"must be a number, got {value!r} ({type(value).__name__})")
-        return float(value)
+        # NaN passes every comparison the value checks make (nan <= 0 is False) and json.loads
+        # accepts NaN and Infinity literals: refuse them here, for every float key at once.
+        try:
+            number = float(value)
+        except OverflowError:  # an int beyond the float range
+            raise ConfigError(key, f"must be a finite number, got {value!r}") from None
+        if not math.isfinite(number):
+            raise ConfigError(key, f"must be a finite number, got {value!r}")
+        return number
     if base == "str":
         if not isinstance(value, str):
             raise ConfigError(key, f"must be a string, got {value!r} ({type(value).__name__})")
@@ -237,8 +252,10 @@ def _validate_values(cfg: SMPConfig, world_size: int) -> None:
             f"must be within [0, pipeline_parallel_degree={cfg.pipeline_parallel_degree}), "
             f"got {cfg.default_partition}",
         )
-    if cfg.timeout_s <= 0:
-        raise ConfigError("timeout_s", f"must be > 0, got {cfg.timeout_s}")
+    if not 0 < cfg.timeout_s <= MAX_TIMEOUT_S:
+        raise ConfigError(
+            "timeout_s", f"must be > 0 and at most {MAX_TIMEOUT_S:g} s, got {cfg.timeout_s}"
+        )
     if cfg.collective_backend not in _COLLECTIVE_BACKENDS:
         raise ConfigError(
             "collective_backend",
@@ -248,8 +265,10 @@ def _validate_values(cfg: SMPConfig, world_size: int) -> None:
         raise ConfigError("bf16", "fp16 and bf16 cannot both be enabled")
     if cfg.tensor_parallel_degree > 1 and not cfg.ddp:
         raise ConfigError("ddp", "tensor_parallel_degree > 1 requires ddp=True")
-    if cfg.tensor_parallel_seed < 0:
-        raise ConfigError("tensor_parallel_seed", "must be >= 0")
+    if not 0 <= cfg.tensor_parallel_seed < _MAX_SEED:
+        raise ConfigError(
+            "tensor_parallel_seed", f"must be within [0, 2**63), got {cfg.tensor_parallel_seed}"
+        )
     mp = cfg.pipeline_parallel_degree * cfg.tensor_parallel_degree
     if world_size % cfg.pipeline_parallel_degree:
         raise ConfigError(

@@ -1,9 +1,10 @@
 """Ranks that must agree, checked where it is cheap: the configuration and a step's inputs.
 
-- :func:`check_same_config` (``smp.init``, one allgather over the job): every rank must
-  pass the same configuration, except keys that are only local (:data:`PER_RANK_KEYS`). A
-  rank with another ``microbatches`` (or degree, schedule, ...) would otherwise split its
-  batch differently and hang or garble the pipeline and the gradient reduction.
+- The configuration (``smp.init``, :mod:`smp_torch.config_agree`: one bounded exchange
+  through rank 0): every rank must pass the same configuration, except keys that are only
+  local (:data:`PER_RANK_KEYS`). A rank with another ``microbatches`` (or degree, schedule,
+  ...) would otherwise split its batch differently and hang or garble the pipeline and the
+  gradient reduction.
 - :class:`StepInputs` (computed by ``@smp.step`` from the unsplit arguments): the batch size
   (the first split tensor's length along its split axis) and a digest of every tensor
   argument's shape and dtype.
@@ -24,15 +25,13 @@
 from __future__ import annotations
 
 import array
-import dataclasses
 import hashlib
 from dataclasses import dataclass
 from typing import Any
 
 from mpi4py import MPI
 
-from smp_torch.config import SMPConfig
-from smp_torch.errors import ConfigError, SMPError
+from smp_torch.errors import SMPError
 from smp_torch.watch import FailureWatch
 
 __all__ = [
@@ -40,8 +39,9 @@ __all__ = [
     "StepInputs",
     "agreement_values",
     "batch_mismatch",
-    "check_same_config",
+    "by_value",
     "check_tp_inputs",
+    "ranks_text",
 ]
 
 #: Configuration keys that may differ between ranks (paths and local timeouts).
@@ -51,35 +51,19 @@ PER_RANK_KEYS = frozenset({"timeline", "timeout_s", "trace_device"})
 _ABSENT = -(2**62)
 
 
-def _ranks(ranks: list[int]) -> str:
+def ranks_text(ranks: list[int]) -> str:
+    """``"rank [1]"`` or ``"ranks [0, 2]"``."""
     return f"rank{'s' if len(ranks) > 1 else ''} {ranks}"
 
 
-def _by_value(values: list[tuple[int, Any]]) -> str:
+def by_value(values: list[tuple[int, Any]]) -> str:
     """``"4 on rank [1], 2 on ranks [0, 2]"`` for ``(rank, value)`` pairs (the least common
     value first)."""
     groups: dict[str, list[int]] = {}
     for r, v in values:
         groups.setdefault(repr(v), []).append(r)
     ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[1]))
-    return ", ".join(f"{v} on {_ranks(rs)}" for v, rs in ordered)
-
-
-def check_same_config(cfg: SMPConfig, comm: Any) -> None:
-    """Collective over ``comm``: raise :class:`ConfigError` on every rank, naming the key,
-    the values and the ranks, if the ranks' configurations differ."""
-    if comm.Get_size() == 1:
-        return
-    mine = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in PER_RANK_KEYS}
-    every = comm.allgather(mine)
-    for key in mine:
-        values = [c.get(key) for c in every]
-        if any(v != values[0] for v in values):
-            raise ConfigError(
-                key,
-                f"ranks disagree: {_by_value(list(enumerate(values)))}; every rank must pass "
-                "the same configuration",
-            )
+    return ", ".join(f"{v} on {ranks_text(rs)}" for v, rs in ordered)
 
 
 @dataclass(frozen=True)
@@ -119,7 +103,7 @@ def batch_mismatch(agreed: list[int]) -> bool:
 def batch_error(step: int, batches: list[int | None]) -> SMPError:
     """The error every rank raises when the data-parallel batch sizes differ (``batches``:
     each rank's, ``None`` where it does not run the step function)."""
-    desc = _by_value([(r, b) for r, b in enumerate(batches) if b is not None])
+    desc = by_value([(r, b) for r, b in enumerate(batches) if b is not None])
     return SMPError(
         f"step {step}: the ranks passed batches of different sizes to the step function "
         f"({desc}; the size along the split axis); every data-parallel rank must pass the "

@@ -18,15 +18,30 @@ class SMPError(RuntimeError):
 
 
 class ConfigError(SMPError, ValueError):
-    """A configuration key is unknown, has the wrong type or an impossible value.
+    """A configuration key is unknown, has the wrong type or an impossible value, or the
+    ranks passed different values for it.
 
-    Raised by :func:`smp.init` on every rank *before* any communication, so a bad
-    configuration never leaves some ranks waiting for the others.
+    :func:`smp.init` checks each rank's configuration locally first, then the ranks compare
+    their results (one exchange through rank 0, bounded by ``timeout_s``): when the
+    configuration is invalid on any rank, or the ranks disagree, *every* rank raises it,
+    naming the key and the ranks (``smp config key 'microbatchs': invalid on rank [1]:
+    unknown key (...)``). A rank whose own configuration is invalid leads with its own key and
+    text and chains its original error. So a configuration wrong on one rank only never leaves
+    the others waiting for it.
+
+    Attributes:
+        key: the configuration key concerned.
+        detail: what is wrong with it (the message without the ``smp config key`` prefix).
     """
 
     def __init__(self, key: str, message: str) -> None:
         self.key = key
+        self.detail = message
         super().__init__(f"smp config key {key!r}: {message}")
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        # Picklable with both arguments (the default passes only the formatted message).
+        return (type(self), (self.key, self.detail))
 
 
 class NotInitializedError(SMPError):

@@ -18,9 +18,9 @@ from smp_pipeline import shutdown_runtimes
 from smp_torch import group_cache
 from smp_torch.bootstrap import init_torch_distributed
 from smp_torch.config import SMPConfig, parse_config
-from smp_torch.consistency import check_same_config
+from smp_torch.config_agree import agree_on_config
 from smp_torch.context import SMPContext, create_context
-from smp_torch.errors import NotInitializedError
+from smp_torch.errors import ConfigError, NotInitializedError
 from smp_torch.waits import wait_for_step_threads
 
 __all__ = [
@@ -109,16 +109,27 @@ def init(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> SM
     """Initialise smp: validate ``config``, start ``torch.distributed``, build the groups.
 
     ``config`` is a dict, a path to a JSON file, or ``None`` to read the ``SMP_CONFIG``
-    environment variable (JSON text or a path). An invalid configuration raises
-    :class:`smp.ConfigError` on every rank before any communication. Calling ``init`` again
-    replaces the configuration (every rank must do so, in the same order).
+    environment variable (JSON text or a path). Each rank validates its configuration
+    locally, then the ranks compare their results (:mod:`smp_torch.config_agree`): a
+    configuration invalid on any rank, or different between ranks (but for ``timeline``,
+    ``timeout_s`` and ``trace_device``), raises :class:`smp.ConfigError` on every rank,
+    naming the key and the ranks, before anything else is set up. A rank that does not reach
+    ``init`` within ``timeout_s`` makes the others raise :class:`smp.SMPError` naming it
+    (rank 0 names every missing rank). Calling ``init`` again replaces the configuration
+    (every rank must do so, in the same order).
     """
     global _STATE
     world = MPI.COMM_WORLD
-    # Pure local validation first: nothing below runs if the configuration is wrong.
-    cfg = parse_config(config, world.Get_size())
-    # Every rank must pass the same configuration: one allgather, raising on every rank.
-    check_same_config(cfg, world)
+    # Local validation first, its error kept rather than raised: a rank raising here alone
+    # would leave the others waiting for it in the exchange below.
+    parsed: SMPConfig | ConfigError
+    try:
+        parsed = parse_config(config, world.Get_size())
+    except ConfigError as exc:
+        parsed = exc
+    # Every rank learns whether every rank's configuration is valid and the same (bounded by
+    # timeout_s), and raises if not: nothing below runs on any rank then.
+    cfg = agree_on_config(parsed, world)
     _close_previous(world)
     if init_torch_distributed(world, cfg.timeout_s) and not _EXIT_REGISTERED:
         _register_exit()
