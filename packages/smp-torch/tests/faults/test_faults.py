@@ -13,7 +13,8 @@ Checkpoint faults (``inject.py``'s docstring): a damaged checkpoint must be refu
 rank (each names the file and itself), never loaded; a save that fails or is killed half-way
 must fail on every rank and leave the previous checkpoint loadable (a second job resumes
 from it), and a pickle that would run code must not run (its marker file must not exist).
-Mismatch faults: every rank must raise an error naming the ranks and their values.
+Mismatch faults: every rank must raise an error naming the ranks and their values (a
+configuration invalid on one rank only: naming that rank and the key).
 
 Launchers: the exception faults run under plain ``mpiexec`` (MPICH's hydra). Hydra ends
 every rank within milliseconds of one dying by a signal, before any process can notice (the
@@ -108,6 +109,8 @@ CASES = [
     Case("save_error", "pp2", 1),
     Case("save_gather", "pp2dp2", 3),
     Case("microbatches", "dp2", 1),
+    Case("bad_config", "dp2", 1),
+    Case("bad_config", "pp2dp2", 3),
     Case("batch", "dp2", 1),
     Case("batch", "pp2dp2", 2),
     Case("batch", "tp2", 0),
@@ -124,6 +127,10 @@ SAVE_FAULTS = ("save_kill", "save_error", "save_gather")
 MISMATCH = {
     "microbatches": r"ConfigError: smp config key 'microbatches': ranks disagree: "
     r"(?=.*4 on rank \[{victim}\])(?=.*2 on ranks? \[\d).*",
+    # Issue 49: a typo on one rank only (that rank used to raise while the others waited
+    # in smp.init forever).
+    "bad_config": r"ConfigError: smp config key 'microbatchs': invalid on rank \[{victim}\]: "
+    r"unknown key.*",
     "batch": r"SMPError: step 3: the (?:tensor-parallel )?ranks passed (?:batches of different "
     r"sizes|different inputs) to the step function \((?=.*2 on rank \[{victim}\]|.*rank "
     r"{victim}: x\(2, 4\)).*",
@@ -387,7 +394,17 @@ NO_HANG_CASES = [
     Case("stall", "dp2", 1),
 ]
 # What names the culprit: smp's stall verdict, a frozen rank's, or the pipeline's chain.
-_NAMES = r"rank {v}\b.*(?:StallError|FrozenRankError)|chain of waits ends at pp rank {v}\b"
+_VERDICT = re.compile(r"(?:StallError|FrozenRankError): ")
+
+
+def _naming_line(text: str, victim: int) -> str | None:
+    """The first line of ``text`` that names ``victim`` as the culprit, or None."""
+    for line in text.splitlines():
+        if re.search(rf"chain of waits ends at pp rank {victim}\b", line) or (
+            _VERDICT.search(line) and re.search(rf"\brank {victim}\b", line)
+        ):
+            return line
+    return None
 
 
 @pytest.mark.parametrize("case", NO_HANG_CASES, ids=[c.id for c in NO_HANG_CASES])
@@ -408,9 +425,8 @@ def test_no_hang(case: Case, request: pytest.FixtureRequest) -> None:
         if case.fault == "sigstop" and rank == case.victim:
             continue  # frozen, then killed: it can say nothing
         text = "\n".join(job.by_rank.get(rank, []))
-        said = re.search(_NAMES.format(v=case.victim), text)
-        assert said, f"rank {rank} did not name rank {case.victim}:\n{out}"
-        line = text[text.rfind("\n", 0, said.start()) + 1 : text.find("\n", said.end())]
+        line = _naming_line(text, case.victim)
+        assert line, f"rank {rank} did not name rank {case.victim}:\n{out}"
         if case.fault == "stall":
             assert re.search(r"module '[\w.]+'", line), f"rank {rank}: no module in {line!r}"
         message = message or line.strip()
