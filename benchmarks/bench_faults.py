@@ -64,8 +64,10 @@ LABELS = {  # (fault, how the table names it) per row kind
 }
 SIGNALLED = ("kill", "sigstop")  # the victim cannot speak; ranks run under the shell launcher
 # A line that names the culprit: one of smp's errors (or, on the victim, the injected one).
-ERROR_LINE = re.compile(r"(PeerFailedError|ConfigError|SMPError|PipelineTimeoutError)\b")
-VICTIM_LINE = re.compile(r"(PeerFailedError|ConfigError|SMPError|PipelineTimeoutError|Injected)\b")
+ERROR_LINE = re.compile(r"(PeerFailedError|ConfigError|SMPError|StallError|PipelineTimeoutError)\b")
+VICTIM_LINE = re.compile(
+    r"(PeerFailedError|ConfigError|SMPError|StallError|PipelineTimeoutError|Injected)\b"
+)
 MODULE = re.compile(r"module '([^']*)'")
 CHAIN_END = "the chain of waits ends at"  # (a timeout's message: the module after it stalled)
 
