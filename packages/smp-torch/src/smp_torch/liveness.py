@@ -69,17 +69,20 @@ class Heartbeats:
         self._next_beat = now
         self._last_turn = now
         self._said_bye = False
+        self._next_left = False
         self._reported = False
 
     def beat_due(self, now: float) -> bool:
         """Whether a heartbeat should go to :attr:`send_to` now (then counts it as sent)."""
-        if not self.active or now < self._next_beat:
+        if not self.active or self._next_left or now < self._next_beat:
             return False
         self._next_beat = now + BEAT_PERIOD_S
         return True
 
     def heard(self, src: int, bye: bool, now: float) -> None:
         """A heartbeat (or, with ``bye``, a last one before an orderly exit) from ``src``."""
+        if bye and src == self.send_to:
+            self._next_left = True  # it exits: no more heartbeats to it
         if src != self.watched:
             return
         self._last_heard = now

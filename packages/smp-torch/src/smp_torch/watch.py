@@ -510,12 +510,14 @@ class FailureWatch:
         # (Bounded: a watcher turn holding the lock inside a broken MPI must not stop exit.)
         locked = self._lock.acquire(timeout=1.0)
         try:
-            if self._mpi_open and locked and self.beats.active and self.beats.send_to is not None:
-                # The next node stops expecting heartbeats: this exit is not a death.
-                try:
-                    self._sends.append(self.comm.isend("bye", dest=self.beats.send_to, tag=_BEAT_TAG))
-                except Exception:  # noqa: BLE001 - exiting anyway
-                    pass
+            if self._mpi_open and locked and self.beats.active:
+                # The next rank stops expecting heartbeats (this exit is not a death), and the
+                # previous one stops sending them (nothing here receives them any more).
+                for dest in {self.beats.send_to, self.beats.watched} - {None}:
+                    try:
+                        self._sends.append(self.comm.isend("bye", dest=dest, tag=_BEAT_TAG))
+                    except Exception:  # noqa: BLE001 - exiting anyway
+                        pass
             self._mpi_open = False
             self._exiting_at = time.monotonic()
         finally:

@@ -40,6 +40,13 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any], float, float]] = {
 }
 
 
+def _say(line: str) -> None:
+    # One write per line: print() writes the text and its newline apart, and the launcher
+    # can put the other rank's output in between (seen: "... OKRANK 0 CASE ok ...").
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def run(name: str, uncaught: bool) -> None:
     config0, config1, sleep0, sleep1 = CASES[name]
     # Start every case together (a timed-out case leaves the ranks apart), so that the sleeps
@@ -52,13 +59,12 @@ def run(name: str, uncaught: bool) -> None:
     except smp.SMPError as exc:
         took = time.monotonic() - start
         cause = type(exc.__cause__).__name__ if exc.__cause__ is not None else "-"
-        print(f"RANK {RANK} CASE {name} {took:.2f} {type(exc).__name__}: {exc} [cause {cause}]")
+        _say(f"RANK {RANK} CASE {name} {took:.2f} {type(exc).__name__}: {exc} [cause {cause}]")
         if uncaught:
             raise
     else:
         took = time.monotonic() - start
-        print(f"RANK {RANK} CASE {name} {took:.2f} OK", flush=True)
-    sys.stdout.flush()
+        _say(f"RANK {RANK} CASE {name} {took:.2f} OK")
 
 
 def main() -> None:
@@ -67,7 +73,7 @@ def main() -> None:
         return
     for name in CASES:
         run(name, uncaught=False)
-    print(f"RANK {RANK} DONE initialized={smp.is_initialized()}", flush=True)
+    _say(f"RANK {RANK} DONE initialized={smp.is_initialized()}")
 
 
 if __name__ == "__main__":
