@@ -3,7 +3,7 @@
 ``smp.init`` opens one private communicator for it (:class:`FailureWatch`) and starts one
 daemon thread per rank, the *watcher*, which every :data:`POLL_S` seconds takes arrived
 notices and checks that the peer processes live (:mod:`smp_torch.liveness`: ``/proc`` on
-this node, heartbeats between nodes). Nothing of it is on a step's path: no collective, no
+this node, a heartbeat ring over every rank). Nothing of it is on a step's path: no collective, no
 message while all goes well; a step reads one attribute to know that all is well.
 
 A rank *fails* when
@@ -17,7 +17,12 @@ A rank *fails* when
   otherwise a failed step is settled by the step's agreement
   (:meth:`smp_torch.context.SMPContext.agree`) or the pipeline's own ``Abort``;
 - its process ends without exiting (killed, crashed): the peers on its node see it in
-  ``/proc`` and tell the others; a whole node going silent is found by the heartbeat ring.
+  ``/proc`` and tell the others; a whole node going silent is found by the heartbeat ring;
+- its process is frozen (alive, but no thread runs: SIGSTOP, a hung driver): the rank that
+  watches it in the ring hears nothing for ``timeout_s``, ends it and tells the others;
+- it holds the job up: a wait of smp lasted ``timeout_s`` (:meth:`FailureWatch.bounded`) and
+  the stall query (:meth:`FailureWatch.stalled`) found it running user code or a module
+  that does not return, or not answering.
 
 A rank that learns of a failure raises :class:`~smp_torch.errors.PeerFailedError` where it
 waits inside smp — the step's agreement, the tensor-parallel step thread, the pipeline
