@@ -269,7 +269,7 @@ def _measure(case: Case) -> dict:
         pattern = VICTIM_LINE if rank == case.victim else ERROR_LINE
         said = [
             ln for ln in job.by_rank.get(rank, [])
-            if pattern.search(ln) and re.search(rf"rank {case.victim}\b", ln)
+            if pattern.search(ln) and re.search(rf"rank \[?{case.victim}\b", ln)
         ]  # fmt: skip
         if said:
             with_module = [ln for ln in said if MODULE.search(ln)]

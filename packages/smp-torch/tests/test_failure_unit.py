@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import signal
 import subprocess
 import time
 
@@ -48,6 +49,35 @@ def test_peer_processes_sees_a_killed_process_even_unreaped() -> None:
         child.kill()
         child.wait()
     assert peers.ended() == [1]
+
+
+def test_peer_processes_tells_a_stopped_process_and_its_cpu_time() -> None:
+    """What the frozen-rank check reads (issue 49): a stopped peer's state is ``T`` and it
+    uses no CPU time; a spinning one's CPU time grows; ``kill`` ends a checked peer."""
+    me = ProcessInfo.here()
+    spin = subprocess.Popen(["python3", "-c", "while True: pass"])
+    try:
+        info = ProcessInfo(me.host, spin.pid, _start_of(spin.pid))
+        peers = PeerProcesses(0, [me, info], [0, 1])
+        before = peers.cpu_ticks(1)
+        time.sleep(0.5)
+        after = peers.cpu_ticks(1)
+        assert before is not None and after is not None and after > before
+        assert peers.state(1) in ("R", "S")
+        spin.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while peers.state(1) != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert peers.state(1) == "T"
+        stopped = peers.cpu_ticks(1)
+        time.sleep(0.3)
+        assert peers.cpu_ticks(1) == stopped
+        assert peers.kill(1)
+        spin.wait(5)
+        assert peers.state(1) is None and peers.cpu_ticks(1) is None and not peers.kill(1)
+    finally:
+        spin.kill()
+        spin.wait()
 
 
 def _start_of(pid: int) -> int:

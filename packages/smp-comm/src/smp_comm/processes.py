@@ -126,6 +126,23 @@ class PeerProcesses:
             return None
         return stat[0]
 
+    def cpu_ticks(self, r: int) -> int | None:
+        """The CPU time peer ``r``'s process has used (user + system, clock ticks), None if it
+        cannot be seen. A process none of whose threads runs (stopped, stuck in the kernel)
+        uses none; one that runs, or busy-polls a network, does."""
+        if r not in self.checked:
+            return None
+        info = self.infos[r]
+        try:
+            with open(f"/proc/{info.pid}/stat", "rb") as f:
+                raw = f.read().decode(errors="replace")
+            fields = raw[raw.rfind(")") + 2 :].split()
+            if int(fields[19]) != info.start:
+                return None
+            return int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            return None
+
     def kill(self, r: int) -> bool:
         """SIGKILL peer ``r``'s process (a frozen one: it cannot end by itself, and a
         launcher that waits for every rank would wait for it). Only a checked peer whose pid

@@ -89,11 +89,10 @@ class Heartbeats:
         if bye:
             self._said_bye = True
 
-    def silent_for(self, now: float) -> float:
-        """Seconds since the watched rank was last heard (0 when nothing is watched)."""
-        if not self.active or self._said_bye:
-            return 0.0
-        return now - self._last_heard
+    def rearm(self, now: float) -> None:
+        """The watched rank's silence was not a death: watch it again from ``now``."""
+        self._reported = False
+        self._last_heard = now
 
     def silent(self, now: float) -> int | None:
         """The watched rank if it has been silent for longer than :attr:`limit`, else None."""

@@ -148,6 +148,9 @@ class FailureWatch:
         self.where: str | None = None
         self.where_since = time.monotonic()
         self._query = 0  # the stall query this rank asked last (see stalled)
+        # The watched peer's CPU time at its last heartbeat (same node: see _peer_silent).
+        self._watched_cpu: int | None = None
+        self._warned_silent = False
         self._patient = 0  # inside patient() blocks
         self._answers: dict[int, RankReport] = {}
         #: ``@smp.step`` calls so far.
@@ -352,7 +355,7 @@ class FailureWatch:
             self._judge_ended(now)
             silent = self.beats.silent(now)
             if silent is not None and self.beats.same_node:
-                self._peer_frozen(silent)
+                self._peer_silent(silent, now)
             elif silent is not None:
                 self._node_silent(silent)
         self._enforce(now)
@@ -375,6 +378,8 @@ class FailureWatch:
             msg = probed.recv()
             if tag == _BEAT_TAG:
                 self.beats.heard(src, msg == "bye", now)
+                if src == self.beats.watched and self.beats.same_node:
+                    self._watched_cpu = self.peers.cpu_ticks(src)
             elif tag == _NOTICE_TAG:
                 rank, error, where, dead, left = msg
                 notices.append((Failure(rank, error, where, dead), left))
@@ -411,16 +416,37 @@ class FailureWatch:
         if live and live[0] == self.rank:
             self._notify(Failure(r, text, "", dead=True), self._others(self.node_ranks))
 
-    def _peer_frozen(self, r: int) -> None:
-        """Peer ``r`` on this node sent no heartbeat for ``timeout_s`` yet its process lives:
-        it is frozen. It is ended (SIGKILL: a stopped process cannot end by itself, and the
-        launcher would wait for it) and the job told."""
+    def _peer_silent(self, r: int, now: float) -> None:
+        """Peer ``r`` on this node sent no heartbeat for ``timeout_s`` yet its process lives.
+        It is frozen if it is stopped, or used no CPU time since its last heartbeat: then it
+        is ended (SIGKILL: a stopped process cannot end by itself, and the launcher would wait
+        for it) and the job told. A process that runs (its watcher thread starved: the GIL
+        held, MPI's lock held by a long blocking call) is not frozen: the ring waits again."""
         state = self.peers.state(r)
+        if state is None:
+            return  # it ended: the /proc check reports that
+        ticks = self.peers.cpu_ticks(r)
+        if state not in ("T", "t") and ticks is not None:
+            if self._watched_cpu is None or ticks > self._watched_cpu:  # (None: never heard)
+                self.beats.rearm(now)
+                self._watched_cpu = ticks
+                if not self._warned_silent:
+                    self._warned_silent = True
+                    sys.stderr.write(
+                        f"smp rank {self.rank}: rank {r} sent no heartbeat for "
+                        f"{self.beats.limit:g} s but its process runs (its failure watcher "
+                        "cannot run): not taken for frozen\n"
+                    )
+                return
+        self._peer_frozen(r, state)
+
+    def _peer_frozen(self, r: int, state: str) -> None:
+        """Peer ``r`` on this node is frozen (:meth:`_peer_silent`): end it, tell the job."""
         how = {
             "T": "stopped (SIGSTOP)",
             "t": "stopped by a debugger",
             "D": "in uninterruptible sleep",
-        }.get(state or "", f"in state {state}" if state else "state unknown")
+        }.get(state, f"in state {state}, using no CPU time")
         killed = self.peers.kill(r)
         text = (
             f"FrozenRankError: its process is frozen: alive ({self.infos[r].describe()}, {how}) "

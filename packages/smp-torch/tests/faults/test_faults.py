@@ -43,7 +43,7 @@ from pathlib import Path
 
 import pytest
 from conftest import FAULT_TABLE
-from smp_comm.testing import mpiexec_path
+from smp_comm.testing import mpiexec_path, run_mpi
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "inject.py")
@@ -457,3 +457,15 @@ def _check_previous_checkpoint(case: Case, root: str) -> None:
     for rank in range(RANKS[case.config]):
         text = "\n".join(job.by_rank.get(rank, []))
         assert "RESUMED {'step': 1}" in text and "NO ERROR" in text, job.out
+
+
+def test_a_rank_whose_watcher_cannot_run_is_not_taken_for_frozen() -> None:
+    """``scripts/gil_hold.py``: rank 1 holds the GIL for ~7 s (``timeout_s`` = 3), so its
+    watcher sends no heartbeat while its process runs. Silence alone must not make rank 0
+    kill it (seen in the fault benchmark: a rank busy in the pipeline's first step, silent
+    for 10 s, was killed): a silent peer that used CPU time since its last heartbeat is not
+    frozen. Without that check the job fails (rank 1 killed with SIGKILL)."""
+    script = os.path.join(os.path.dirname(HERE), "scripts", "gil_hold.py")
+    out = run_mpi([script], 2, timeout=90, env={"OMP_NUM_THREADS": "1", "SMP_CONFIG": ""})
+    assert "RANK 0 DONE" in out and "RANK 1 DONE" in out, out
+    assert "rank 1 sent no heartbeat for 3 s but its process runs" in out, out
