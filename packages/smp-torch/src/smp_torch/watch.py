@@ -476,6 +476,10 @@ class FailureWatch:
         if exit_began is not None:
             if self.dead and self._exiting_at is not None:
                 self._leave(exit_status(), "its exit would wait for the dead rank")
+            if self.stalled_here() and now - exit_began > _CULPRIT_GRACE_S:
+                # Its stuck thread ends never, and the peers' blocked collectives wait for
+                # this process's end: the exit handlers (which join threads) are not waited for.
+                self._leave(exit_status() or 1, "it held the job up (a thread stuck)")
             grace = EXIT_GRACE_S + (_BACKSTOP_S if self._exiting_at is not None else 0.0)
             if now - max(exit_began, self.failed_at) > grace:
                 status = exit_status()  # 0 if the program caught the error and ended
@@ -575,9 +579,14 @@ class FailureWatch:
             )
 
     def stalled_here(self) -> bool:
-        """Whether the failure is a stall this rank was found to cause (:meth:`stalled`)."""
+        """Whether the failure is a stall this rank was found to cause: smp's verdict
+        (:meth:`stalled`) or the pipeline's (a timeout whose chain of waits ends here)."""
         f = self.failure
-        return f is not None and f.rank == self.rank and f.error.startswith("StallError")
+        return (
+            f is not None
+            and f.rank == self.rank
+            and f.error.startswith(("StallError", "PipelineTimeoutError"))
+        )
 
     def close(self) -> None:
         """Stop the watcher and free the communicator (``smp.init`` again; collective)."""
