@@ -38,8 +38,9 @@ class ProcessInfo:
         return f"pid {self.pid} on {self.host}"
 
 
-def _stat(pid: int) -> tuple[str, int] | None:
-    """``(state, start time)`` of process ``pid``, or None if there is no such process."""
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """``(state, start time, CPU time used)`` of process ``pid`` (times in clock ticks; the
+    CPU time is user + system), or None if there is no such process."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read().decode(errors="replace")
@@ -48,7 +49,7 @@ def _stat(pid: int) -> tuple[str, int] | None:
     # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
     fields = raw[raw.rfind(")") + 2 :].split()
     try:
-        return fields[0], int(fields[19])
+        return fields[0], int(fields[19]), int(fields[11]) + int(fields[12])
     except (IndexError, ValueError):
         return None
 
@@ -132,16 +133,8 @@ class PeerProcesses:
         uses none; one that runs, or busy-polls a network, does."""
         if r not in self.checked:
             return None
-        info = self.infos[r]
-        try:
-            with open(f"/proc/{info.pid}/stat", "rb") as f:
-                raw = f.read().decode(errors="replace")
-            fields = raw[raw.rfind(")") + 2 :].split()
-            if int(fields[19]) != info.start:
-                return None
-            return int(fields[11]) + int(fields[12])
-        except (OSError, IndexError, ValueError):
-            return None
+        stat = _stat(self.infos[r].pid)
+        return None if stat is None or stat[1] != self.infos[r].start else stat[2]
 
     def kill(self, r: int) -> bool:
         """SIGKILL peer ``r``'s process (a frozen one: it cannot end by itself, and a

@@ -224,20 +224,30 @@ def _serves(task: Task[Any]) -> Any:
     return None
 
 
-def _frame_text(frame: FrameType) -> str:
+def frame_text(frame: FrameType) -> str:
+    """``"function (file.py:line)"`` for a frame (stall reports; smp-torch's too)."""
     return f"{frame.f_code.co_name} ({os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno})"
 
 
-def _module(frame: FrameType | None, names: dict[int, str]) -> str:
-    """``", in module 'path'"`` for the innermost module call among ``frame`` and its callers
-    (named by ``names``, else by its class), or ""."""
+def innermost_module(frame: FrameType | None) -> torch.nn.Module | None:
+    """The module whose call is innermost among ``frame`` and its callers (a thread's stack,
+    read from another thread: stall reports; smp-torch's too), or None."""
     while frame is not None:
         if frame.f_code.co_name in ("_call_impl", "_wrapped_call_impl"):
             owner = frame.f_locals.get("self")
             if isinstance(owner, torch.nn.Module):
-                return f", in module '{names.get(id(owner), '<' + type(owner).__name__ + '>')}'"
+                return owner
         frame = frame.f_back
-    return ""
+    return None
+
+
+def _module(frame: FrameType | None, names: dict[int, str]) -> str:
+    """``", in module 'path'"`` for :func:`innermost_module` (named by ``names``, else by its
+    class), or ""."""
+    owner = innermost_module(frame)
+    if owner is None:
+        return ""
+    return f", in module '{names.get(id(owner), '<' + type(owner).__name__ + '>')}'"
 
 
 def _where(frame: FrameType | None, names: dict[int, str] | None = None) -> str:
@@ -251,7 +261,7 @@ def _where(frame: FrameType | None, names: dict[int, str] | None = None) -> str:
     while user is not None and user.f_code.co_filename.startswith(_LIBRARY_DIRS):
         user = user.f_back
     if user is None:
-        return f"{module}, at {_frame_text(frame)}"
+        return f"{module}, at {frame_text(frame)}"
     if user is frame:
-        return f"{module}, at {_frame_text(user)}"
-    return f"{module}, at {_frame_text(user)} (innermost: {_frame_text(frame)})"
+        return f"{module}, at {frame_text(user)}"
+    return f"{module}, at {frame_text(user)} (innermost: {frame_text(frame)})"

@@ -33,6 +33,7 @@ import mpi4py
 import smp_comm
 import smp_pipeline
 import torch
+from smp_pipeline.diagnosis import frame_text, innermost_module
 from torch import nn
 
 __all__ = ["RankReport", "Verdict", "describe", "judge", "register_model"]
@@ -51,7 +52,6 @@ _WAIT_FILES = frozenset(
     os.path.join(os.path.dirname(os.path.abspath(__file__)), f) for f in ("waits.py", "watch.py")
 )
 _WORKER_PREFIX = "smp-pipeline-worker"  # smp_pipeline.worker's thread names
-_CALL_FRAMES = frozenset({"_call_impl", "_wrapped_call_impl"})
 
 _MODELS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
@@ -97,10 +97,6 @@ class RankReport:
         return f"rank {self.rank} {doing}{module}{at}, {self.where} for {self.for_s:.1f} s"
 
 
-def _frame_text(frame: FrameType) -> str:
-    return f"{frame.f_code.co_name} ({os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno})"
-
-
 def _thread_state(frame: FrameType | None) -> tuple[bool, str, str]:
     """``(running, module path, innermost frame)`` of a thread whose innermost frame is
     ``frame``."""
@@ -110,19 +106,11 @@ def _thread_state(frame: FrameType | None) -> tuple[bool, str, str]:
     while inner is not None and inner.f_code.co_filename.startswith(_STDLIB):
         inner = inner.f_back
     if inner is None:
-        return False, "", _frame_text(frame)
+        return False, "", frame_text(frame)
     file = inner.f_code.co_filename
     waiting = file.startswith(_WAIT_DIRS) or file in _WAIT_FILES
-    module = ""
-    f: FrameType | None = inner
-    while f is not None:
-        if f.f_code.co_name in _CALL_FRAMES:
-            owner = f.f_locals.get("self")
-            if isinstance(owner, nn.Module):
-                module = _module_path(owner)
-                break
-        f = f.f_back
-    return not waiting, module, _frame_text(inner)
+    owner = innermost_module(inner)
+    return not waiting, "" if owner is None else _module_path(owner), frame_text(inner)
 
 
 def describe(rank: int, where: str, for_s: float, step_threads: Iterable[threading.Thread]) -> RankReport:
@@ -161,13 +149,11 @@ class Verdict:
         rank: the culprit.
         error: ``"<type>: <message>"`` for the failure channel.
         where: what the culprit does.
-        frozen: it did not answer: no orderly exit can wait for it.
     """
 
     rank: int
     error: str
     where: str
-    frozen: bool
 
 
 def judge(
@@ -191,7 +177,7 @@ def judge(
             f"StallError: rank {r} is frozen: it did not answer a stall query within "
             f"{query_s:g} s (its process is stopped, or none of its threads can run); {head}"
         )
-        return Verdict(r, f"{text}; {others}" if others else text, "", True)
+        return Verdict(r, f"{text}; {others}" if others else text, "")
     running = [rep for rep in reports.values() if rep is not None and rep.running]
     if running:
         rep = max(running, key=lambda x: (x.for_s, -x.rank))
@@ -201,6 +187,6 @@ def judge(
             f"(at {rep.at or 'an unknown place'}: blocked in user code, or a module that does "
             f"not return); {head}; {others}"
         )
-        return Verdict(rep.rank, text, rep.where, False)
+        return Verdict(rep.rank, text, rep.where)
     text = f"StallError: every rank waits inside smp, for different things (a deadlock): {others}"
-    return Verdict(asker, f"{text}; {head}", waited, False)
+    return Verdict(asker, f"{text}; {head}", waited)

@@ -620,8 +620,7 @@ class FailureWatch:
         deadline = time.monotonic() + self.timeout_s
 
         def check() -> None:
-            if self.failure is not None:
-                raise self.error()
+            self.check()
             if time.monotonic() > deadline:
                 self.stalled(self.where_now())
 
@@ -692,16 +691,11 @@ class FailureWatch:
         verdict = judge(self.rank, waited, self.timeout_s, reports, QUERY_WAIT_S)
         failure = Failure(verdict.rank, verdict.error, verdict.where)
         self._learn(failure)
-        self.check_known(failure)
+        if self.failure != failure:  # another rank's verdict, or another failure, came first
+            raise self.error()
         self._notify(failure, self._others())
         self._settle_sends(0.5)
         if verdict.rank == self.rank:
             self.delivered = True
             raise StallError(verdict.error.removeprefix("StallError: "))
         raise self.error(failure)
-
-    def check_known(self, failure: Failure) -> None:
-        """Raise the failure learnt first if it is not ``failure`` (another rank's verdict,
-        or another failure, came first)."""
-        if self.failure is not None and self.failure != failure:
-            raise self.error()
