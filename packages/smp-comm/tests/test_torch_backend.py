@@ -40,7 +40,11 @@ def test_registers_without_process_group() -> None:
     assert tb.BACKEND_NAME == "smp"
 
 
-@pytest.mark.parametrize("case", ["fsdp2", "ddp"])
-def test_fsdp2_and_ddp_match_gloo(mpi_job, assert_case, case: str) -> None:
-    job = mpi_job("fsdp_ddp.py", n=2, timeout=300)
-    assert_case(job, case, range(2))
+@pytest.mark.parametrize(
+    "case", ["functional", "compiled", "dtensor", "fsdp2", "ddp", "subgroup-functional"]
+)
+def test_torch_apis_match_gloo(mpi_job, assert_case, case: str) -> None:
+    # Functional collectives (eager and compiled), DTensor, FSDP2 with its full state dict,
+    # DDP: each on an smp group equal to the same call on gloo, 4 ranks.
+    job = mpi_job("torch_apis.py", n=4, timeout=300)
+    assert_case(job, case, range(4))

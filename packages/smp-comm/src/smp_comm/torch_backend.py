@@ -11,6 +11,12 @@ through a shared-memory segment per group and host (:mod:`smp_comm.collectives.l
 hierarchically when the group spans hosts (:mod:`smp_comm.collectives.hierarchy`). Every
 other collective goes to a gloo group made alongside; CUDA tensors go to NCCL.
 
+torch's functional collectives (hence DTensor, DeviceMesh, FSDP2's state dicts and what
+``torch.compile`` lowers to) reach this group through the coalesced methods torch forwards
+to a Python group (``all_gather_single_coalesced``, ``reduce_scatter_single_coalesced``).
+C++ callers that ask for the group's per-device backend instead get the gloo group, which
+is registered as its CPU backend: slower, never missing.
+
 Each group runs its collectives in call order on a thread of its own, so ``async_op=True``
 returns at once and the caller computes meanwhile; ``Work.wait()`` raises what the collective
 raised. Ranks on one host are grouped by hostname, or by ``SMP_COMM_NODE_ID`` when set
@@ -145,6 +151,10 @@ class SmpProcessGroup(ProcessGroup):
         # Made now, by every rank together: a fallback made on first use could deadlock in a
         # send/recv that only two ranks enter.
         self._gloo = ProcessGroupGloo(dist.PrefixStore("smp-gloo/", store), rank, size, timeout)
+        # C++ callers that ask the group for its per-device backend (rather than calling the
+        # methods below, which torch forwards to Python) find gloo for CPU tensors: slower,
+        # never "No backend type associated with device type cpu".
+        self._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, self._gloo)
         self._nccl: Any = None
         self._coll = build_collectives(
             store, rank, size, _node_id(rank), _slot_bytes(), timeout.total_seconds(),
@@ -311,6 +321,15 @@ class SmpProcessGroup(ProcessGroup):
 
     _allgather_base = all_gather_single  # the name torch used before 2.13
 
+    def all_gather_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Work:
+        """Several ``all_gather_into_tensor`` in one call (what functional collectives,
+        hence DTensor and FSDP2, call for ``all_gather_tensor``)."""
+        return self._coalesced(outputs, inputs, self.all_gather_single, opts)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # the older name
+
     def allgather(  # type: ignore[override]
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
         opts: Any = None,
@@ -355,6 +374,15 @@ class SmpProcessGroup(ProcessGroup):
         return self._submit(run, [output])
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]  # pre-2.13 name
+
+    def reduce_scatter_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Work:
+        """Several ``reduce_scatter_tensor`` in one call (functional collectives'
+        ``reduce_scatter_tensor``)."""
+        return self._coalesced(outputs, inputs, self.reduce_scatter_single, opts)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # the older name
 
     def reduce_scatter(  # type: ignore[override]
         self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
@@ -424,6 +452,25 @@ class SmpProcessGroup(ProcessGroup):
         return self._gloo.recv_anysource(tensors, tag)  # type: ignore[attr-defined]
 
     # -- helpers -------------------------------------------------------------------------
+    def _coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+        one: Callable[[torch.Tensor, torch.Tensor, Any], Work], opts: Any,
+    ) -> Work:
+        if len(outputs) != len(inputs):
+            raise ValueError(
+                f"smp backend: {len(outputs)} outputs for {len(inputs)} inputs in a coalesced call"
+            )
+        works = [one(o, i, opts) for o, i in zip(outputs, inputs)]
+        if len(works) == 1:
+            return works[0]
+        # One handle for all: the collective thread runs them in order, so the last one done
+        # means every one is; an error of any is raised by the waiter.
+        def run() -> None:
+            for w in works:
+                w.wait()
+
+        return self._submit(run, outputs)
+
     @staticmethod
     def _reduce_op(op: Any) -> str:
         name = _RED_OPS.get(getattr(op, "op", op))
