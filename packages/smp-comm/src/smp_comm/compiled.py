@@ -19,6 +19,7 @@ the cache (default ``$XDG_CACHE_HOME/smp-comm``, else ``~/.cache/smp-comm``).
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -35,7 +36,7 @@ from types import ModuleType
 
 from smp_comm import fastpath
 
-__all__ = ["load", "why_not"]
+__all__ = ["load", "load_library", "why_not"]
 
 _SOURCE = Path(__file__).with_name("_fastlane.c")
 _lock = threading.Lock()
@@ -110,6 +111,66 @@ def _cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "smp-comm"
 
 
+def _compiler() -> list[str]:
+    cc = shlex.split(sysconfig.get_config_var("CC") or "cc")
+    if not shutil.which(cc[0]):
+        cc = ["cc"]
+        if not shutil.which("cc"):
+            raise _Unavailable("no C compiler (cc) on PATH")
+    return cc
+
+
+def _compile(source: Path, target: Path, cmd: list[str]) -> None:
+    """Run ``cmd`` (which writes ``{out}``) into a temporary file, then rename it to
+    ``target``: a rank racing us loads a whole file either way."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=target.suffix, dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [part.replace("{out}", tmp) for part in cmd], capture_output=True, text=True,
+            timeout=120,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        os.unlink(tmp)
+        raise _Unavailable(f"compiler failed to run: {exc}") from exc
+    if done.returncode != 0:
+        os.unlink(tmp)
+        raise _Unavailable(f"compiling {source.name} failed: {done.stderr.strip()[-2000:]}")
+    os.replace(tmp, target)
+
+
+def _cached(source: Path, name: str, *inputs: bytes | str) -> Path:
+    key = hashlib.sha256(source.read_bytes())
+    for part in inputs:
+        key.update(part if isinstance(part, bytes) else part.encode())
+    return _cache_dir() / key.hexdigest()[:20] / name
+
+
+_libraries: dict[Path, ctypes.CDLL | None] = {}
+
+
+def load_library(source: Path) -> ctypes.CDLL | None:
+    """A plain C file (no Python or MPI headers) built into a shared library on first use,
+    cached like the fast path, and loaded with ctypes; ``None`` if it cannot be built
+    (no compiler, not Linux, ``SMP_COMM_COMPILED=0``)."""
+    with _lock:
+        if source not in _libraries:
+            _libraries[source] = None
+            if os.environ.get("SMP_COMM_COMPILED", "1") != "0" and sys.platform.startswith("linux"):
+                try:
+                    cc = _compiler()
+                    target = _cached(source, source.stem + ".so", " ".join(cc))
+                    if not target.is_file():
+                        _compile(source, target, [
+                            *cc, "-O2", "-fwrapv", "-shared", "-fPIC", "-o", "{out}", str(source),
+                        ])
+                    _libraries[source] = ctypes.CDLL(str(target))
+                except (_Unavailable, OSError):
+                    pass
+        return _libraries[source]
+
+
 def _build() -> ModuleType:
     if sys.byteorder != "little":
         raise _Unavailable("frames are written little-endian; this host is big-endian")
@@ -118,36 +179,19 @@ def _build() -> ModuleType:
     py_include = sysconfig.get_paths()["include"]
     if not Path(py_include, "Python.h").is_file():
         raise _Unavailable(f"no Python.h in {py_include} (install the Python headers)")
-    cc = shlex.split(sysconfig.get_config_var("CC") or "cc")
-    if not shutil.which(cc[0]):
-        cc = ["cc"]
-        if not shutil.which("cc"):
-            raise _Unavailable("no C compiler (cc) on PATH")
+    cc = _compiler()
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256()
-    for part in (source, (include / header).read_bytes(), str(lib.resolve()), suffix, " ".join(cc)):
-        key.update(part if isinstance(part, bytes) else part.encode())
-    target = _cache_dir() / key.hexdigest()[:20] / f"_fastlane{suffix}"
+    target = _cached(
+        _SOURCE, f"_fastlane{suffix}", (include / header).read_bytes(), str(lib.resolve()),
+        suffix, " ".join(cc),
+    )
     if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=suffix, dir=target.parent)
-        os.close(fd)
-        cmd = [
-            *cc, "-O2", "-shared", "-fPIC", "-o", tmp, str(_SOURCE),
+        _compile(_SOURCE, target, [
+            *cc, "-O2", "-shared", "-fPIC", "-o", "{out}", str(_SOURCE),
             f"-DSMP_MPI_HEADER=<{header}>", f"-I{py_include}", f"-I{include}",
             # Linked by file name: the loader then reuses the copy mpi4py has loaded.
             f"-L{lib.parent}", f"-l:{lib.name}", f"-Wl,-rpath,{lib.parent}",
-        ]  # fmt: skip
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        except (OSError, subprocess.SubprocessError) as exc:
-            os.unlink(tmp)
-            raise _Unavailable(f"compiler failed to run: {exc}") from exc
-        if done.returncode != 0:
-            os.unlink(tmp)
-            raise _Unavailable(f"compiling {_SOURCE.name} failed: {done.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)  # atomic: a rank racing us loads a whole file either way
+        ])  # fmt: skip
     spec = importlib.util.spec_from_file_location(
         "smp_comm._fastlane", target, loader=importlib.machinery.ExtensionFileLoader(
             "smp_comm._fastlane", str(target)

@@ -29,12 +29,12 @@ overlap.
 
 from __future__ import annotations
 
+import collections
 import os
-import queue
 import socket
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -46,13 +46,19 @@ from torch.futures import Future
 
 from smp_comm import shutdown
 from smp_comm.collectives.hierarchy import DEFAULT_HOST_CHUNK_BYTES, build_collectives
-from smp_comm.collectives.local import REDUCE_OPS, CollectiveMismatchError, check_reduce
+from smp_comm.collectives.local import (
+    REDUCE_OPS,
+    CollectiveMismatchError,
+    LocalCollectives,
+    check_reduce,
+)
 from smp_comm.collectives.shm import PeerFailedError
 
 __all__ = ["BACKEND_NAME", "SmpProcessGroup", "SmpWork", "create_backend"]
 
 BACKEND_NAME = "smp"
 _DEFAULT_SLOT_BYTES = 8 << 20
+_DEFAULT_INLINE_BYTES = 64 << 10
 
 _RED_OPS = {
     ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.PRODUCT: "product",
@@ -60,31 +66,68 @@ _RED_OPS = {
     ReduceOp.BOR: "bor", ReduceOp.BXOR: "bxor",
 }
 assert set(_RED_OPS.values()) == set(REDUCE_OPS)
+# Keyed by the enum's integer: hashing the enum itself costs microseconds per collective.
+_RED_OP_VALUES = {int(k): v for k, v in _RED_OPS.items()}
+
+
+# A collective: runs to its end, or returns the rest of itself as a generator (see
+# LocalCollectives._quick) that yields while it waits for peers.
+_Run = Callable[[], "Iterator[None] | None"]
+_DONE = object()
+
+
+def _exhaust(steps: Iterator[None] | None) -> None:
+    if steps is not None:
+        for _ in steps:
+            pass
+
+
+_ALREADY_DONE = threading.Event()  # shared by every handle made complete
+_ALREADY_DONE.set()
+_DONE_FUTURE_LOCK = threading.Lock()  # for finished handles' futures, made rarely
 
 
 class SmpWork(Work):
-    """The handle of one collective of an :class:`SmpProcessGroup` (completed by its thread)."""
+    """The handle of one collective of an :class:`SmpProcessGroup` (completed by its thread,
+    or already complete when the collective ran on the caller's thread)."""
 
     def __init__(self, result: list[torch.Tensor]) -> None:
         super().__init__()
         self._result = result
         self._done = threading.Event()
         self._error: BaseException | None = None
-        self._future: Future[list[torch.Tensor]] = Future()
+        # Made on first use: most handles are only waited on, and a Future costs microseconds.
+        self._future: Future[list[torch.Tensor]] | None = None
+        self._future_lock = threading.Lock()
+
+    @classmethod
+    def finished(cls, result: list[torch.Tensor], error: BaseException | None) -> SmpWork:
+        """A handle of a collective that already ran (on the caller's thread)."""
+        work = cls.__new__(cls)
+        Work.__init__(work)
+        work._result, work._error, work._done = result, error, _ALREADY_DONE
+        work._future, work._future_lock = None, _DONE_FUTURE_LOCK
+        return work
 
     def _finish(self, error: BaseException | None) -> None:
-        self._error = error
-        self._done.set()
-        if error is None:
-            self._future.set_result(self._result)
+        with self._future_lock:
+            self._error = error
+            self._done.set()
+            if self._future is not None:
+                self._complete(self._future)
+
+    def _complete(self, future: Future[list[torch.Tensor]]) -> None:
+        if self._error is None:
+            future.set_result(self._result)
         else:
-            self._future.set_exception(error)  # type: ignore[arg-type]
+            future.set_exception(self._error)  # type: ignore[arg-type]
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Block until the collective finished; raise its error if it failed."""
-        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-        if not self._done.wait(seconds if seconds else None):
-            raise TimeoutError(f"smp backend: collective not done after {seconds} s")
+        if not self._done.is_set():
+            seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+            if not self._done.wait(seconds if seconds else None):
+                raise TimeoutError(f"smp backend: collective not done after {seconds} s")
         if self._error is not None:
             raise self._error
         return True
@@ -103,7 +146,12 @@ class SmpWork(Work):
 
     def get_future(self) -> Future[list[torch.Tensor]]:
         """A future completed with the output tensors (DDP's communication hooks use it)."""
-        return self._future
+        with self._future_lock:
+            if self._future is None:
+                self._future = Future()
+                if self._done.is_set():
+                    self._complete(self._future)
+            return self._future
 
     def result(self) -> list[torch.Tensor]:
         """The output tensors."""
@@ -122,11 +170,22 @@ def _slot_bytes() -> int:
     return value
 
 
+def _inline_bytes() -> int:
+    value = int(os.environ.get("SMP_COMM_COLL_INLINE_BYTES", _DEFAULT_INLINE_BYTES))
+    if value < 0:
+        raise ValueError(f"SMP_COMM_COLL_INLINE_BYTES must be >= 0: {value}")
+    return value
+
+
 def _host_chunk_bytes() -> int:
     value = int(os.environ.get("SMP_COMM_COLL_HOST_CHUNK_BYTES", DEFAULT_HOST_CHUNK_BYTES))
     if value <= 0:
         raise ValueError(f"SMP_COMM_COLL_HOST_CHUNK_BYTES must be positive: {value}")
     return value
+
+
+def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -161,9 +220,15 @@ class SmpProcessGroup(ProcessGroup):
             _host_chunk_bytes(),
         )
         self._broken: BaseException | None = None
-        self._queue: queue.SimpleQueue[tuple[Callable[[], None], SmpWork] | None] = (
-            queue.SimpleQueue()
-        )
+        # Collectives run one at a time in call order: on the thread while any is queued,
+        # else a small one starts on the caller's thread (no hand-off: its latency is the
+        # segment's) and, if the peers are not all there yet, the thread finishes it.
+        self._items: collections.deque[tuple[_Run, SmpWork] | None] = collections.deque()
+        self._arrived = threading.Condition()  # guards _items and _queued
+        self._queued = 0  # items queued or running on the thread
+        self._running = threading.Lock()  # held while a collective runs; taken before a pop
+        self._quick = self._coll if isinstance(self._coll, LocalCollectives) else None
+        self.inline_bytes = _inline_bytes()
         self._thread = threading.Thread(target=self._serve, name="smp-collectives", daemon=True)
         self._thread.start()
         # A failed step here must not leave peers waiting in this group's collectives (a
@@ -202,32 +267,89 @@ class SmpProcessGroup(ProcessGroup):
     # -- the collective thread -----------------------------------------------------------
     def _serve(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            run, work = item
-            if self._broken is not None:
-                work._finish(PeerFailedError(f"smp backend: group unusable: {self._broken}"))
-                continue
-            try:
-                run()
-            except BaseException as exc:  # handed to the waiter, never lost
-                if not isinstance(exc, CollectiveMismatchError):
-                    # The ranks are out of step now: tell them, and refuse later calls.
-                    self._broken = exc
-                    self._coll.fail()
-                work._finish(exc)
-            else:
-                work._finish(None)
+            with self._arrived:
+                while not self._items:
+                    self._arrived.wait()
+            # Popped only with _running held: a collective the caller started (holding it)
+            # and left for this thread to finish goes to the front first.
+            with self._running:
+                with self._arrived:
+                    item = self._items.popleft()
+                if item is None:
+                    return
+                run, work = item
+                work._finish(self._execute(run))
+            with self._arrived:
+                self._queued -= 1
 
-    def _submit(self, run: Callable[[], None], result: list[torch.Tensor]) -> SmpWork:
+    def _execute(self, run: _Run) -> BaseException | None:
+        """Run one collective to its end; its error (for the waiter), or None."""
+        if self._broken is not None:
+            return PeerFailedError(f"smp backend: group unusable: {self._broken}")
+        try:
+            _exhaust(run())
+        except BaseException as exc:  # handed to the waiter, never lost
+            return self._failed(exc)
+        return None
+
+    def _failed(self, exc: BaseException) -> BaseException:
+        if not isinstance(exc, CollectiveMismatchError):
+            # The ranks are out of step now: tell them, and refuse later calls.
+            self._broken = exc
+            self._coll.fail()
+        return exc
+
+    def _enqueue(self, item: tuple[_Run, SmpWork] | None, first: bool = False) -> None:
+        with self._arrived:
+            if first:
+                self._items.appendleft(item)
+            else:
+                self._items.append(item)
+            self._queued += 1
+            self._arrived.notify()
+
+    def _submit(
+        self, run: _Run, result: list[torch.Tensor], nbytes: int = -1,
+        quick: Callable[[], Iterator[None] | None] | None = None,
+    ) -> SmpWork:
+        """Run ``run`` in call order on the group's thread; or, when ``quick`` is given, the
+        collective moves at most ``inline_bytes`` and nothing is queued, start ``quick()``'s
+        one-step version here and now. If its peers have not all arrived after a short
+        spin, the thread finishes it, first in line, and the caller gets a pending handle at
+        once, as ``async_op=True`` promises (never a wait here on a peer)."""
+        # No lock around the test: a collective queued by another thread after _queued was
+        # read here comes after this one in call order, and cannot start before we release.
+        if quick is not None and 0 <= nbytes <= self.inline_bytes and not self._queued and (
+            self._running.acquire(blocking=False)
+        ):
+            try:
+                if self._broken is not None:
+                    error: BaseException | None = PeerFailedError(
+                        f"smp backend: group unusable: {self._broken}"
+                    )
+                else:
+                    steps = quick()
+                    if steps is None:  # no one-step version of this call: the thread runs it
+                        work = SmpWork(result)
+                        self._enqueue((run, work), first=True)
+                        return work
+                    if next(steps, _DONE) is not _DONE:
+                        work = SmpWork(result)
+                        self._enqueue((lambda: steps, work), first=True)
+                        return work
+                    error = None
+            except BaseException as exc:
+                error = self._failed(exc)
+            finally:
+                self._running.release()
+            return SmpWork.finished(result, error)
         work = SmpWork(result)
-        self._queue.put((run, work))
+        self._enqueue((run, work))
         return work
 
     def shutdown(self) -> None:
         """Stop the collective thread once queued collectives are done."""
-        self._queue.put(None)
+        self._enqueue(None)
         self._thread.join()
 
     def _nccl_group(self) -> Any:
@@ -249,20 +371,30 @@ class SmpProcessGroup(ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:  # type: ignore[override]
         """In-place all-reduce of each tensor (one per device; here one CPU tensor)."""
         opts = opts if opts is not None else c10d.AllreduceOptions()
-        if (other := self._fallback(tensors)) is not None:
+        if not all(t.is_cpu for t in tensors) and (other := self._fallback(tensors)) is not None:
             return other.allreduce(tensors, opts)
         op = self._reduce_op(opts.reduceOp)
         for t in tensors:
             check_reduce(t.dtype, op)
 
+        if self._quick is not None and len(tensors) == 1 and tensors[0].is_contiguous():
+            t = tensors[0]
+            quick = self._quick
+            return self._submit(
+                lambda: quick.all_reduce(t, op), tensors, _nbytes(tensors),
+                lambda: quick.quick_all_reduce(t, op),
+            )
+
         def run() -> None:
             for t in tensors:
-                flat = _flat(t)
-                self._coll.all_reduce(flat, op)
-                if flat.data_ptr() != t.data_ptr() or not t.is_contiguous():
+                if t.is_contiguous():
+                    self._coll.all_reduce(_flat(t), op)
+                else:
+                    flat = _flat(t)
+                    self._coll.all_reduce(flat, op)
                     t.copy_(flat.view(t.shape))
 
-        return self._submit(run, tensors)
+        return self._submit(run, tensors, _nbytes(tensors))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         """All-reduce of several tensors of one dtype as one flat buffer."""
@@ -291,6 +423,12 @@ class SmpProcessGroup(ProcessGroup):
         if (other := self._fallback(tensors)) is not None:
             return other.broadcast(tensors, opts)
         root = opts.rootRank
+        if self._quick is not None and len(tensors) == 1 and tensors[0].is_contiguous():
+            t, quick = tensors[0], self._quick
+            return self._submit(
+                lambda: quick.broadcast(_flat(t), root), tensors, _nbytes(tensors),
+                lambda: quick.quick_broadcast(t, root),
+            )
 
         def run() -> None:
             for t in tensors:
@@ -299,17 +437,24 @@ class SmpProcessGroup(ProcessGroup):
                 if not t.is_contiguous():
                     t.copy_(flat.view(t.shape))
 
-        return self._submit(run, tensors)
+        return self._submit(run, tensors, _nbytes(tensors))
 
     def barrier(self, opts: Any = None) -> Work:
         """Completes once every rank of the group has called it."""
-        return self._submit(self._coll.barrier, [])
+        quick = self._quick
+        return self._submit(self._coll.barrier, [], 0, quick.quick_barrier if quick else None)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:  # noqa: A002
         """``all_gather_into_tensor``: ``output`` = every rank's ``input``, in rank order."""
         if (other := self._fallback([output, input])) is not None:
             return other._allgather_base(output, input, opts or c10d.AllgatherOptions())
         self._check_sizes(output, input, self.size(), "all_gather_into_tensor")
+        if self._quick is not None and output.is_contiguous() and input.is_contiguous():
+            quick = self._quick
+            return self._submit(
+                lambda: quick.all_gather(_flat(output), _flat(input)), [output],
+                _nbytes([output]), lambda: quick.quick_all_gather(output, input),
+            )
 
         def run() -> None:
             out = _flat(output) if output.is_contiguous() else torch.empty(output.numel(), dtype=output.dtype)
@@ -317,7 +462,7 @@ class SmpProcessGroup(ProcessGroup):
             if not output.is_contiguous():
                 output.copy_(out.view(output.shape))
 
-        return self._submit(run, [output])
+        return self._submit(run, [output], _nbytes([output]))
 
     _allgather_base = all_gather_single  # the name torch used before 2.13
 
@@ -371,7 +516,7 @@ class SmpProcessGroup(ProcessGroup):
             if not output.is_contiguous():
                 output.copy_(out.view(output.shape))
 
-        return self._submit(run, [output])
+        return self._submit(run, [output], _nbytes([input]))
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]  # pre-2.13 name
 
@@ -473,7 +618,8 @@ class SmpProcessGroup(ProcessGroup):
 
     @staticmethod
     def _reduce_op(op: Any) -> str:
-        name = _RED_OPS.get(getattr(op, "op", op))
+        kind = op.op if isinstance(op, ReduceOp) else op
+        name = _RED_OP_VALUES.get(kind.value)
         if name is None:
             raise ValueError(f"smp backend: unsupported reduction {op} on CPU")
         return name

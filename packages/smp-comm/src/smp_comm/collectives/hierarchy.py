@@ -137,6 +137,7 @@ class HierarchicalCollectives:
     def all_reduce(self, t: torch.Tensor, op: str) -> None:
         """``t`` = the reduction of every rank's ``t``: hosts in order, ranks in order."""
         inner = "sum" if op == "avg" else op
+        t = t.as_strided((t.numel(),), (1,), t.storage_offset())  # flat (any 1-element stride)
         pieces = [t[lo:hi] for lo, hi in self._ranges(t.numel(), t.element_size())]
         started = []
         for piece in pieces:

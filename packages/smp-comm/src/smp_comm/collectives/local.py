@@ -15,7 +15,8 @@ parts out); small ones are one step (every rank reduces the whole, in the same o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import ctypes
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -48,6 +49,13 @@ REDUCE_OPS = tuple(_KERNELS)
 _OP_CODE = {name: i for i, name in enumerate(REDUCE_OPS)}
 _ALL_GATHER, _REDUCE_SCATTER, _ALL_REDUCE, _BROADCAST, _BARRIER = range(1, 6)
 _ONE_SHOT_BYTES = 256 * 1024  # all-reduces up to this take one step (every rank reduces all)
+# What _shmstep.c's reduction handles: its dtype codes, and the reductions per kind. Float
+# min/max stay in torch (NaN propagation); integer avg is refused by check_reduce.
+_C_DTYPE = {torch.float32: 0, torch.float64: 1, torch.int32: 2, torch.int64: 3}
+_C_OPS = {
+    True: {"sum": 0, "avg": 1, "product": 2},
+    False: {"sum": 0, "product": 2, "min": 3, "max": 4},
+}
 
 
 class CollectiveMismatchError(ValueError):
@@ -65,6 +73,15 @@ def check_reduce(dtype: torch.dtype, op: str) -> None:
         raise TypeError(f"smp backend: avg needs a floating-point tensor, not {dtype}")
     if op in ("min", "max") and dtype.is_complex:
         raise TypeError(f"smp backend: {op} is undefined for {dtype}")
+
+
+def _exhaust(steps: Iterator[None] | None) -> bool:
+    """Run a quick collective to its end; False if there was none (``steps`` is None)."""
+    if steps is None:
+        return False
+    for _ in steps:
+        pass
+    return True
 
 
 def reduce_into(out: torch.Tensor, srcs: Sequence[torch.Tensor], op: str, n: int) -> None:
@@ -108,30 +125,75 @@ class LocalCollectives:
             self.seg.set_descriptor(s, desc)
         self.seg.advance()
         if desc is not None:
-            seen = self.seg.descriptors(s)
-            mine = seen[self.rank]
-            if not (seen == mine).all():
-                raise CollectiveMismatchError(
-                    "smp backend: ranks disagree on the collective (op, dtype code, elements, "
-                    f"root, reduction): {[tuple(int(x) for x in row[:5]) for row in seen]}"
-                )
+            self._check_desc(s)
         return s
+
+    def _quick(
+        self, desc: Sequence[int], src: int, nbytes: int, dst: int,
+        then: Callable[[int], None] | None = None,
+    ) -> Iterator[None]:
+        """A one-step collective in C: ``nbytes`` from ``src`` to ``dst``, then ``then(step)``.
+        A generator: it yields once if the peers had not all arrived after a short spin (its
+        caller may hand the rest to another thread), and ends when the collective is done."""
+        s, done = self.seg.fast_begin(desc, src, nbytes, dst)
+        if not done:
+            yield
+            self.seg.fast_finish(s)
+        if self.seg.mismatch(s):
+            self._check_desc(s)
+        if then is not None:
+            then(s)
+
+    def _check_desc(self, s: int) -> None:
+        if self.seg.mismatch(s):
+            seen = self.seg.descriptors(s)
+            raise CollectiveMismatchError(
+                "smp backend: ranks disagree on the collective (op, dtype code, elements, "
+                f"root, reduction): {[tuple(int(x) for x in row[:5]) for row in seen]}"
+            )
+
+    def _addr(self, offset: int) -> int:
+        return self.seg.base + offset
 
     @staticmethod
     def _desc(kind: int, t: torch.Tensor, root: int = 0, op: str = "sum") -> list[int]:
         return [kind, _CODE.get(t.dtype, 99), t.numel(), root, _OP_CODE[op], 0]
 
     # -- collectives ---------------------------------------------------------------------
+    def quick_barrier(self) -> Iterator[None] | None:
+        """:meth:`barrier` as a :meth:`_quick` generator, or None where C is not built."""
+        if self.seg.lib is None:
+            return None
+        return self._quick([_BARRIER, 0, 0, 0, 0, 0], 0, 0, 0)
+
     def barrier(self) -> None:
         """Return once every rank has called it."""
-        self._step([_BARRIER, 0, 0, 0, 0, 0])
+        if not _exhaust(self.quick_barrier()):
+            self._step([_BARRIER, 0, 0, 0, 0, 0])
+
+    def quick_all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Iterator[None] | None:
+        """:meth:`all_gather` (contiguous tensors) as a :meth:`_quick` generator, or None
+        unless ``inp`` fits a slot and C is built."""
+        total = inp.numel() * inp.element_size()
+        if self.seg.lib is None or total > self.seg.slot_bytes:
+            return None
+        at = out.data_ptr()
+
+        def copy_out(s: int) -> None:
+            for r in range(self.size):  # rank r's bytes from its slot (ours too: one code path)
+                ctypes.memmove(at + r * total, self._addr(self.seg.slot_offset(s, r)), total)
+
+        dst = self._addr(self.seg.slot_offset(self.seg.next_step(), self.rank))
+        return self._quick(self._desc(_ALL_GATHER, inp), inp.data_ptr(), total, dst, copy_out)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """``out`` (``size * inp.numel()`` elements) = every rank's ``inp``, in rank order."""
+        if _exhaust(self.quick_all_gather(out, inp)):
+            return
         desc = self._desc(_ALL_GATHER, inp)
+        total, cap = inp.numel() * inp.element_size(), self.seg.slot_bytes
         src = inp.view(-1).view(torch.uint8)
         dst = out.view(-1).view(torch.uint8).view(self.size, -1)
-        total, cap = src.numel(), self.seg.slot_bytes
         lo = 0
         while True:
             c = min(cap, total - lo)
@@ -146,11 +208,29 @@ class LocalCollectives:
             if lo >= total:
                 return
 
+    def quick_broadcast(self, t: torch.Tensor, root: int) -> Iterator[None] | None:
+        """:meth:`broadcast` (contiguous ``t``) as a :meth:`_quick` generator, or None unless
+        ``t`` fits a phase and C is built."""
+        total = t.numel() * t.element_size()
+        if self.seg.lib is None or total > self.size * self.seg.slot_bytes:
+            return None
+        mine, at = self.rank == root, t.data_ptr()
+
+        def copy_out(s: int) -> None:
+            if not mine:
+                ctypes.memmove(at, self._addr(self.seg.phase_offset(s)), total)
+
+        phase = self._addr(self.seg.phase_offset(self.seg.next_step()))
+        desc = self._desc(_BROADCAST, t, root=root)
+        return self._quick(desc, at, total if mine else 0, phase, copy_out)
+
     def broadcast(self, t: torch.Tensor, root: int) -> None:
         """Every rank's ``t`` = ``root``'s (the root uses a whole phase per step)."""
+        if _exhaust(self.quick_broadcast(t, root)):
+            return
         desc = self._desc(_BROADCAST, t, root=root)
+        total, cap = t.numel() * t.element_size(), self.size * self.seg.slot_bytes
         buf = t.view(-1).view(torch.uint8)
-        total, cap = buf.numel(), self.size * self.seg.slot_bytes
         lo = 0
         while True:
             c = min(cap, total - lo)
@@ -163,11 +243,32 @@ class LocalCollectives:
             if lo >= total:
                 return
 
+    def quick_all_reduce(self, t: torch.Tensor, op: str) -> Iterator[None] | None:
+        """:meth:`all_reduce` (contiguous ``t``) as a :meth:`_quick` generator, or None
+        unless ``t`` fits a slot and C is built and reduces its dtype with ``op``."""
+        lib, code = self.seg.lib, _C_DTYPE.get(t.dtype)
+        c_op = None if code is None else _C_OPS[t.dtype.is_floating_point].get(op)
+        nbytes, count = t.numel() * t.element_size(), t.numel()
+        if lib is None or c_op is None or not 0 < nbytes <= self.seg.slot_bytes:
+            return None
+        at, n, stride = t.data_ptr(), self.size, self.seg.slot_bytes
+
+        def reduce(s: int) -> None:
+            done = lib.smp_reduce(at, self._addr(self.seg.phase_offset(s)), stride, n, count,
+                                  code, c_op)
+            assert done == 0, (t.dtype, op)
+
+        dst = self._addr(self.seg.slot_offset(self.seg.next_step(), self.rank))
+        return self._quick(self._desc(_ALL_REDUCE, t, op=op), at, nbytes, dst, reduce)
+
     def all_reduce(self, t: torch.Tensor, op: str) -> None:
-        """``t`` = the reduction of every rank's ``t`` (flat, contiguous), in place."""
+        """``t`` = the reduction of every rank's ``t`` (contiguous), in place."""
+        if _exhaust(self.quick_all_reduce(t, op)):
+            return
         desc = self._desc(_ALL_REDUCE, t, op=op)
         n, total = self.size, t.numel()
         cap = self.seg.slot_bytes // t.element_size()
+        t = t.as_strided((t.numel(),), (1,), t.storage_offset())  # flat (any 1-element stride)
         one_shot = total * t.element_size() <= _ONE_SHOT_BYTES
         lo = 0
         while True:

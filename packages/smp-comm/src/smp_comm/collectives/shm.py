@@ -19,7 +19,10 @@ publisher wakes it); between sleeps it checks the peers' processes, so a dead pe
 :class:`PeerFailedError` instead of hanging, and a rank that fails inside a collective marks
 its line so the others raise too.
 
-torch-free (numpy and ctypes only): it moves no tensors, it only orders their copies.
+torch-free (numpy and ctypes only): it moves no tensors, it only orders their copies. A
+one-step collective's whole step (copy in, publish, wait, compare descriptions) can instead
+be one call each into ``_shmstep.c`` (:meth:`Segment.fast_step`), built on first use; where
+no C compiler is found, :attr:`Segment.lib` is ``None`` and callers take the Python steps.
 """
 
 from __future__ import annotations
@@ -31,9 +34,11 @@ import platform
 import time
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
+from smp_comm import compiled
 from smp_comm.errors import CommError
 
 __all__ = ["PeerFailedError", "Segment", "segment_bytes"]
@@ -46,6 +51,12 @@ DESC_LEN = 6
 _PAGE = 4096
 _SPIN = 200  # polls before sleeping: a peer a few microseconds behind is not worth a syscall
 _SLEEP_S = 0.05  # futex sleep bound: how often a waiter looks for dead peers
+_SLEEP_NS = int(_SLEEP_S * 1e9)
+
+# The C step spins (yielding the core to anyone who wants it) this long before it sleeps:
+# a peer a few tens of microseconds behind costs no wake-up.
+_SPIN_NS = int(float(os.environ.get("SMP_COMM_COLL_SPIN_US", "200")) * 1000)
+_STEP_SOURCE = Path(__file__).with_name("_shmstep.c")
 
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
@@ -75,6 +86,25 @@ def _futex_wait(addr: int, expected: int, seconds: float) -> None:
 def _futex_wake(addr: int) -> None:
     if _libc is not None:
         _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+
+
+def step_library() -> ctypes.CDLL | None:
+    """``_shmstep.c`` built and loaded (with its argument types), or ``None``."""
+    lib = compiled.load_library(_STEP_SOURCE)
+    if lib is not None and not hasattr(lib, "_typed"):
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        lib.smp_publish.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr]
+        lib.smp_publish.restype = None
+        lib.smp_await.argtypes = [ptr, i64, i64, i64, i64, i64]
+        lib.smp_await.restype = i64
+        lib.smp_mismatch.argtypes = [ptr, i64, i64]
+        lib.smp_mismatch.restype = i64
+        lib.smp_step.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, i64]
+        lib.smp_step.restype = i64
+        lib.smp_reduce.argtypes = [ptr, ptr, i64, i64, i64, i64, i64]
+        lib.smp_reduce.restype = ctypes.c_int
+        lib._typed = True
+    return lib
 
 
 def _alive(pid: int) -> bool:
@@ -119,8 +149,11 @@ class Segment:
             size, _WORDS
         )
         base = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
+        self.base = base
         self._seq_addr = [base + r * LINE for r in range(size)]  # low 32 bits: the futex word
         self.data_offset = _data_offset(size)
+        self.lib = step_library()
+        self._desc_buf = (ctypes.c_int64 * DESC_LEN)()
         self.step = int(self._lines[rank, _SEQ])  # 0 in a new segment
         self._lines[rank, _PID] = os.getpid()
         self._lines[rank, _FAILED] = 0
@@ -181,6 +214,39 @@ class Segment:
             if r != self.rank:
                 self._wait_for(r, s, deadline)
         return s
+
+    def fast_begin(
+        self, desc: Sequence[int] | None, src: int, nbytes: int, dst: int
+    ) -> tuple[int, bool]:
+        """Start a step in C (:attr:`lib` must be set): copy ``nbytes`` from address ``src``
+        to ``dst`` (this rank's part of the next step's phase), publish the step with
+        ``desc``, and spin briefly for the peers. Returns the step and whether every rank
+        has taken it; if not, :meth:`fast_finish` waits for them."""
+        lib = self.lib
+        assert lib is not None
+        s = self.step + 1
+        self.step = s
+        if desc is not None:
+            self._desc_buf[:] = desc
+        buf = self._desc_buf if desc is not None else None
+        r = lib.smp_step(self.base, self.size, self.rank, s, buf, src, nbytes, dst, _SPIN_NS, 0)
+        return s, r < 0
+
+    def fast_finish(self, s: int) -> None:
+        """Wait until every rank has taken step ``s``; failures, deaths and timeouts raise as
+        in :meth:`advance`."""
+        assert self.lib is not None
+        deadline = time.monotonic() + self.timeout
+        while (r := self.lib.smp_await(self.base, self.size, self.rank, s, _SPIN_NS,
+                                       _SLEEP_NS)) >= 0:
+            self._check(r, s, deadline)
+
+    def mismatch(self, s: int) -> bool:
+        """Whether the ranks described step ``s`` differently (valid once it is taken)."""
+        if self.lib is not None:
+            return bool(self.lib.smp_mismatch(self.base, self.size, s) >= 0)
+        seen = self.descriptors(s)
+        return not bool((seen == seen[0]).all())
 
     def _wait_for(self, r: int, s: int, deadline: float) -> None:
         lines = self._lines
