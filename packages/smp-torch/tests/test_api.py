@@ -45,6 +45,32 @@ def test_partition_marks_and_checkpointing_marks() -> None:
         smp.set_activation_checkpointing(seq, strategy="groups_2")
 
 
+def test_partition_and_tensor_parallelism_nest_and_interleave() -> None:
+    from smp_torch.annotations import get_partition_mark
+
+    plain = nn.Module.__init__
+    with smp.partition(1):
+        with smp.tensor_parallelism():
+            both = nn.Linear(2, 2)
+        after_tp = nn.Linear(2, 2)  # tensor_parallelism() ended inside: stage marks stay on
+    with smp.tensor_parallelism():
+        with smp.partition(0):
+            both_again = nn.Linear(2, 2)
+        after_stage = nn.Linear(2, 2)  # and the reverse
+    assert get_partition_mark(both) == 1 and smp_tp.is_tensor_parallel_enabled(both)
+    assert get_partition_mark(after_tp) == 1 and not smp_tp.is_tensor_parallel_enabled(after_tp)
+    assert get_partition_mark(both_again) == 0 and smp_tp.is_tensor_parallel_enabled(both_again)
+    assert get_partition_mark(after_stage) is None and smp_tp.is_tensor_parallel_enabled(after_stage)
+    stage, tp = smp.partition(2), smp.tensor_parallelism()
+    stage.__enter__()
+    tp.__enter__()
+    stage.__exit__(None, None, None)  # leaves before the block entered after it
+    only_tp = nn.Linear(2, 2)
+    tp.__exit__(None, None, None)
+    assert get_partition_mark(only_tp) is None and smp_tp.is_tensor_parallel_enabled(only_tp)
+    assert nn.Module.__init__ is plain
+
+
 def test_delay_param_initialization_creates_meta_parameters() -> None:
     with smp.delay_param_initialization():
         m = nn.Linear(1000, 1000)
