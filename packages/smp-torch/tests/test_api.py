@@ -85,3 +85,15 @@ def test_calls_before_init_say_so() -> None:
         smp.rank()
     with pytest.raises(smp.NotInitializedError):
         smp.DistributedModel(nn.Linear(2, 2))
+
+
+def test_unknown_keyword_arguments_raise_type_error() -> None:
+    # Checked before anything else (also before smp.init): a typo must not be ignored.
+    with pytest.raises(TypeError, match="overlap_grad_reductoin"):
+        smp.DistributedModel(nn.Linear(2, 2), overlap_grad_reductoin=False)
+    with pytest.raises(TypeError, match="average_grads_across_microbatches"):
+        smp.DistributedModel(nn.Linear(2, 2), average_grads_across_microbatches=True)
+    with pytest.raises(TypeError):
+        smp.DistributedOptimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1), clip=1.0)
+    with pytest.raises(TypeError):
+        smp.step(non_split_input=["x"])

@@ -72,6 +72,9 @@ class DistributedModel(nn.Module):
         bucket_bytes: size of the data-parallel gradient buckets.
         overlap_grad_reduction: start each data-parallel bucket's all-reduce as soon as its
             gradients are final (default); False reduces everything after the step.
+
+    Any other keyword raises ``TypeError`` (a misspelt option is never silently ignored);
+    job-wide settings belong in the ``smp.init`` configuration.
     """
 
     def __init__(
@@ -81,7 +84,6 @@ class DistributedModel(nn.Module):
         broadcast_weights: bool = True,
         bucket_bytes: int = 4 << 20,
         overlap_grad_reduction: bool = True,
-        **unused: Any,
     ) -> None:
         super().__init__()
         global _CURRENT
