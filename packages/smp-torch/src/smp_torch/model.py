@@ -38,6 +38,7 @@ from smp_torch.context import SMPContext, StepOutcome
 from smp_torch.engine import Engine, LocalEngine, Microbatches
 from smp_torch.errors import ConfigError, SMPError
 from smp_torch.grads import GradReducer, GradSpec
+from smp_torch.inert import has_checkpointed_module, inert_settings, warn_inert
 from smp_torch.pipeline import PipelineEngine
 from smp_torch.sharded_tp import TPShardedGrads
 from smp_torch.stall_report import register_model
@@ -110,12 +111,15 @@ class DistributedModel(nn.Module):
                 "the module has meta-device parameters; set "
                 "'delayed_parameter_initialization': True in the smp config"
             )
+        # Read before the engine rewraps modules; told after it accepted the configuration.
+        inert = inert_settings(cfg, ctx.device.type, has_checkpointed_module(module))
         engine_cls = PipelineEngine if cfg.pp > 1 else LocalEngine
         self.engine: Engine = engine_cls(ctx, module, broadcast_weights, self._trace_device)
         self.module = self.engine.module
         register_model(self.module)  # (stall reports name its modules)
         self.engine.on_partitioned(self._after_partition)
         self.engine.start()
+        warn_inert(inert, ctx.rank)
         _CURRENT = self
 
     def _after_partition(self) -> None:
