@@ -69,6 +69,9 @@ _FROM_TP = (
     "set_tensor_parallelism",
     "tp_register",
     "tp_register_with_module",
+    "tp_register_block",
+    "tp_register_vocab_parallel",
+    "is_tensor_parallel_enabled",
 )
 
 
