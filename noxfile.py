@@ -85,10 +85,12 @@ def tests(session: nox.Session, package: str) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff over the whole tree, then the import contracts in ``.importlinter``."""
+    """ruff over the whole tree, the import contracts in ``.importlinter``, then the declared
+    dependencies against the imports (``tools/check_deps.py``)."""
     session.install("ruff", "import-linter>=2.1")
     session.run("ruff", "check", ".")
     session.run("python", "tools/check_imports.py")
+    session.run("python", "tools/check_deps.py")
 
 
 @nox.session
@@ -128,7 +130,7 @@ def build(session: nox.Session) -> None:
 
 
 def _install_everything(session: nox.Session) -> None:
-    session.install(TORCH_PIN, "mpich", "transformers>=4.40", "matplotlib", "tqdm")
+    session.install(TORCH_PIN, "mpich", "transformers>=5.0", "matplotlib", "tqdm")
     session.install(*[f"./packages/{name}" for name in PACKAGES])
 
 

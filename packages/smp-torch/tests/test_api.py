@@ -45,6 +45,32 @@ def test_partition_marks_and_checkpointing_marks() -> None:
         smp.set_activation_checkpointing(seq, strategy="groups_2")
 
 
+def test_partition_and_tensor_parallelism_nest_and_interleave() -> None:
+    from smp_torch.annotations import get_partition_mark
+
+    plain = nn.Module.__init__
+    with smp.partition(1):
+        with smp.tensor_parallelism():
+            both = nn.Linear(2, 2)
+        after_tp = nn.Linear(2, 2)  # tensor_parallelism() ended inside: stage marks stay on
+    with smp.tensor_parallelism():
+        with smp.partition(0):
+            both_again = nn.Linear(2, 2)
+        after_stage = nn.Linear(2, 2)  # and the reverse
+    assert get_partition_mark(both) == 1 and smp_tp.is_tensor_parallel_enabled(both)
+    assert get_partition_mark(after_tp) == 1 and not smp_tp.is_tensor_parallel_enabled(after_tp)
+    assert get_partition_mark(both_again) == 0 and smp_tp.is_tensor_parallel_enabled(both_again)
+    assert get_partition_mark(after_stage) is None and smp_tp.is_tensor_parallel_enabled(after_stage)
+    stage, tp = smp.partition(2), smp.tensor_parallelism()
+    stage.__enter__()
+    tp.__enter__()
+    stage.__exit__(None, None, None)  # leaves before the block entered after it
+    only_tp = nn.Linear(2, 2)
+    tp.__exit__(None, None, None)
+    assert get_partition_mark(only_tp) is None and smp_tp.is_tensor_parallel_enabled(only_tp)
+    assert nn.Module.__init__ is plain
+
+
 def test_delay_param_initialization_creates_meta_parameters() -> None:
     with smp.delay_param_initialization():
         m = nn.Linear(1000, 1000)
@@ -59,3 +85,15 @@ def test_calls_before_init_say_so() -> None:
         smp.rank()
     with pytest.raises(smp.NotInitializedError):
         smp.DistributedModel(nn.Linear(2, 2))
+
+
+def test_unknown_keyword_arguments_raise_type_error() -> None:
+    # Checked before anything else (also before smp.init): a typo must not be ignored.
+    with pytest.raises(TypeError, match="overlap_grad_reductoin"):
+        smp.DistributedModel(nn.Linear(2, 2), overlap_grad_reductoin=False)
+    with pytest.raises(TypeError, match="average_grads_across_microbatches"):
+        smp.DistributedModel(nn.Linear(2, 2), average_grads_across_microbatches=True)
+    with pytest.raises(TypeError):
+        smp.DistributedOptimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1), clip=1.0)
+    with pytest.raises(TypeError):
+        smp.step(non_split_input=["x"])

@@ -10,7 +10,7 @@ import re
 import time
 
 import pytest
-from conftest import launch
+from conftest import launch, ok_cases
 from smp_comm.testing import MPIRunError
 from smp_torch.config import SMPConfig, parse_config
 from smp_torch.errors import ConfigError
@@ -28,6 +28,8 @@ def test_defaults_follow_the_spec() -> None:
     assert cfg.fast_mode  # on where exact (issue 15): Sequential runs as one request
     assert cfg.activation_loading_horizon == 4 and cfg.tensor_parallel_seed == 0
     assert cfg.trace_device == "cpu" and cfg.timeline is None
+    # Reproducible partitions by default (issue 48): counted costs, nothing pinned.
+    assert cfg.partition_costs == "flops" and cfg.partition_file is None
     assert set(cfg.to_dict()) == {
         f for f in SMPConfig.__dataclass_fields__ if f != "data_parallel_degree"
     }
@@ -59,6 +61,8 @@ def test_alias_partitions_and_derived_degree() -> None:
         ({"partitions": 2, "pipeline_parallel_degree": 2}, "pipeline_parallel_degree"),
         ({"timeout_s": -1}, "timeout_s"),
         ({"timeline": 5}, "timeline"),
+        ({"partition_costs": "timed"}, "partition_costs"),
+        ({"partition_file": 3}, "partition_file"),
     ],
 )
 def test_bad_values_name_the_key(config: dict, key: str) -> None:
@@ -213,3 +217,8 @@ def test_init_typo_on_one_rank_uncaught_fails_the_job_on_both_ranks() -> None:
     said = r"CASE typo [\d.]+ ConfigError: smp config key 'microbatchs': invalid on rank \[1\]"
     for rank in (0, 1):
         assert re.search(f"RANK {rank} {said}", out), out
+
+
+def test_partitions_are_reproducible_and_pinned_by_partition_file() -> None:
+    out = launch("partition_pin.py", 2, timeout=300)
+    assert ok_cases(out) == ["five-constructions", "partition-file-written", "partition-file-read"], out

@@ -5,9 +5,12 @@ The one place that turns a model into a ``{module path: pp rank}`` map:
 - :func:`trace_dict` runs the model once with hooks and records, per module (§C.1): the
   first time it ran (a parent's children are listed by the first execution anywhere in their
   subtree, so a never-called container such as ``nn.ModuleList`` sits where its members ran;
-  children that never ran follow in definition order), its inclusive forward time (summed
+  children that never ran follow in definition order), its inclusive forward cost (summed
   over calls; a container that is never called gets its children's sum; omitted on the meta
-  device) and the bytes of its output tensors (summed over calls). Parameters are keyed by
+  device) and the bytes of its output tensors (summed over calls). The forward cost is, by
+  default, *counted*, not timed (:data:`COSTS`): the same model and inputs give the same
+  graph, hence the same partition, on every run; a timed trace varies with the machine's
+  load, and near-equal splits then flip from run to run. Parameters are keyed by
   their first name in ``module.named_parameters()``, so a tied parameter has one key wherever
   it appears, and the partitioner keeps the modules sharing it together.
 - :func:`static_graph_dict` builds the graph without running anything.
@@ -21,6 +24,7 @@ The one place that turns a model into a ``{module path: pp rank}`` map:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -29,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from smp_pipeline.errors import PipelineConfigError, PipelineError
 from smp_pipeline.messages import flatten, map_tensors
@@ -50,6 +55,23 @@ def _output_bytes(out: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _output_elements(out: Any) -> int:
+    _, tensors = flatten(out)
+    return sum(t.numel() for t in tensors)
+
+
+#: How a trace measures a module's forward cost (``forward_ms`` of the graph):
+#:
+#: - ``"flops"`` (default): counted, so reproducible — the floating-point operations torch's
+#:   ``FlopCounterMode`` attributes to the module's calls (matrix products, convolutions,
+#:   attention) plus one per element of every output of it and its submodules (standing for
+#:   the element-wise work: norms, activations, lookups, which the counter leaves out),
+#:   reported as milliseconds at a nominal 1 TFLOP/s (the partitioner only compares them);
+#: - ``"measured"``: wall-clock time of the traced forward: closer to this machine's truth,
+#:   but it varies from run to run, and so may the partition.
+COSTS = ("flops", "measured")
+
+
 def trace_dict(
     module: nn.Module,
     args: tuple[Any, ...] = (),
@@ -57,13 +79,16 @@ def trace_dict(
     *,
     run: Callable[[], Any] | None = None,
     device: str | torch.device | None = None,
+    costs: str = "flops",
 ) -> dict[str, Any]:
     """Trace and return the ``smp-partition/module-graph@1`` dictionary.
 
     ``run`` replaces ``module(*args, **kwargs)`` (e.g. a whole step function). With
-    ``device="meta"`` a copy of the model runs on the meta device (nothing allocated, times
-    omitted); another ``device`` runs a copy there.
+    ``device="meta"`` a copy of the model runs on the meta device (nothing allocated, costs
+    omitted); another ``device`` runs a copy there. ``costs``: one of :data:`COSTS`.
     """
+    if costs not in COSTS:
+        raise PipelineConfigError(f"costs must be one of {COSTS}, got {costs!r}")
     kwargs = dict(kwargs or {})
     target = module
     timed = True
@@ -80,18 +105,25 @@ def trace_dict(
     act: dict[str, int] = {}
     starts: dict[str, list[float]] = {}
     counter = [0]
+    flops = FlopCounterMode(display=False) if costs == "flops" else None
+    elements = [0]  # output elements of every module call so far (the element-wise work)
+
+    def now_ms() -> float:
+        if flops is None:
+            return time.perf_counter() * 1e3
+        return (flops.get_total_flops() + elements[0]) / 1e9  # ms at 1 TFLOP/s
 
     def pre(mod: nn.Module, _args: Any) -> None:
         p = paths[id(mod)]
         if p not in first_seen:
             first_seen[p] = counter[0]
             counter[0] += 1
-        starts.setdefault(p, []).append(time.perf_counter())
+        starts.setdefault(p, []).append(now_ms())
 
     def post(mod: nn.Module, _args: Any, out: Any) -> None:
         p = paths[id(mod)]
-        t0 = starts[p].pop()
-        times[p] = times.get(p, 0.0) + (time.perf_counter() - t0) * 1e3
+        elements[0] += _output_elements(out)  # before reading: a module's own output counts
+        times[p] = times.get(p, 0.0) + (now_ms() - starts[p].pop())
         act[p] = act.get(p, 0) + _output_bytes(out)
 
     handles = []
@@ -99,7 +131,7 @@ def trace_dict(
         handles.append(m.register_forward_pre_hook(pre))
         handles.append(m.register_forward_hook(post))
     try:
-        with torch.no_grad():
+        with torch.no_grad(), flops if flops is not None else contextlib.nullcontext():
             if run is not None:
                 run()
             else:
@@ -191,6 +223,7 @@ def trace(
     *,
     run: Callable[[], Any] | None = None,
     device: str | torch.device | None = None,
+    costs: str = "flops",
 ) -> Any:
     """Trace ``module(*args, **kwargs)`` and return an ``smp_partition.ModuleGraph``.
 
@@ -198,7 +231,7 @@ def trace(
     """
     from smp_partition import ModuleGraph
 
-    return ModuleGraph.from_dict(trace_dict(module, args, kwargs, run=run, device=device))
+    return ModuleGraph.from_dict(trace_dict(module, args, kwargs, run=run, device=device, costs=costs))
 
 
 def resolve_assignment(root: nn.Module, manual: Mapping[str, int], pp_size: int) -> dict[str, int]:
@@ -312,6 +345,7 @@ def partition_model(
     warmup: bool = True,
     alpha: float = 0.8,
     balance_slack: float = BALANCE_SLACK,
+    costs: str = "flops",
 ) -> PartitionOutcome:
     """Collective: build the module graph, partition it on the root, share the assignment.
 
@@ -338,6 +372,8 @@ def partition_model(
         alpha: the partitioner's memory weight.
         balance_slack: loads within this fraction of the best count as balanced, and then
             fewer cut edges win (see :data:`BALANCE_SLACK`).
+        costs: how the trace measures forward costs (:data:`COSTS`): ``"flops"`` (default)
+            gives the same partition for the same model, inputs and stages on every run.
 
     Returns:
         a :class:`PartitionOutcome` (graph and result on the root only).
@@ -362,6 +398,7 @@ def partition_model(
                 dict(kwargs or {}),
                 run=run,
                 device=trace_device if run is None else None,
+                costs=costs,
             )
         except Exception as exc:  # noqa: BLE001 - shared with every rank below
             failure = exc

@@ -30,7 +30,7 @@ from smp_pipeline.microbatch import split_microbatches
 from smp_pipeline.offload import ActivationOffloader, OffloadStats, install_offloader
 from smp_pipeline.order import OrderChannel
 from smp_pipeline.ownership import Ownership, merge_state_dicts
-from smp_pipeline.partition import partition_model, resolve_assignment
+from smp_pipeline.partition import COSTS, partition_model, resolve_assignment
 from smp_pipeline.schedule import Scheduler, ScheduleSpec
 from smp_pipeline.server import ExecutionServer
 from smp_pipeline.setup_channel import SetupChannel
@@ -94,6 +94,9 @@ class PipelineRuntime:
             instead of being handed to a worker thread and back. Exact (the same code in the
             same order); a task that diverges from its record goes back to a worker (logged
             once). Not with tensor-parallel ordering (no effect there).
+        partition_costs: how the partitioning trace measures forward costs
+            (:data:`smp_pipeline.partition.COSTS`): ``"flops"`` (counted: the same partition
+            for the same model and inputs on every run) or ``"measured"`` (timed).
     """
 
     def __init__(
@@ -121,6 +124,7 @@ class PipelineRuntime:
         offload_activations: bool = False,
         activation_loading_horizon: int = 4,
         static_mode: bool = False,
+        partition_costs: str = "flops",
     ) -> None:
         if not 0 <= pp_rank < pp_size:
             raise PipelineConfigError(f"pp_rank {pp_rank} outside 0..{pp_size - 1}")
@@ -134,6 +138,9 @@ class PipelineRuntime:
                 f"comm_ranks has {len(self.comm_ranks)} entries, pp_size is {pp_size}"
             )
         self.alpha = alpha
+        if partition_costs not in COSTS:
+            raise PipelineConfigError(f"partition_costs must be one of {COSTS}, got {partition_costs!r}")
+        self.partition_costs = partition_costs
         self.schedule = schedule
         self.active_microbatches = active_microbatches or pp_size + 2
         self.timeout_s = timeout_s
@@ -242,6 +249,7 @@ class PipelineRuntime:
                 static=self.trace_device == "meta" and step_fn is not None,
                 trace_device=self.trace_device,
                 alpha=self.alpha,
+                costs=self.partition_costs,
             )
         finally:
             self._tracing = False

@@ -21,6 +21,7 @@ from smp_torch.checkpoint import CheckpointError, resume_from_checkpoint, save_c
 from smp_torch.comm import CommGroup, RankType, allgather, barrier, broadcast, recv_from, send
 from smp_torch.config import SMPConfig
 from smp_torch.errors import ConfigError, NotInitializedError, PeerFailedError, SMPError, StallError
+from smp_torch.inert import InertSettingWarning
 from smp_torch.model import DistributedModel
 from smp_torch.optimizer import DistributedOptimizer
 from smp_torch.state import (
@@ -68,6 +69,9 @@ _FROM_TP = (
     "set_tensor_parallelism",
     "tp_register",
     "tp_register_with_module",
+    "tp_register_block",
+    "tp_register_vocab_parallel",
+    "is_tensor_parallel_enabled",
 )
 
 
@@ -88,6 +92,7 @@ __all__ = [
     "PeerFailedError",
     "StallError",
     "CheckpointError",
+    "InertSettingWarning",
     "DistributedModel",
     "DistributedOptimizer",
     "step",

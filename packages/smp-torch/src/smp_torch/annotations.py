@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from smp_pipeline.checkpointing import CheckpointOptions
+from smp_tp.init_hooks import module_init_hook
 from torch import nn
 
 from smp_torch.deferred import recording
@@ -38,9 +39,6 @@ __all__ = [
 _PARTITION_ATTR = "_smp_partition"
 _CHECKPOINT_ATTR = "_smp_checkpoint"
 _local = threading.local()
-_patch_lock = threading.Lock()
-_patch_depth = 0
-_original_init: Any = None
 
 
 def _current_partition() -> int | None:
@@ -48,36 +46,28 @@ def _current_partition() -> int | None:
     return stack[-1] if stack else None
 
 
-def _marking_init(self: nn.Module, *args: Any, **kwargs: Any) -> None:
-    _original_init(self, *args, **kwargs)
+def _mark_partition(module: nn.Module) -> None:
     mark = _current_partition()
-    if mark is not None and _PARTITION_ATTR not in self.__dict__:
-        object.__setattr__(self, _PARTITION_ATTR, mark)
+    if mark is not None and _PARTITION_ATTR not in module.__dict__:
+        object.__setattr__(module, _PARTITION_ATTR, mark)
 
 
 @contextlib.contextmanager
 def partition(index: int) -> Iterator[None]:
-    """Assign every module created inside the block to pipeline stage ``index``."""
-    global _patch_depth, _original_init
+    """Assign every module created inside the block (in this thread) to pipeline stage
+    ``index``; nested blocks: the innermost decides. Goes through smp-tp's one wrapper of
+    ``nn.Module.__init__``, so it nests and interleaves with ``smp.tensor_parallelism()``."""
     if not isinstance(index, int) or index < 0:
         raise ValueError(f"smp.partition index must be a non-negative int, got {index!r}")
     stack = getattr(_local, "stack", None)
     if stack is None:
         stack = _local.stack = []
-    with _patch_lock:
-        if _patch_depth == 0:
-            _original_init = nn.Module.__init__
-            nn.Module.__init__ = _marking_init  # type: ignore[method-assign]
-        _patch_depth += 1
     stack.append(index)
     try:
-        yield
+        with module_init_hook(_mark_partition):
+            yield
     finally:
         stack.pop()
-        with _patch_lock:
-            _patch_depth -= 1
-            if _patch_depth == 0:
-                nn.Module.__init__ = _original_init  # type: ignore[method-assign]
 
 
 def set_partition(module: nn.Module, index: int) -> None:

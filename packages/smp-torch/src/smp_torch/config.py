@@ -25,6 +25,7 @@ CONFIG_ENV = "SMP_CONFIG"
 _PIPELINES = ("simple", "interleaved")
 _COLLECTIVE_BACKENDS = ("auto", "gloo", "smp")
 _OPTIMIZE = ("speed", "memory")
+PARTITION_COSTS = ("flops", "measured")
 TRACE_DEVICES = ("cpu", "meta", "cuda")
 # Keys whose name differs from the dataclass field (SageMaker v1 spellings).
 _ALIASES = {"partitions": "pipeline_parallel_degree", "_prescaled_batch": "prescaled_batch"}
@@ -50,6 +51,16 @@ class SMPConfig:
     auto_partition: bool = True
     default_partition: int = 0
     memory_weight: float = 0.8
+    # How the first step's trace measures each module's forward cost for the automatic
+    # partition: "flops" (counted, so the same model, configuration and world size give the
+    # same partition on every run) or "measured" (timed: this machine's truth, but noise
+    # can flip near-equal splits from run to run). See smp_pipeline.partition.COSTS.
+    partition_costs: str = "flops"
+    # A saved partition (JSON, schema smp-partition/assignment@1, as smp_partition writes
+    # it): when the file exists, rank 0 reads it and the model is split as it says (no
+    # trace); when it does not, rank 0 writes the automatic partition there. So one run's
+    # partition pins every later one, whatever the costs.
+    partition_file: str | None = None
     optimize: str = "speed"
     ddp: bool = True
     prescaled_batch: bool = False
@@ -244,6 +255,10 @@ def _validate_values(cfg: SMPConfig, world_size: int) -> None:
             "trace_device", f"must be one of {TRACE_DEVICES}, got {cfg.trace_device!r}"
         )
     resolve_placement(cfg.placement_strategy)
+    if cfg.partition_costs not in PARTITION_COSTS:
+        raise ConfigError(
+            "partition_costs", f"must be one of {PARTITION_COSTS}, got {cfg.partition_costs!r}"
+        )
     if not 0.0 <= cfg.memory_weight <= 1.0:
         raise ConfigError("memory_weight", f"must be within [0, 1], got {cfg.memory_weight}")
     if not 0 <= cfg.default_partition < cfg.pipeline_parallel_degree:

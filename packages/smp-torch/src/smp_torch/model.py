@@ -26,10 +26,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import smp_tp
 import torch
 import torch.distributed as dist
 from smp_partition.render import svg, table
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from smp_torch import sharded, tp_glue
 from smp_torch.config import TRACE_DEVICES
@@ -38,6 +40,7 @@ from smp_torch.context import SMPContext, StepOutcome
 from smp_torch.engine import Engine, LocalEngine, Microbatches
 from smp_torch.errors import ConfigError, SMPError
 from smp_torch.grads import GradReducer, GradSpec
+from smp_torch.inert import has_checkpointed_module, inert_settings, warn_inert
 from smp_torch.pipeline import PipelineEngine
 from smp_torch.sharded_tp import TPShardedGrads
 from smp_torch.stall_report import register_model
@@ -72,6 +75,9 @@ class DistributedModel(nn.Module):
         bucket_bytes: size of the data-parallel gradient buckets.
         overlap_grad_reduction: start each data-parallel bucket's all-reduce as soon as its
             gradients are final (default); False reduces everything after the step.
+
+    Any other keyword raises ``TypeError`` (a misspelt option is never silently ignored);
+    job-wide settings belong in the ``smp.init`` configuration.
     """
 
     def __init__(
@@ -81,7 +87,6 @@ class DistributedModel(nn.Module):
         broadcast_weights: bool = True,
         bucket_bytes: int = 4 << 20,
         overlap_grad_reduction: bool = True,
-        **unused: Any,
     ) -> None:
         super().__init__()
         global _CURRENT
@@ -108,12 +113,15 @@ class DistributedModel(nn.Module):
                 "the module has meta-device parameters; set "
                 "'delayed_parameter_initialization': True in the smp config"
             )
+        # Read before the engine rewraps modules; told after it accepted the configuration.
+        inert = inert_settings(cfg, ctx.device.type, has_checkpointed_module(module))
         engine_cls = PipelineEngine if cfg.pp > 1 else LocalEngine
         self.engine: Engine = engine_cls(ctx, module, broadcast_weights, self._trace_device)
         self.module = self.engine.module
         register_model(self.module)  # (stall reports name its modules)
         self.engine.on_partitioned(self._after_partition)
         self.engine.start()
+        warn_inert(inert, ctx.rank)
         _CURRENT = self
 
     def _after_partition(self) -> None:
@@ -362,6 +370,42 @@ class DistributedModel(nn.Module):
         if args or kwargs:
             raise TypeError("DistributedModel.state_dict() takes no arguments")
         return self.engine.merge_stages(self.stage_full_state())
+
+    def full_grad_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's gradients, gathered: ``{key: gradient}`` in the unwrapped
+        module's layout, like :meth:`state_dict` for weights.
+
+        The keys are those of the original module's parameters (tied parameters under each of
+        their keys, as in its ``state_dict()``), the shapes its parameters' shapes: each
+        pipeline stage contributes the parameters it owns, tensor-parallel shards are
+        concatenated and sharded data-parallel shards gathered. Call it after a step (and
+        before ``optimizer.zero_grad()``): the values are what ``.grad`` holds then — already
+        averaged over data-parallel ranks, so equal to one process's gradient on the global
+        batch, and still multiplied by the loss scale under ``fp16`` until the optimizer
+        step unscales them. Parameters without a gradient are left out. Every rank receives
+        the whole dict (on CPU); a collective over the job, so every rank must call it. The
+        counterpart of DeepSpeed's ``safe_get_full_grad`` for the whole model at once.
+
+        Raises:
+            NotImplementedError: with both sharded data parallelism and tensor parallelism.
+        """
+        cfg = self._cfg
+        if cfg.sdp > 1 and cfg.tp > 1:
+            raise NotImplementedError(
+                "full_grad_dict() with sharded_data_parallel_degree > 1 and "
+                "tensor_parallel_degree > 1 is not supported yet"
+            )
+        if cfg.tp > 1:
+            grads = smp_tp.full_grad_dict(self.module)
+        else:
+            grads = {}
+            # Same order on every rank of a stage: the sharded gathers below match.
+            for key, p in self.module.named_parameters(remove_duplicate=False):
+                if p.grad is not None and self.owns_full_key(key):
+                    g = p.grad
+                    grads[key] = g.full_tensor() if isinstance(g, DTensor) else g
+        part = {k: g.detach().to("cpu").clone() for k, g in grads.items() if self.owns_full_key(k)}
+        return self.engine.merge_stages(part)
 
     def stage_full_state(self) -> dict[str, torch.Tensor]:
         """This pipeline stage's entries of the full state dict (TP shards gathered)."""

@@ -25,11 +25,14 @@ parameter lists.
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from smp_comm import Communicator
+from smp_partition import GraphError, PartitionResult
 from smp_pipeline import OrderChannel, PipelineRuntime
 from smp_pipeline.partition import partition_model, resolve_assignment
 from smp_tp import DistributedModule
@@ -52,6 +55,30 @@ _ORDER_TAG = 7401
 
 def _to_host(x: Any) -> Any:
     return x.to("cpu") if isinstance(x, torch.Tensor) else x
+
+
+def _read_partition_file(path: str, pp: int) -> dict[str, Any] | None:
+    """Rank 0's reading of ``partition_file``: ``{"assignment": ...}``, ``{"error": ...}``
+    (broadcast, so every rank raises the same error), or None when there is no file yet."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            result = PartitionResult.from_dict(json.load(f))
+    except (OSError, ValueError, GraphError) as exc:
+        return {"error": f"partition_file {path!r} cannot be read: {exc}"}
+    if result.num_devices != pp:
+        return {"error": f"partition_file {path!r} splits the model into {result.num_devices} "
+                         f"stages, but pipeline_parallel_degree is {pp}"}
+    return {"assignment": result.assignment}
+
+
+def _write_partition_file(path: str, result: PartitionResult) -> None:
+    """Save the automatic partition where ``partition_file`` says (atomically: a run that
+    dies while writing leaves no half file for the next one to read)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    result.to_json(tmp, indent=1)
+    os.replace(tmp, path)
 
 
 def _marks(module: nn.Module, default: int) -> dict[str, int]:
@@ -102,8 +129,16 @@ class PipelineEngine(Engine):
         delayed = delayed_init(ctx, module)
 
         assignment: dict[str, int] | None = None
+        pinned = None
+        if cfg.auto_partition and cfg.partition_file:
+            mine = _read_partition_file(cfg.partition_file, cfg.pp) if ctx.rank == 0 else None
+            pinned = world.bcast(mine, root=0)
+            if pinned is not None and "error" in pinned:
+                raise SMPError(pinned["error"])
         if not cfg.auto_partition:
             assignment = _marks(module, cfg.default_partition)
+        elif pinned is not None:
+            assignment = dict(pinned["assignment"])
         elif delayed is not None or self.trace_device == "meta":
             # Nothing to run (or running is not wanted): the static graph's parameter counts.
             outcome = self._partition(module, static=True)
@@ -186,12 +221,15 @@ class PipelineEngine(Engine):
                 root=ctx.rank == 0,
                 static=static,
                 alpha=cfg.memory_weight,
+                costs=cfg.partition_costs,
                 **trace,
             )
         except Exception as exc:  # noqa: BLE001 - the same error type on every rank
             raise SMPError(f"partitioning the model on rank {ctx.rank} failed: {exc!r}") from exc
         if outcome.result is not None:
             self.partition_report = (outcome.graph, outcome.result)
+            if cfg.partition_file:  # (only reached when the file did not exist: pinned next time)
+                _write_partition_file(cfg.partition_file, outcome.result)
         return outcome
 
     @property

@@ -11,6 +11,7 @@ from typing import Any
 
 from torch import nn
 
+from smp_tp.init_hooks import module_init_hook
 from smp_tp.module import DistributedModule
 
 TP_FLAG = "_smp_tp_enabled"
@@ -19,42 +20,32 @@ INIT_ARGS = "_smp_tp_init_args"
 # --------------------------------------------------------------------------- marking
 
 _local = threading.local()
-_patch_lock = threading.Lock()
-_patch_depth = 0
-_original_module_init = nn.Module.__init__
 
 
-def _marking_init(self: nn.Module, *args: Any, **kwargs: Any) -> None:
-    _original_module_init(self, *args, **kwargs)
+def _mark_tp(module: nn.Module) -> None:
+    # Thread-local: the patch point is process-wide, a block marks its own thread's modules.
     stack = getattr(_local, "stack", None)
     if stack:
-        object.__setattr__(self, TP_FLAG, stack[-1])
+        object.__setattr__(module, TP_FLAG, stack[-1])
 
 
 @contextmanager
 def tensor_parallelism(enabled: bool = True) -> Iterator[None]:
     """Mark every module created inside (in this thread) for tensor parallelism or not.
 
-    Works by wrapping ``nn.Module.__init__`` while any such block is open; nesting works,
-    the innermost block decides.
+    Works through :func:`smp_tp.init_hooks.module_init_hook`, the one wrapper of
+    ``nn.Module.__init__``, so it nests and interleaves with other marking blocks
+    (``smp.partition``); among nested ``tensor_parallelism`` blocks the innermost decides.
     """
-    global _patch_depth
     stack = getattr(_local, "stack", None)
     if stack is None:
         stack = _local.stack = []
-    with _patch_lock:
-        if _patch_depth == 0:
-            nn.Module.__init__ = _marking_init  # type: ignore[method-assign]
-        _patch_depth += 1
     stack.append(bool(enabled))
     try:
-        yield
+        with module_init_hook(_mark_tp):
+            yield
     finally:
         stack.pop()
-        with _patch_lock:
-            _patch_depth -= 1
-            if _patch_depth == 0:
-                nn.Module.__init__ = _original_module_init  # type: ignore[method-assign]
 
 
 def set_tensor_parallelism(module: nn.Module, enabled: bool = True) -> nn.Module:
