@@ -161,5 +161,35 @@ def bench(session: nox.Session) -> None:
         session.error("no benchmarks found in benchmarks/")
 
 
+# The docs site's tools, pinned so that a build today and a build next year render the same.
+DOCS_PINS = [
+    "mkdocs==1.6.1",
+    "mkdocs-material==9.8.2",
+    "mkdocstrings==1.0.8",
+    "mkdocstrings-python==2.0.11",
+    "griffe==2.4.1",
+]
+
+# mkdocs-material prints a banner about its successor on every build; the build log stays
+# for what the build says.
+_QUIET_MKDOCS = {"NO_MKDOCS_2_WARNING": "1"}
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the docs site into ``site/`` with warnings as errors (``mkdocs.yml``).
+
+    The configuration reference is generated from smp-torch's config definition during the
+    build (``tools/docs_hooks.py``), so smp-torch and its dependencies are installed too.
+    ``nox -s docs -- serve`` previews it instead.
+    """
+    session.install(*DOCS_PINS, TORCH_PIN, "mpich")
+    session.install(*[f"./packages/{name}" for name in PACKAGES])
+    if session.posargs[:1] == ["serve"]:
+        session.run("mkdocs", "serve", *session.posargs[1:], env=_QUIET_MKDOCS)
+    else:
+        session.run("mkdocs", "build", "--strict", *session.posargs, env=_QUIET_MKDOCS)
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit("run me through nox: python3 -m nox -l")

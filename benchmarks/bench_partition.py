@@ -3,7 +3,7 @@ and scaling from 120k to 1.2M modules on 1024 devices.
 
 Run in a venv with torch + transformers (the T5-11B graph is built on the meta device from
 its public config, no weights): ``python benchmarks/bench_partition.py [--svg]``.
-``--svg`` also (re)writes ``packages/smp-partition/docs/t5-11b.svg``.
+``--svg`` also (re)writes ``docs/images/t5-11b.svg``.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def main() -> None:
             flush=True,
         )
         if alpha == 1.0 and "--svg" in sys.argv:
-            out = ROOT / "packages" / "smp-partition" / "docs" / "t5-11b.svg"
+            out = ROOT / "docs" / "images" / "t5-11b.svg"
             out.parent.mkdir(exist_ok=True)
             out.write_text(svg(graph, d, title="T5-11B (tied embeddings), 8 devices, alpha 1.0"))
     n_small, t_small, p_small = timed(10_000, 1024)

@@ -1,4 +1,4 @@
-"""The cost model (README "Cost model")."""
+"""The cost model (docs/packages/smp-partition.md, "Cost model")."""
 
 from __future__ import annotations
 

@@ -724,7 +724,7 @@ class DetCase:
     exact: bool = True
     # Backward jitter keeps the token. Segment mode needs it: segments of one microbatch
     # that overlap on a rank (one gives the token back midway) split a call's input gradient
-    # between its responses by timing (the README's Deterministic accumulation).
+    # between its responses by timing (docs/packages/smp-pipeline.md, Deterministic accumulation).
     keep_token: bool = False
 
 

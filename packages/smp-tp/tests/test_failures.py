@@ -1,7 +1,7 @@
 """A failing rank under ``torchrun``: smp-tp alone has no failure channel of its own (that
 is smp-torch's, over MPI); what ends the job is torch's elastic agent, which stops every
 worker once one exits non-zero or dies. These tests pin that down: the job ends within
-seconds of the fault, non-zero, naming the failed rank (see README "When a rank fails")."""
+seconds of the fault, non-zero, naming the failed rank (see docs/packages/smp-tp.md, "When a rank fails")."""
 
 from __future__ import annotations
 

@@ -124,7 +124,7 @@ class Communicator:
         self._paths = DirectPaths(cc, self.settings)
         # Ranks on this node: with MPICH a fast-path frame to one completes without this
         # rank's progress (the receiver finishes the shared-memory transfer; measured, see
-        # README "Frames past MPI's eager size"), so its send is tracked lazily
+        # docs/packages/smp-comm.md, "Frames past MPI's eager size"), so its send is tracked lazily
         # (smp_comm.progress.Tracked). Other MPI libraries keep eager tracking.
         node = self._paths.node_of[self.rank]
         mpich = "MPICH" in MPI.Get_library_version()

@@ -96,7 +96,7 @@ class CommSettings:
     inline_bytes: int = 16 << 10
     # Up to ~192 KiB one frame beats the general path (pickled header, shm copy, tracker
     # hand-off) in latency and in a stream; beyond, the stream is faster on the general path
-    # (README, "Why 192 KiB").
+    # (docs/packages/smp-comm.md, "Why 192 KiB").
     small_message_bytes: int = 192 << 10
     caller_copy_bytes: int = 1 << 20
     stream_min_bytes: int = 0

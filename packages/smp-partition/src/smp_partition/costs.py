@@ -1,5 +1,5 @@
 """The cost model (paper Appendix C.3, with each term normalised before
-mixing; README "Cost model").
+mixing; docs/packages/smp-partition.md, "Cost model").
 
 Per module ``m``:
 
@@ -11,7 +11,7 @@ Per module ``m``:
 
 Both are normalised to sum to 1 and mixed: ``cbar = alpha*w/W + (1-alpha)*psi/Psi``.
 
-Choices the paper leaves open (documented in the README):
+Choices the paper leaves open (documented in docs/packages/smp-partition.md):
 
 * A graph "has times" when at least one module has ``forward_ms``; a module without one
   (e.g. a branch the trace did not execute) then counts 0 ms.

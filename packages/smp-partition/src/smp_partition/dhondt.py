@@ -1,5 +1,5 @@
 """D'Hondt allocation of devices to segments (paper Algorithm 3, corrected:
-see below and the README's "Algorithms").
+see below and "Algorithms" in docs/packages/smp-partition.md).
 
 Devices are handed out one at a time, in the given order, to the segment with the largest
 quotient ``cost / (seats + 1)``; ties go to the earliest segment. (The paper's pseudo-code

@@ -1,4 +1,4 @@
-"""Module nodes and the node tree (paper Appendix C.2; README "Cost model").
+"""Module nodes and the node tree (paper Appendix C.2; docs/packages/smp-partition.md, "Cost model").
 
 Modules that share a parameter key are merged into one *node* by union–find. The node
 graph follows module→child edges; a node reached from several parents keeps the first

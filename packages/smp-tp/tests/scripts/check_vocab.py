@@ -168,7 +168,7 @@ def counts() -> None:
 check("counts", counts)
 
 
-# ---- a new architecture registered in three lines (the README's recipe), plain torch
+# ---- a new architecture registered in three lines (the recipe in docs/packages/smp-tp.md), plain torch
 class Attention(nn.Module):
     def __init__(self, h: int, heads: int) -> None:
         super().__init__()
