@@ -31,6 +31,14 @@ MEANINGS: dict[str, str] = {
         "keeps its own samples unless `prescaled_batch`)."
     ),
     "microbatches": "Microbatches per step; every split tensor's batch axis must divide evenly.",
+    "partition_costs": (
+        "What the automatic partition weighs modules by: `flops` (counted, the same on every "
+        "run: reproducible partitions) or `measured` (timed in the trace; can move run to run)."
+    ),
+    "partition_file": (
+        "A saved `smp-partition/assignment@1` JSON: if it exists, the model is split as it "
+        "says (no trace); if not, rank 0 writes the automatic partition there."
+    ),
     "pipeline": (
         '`"interleaved"`: a microbatch ready for backward goes first; `"simple"`: all '
         "forwards, then all backwards."
