@@ -48,3 +48,11 @@ def test_torch_apis_match_gloo(mpi_job, assert_case, case: str) -> None:
     # DDP: each on an smp group equal to the same call on gloo, 4 ranks.
     job = mpi_job("torch_apis.py", n=4, timeout=300)
     assert_case(job, case, range(4))
+
+
+@pytest.mark.parametrize("case", ["absent-small", "absent-large", "absent-subgroup", "abort"])
+def test_absent_peer_and_abort_name_the_rank(mpi_job, assert_case, case: str) -> None:
+    # A collective a peer never joins raises within the group's timeout (3 s) naming the
+    # peer's job-wide rank; abort() on one rank ends its peers' waits at once.
+    job = mpi_job("absent_peer.py", n=3, timeout=180)
+    assert_case(job, case, range(3))

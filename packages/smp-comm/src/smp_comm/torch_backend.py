@@ -204,8 +204,12 @@ class SmpProcessGroup(ProcessGroup):
     methods; c10d calls a Python group with the low-level signatures used here.)
     """
 
-    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> None:
+    def __init__(
+        self, store: dist.Store, rank: int, size: int, timeout: timedelta,
+        global_ranks: Sequence[int] | None = None,
+    ) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]
+        ranks = list(global_ranks) if global_ranks else list(range(size))
         self._store, self._timeout = store, timeout
         # Made now, by every rank together: a fallback made on first use could deadlock in a
         # send/recv that only two ranks enter.
@@ -218,6 +222,7 @@ class SmpProcessGroup(ProcessGroup):
         self._coll = build_collectives(
             store, rank, size, _node_id(rank), _slot_bytes(), timeout.total_seconds(),
             _host_chunk_bytes(),
+            [f"rank {g}" if g == r else f"rank {g} (group rank {r})" for r, g in enumerate(ranks)],
         )
         self._broken: BaseException | None = None
         # Collectives run one at a time in call order: on the thread while any is queued,
@@ -241,6 +246,12 @@ class SmpProcessGroup(ProcessGroup):
                 group.abandon("a step failed on this rank")
 
         shutdown.on_failed_step(on_failed_step)
+
+    def abort(self) -> None:
+        """What NCCL's abort does for its communicators: collectives of this group that
+        peers wait in raise ``PeerFailedError`` naming this rank (within a wait's check
+        interval), and every later one here is refused."""
+        self.abandon("the group was aborted")
 
     def abandon(self, reason: str) -> None:
         """Mark the group failed: peers waiting in its collectives raise ``PeerFailedError``
@@ -634,10 +645,16 @@ class SmpProcessGroup(ProcessGroup):
             )
 
 
-def create_backend(store: dist.Store, rank: int, size: int, timeout: timedelta) -> SmpProcessGroup:
-    """The creator torch calls for ``init_process_group("smp")`` / ``new_group(backend="smp")``."""
-    return SmpProcessGroup(store, rank, size, timeout)
+def create_backend(opts: Any, _backend_options: Any = None) -> SmpProcessGroup:
+    """The creator torch calls for ``init_process_group("smp")`` / ``new_group(backend="smp")``
+    (its extended form: it carries the group's job-wide ranks, which errors name)."""
+    return SmpProcessGroup(
+        opts.store, opts.group_rank, opts.group_size, opts.timeout,
+        list(opts.global_ranks_in_group or []),
+    )
 
 
 if BACKEND_NAME.upper() not in dist.Backend._plugins:  # importing twice registers once
-    dist.Backend.register_backend(BACKEND_NAME, create_backend, devices=["cpu", "cuda"])
+    dist.Backend.register_backend(
+        BACKEND_NAME, create_backend, extended_api=True, devices=["cpu", "cuda"]
+    )

@@ -50,16 +50,19 @@ def _segment(
 
 def build_collectives(
     store: Any, rank: int, size: int, node: str, slot_bytes: int, timeout: float,
-    chunk_bytes: int = DEFAULT_HOST_CHUNK_BYTES,
+    chunk_bytes: int = DEFAULT_HOST_CHUNK_BYTES, labels: list[str] | None = None,
 ) -> LocalCollectives | HierarchicalCollectives:
     """The collectives of group rank ``rank``: shared memory alone when every rank is on
-    this rank's host ``node``, hierarchical otherwise. Collective: every rank calls it."""
+    this rank's host ``node``, hierarchical otherwise. Collective: every rank calls it.
+    ``labels[r]`` names group rank ``r`` in errors."""
     store.set(f"smp-node/{rank}", node)
     nodes = [store.get(f"smp-node/{r}").decode() for r in range(size)]
     order = list(dict.fromkeys(nodes))  # hosts in order of their lowest rank
     mine = [r for r in range(size) if nodes[r] == node]
     host = order.index(node)
     seg = _segment(store, f"smp-seg/{host}", mine.index(rank), len(mine), slot_bytes, timeout)
+    if labels is not None:
+        seg.labels = [labels[r] for r in mine]
     local = LocalCollectives(seg)
     if len(order) == 1:
         return local

@@ -45,7 +45,7 @@ __all__ = ["PeerFailedError", "Segment", "segment_bytes"]
 
 LINE = 128  # bytes per control line: no two ranks' words share a cache line
 _WORDS = LINE // 8
-_SEQ, _FAILED, _PID = 0, 1, 2
+_SEQ, _FAILED, _PID, _BLAME = 0, 1, 2, 3  # _BLAME: 1 + the rank a timed-out rank waited for
 _DESC = 4  # two descriptors (by step parity) of _DESC_LEN words each, from word 4
 DESC_LEN = 6
 _PAGE = 4096
@@ -157,7 +157,10 @@ class Segment:
         self.step = int(self._lines[rank, _SEQ])  # 0 in a new segment
         self._lines[rank, _PID] = os.getpid()
         self._lines[rank, _FAILED] = 0
+        self._lines[rank, _BLAME] = 0
         self.pids: list[int] = []
+        # How errors name a segment rank (the torch backend sets job-wide ranks here).
+        self.labels: list[str] = [f"rank {r} of this group" for r in range(size)]
 
     @classmethod
     def create(cls, size: int, slot_bytes: int, rank: int, timeout: float) -> Segment:
@@ -263,11 +266,21 @@ class Segment:
     def _check(self, r: int, s: int, deadline: float) -> None:
         failed = [q for q in range(self.size) if self._lines[q, _FAILED]]
         if failed:
-            raise PeerFailedError(f"rank(s) {failed} of this group failed inside a collective")
+            raise PeerFailedError("; ".join(self._why(q) for q in failed))
         if self.pids and not _alive(self.pids[r]):
-            raise PeerFailedError(f"rank {r} of this group (pid {self.pids[r]}) died")
+            raise PeerFailedError(f"{self.labels[r]} (pid {self.pids[r]}) died")
         if time.monotonic() > deadline:
-            raise PeerFailedError(f"timed out waiting for rank {r} at collective step {s}")
+            self._lines[self.rank, _BLAME] = r + 1  # read by peers once this rank fails
+            raise PeerFailedError(
+                f"timed out after {self.timeout:g} s waiting for {self.labels[r]} to join "
+                f"collective step {s}"
+            )
+
+    def _why(self, q: int) -> str:
+        blamed = int(self._lines[q, _BLAME]) - 1
+        if 0 <= blamed != self.rank:
+            return f"{self.labels[q]} timed out waiting for {self.labels[blamed]} to join a collective"
+        return f"{self.labels[q]} failed or aborted inside a collective"
 
     def fail(self) -> None:
         """Mark this rank failed (peers waiting on it raise) and wake them."""
