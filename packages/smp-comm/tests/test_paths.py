@@ -41,3 +41,10 @@ def test_numpy_only_without_torch(mpi_job, assert_case, case: str) -> None:
 def test_doorbells_wake_sleeping_trackers(mpi_job, assert_case, case: str) -> None:
     job = mpi_job("doorbell.py", n=3, timeout=120)
     assert_case(job, case, range(3))
+
+
+@pytest.mark.parametrize("case", ["default", "copied", "streamed", "mpi", "bad-out"])
+def test_receive_into_the_callers_tensor(mpi_job, assert_case, case: str) -> None:
+    # irecv(out=...) on every path; posted first, the bytes land in place (no new buffer).
+    job = mpi_job("recv_out.py", n=2, timeout=180)
+    assert_case(job, case, range(2))

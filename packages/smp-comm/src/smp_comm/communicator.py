@@ -295,18 +295,25 @@ class Communicator:
         del buf  # kept alive by the callback until MPI is done with it
         self._table.send_done(handle)
 
-    def irecv(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> RecvHandle:
+    def irecv(self, source: int = ANY_SOURCE, tag: int = ANY_TAG, *, out: Any = None) -> RecvHandle:
         """Post a receive; ``wait()`` returns ``(obj, source, tag)``.
 
         ``source``/``tag`` may be :data:`ANY_SOURCE`/:data:`ANY_TAG`. When several posted
         receives accept a message, the one posted first gets it (MPI's rule).
+
+        ``out``: a contiguous CPU tensor the message (one tensor of its shape and dtype) is
+        received into, instead of a new one; ``obj`` is then ``out``. Posted before the
+        message comes, the bytes land in it directly (no allocation, no second copy). A
+        message that does not fit it completes the receive with an error naming both.
         """
         self._check_open()
         if source != ANY_SOURCE:
             self._check_rank(source, "source")
         if not isinstance(tag, int) or (tag < 0 and tag != ANY_TAG):
             raise ValueError(f"smp-comm irecv: tag must be an int >= 0 or ANY_TAG, got {tag!r}")
-        handle = RecvHandle(source, tag, self.rank, self._wait, self._table.cancel)
+        if out is not None:
+            _check_out(out, self.rank)
+        handle = RecvHandle(source, tag, self.rank, self._wait, self._table.cancel, out)
         self._table.post(handle)
         return handle
 
@@ -405,3 +412,13 @@ def close_live_communicators() -> None:
             comm.close(timeout=10.0)
         except Exception:  # noqa: BLE001 - exiting anyway
             pass
+
+
+def _check_out(out: Any, rank: int) -> None:
+    """Refuse an ``irecv(out=...)`` target the bytes cannot land in as they come."""
+    if not all(hasattr(out, a) for a in ("is_contiguous", "device", "copy_")):
+        raise TypeError(f"smp-comm rank {rank}: irecv(out=...) takes a torch tensor, got {type(out).__name__}")
+    if out.device.type != "cpu":
+        raise ValueError(f"smp-comm rank {rank}: irecv(out=...) takes a CPU tensor, got one on {out.device}")
+    if not out.is_contiguous():
+        raise ValueError(f"smp-comm rank {rank}: irecv(out=...) takes a contiguous tensor")

@@ -6,7 +6,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from smp_comm.errors import CommTimeoutError
+from smp_comm.errors import CommError, CommTimeoutError
 
 __all__ = ["Handle", "RecvHandle", "SendHandle"]
 
@@ -97,6 +97,22 @@ class Handle:
         raise NotImplementedError
 
 
+def _same_as(obj: Any, out: Any) -> Any:
+    """``obj`` if it is a tensor of ``out``'s shape and dtype, else an error saying how it
+    differs."""
+    shape, dtype = getattr(obj, "shape", None), getattr(obj, "dtype", None)
+    if not hasattr(obj, "copy_") or tuple(shape or ()) != tuple(out.shape) or dtype != out.dtype:
+        what = (
+            f"a tensor of shape {tuple(shape)} and dtype {dtype}" if hasattr(obj, "copy_")
+            else f"a {type(obj).__name__}"
+        )
+        raise ValueError(
+            f"the message is {what}; out is a tensor of shape {tuple(out.shape)} and dtype "
+            f"{out.dtype}"
+        )
+    return obj
+
+
 def _peer(p: int) -> str:
     return "any rank" if p < 0 else f"rank {p}"
 
@@ -128,7 +144,13 @@ class SendHandle(Handle):
 
 
 class RecvHandle(Handle):
-    """Returned by ``irecv``; ``wait()`` returns ``(obj, source, tag)``."""
+    """Returned by ``irecv``; ``wait()`` returns ``(obj, source, tag)``.
+
+    With ``out`` (``irecv(out=...)``), ``obj`` is ``out`` itself, holding the message: the
+    bytes land in it directly when the receive was posted before the message came, else they
+    are copied in. A message that is not one tensor of ``out``'s shape and dtype completes
+    the handle with an error naming both.
+    """
 
     def __init__(
         self,
@@ -137,9 +159,25 @@ class RecvHandle(Handle):
         rank: int,
         waiter: Waiter | None,
         canceller: Callable[[RecvHandle], bool],
+        out: Any = None,
     ) -> None:
         super().__init__(peer, tag, rank, waiter)
         self._canceller = canceller
+        self.out = out
+
+    def _complete(self, result: Any = None, error: BaseException | None = None) -> bool:
+        if self.out is not None and error is None and result is not None and result[0] is not self.out:
+            obj, source, tag = result
+            try:
+                self.out.copy_(_same_as(obj, self.out))
+            except Exception as exc:  # noqa: BLE001 - the waiter gets it
+                error = CommError(
+                    f"smp-comm rank {self._rank}: irecv(out=...) from rank {source} (tag {tag}): "
+                    f"{exc}"
+                )
+            else:
+                result = (self.out, source, tag)
+        return super()._complete(result, error)
 
     def cancel(self) -> bool:
         """Withdraw a receive that no message has matched yet. True if it was withdrawn."""

@@ -39,6 +39,9 @@ class Incoming:
     finals: list[Any] = field(default_factory=list)
     views: list[np.ndarray] = field(default_factory=list)
     handle: RecvHandle | None = None
+    # The receive's own tensor (irecv(out=...)) as (finals, views), when its receive was
+    # posted before the header came and the message fits it: the bytes land there directly.
+    into: tuple[list[Any], list[np.ndarray]] | None = None
     done: bool = False
     result: Any = None
     error: BaseException | None = None

@@ -348,14 +348,16 @@ class DirectPaths:
             win.Unlock(dest)  # the Puts are complete at the target when this returns
 
     def read(
-        self, path: str, region: int, stubs: list[TensorStub], release: Callable[[], None]
+        self, path: str, region: int, stubs: list[TensorStub], release: Callable[[], None],
+        into: tuple[list[Any], list[np.ndarray]] | None = None,
     ) -> list[Any]:
-        """The payload at ``region`` of this rank's own buffer, as tensors (receiver side).
+        """The payload at ``region`` of this rank's own buffer, as tensors (receiver side):
+        new ones, or ``into`` (``(finals, byte views)``, the receive's own tensor).
 
         ``release`` is called once the region may be reused: right after the copy out, or,
         for zero-copy shm, when the last handed-out view is garbage collected.
         """
-        if path == "shm" and self._zero_copy:
+        if path == "shm" and self._zero_copy and into is None:
             return self._shm_views_of(region, stubs, release)
         if path == "cuda_ipc":
             finals = []
@@ -370,7 +372,7 @@ class DirectPaths:
             self._stream.synchronize()
             release()
             return finals
-        finals, views = new_buffers(stubs, self.rank)
+        finals, views = into or new_buffers(stubs, self.rank)
         if path == "shm":
             own = self._shm_views[self.rank]
             for s, v in zip(stubs, views):

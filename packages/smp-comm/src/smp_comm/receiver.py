@@ -24,7 +24,7 @@ from smp_comm.errors import CommError
 from smp_comm.matching import Incoming, MatchingTable
 from smp_comm.paths import DirectPaths
 from smp_comm.progress import Progress
-from smp_comm.serialize import finish_tensor, from_blobs, new_buffers, unpack
+from smp_comm.serialize import finish_tensor, from_blobs, new_buffers, out_buffers, unpack
 from smp_comm.settings import CommSettings
 from smp_comm.state import STOP, Backlog, Lifecycle, PathStats, nothing, start_thread
 from smp_comm.stream import Assembly, ChunkBody, scratch_views
@@ -87,11 +87,13 @@ class Receiver:
         """A header's turn (polling thread): match it, then receive or rebuild its payload."""
         inc = Incoming(source, h.tag, seq, h.path, h.region, h.skeleton, h.stubs, h.inline)
         self._table.on_header(inc)
+        if inc.handle is not None and inc.handle.out is not None and inc.inline is None:
+            inc.into = out_buffers(inc.stubs, inc.handle.out)
         if inc.path == "stream":
             self._open_stream(inc)
         elif inc.path == "mpi" and inc.inline is None:
             try:
-                inc.finals, inc.views = new_buffers(inc.stubs, self.rank)
+                inc.finals, inc.views = inc.into or new_buffers(inc.stubs, self.rank)
             except Exception as exc:  # noqa: BLE001 - e.g. torch missing here
                 inc.finals, inc.views = [], []
                 inc.error = CommError(str(exc))
@@ -147,7 +149,7 @@ class Receiver:
 
     def _open_stream(self, inc: Incoming) -> None:
         try:
-            inc.finals, inc.views = new_buffers(inc.stubs, self.rank)
+            inc.finals, inc.views = inc.into or new_buffers(inc.stubs, self.rank)
         except Exception as exc:  # noqa: BLE001 - still drained, then reported
             inc.finals, inc.views = [], scratch_views(inc.stubs)
             inc.error = CommError(str(exc))
@@ -191,7 +193,8 @@ class Receiver:
         try:
             if inc.error is None:
                 values = self._payload(inc)
-                values = [finish_tensor(s, v) for s, v in zip(inc.stubs, values)]
+                if inc.into is None:  # (the caller's own tensor is left as it was given)
+                    values = [finish_tensor(s, v) for s, v in zip(inc.stubs, values)]
                 inc.result = unpack(inc.skeleton, values)
                 self._stats.count(inc.path, "received", sum(s.nbytes for s in inc.stubs))
         except Exception as exc:  # noqa: BLE001 - delivered to the waiter
@@ -211,7 +214,7 @@ class Receiver:
         # reference to the message, so it cannot keep those views alive.
         release = _Once(self._send_free, (inc.path, inc.source, inc.region))
         try:
-            return self._paths.read(inc.path, inc.region, inc.stubs, release)
+            return self._paths.read(inc.path, inc.region, inc.stubs, release, inc.into)
         except BaseException:
             release()
             raise

@@ -223,6 +223,19 @@ def new_buffers(stubs: list[TensorStub], rank: int) -> tuple[list[Any], list[np.
     return finals, views
 
 
+def out_buffers(stubs: list[TensorStub], out: Any) -> tuple[list[Any], list[np.ndarray]] | None:
+    """``new_buffers``' result made of the caller's tensor ``out`` (``irecv(out=...)``): when
+    the message is that one tensor, of ``out``'s shape and dtype; else ``None`` (the message
+    lands in new buffers and the handle reports the mismatch)."""
+    if len(stubs) != 1 or stubs[0].kind != "torch" or torch is None:
+        return None
+    s = stubs[0]
+    if getattr(torch, s.dtype) != out.dtype or tuple(s.shape) != tuple(out.shape):
+        return None
+    raw = out.view(-1).view(torch.uint8) if s.nbytes else torch.empty(0, dtype=torch.uint8)
+    return [out], [raw.numpy()]
+
+
 def from_blobs(stubs: list[TensorStub], blobs: list[bytes], rank: int) -> list[Any]:
     """Tensors/arrays for an inline payload (``blobs[i]`` holds stub ``i``'s bytes)."""
     out: list[Any] = []
