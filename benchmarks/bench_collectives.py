@@ -1,12 +1,15 @@
 """The ``smp`` torch.distributed backend against gloo: 4 ranks on one node, side by side.
 
-Run ``python benchmarks/bench_collectives.py``: it starts ``mpiexec -n 4`` on itself and
+Run ``python benchmarks/bench_collectives.py``: it starts ``mpiexec -n 4`` on itself
+(``BENCH_COLLECTIVES_RANKS`` changes the 4) and
 prints one line per measurement, each with both backends' figures and the ratio:
 
 - ``all_gather_into_tensor`` with a 64 MiB output (16 MiB per rank), ``reduce_scatter_tensor``
   of a 64 MiB float32 input (16 MiB output per rank) and ``all_reduce`` of 64 MiB float32:
   bus bandwidth (output bytes / time), best of 3 per backend, the backends interleaved;
-- 64 KiB float32 ``all_reduce`` latency: median of 200, in interleaved blocks of 20;
+- ``all_reduce`` latency at 64 B, 4 KiB and 64 KiB, and ``barrier``, beside mpi4py's
+  ``Allreduce`` / ``Barrier`` (MPICH's shared memory) and gloo: median of 200, in
+  interleaved blocks of 20 (targets: <= 1.5x mpi4py, <= 0.1x gloo);
 - one FSDP2 (``fully_shard``) training step of a small transformer: median of 5;
 - the cross-host path on two pretend hosts (node-identity override), its two stages
   overlapped in 4 MiB pieces against run one after the other (one piece).
@@ -22,7 +25,7 @@ import time
 from datetime import timedelta
 
 MIB = 1 << 20
-RANKS = 4
+RANKS = int(os.environ.get("BENCH_COLLECTIVES_RANKS", "4"))
 
 
 def launch() -> None:
@@ -66,40 +69,64 @@ def main() -> None:
                 out[name].append(timed(fn, group))
         return {k: min(v) for k, v in out.items()}
 
-    def show(what: str, t: dict[str, float], nbytes: int | None) -> None:
+    def show(what: str, t: dict[str, float], nbytes: int | None, target: float = 0) -> None:
         if rank:
             return
         if nbytes:
             gb = {k: nbytes / v / 1e9 for k, v in t.items()}
+            goal = f" (target >= {target}x)" if target else ""
             print(f"{what:<34} smp {gb['smp']:7.2f} GB/s  gloo {gb['gloo']:7.2f} GB/s  "
-                  f"smp/gloo {gb['smp'] / gb['gloo']:5.2f}x", flush=True)
+                  f"smp/gloo {gb['smp'] / gb['gloo']:5.2f}x{goal}", flush=True)
         else:
             print(f"{what:<34} smp {t['smp'] * 1e6:9.1f} us  gloo {t['gloo'] * 1e6:9.1f} us  "
                   f"smp/gloo {t['smp'] / t['gloo']:5.2f}x", flush=True)
 
+    def show_latency(what: str, runs: dict, targets: dict[str, float]) -> None:
+        lat: dict[str, list[float]] = {name: [] for name in runs}
+        for run in runs.values():
+            run()  # warm up
+        for _ in range(10):
+            for name, run in runs.items():
+                world.Barrier()
+                for _ in range(20):
+                    t0 = time.perf_counter()
+                    run()
+                    lat[name].append(time.perf_counter() - t0)
+        med = {k: world.allreduce(statistics.median(v), op=MPI.MAX) for k, v in lat.items()}
+        if rank == 0:
+            ratios = "  ".join(
+                f"smp/{k} {med['smp'] / med[k]:.2f}x (target <= {v})" for k, v in targets.items()
+            )
+            print(f"{what + ' latency (median)':<34} smp {med['smp'] * 1e6:8.1f} us  mpi4py "
+                  f"{med['mpi4py'] * 1e6:8.1f} us  gloo {med['gloo'] * 1e6:8.1f} us  {ratios}",
+                  flush=True)
+
     out = torch.empty(64 * MIB // 4)
     part = torch.full((16 * MIB // 4,), float(rank))
     show("all_gather_into_tensor 64 MiB out",
-         best(lambda g: dist.all_gather_into_tensor(out, part, group=g), 3), 64 * MIB)
+         best(lambda g: dist.all_gather_into_tensor(out, part, group=g), 3), 64 * MIB, 3)
     whole = torch.rand(64 * MIB // 4)
     show("reduce_scatter_tensor 64 MiB in",
-         best(lambda g: dist.reduce_scatter_tensor(part, whole, group=g), 3), 64 * MIB)
+         best(lambda g: dist.reduce_scatter_tensor(part, whole, group=g), 3), 64 * MIB, 2)
     show("all_reduce 64 MiB",
-         best(lambda g: dist.all_reduce(whole, group=g), 3), 64 * MIB)
+         best(lambda g: dist.all_reduce(whole, group=g), 3), 64 * MIB, 2)
 
-    small = torch.rand(64 * 1024 // 4)
-    lat: dict[str, list[float]] = {"smp": [], "gloo": []}
-    for group in groups.values():
-        dist.all_reduce(small, group=group)
-    for _ in range(10):
-        for name, group in groups.items():
-            dist.barrier(group=groups["gloo"])
-            for _ in range(20):
-                t0 = time.perf_counter()
-                dist.all_reduce(small, group=group)
-                lat[name].append(time.perf_counter() - t0)
-    med = {k: world.allreduce(statistics.median(v), op=MPI.MAX) for k, v in lat.items()}
-    show("all_reduce 64 KiB latency (median)", med, None)
+    # Latency: all_reduce of 64 B, 4 KiB and 64 KiB, and barrier, against mpi4py's Allreduce /
+    # Barrier (MPICH's shared memory) and gloo, interleaved in blocks of 20, median of 200.
+    import numpy as np
+
+    for nbytes in (64, 4096, 64 * 1024):
+        small = torch.rand(nbytes // 4)
+        a, b = small.numpy().copy(), np.empty(nbytes // 4, dtype=np.float32)
+        runs = {
+            "mpi4py": lambda a=a, b=b: world.Allreduce(a, b),
+            **{name: (lambda g=g, t=small: dist.all_reduce(t, group=g))
+               for name, g in groups.items()},
+        }
+        show_latency(f"all_reduce {nbytes} B", runs, {"mpi4py": 1.5, "gloo": 0.1})
+    runs = {"mpi4py": world.Barrier,
+            **{name: (lambda g=g: dist.barrier(group=g)) for name, g in groups.items()}}
+    show_latency("barrier", runs, {"mpi4py": 1.5, "gloo": 0.1})
 
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard

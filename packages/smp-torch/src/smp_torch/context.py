@@ -72,6 +72,9 @@ class SMPContext:
     process_groups: dict[str, Any]
     mpi_comms: dict[str, Any]
     watch: FailureWatch
+    # The new_group backend of every group smp makes (collective_backend resolved: "smp" on
+    # CPU by default, None = the default group's, NCCL, on CUDA).
+    group_backend: str | None = None
     # Objects to close on re-init (pipeline runtimes, communicators).
     closers: list[Any] = field(default_factory=list)
     # The keys of the process groups this context used (smp_torch.group_cache: reused by the
@@ -214,6 +217,7 @@ def create_context(cfg: SMPConfig) -> SMPContext:
         process_groups=pgs,
         mpi_comms=comms,
         used_groups=used,
+        group_backend=backend,
         # SMP_FAILURE_PROC_CHECK=0: heartbeats watch every peer (tests of the heartbeat ring).
         watch=FailureWatch(
             world, cfg.timeout_s, pid_check=os.environ.get("SMP_FAILURE_PROC_CHECK", "1") != "0"

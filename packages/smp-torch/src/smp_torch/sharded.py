@@ -246,7 +246,9 @@ def sharding_mesh(ctx: Any) -> tuple[DeviceMesh, Any, list[int]]:
     data-parallel group without tensor parallelism, the ranks of one tensor-parallel slice
     with it, one pipeline stage's) is cut into rows of ``sdp`` consecutive members (the
     sharding groups); columns are the replicate groups. ``new_group`` is called for every row
-    and column of every group in the same order on every rank, as torch.distributed requires."""
+    and column of every group in the same order on every rank, as torch.distributed requires.
+    They use ``collective_backend`` like smp's other groups (FSDP2's functional collectives
+    and state dicts work on ``smp`` groups)."""
     sdp = ctx.config.sdp
     device_type = ctx.device.type
     shard_pg = rep_pg = None
@@ -255,15 +257,15 @@ def sharding_mesh(ctx: Any) -> tuple[DeviceMesh, Any, list[int]]:
     for members in ctx.topology.all_groups("rdp"):
         rows = [members[i : i + sdp] for i in range(0, len(members), sdp)]
         for row in rows:
-            pg = group_cache.process_group(row)
-            ctx.used_groups.append(group_cache.group_key(row))
+            pg = group_cache.process_group(row, ctx.group_backend)
+            ctx.used_groups.append(group_cache.group_key(row, ctx.group_backend))
             if ctx.rank in row:
                 shard_pg, shard_ranks = pg, row
         if len(rows) > 1:
             for j in range(sdp):
                 col = members[j::sdp]
-                pg = group_cache.process_group(col)
-                ctx.used_groups.append(group_cache.group_key(col))
+                pg = group_cache.process_group(col, ctx.group_backend)
+                ctx.used_groups.append(group_cache.group_key(col, ctx.group_backend))
                 if ctx.rank in col:
                     rep_pg = pg
         if ctx.rank in members:

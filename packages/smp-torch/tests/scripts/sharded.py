@@ -227,6 +227,14 @@ def run_case(case: dict) -> None:
     again = dmodel.state_dict()
     for k, v in shifted.items():
         assert torch.equal(again[k], v), (name, k)
+    # The sharding groups run on collective_backend like smp's others ("auto": smp on CPU).
+    from smp_torch import group_cache
+
+    want = config.get("collective_backend", "auto")
+    want = ("nccl" if torch.cuda.is_available() else "smp") if want == "auto" else want
+    on = {torch.distributed.get_backend(g) for g in group_cache._GROUPS.values()
+          if g is not torch.distributed.GroupMember.NON_GROUP_MEMBER}
+    assert on == {want}, f"[{name}] groups on {on}, want {want}"
     smp.barrier()
     if smp.rank() == 0:
         print(f"CASE-OK {name} ({elapsed:.1f}s; units {plan.units})", flush=True)
