@@ -102,7 +102,7 @@ def main() -> None:
                   flush=True)
 
     out = torch.empty(64 * MIB // 4)
-    part = torch.full((16 * MIB // 4,), float(rank))
+    part = torch.full((64 * MIB // 4 // size,), float(rank))
     show("all_gather_into_tensor 64 MiB out",
          best(lambda g: dist.all_gather_into_tensor(out, part, group=g), 3), 64 * MIB, 3)
     whole = torch.rand(64 * MIB // 4)
@@ -161,6 +161,9 @@ def main() -> None:
     # Two pretend hosts ({0, 1} and {2, 3}, by the node-identity override): the hierarchical
     # path with its host and inter-host stages overlapped (4 MiB pieces) against one piece
     # (the stages one after the other). One machine: the "inter-host" link is loopback TCP.
+    if size != 4:
+        dist.destroy_process_group()
+        return
     os.environ["SMP_COMM_NODE_ID"] = f"pretend-host-{rank // 2}"
     split: dict[str, object] = {}
     for name, chunk in (("overlapped", 4 * MIB), ("sequential", 1 << 40)):
