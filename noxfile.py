@@ -74,9 +74,13 @@ def _install(session: nox.Session, package: str, extra: str | None = "test") -> 
 
 
 @nox.session
-@nox.parametrize("package", PACKAGES)
+@nox.parametrize("package", [*PACKAGES, "docs"])
 def tests(session: nox.Session, package: str) -> None:
-    """Run one package's tests in an environment holding only that package and its deps."""
+    """Run one package's tests in an environment holding only that package and its deps;
+    ``docs``: build the docs site with warnings as errors (so CI builds it too)."""
+    if package == "docs":
+        docs(session)
+        return
     _install(session, package)
     session.chdir(ROOT / "packages" / package)
     # pytest exits 5 when it collected nothing; nox treats any non-zero exit as failure.
