@@ -143,7 +143,8 @@ def _local_bytes(m: nn.Module) -> int:
             continue
         seen.add(id(p))
         t = sharded.local_tensor(p)
-        total += t.numel() * t.element_size()
+        if not t.is_meta:  # (delayed initialisation: other stages' tensors are never allocated)
+            total += t.numel() * t.element_size()
     return total
 
 
