@@ -1,5 +1,6 @@
-"""``model.report()``: what smp did to Gemma2, Phi-3 and a Llama at tp = 2 and pp = 2 (one
-2-rank job: see ``scripts/report.py``), and the table's layout (no MPI job)."""
+"""``model.report()``: what smp did to Gemma2, Phi-3 and a Llama at tp = 2 and pp = 2, and
+to the Llama at sdp = 2 (one 2-rank job: see ``scripts/report.py``), and the table's layout
+(no MPI job)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from conftest import launch, ok_cases
 from smp_torch.report import ModelReport, ModuleReport, fallback_messages
 
 CASES = [f"{layout}_{model}" for layout in ("tp2", "pp2") for model in ("gemma2", "phi3", "llama")]
+CASES.append("sdp2_llama")
 
 
 def test_report_of_hf_models_at_tp2_and_pp2(tmp_path: Path) -> None:

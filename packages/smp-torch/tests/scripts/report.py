@@ -13,6 +13,7 @@ from collections.abc import Callable
 import smp_torch as smp
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 VOCAB, SEQ = 64, 8
 PARAMS: dict[str, dict[int, int]] = {}  # the last wrapped model's, before wrapping
@@ -207,9 +208,30 @@ def check_pp(name: str, folder: str) -> None:
     ok(f"pp2_{name}")
 
 
+def check_sdp() -> None:
+    """Sharded data parallelism (FSDP2): each module's unit, and half of every even tensor."""
+    # (A low threshold: the tiny model gets units below its root.)
+    smp.init({"sharded_data_parallel_degree": 2, "sdp_param_persistence_threshold": 500})
+    model, full, _ = wrap("llama")
+    rows = {r.path: r for r in model.report().modules}
+    units = {r.shard_unit for r in rows.values()}
+    assert None not in units and len(units) > 1, units
+    for r in rows.values():
+        # The unit named is one FSDP2 really made, and encloses the module.
+        assert r.shard_unit is not None
+        members = r.shard_unit.split("+")
+        assert all(isinstance(model.module.get_submodule(m), FSDPModule) for m in members), r
+        assert any(m == "" or r.path == m or r.path.startswith(m + ".") for m in members), r
+    for i in range(2):
+        mlp = f"model.layers.{i}.mlp"
+        assert rows[mlp].bytes_per_rank == full[mlp] // 2, (rows[mlp], full[mlp])
+    ok("sdp2_llama")
+
+
 if __name__ == "__main__":
     scratch = sys.argv[1]
     for model_name in MODELS:
         check_tp(model_name)
     for model_name in MODELS:
         check_pp(model_name, scratch)
+    check_sdp()
