@@ -56,6 +56,7 @@ class Model(nn.Module):
         self.emb = ScaledEmbedding(10, 4)
         self.block = Block()
         self.scale = Scale()
+        self.capped = nn.Embedding(10, 4, max_norm=1.0)  # the built-in converter declines it
         self.head = nn.Linear(4, 10, bias=False)
         self.head.weight = self.emb.weight  # tied
 
@@ -73,12 +74,14 @@ def test_decisions_name_each_treatment_and_remedy() -> None:
         "block.up": (Treatment.PER_LINEAR, None, "tp_register_block"),
         "block.down": (Treatment.PER_LINEAR, None, "tp_register_block"),
         "scale": (Treatment.REPLICATED, Cause.NO_MAPPING, None),
+        "capped": (Treatment.REPLICATED, Cause.DECLINED, "tp_register_with_module"),
         "head": (Treatment.REPLICATED, Cause.SHARED, "tp_register_vocab_parallel"),
     }
     reasons = {d.path: d.reason for d in record}
     assert "subclass of Embedding" in reasons["emb"]
     assert "tp_register_block(Block," in reasons["block.up"]
     assert "shares parameters with emb" in reasons["head"]
+    assert "max_norm" in reasons["capped"]  # the converter's own warning, as the reason
 
 
 def test_without_a_record_smp_tp_still_warns() -> None:

@@ -207,9 +207,11 @@ _REMEDIES = {
         "(a tied embedding and head stay one shard)",
     ),
     "tp_register_with_module": (
-        "subclasses of layer types smp-tp replaces stay whole on every tensor-parallel rank "
-        "(a subclass may change the maths, so only exact types are replaced)",
-        "register a distributed implementation for the subclass with "
+        "modules smp-tp has no usable implementation for stay whole on every tensor-parallel "
+        "rank (a subclass of a replaced type, which may change the maths, so only exact types "
+        "are replaced; or a layer whose configuration the built-in implementation does not "
+        "cover, as the report's reason says)",
+        "register a distributed implementation for the class with "
         "smp.tp_register_with_module(cls, dist_cls)",
     ),
 }

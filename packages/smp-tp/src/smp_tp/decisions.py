@@ -40,7 +40,8 @@ class Cause(str, Enum):
     #: It subclasses a replaceable type (``nn.Embedding``...): smp-tp replaces exact types
     #: only, since a subclass may change the maths (Gemma2's scaled embedding).
     SUBCLASS = "subclass"
-    #: Its class has a distributed implementation, which declined this instance.
+    #: Its class has a distributed implementation, which declined this instance (the reason
+    #: is the converter's warning: GPT-2 with cross-attention, say).
     DECLINED = "declined"
     #: Its class has no distributed implementation (an RMSNorm, say): nothing to split.
     NO_MAPPING = "no-mapping"

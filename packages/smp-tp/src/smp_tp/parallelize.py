@@ -443,7 +443,9 @@ def parallelize(
     def replace(m: nn.Module, path: str, parent: nn.Module | None) -> DistributedModule | None:
         replacement, said = _convert(m, path, quiet)
         if replacement is None:
-            keep(m, path, Cause.DECLINED, "; ".join(said) or f"the {type(m).__name__} converter declined it")
+            # A registration of the user's own for the class wins over the built-in one.
+            keep(m, path, Cause.DECLINED, "; ".join(said) or f"the {type(m).__name__} converter declined it",
+                 "tp_register_with_module")
         elif record is not None:
             record.append(_replaced(path, m, replacement, parent, vocab_owners.get(id(m))))
         return replacement
