@@ -115,6 +115,11 @@ MEANINGS: dict[str, str] = {
         "Path prefix: record the pipeline timeline; `model.write_timeline()` writes "
         "`<prefix>.json` (Chrome trace) and `<prefix>.png`."
     ),
+    "print_report": (
+        "Rank 0 prints `model.report()` (per module: stage, tensor-parallel treatment, shard "
+        "unit, bytes per rank) once, when the model is partitioned. With `timeline` set the "
+        "table is also written to `<prefix>.report.txt` (and `.report.json`), whatever this key."
+    ),
     "collective_backend": (
         'The `torch.distributed` backend of smp\'s groups: `"auto"` (smp-comm\'s `smp` on '
         'CPU, NCCL on CUDA), `"gloo"` or `"smp"`. See [the smp backend](../how-to/smp-backend.md).'

@@ -24,6 +24,7 @@ from smp_torch.errors import ConfigError, NotInitializedError, PeerFailedError, 
 from smp_torch.inert import InertSettingWarning
 from smp_torch.model import DistributedModel
 from smp_torch.optimizer import DistributedOptimizer
+from smp_torch.report import ModelReport, ModuleReport, TPFallbackWarning
 from smp_torch.state import (
     dp_rank,
     dp_size,
@@ -93,6 +94,9 @@ __all__ = [
     "StallError",
     "CheckpointError",
     "InertSettingWarning",
+    "TPFallbackWarning",
+    "ModelReport",
+    "ModuleReport",
     "DistributedModel",
     "DistributedOptimizer",
     "step",

@@ -78,6 +78,8 @@ class SMPConfig:
     trace_device: str = "cpu"
     timeout_s: float = 300.0
     timeline: str | None = None
+    # Rank 0 prints model.report() (what smp did to each module) once it exists.
+    print_report: bool = False
     # The torch.distributed backend of the data-, tensor- and pipeline-parallel groups.
     collective_backend: str = "auto"
     # Sharded data parallelism (smp_torch.sharded, on FSDP2's fully_shard).

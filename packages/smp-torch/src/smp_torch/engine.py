@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
+import smp_tp
 import torch
 from smp_pipeline import add_checkpoint_context
 from smp_pipeline.checkpointing import checkpoint_in_place
@@ -69,10 +70,13 @@ class Engine(ABC):
     partition_report: Any = None
     #: This rank's activation offloader (``offload_activations``), None without it.
     offloader: ActivationOffloader | None = None
+    #: smp-tp's decision per module (tensor parallelism), empty with tp = 1.
+    tp_decisions: list[smp_tp.TPDecision]
 
     def __init__(self, ctx: SMPContext) -> None:
         self.ctx = ctx
         self._subscribers: list[Callable[[], None]] = []
+        self.tp_decisions = []
         # Recomputations replay smp-tp's dropout streams too (torch restores only its own
         # generators), at every pipeline degree.
         add_checkpoint_context(tp_checkpoint_context)
@@ -114,6 +118,7 @@ class Engine(ABC):
             cfg.prescaled_batch,
             cfg.optimize,
             cfg.tensor_parallel_seed,
+            record=self.tp_decisions,
         )
         device = self.ctx.device
         # (Under delayed initialisation the other stages' tensors stay on the meta device.)

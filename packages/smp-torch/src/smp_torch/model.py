@@ -42,6 +42,7 @@ from smp_torch.errors import ConfigError, SMPError
 from smp_torch.grads import GradReducer, GradSpec
 from smp_torch.inert import has_checkpointed_module, inert_settings, warn_inert
 from smp_torch.pipeline import PipelineEngine
+from smp_torch.report import ModelReport, build_report, tell
 from smp_torch.sharded_tp import TPShardedGrads
 from smp_torch.stall_report import register_model
 from smp_torch.state import state
@@ -107,6 +108,7 @@ class DistributedModel(nn.Module):
         self._overlap = overlap_grad_reduction
         self._reducer: GradReducer | None = None
         self._tp_sharded: TPShardedGrads | None = None
+        self._report: ModelReport | None = None
         self._orig_param_names = [n for n, _ in module.named_parameters(remove_duplicate=False)]
         if has_meta(module) and not cfg.delayed_parameter_initialization:
             raise SMPError(
@@ -125,9 +127,11 @@ class DistributedModel(nn.Module):
         _CURRENT = self
 
     def _after_partition(self) -> None:
-        """Keep only this stage's parameters; build the data-parallel reducer over them."""
+        """Keep only this stage's parameters; build the data-parallel reducer over them;
+        report what smp did to the model (collective: every rank is here)."""
         self._owned_names = self.engine.owned_parameter_names()
         self._reducer = self._build_reducer()
+        self._make_report()
         if self._cfg.sdp > 1 and self._cfg.tp > 1:
             ctx = self.context
             cuda = ctx.device.type == "cuda"
@@ -137,6 +141,35 @@ class DistributedModel(nn.Module):
                 self._cfg.tp,
                 wait=lambda work: ctx.watch.wait_work(work, cuda),
             )
+
+    def _make_report(self) -> None:
+        ctx, cfg = self.context, self._cfg
+        runtime = getattr(self.engine, "runtime", None)
+        stages = dict(runtime.assignment) if runtime is not None and runtime.assignment else None
+        plan = getattr(self.engine, "shard_plan", None)
+        world = ctx.mpi_comms["world"]
+        self._report = build_report(
+            self.module, self.engine.tp_decisions, stages, list(plan.units) if plan is not None else None,
+            (cfg.pp, cfg.tp, cfg.sdp, cfg.rdp), world.allgather,
+        )
+        tell(self._report, ctx.rank, cfg.print_report, cfg.timeline)
+
+    def report(self) -> ModelReport:
+        """What smp did to the model: per module, its pipeline stage, tensor-parallel
+        treatment (with the reason), sharded data-parallel unit and parameter bytes per rank.
+
+        The same on every rank. Available once parameters are assigned to stages: at once
+        with ``pipeline_parallel_degree`` 1 (or a partition known at wrap time), after the
+        first step otherwise. ``str(model.report())`` is a table; rank 0 prints it once when
+        the ``print_report`` config key is set, and writes it next to the timeline
+        (``<timeline>.report.txt`` and ``.report.json``) when ``timeline`` is.
+
+        Raises:
+            SMPError: before the model is partitioned (the first step partitions it).
+        """
+        if self._report is None:
+            raise SMPError("the model is partitioned on its first step: call report() after it")
+        return self._report
 
     def on_partitioned(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` once parameters are assigned to pipeline stages (at once if they

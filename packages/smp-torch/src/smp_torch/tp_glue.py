@@ -20,14 +20,21 @@ __all__ = [
 
 
 def parallelize(
-    module: nn.Module, tp_group: Any, prescaled_batch: bool, optimize: str, seed: int
+    module: nn.Module,
+    tp_group: Any,
+    prescaled_batch: bool,
+    optimize: str,
+    seed: int,
+    record: list[smp_tp.TPDecision] | None = None,
 ) -> nn.Module:
     """Replace the marked submodules of ``module`` by smp-tp's distributed modules, with
-    ``seed`` as the tensor-parallel dropout seed."""
+    ``seed`` as the tensor-parallel dropout seed; ``record`` receives smp-tp's decision per
+    module (and smp-tp then leaves the warnings to the caller: :mod:`smp_torch.report`)."""
     smp_tp.set_tensor_parallel_seed(seed)
     before = dict(module.named_modules())
     out = smp_tp.parallelize(
-        module, tp_group=tp_group, prescaled_batch=prescaled_batch, optimize=optimize
+        module, tp_group=tp_group, prescaled_batch=prescaled_batch, optimize=optimize,
+        record=record,
     )
     # A replaced module keeps what the user marked on the original (activation
     # checkpointing, pipeline stage): the marks live on the module objects.

@@ -6,6 +6,7 @@ Torch only (no MPI): works under ``torchrun`` with any ``torch.distributed`` pro
 from smp_tp.__about__ import __version__
 from smp_tp.architectures import tp_register_block, tp_register_vocab_parallel
 from smp_tp.checkpoint import full_grad_dict, full_state_dict, load_full_state_dict
+from smp_tp.decisions import Cause, TPDecision, Treatment
 from smp_tp.grads import sync_gradients
 from smp_tp.group import tp_rank, tp_size
 from smp_tp.layers.attention import DistributedAttentionLayer
@@ -81,7 +82,7 @@ __all__ = [
     # replacement
     "tensor_parallelism", "set_tensor_parallelism", "is_tensor_parallel_enabled",
     "tp_register", "tp_register_with_module", "tp_register_block", "tp_register_vocab_parallel",
-    "parallelize",
+    "parallelize", "TPDecision", "Treatment", "Cause",
     # state and gradients
     "full_state_dict", "load_full_state_dict", "full_grad_dict", "sync_gradients",
     "ParamSpec", "param_spec", "is_distributed_parameter",

@@ -13,13 +13,21 @@ from torch import nn
 from smp_tp import builtin as _builtin  # noqa: F401  (registers nn.Linear/Embedding/LayerNorm)
 from smp_tp.architectures import VocabPlan, vocab_plan
 from smp_tp.checkpoint import load_full_into
+from smp_tp.decisions import Cause, TPDecision, Treatment
 from smp_tp.group import ProcessGroup
 from smp_tp.hf import register_hf_if_loaded
+from smp_tp.layers.block import DistributedBlock
 from smp_tp.layers.vocab import VocabParallelEmbedding, VocabParallelLMHead, sharded_logits
 from smp_tp.loss import VocabParallelCausalLMLoss
 from smp_tp.module import DistributedModule
 from smp_tp.random import set_tensor_parallel_seed
-from smp_tp.registry import INIT_ARGS, Registration, is_tensor_parallel_enabled, lookup
+from smp_tp.registry import (
+    INIT_ARGS,
+    Registration,
+    is_tensor_parallel_enabled,
+    lookup,
+    registered_base,
+)
 from smp_tp.state import check_optimize, tp_config
 
 
@@ -82,13 +90,68 @@ def _generic(module: nn.Module, reg: Registration) -> DistributedModule:
     return dist
 
 
-def _convert(module: nn.Module, path: str) -> DistributedModule | None:
+def _convert(module: nn.Module, path: str, quiet: bool) -> tuple[DistributedModule | None, list[str]]:
+    """The replacement (None: the converter declined) and, when ``quiet``, the warnings the
+    converter gave (the caller records them as the reason instead of printing them)."""
     reg = lookup(module)
     assert reg is not None
     try:
-        return reg.converter(module) if reg.converter is not None else _generic(module, reg)
+        if not quiet:
+            return (reg.converter(module) if reg.converter is not None else _generic(module, reg)), []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = reg.converter(module) if reg.converter is not None else _generic(module, reg)
+        return out, [str(w.message) for w in caught]
     except ValueError as e:
         raise ValueError(f"smp_tp.parallelize: module {path or '<root>'!r}: {e}") from e
+
+
+def _treatment(original: nn.Module, replacement: DistributedModule) -> Treatment:
+    if isinstance(replacement, DistributedBlock):
+        return Treatment.BLOCK
+    if isinstance(replacement, (VocabParallelEmbedding, VocabParallelLMHead)):
+        return Treatment.VOCAB
+    if type(original) is nn.Linear:
+        return Treatment.PER_LINEAR
+    return Treatment.LAYER
+
+
+def _vocab_owners(model: nn.Module) -> dict[int, str]:
+    """Module id → class name of the outermost model naming it as its input embedding or
+    output head (Hugging Face's accessors): what ``tp_register_vocab_parallel`` would take."""
+    found: dict[int, str] = {}
+    for m in model.modules():
+        for getter in ("get_input_embeddings", "get_output_embeddings"):
+            fn = getattr(m, getter, None)
+            try:
+                target = fn() if callable(fn) else None
+            except (AttributeError, NotImplementedError):  # (a model without that module)
+                target = None
+            if isinstance(target, nn.Module):
+                found.setdefault(id(target), type(m).__name__)
+    return found
+
+
+def _replaced(path: str, original: nn.Module, replacement: DistributedModule,
+              parent: nn.Module | None, vocab_owner: str | None) -> TPDecision:
+    kind = _treatment(original, replacement)
+    name = type(original).__name__
+    if kind is Treatment.BLOCK:
+        return TPDecision(path, name, kind, "Megatron column -> row block: one collective pair")
+    if vocab_owner is not None and kind in (Treatment.PER_LINEAR, Treatment.LAYER):
+        # An embedding split over the hidden dimension, or a head gathering its outputs:
+        # correct, but the vocabulary-parallel pair is what a language model wants.
+        return TPDecision(path, name, kind,
+                          f"{type(replacement).__name__}, not vocabulary-parallel: register "
+                          f"tp_register_vocab_parallel({vocab_owner})",
+                          remedy="tp_register_vocab_parallel")
+    if kind is Treatment.PER_LINEAR:
+        owner = type(parent).__name__ if parent is not None else "the model"
+        return TPDecision(path, name, kind,
+                          f"no block mapping for {owner}: one collective per nn.Linear "
+                          f"(register one with tp_register_block({owner}, column=..., row=...))",
+                          remedy="tp_register_block")
+    return TPDecision(path, name, kind, f"replaced by {type(replacement).__name__}")
 
 
 # ------------------------------------------------------------------ vocabulary plans
@@ -209,7 +272,8 @@ def _install_loss(owner: nn.Module, head_rel: str, plan: VocabPlan, vhead: Vocab
     object.__setattr__(owner, "_smp_tp_loss_hooks", True)
 
 
-def _apply_vocab_plan(model: nn.Module, owner: nn.Module, plan: VocabPlan) -> None:
+def _apply_vocab_plan(model: nn.Module, owner: nn.Module, plan: VocabPlan,
+                      record: list[TPDecision] | None) -> None:
     emb = _resolve(owner, plan.embedding, "get_input_embeddings")
     if type(emb) is not nn.Embedding or not is_tensor_parallel_enabled(emb):
         return
@@ -249,6 +313,9 @@ def _apply_vocab_plan(model: nn.Module, owner: nn.Module, plan: VocabPlan) -> No
     vemb.load_full_weight(w.detach())
     vemb.train(emb.training)
     _set_module(model, emb_path, vemb)
+    vocab_reason = f"tp_register_vocab_parallel({type(owner).__name__})"
+    if record is not None:
+        record.append(TPDecision(emb_path, type(emb).__name__, Treatment.VOCAB, vocab_reason))
     for path in aliases:
         alias = model.get_submodule(path)
         # built on the meta device, then given the shared shard: one parameter, as before
@@ -259,6 +326,9 @@ def _apply_vocab_plan(model: nn.Module, owner: nn.Module, plan: VocabPlan) -> No
         twin.weight = vemb.weight
         twin.train(alias.training)
         _set_module(model, path, twin)
+        if record is not None:
+            record.append(TPDecision(path, type(alias).__name__, Treatment.VOCAB,
+                                     f"{vocab_reason}, sharing {emb_path}'s shard"))
     if not usable_head:
         return
     assert isinstance(head, nn.Linear) and head_path is not None
@@ -270,18 +340,27 @@ def _apply_vocab_plan(model: nn.Module, owner: nn.Module, plan: VocabPlan) -> No
     vhead.load_full_weight(head.weight.detach(), head.bias.detach() if head.bias is not None else None)
     vhead.train(head.training)
     _set_module(model, head_path, vhead)
+    if record is not None:
+        tie = f", tied to {emb_path} (one shard)" if tied else ""
+        record.append(TPDecision(head_path, type(head).__name__, Treatment.VOCAB, vocab_reason + tie))
     if plan.hf_causal_lm or plan.hf_seq2seq_lm:
         owner_path = paths[id(owner)]
         rel = head_path[len(owner_path) + 1:] if owner_path else head_path
         _install_loss(owner, rel, plan, vhead)
 
 
-def _apply_vocab_plans(model: nn.Module) -> None:
+def _apply_vocab_plans(model: nn.Module, record: list[TPDecision] | None) -> None:
     """Vocabulary-parallel embeddings/heads of registered models, outermost model first."""
     for _, owner in list(model.named_modules()):
         plan = vocab_plan(owner)
         if plan is not None:
-            _apply_vocab_plan(model, owner, plan)
+            _apply_vocab_plan(model, owner, plan, record)
+
+
+def _outside(m: nn.Module, path: str, owners: dict[int, set[str]]) -> list[str]:
+    """The modules outside ``m`` holding one of its parameters."""
+    return sorted({o for _, p in m.named_parameters(remove_duplicate=False)
+                   for o in owners.get(id(p), ()) if not _within(o, path)})
 
 
 def parallelize(
@@ -290,6 +369,8 @@ def parallelize(
     prescaled_batch: bool = False,
     optimize: str = "speed",
     tensor_parallel_seed: int | None = None,
+    *,
+    record: list[TPDecision] | None = None,
 ) -> nn.Module:
     """Replace, in place, every module that
 
@@ -300,27 +381,74 @@ def parallelize(
 
     by its distributed version holding this rank's slices of the *original* weights, and
     return the model (the replacement itself when the root module is replaced).
+
+    ``record``: a list that receives a :class:`~smp_tp.decisions.TPDecision` for every module
+    replaced and every module holding parameters left whole, with the reason. Passing one
+    also silences the warnings about modules left whole: the caller reports them (smp's
+    ``model.report()`` warns once per kind, naming the remedy).
     """
     check_optimize(optimize)
     if tensor_parallel_seed is not None:
         set_tensor_parallel_seed(tensor_parallel_seed)
     register_hf_if_loaded()
     with tp_config(tp_group=tp_group, prescaled_batch=prescaled_batch, optimize=optimize):
-        _apply_vocab_plans(model)
+        _apply_vocab_plans(model, record)
     owners, uses = _ownership(model)
+    quiet = record is not None
+    vocab_owners = _vocab_owners(model) if quiet else {}
+
+    def keep(m: nn.Module, path: str, cause: Cause, reason: str, remedy: str | None = None) -> None:
+        if record is not None:
+            record.append(TPDecision(path, type(m).__name__, Treatment.REPLICATED, reason, cause, remedy))
 
     def eligible(m: nn.Module, path: str) -> bool:
-        if isinstance(m, DistributedModule) or lookup(m) is None:
+        if isinstance(m, DistributedModule):
             return False
-        if not is_tensor_parallel_enabled(m):
+        marked = is_tensor_parallel_enabled(m)
+        own = any(True for _ in m.parameters(recurse=False))
+        if lookup(m) is None:
+            base = registered_base(m)
+            if marked and base is not None:
+                # A subclass may change the maths (Gemma2's embedding scales its output),
+                # so only the exact type is replaced; the user can register the subclass.
+                keep(m, path, Cause.SUBCLASS,
+                     f"a subclass of {base.__name__}: only exact types are replaced (a "
+                     f"subclass may change the maths); register it with tp_register_with_module",
+                     "tp_register_with_module")
+            elif own:
+                if marked:
+                    keep(m, path, Cause.NO_MAPPING, f"no distributed implementation for {type(m).__name__}")
+                else:
+                    keep(m, path, Cause.UNMARKED, "not marked for tensor parallelism")
+            return False
+        if not marked:
+            if own:
+                keep(m, path, Cause.UNMARKED, "not marked for tensor parallelism")
             return False
         if uses.get(id(m), 1) > 1 or _shares_parameters(m, path, owners):
-            warnings.warn(
-                f"smp_tp: {path or '<root>'} ({type(m).__name__}) shares parameters or is "
-                f"reused; left unreplaced", stacklevel=3,
-            )
+            others = _outside(m, path, owners)
+            if quiet:
+                what = f"shares parameters with {', '.join(others)}" if others else "is used at several places"
+                keep(m, path, Cause.SHARED,
+                     f"{what} (tied weights stay whole); tp_register_vocab_parallel keeps a "
+                     f"tied nn.Embedding and head as one shard", "tp_register_vocab_parallel")
+            else:
+                warnings.warn(
+                    f"smp_tp: {path or '<root>'} ({type(m).__name__}) shares parameters or is "
+                    f"reused; left unreplaced", stacklevel=3,
+                )
             return False
         return True
+
+    def replace(m: nn.Module, path: str, parent: nn.Module | None) -> DistributedModule | None:
+        replacement, said = _convert(m, path, quiet)
+        if replacement is None:
+            # A registration of the user's own for the class wins over the built-in one.
+            keep(m, path, Cause.DECLINED, "; ".join(said) or f"the {type(m).__name__} converter declined it",
+                 "tp_register_with_module")
+        elif record is not None:
+            record.append(_replaced(path, m, replacement, parent, vocab_owners.get(id(m))))
+        return replacement
 
     def visit(parent: nn.Module, path: str) -> None:
         for name, child in list(parent.named_children()):
@@ -328,7 +456,7 @@ def parallelize(
             if isinstance(child, DistributedModule):
                 continue
             if eligible(child, cpath):
-                replacement = _convert(child, cpath)
+                replacement = replace(child, cpath, parent)
                 if replacement is not None:
                     setattr(parent, name, replacement)
                     continue
@@ -336,7 +464,7 @@ def parallelize(
 
     with tp_config(tp_group=tp_group, prescaled_batch=prescaled_batch, optimize=optimize):
         if eligible(model, ""):
-            replacement = _convert(model, "")
+            replacement = replace(model, "", None)
             if replacement is not None:
                 return replacement
         visit(model, "")

@@ -153,3 +153,12 @@ def register_builtin(module_cls: type, dist_cls: type, converter: Callable[[nn.M
 def lookup(module: nn.Module) -> Registration | None:
     """The registration for ``type(module)`` exactly (subclasses may change the maths)."""
     return _registry.get(type(module))
+
+
+def registered_base(module: nn.Module) -> type | None:
+    """A registered class that ``type(module)`` strictly subclasses (nearest in the MRO), or
+    None: such an instance is not replaced (:func:`lookup` takes exact types only)."""
+    for base in type(module).__mro__[1:]:
+        if base in _registry:
+            return base
+    return None
