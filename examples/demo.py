@@ -13,6 +13,12 @@ smp-partition) and a progress bar with the loss and tokens/s, and these land in 
   https://ui.perfetto.dev), ``timeline.png`` — the same drawn like the paper's Figure 5
   (the last steps of training);
 - ``metrics.json`` — losses per step, throughput, a greedy sample.
+
+Then it checks the promise of SPEC §8 on the demo itself: it trains the same model (same seed,
+same batches) in this one process, without smp, accumulating gradients over the same
+microbatches, and every step's loss must equal the job's within the equivalence bound
+(``rtol=1e-5``, ``atol=1e-6``; not bit-identical: tensor parallelism sums a layer's shards in
+another order than one process does). Both losses are printed.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# SPEC §8's bound for fp32 losses, per step.
+RTOL, ATOL = 1e-5, 1e-6
 
 
 def mpiexec() -> str:
@@ -36,6 +44,46 @@ def mpiexec() -> str:
     if not found:
         sys.exit("demo: no mpiexec found: `pip install mpich` (or load a system MPI)")
     return found
+
+
+def reference_losses(train_argv: list[str], nprocs: int) -> list[float]:
+    """The losses of one process training what ``train.py train_argv`` trains on ``nprocs``
+    ranks: the same model, seed, batches and optimizer (read from ``train.py``'s own argument
+    defaults, so the two cannot drift), each data-parallel rank's share of a batch split into
+    ``microbatches`` parts and the loss averaged over all of them, as the pipeline does."""
+    sys.path[:0] = [os.path.join(ROOT, "examples"), os.path.join(ROOT, "examples", "gpt")]
+    # (imported here: the demo's launcher part needs neither torch nor the example's modules)
+    import common
+    import torch
+    import train
+    from model import build_gpt, lm_loss
+
+    args = train.parse_args(train_argv)
+    # Default batch mode (scaled_batch): the tensor-parallel ranks are data-parallel ranks
+    # too, each fed its own share of the global batch.
+    dp = nprocs // args.pp
+    torch.set_num_threads(args.threads)
+    corpus = common.CharCorpus()
+    torch.manual_seed(args.seed)
+    net = build_gpt(corpus.vocab_size, args.seq, args.dim, args.heads, args.layers, False)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=args.lr)
+    losses = []
+    for step in range(args.steps):
+        x, y = corpus.batch(step, args.batch, args.seq)
+        optimizer.zero_grad()
+        parts = [
+            (xm, ym)
+            for xs, ys in zip(x.chunk(dp), y.chunk(dp))
+            for xm, ym in zip(xs.chunk(args.microbatches), ys.chunk(args.microbatches))
+        ]
+        total = 0.0
+        for xm, ym in parts:
+            loss = lm_loss(net(xm), ym) / len(parts)
+            loss.backward()
+            total += loss.item()
+        optimizer.step()
+        losses.append(total)
+    return losses
 
 
 def main() -> int:
@@ -50,11 +98,13 @@ def main() -> int:
     args = p.parse_args()
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
-    cmd = [
-        mpiexec(), "-n", str(args.nprocs), sys.executable,
-        os.path.join(ROOT, "examples", "gpt", "train.py"),
+    train_argv = [
         "--pp", str(args.pp), "--tp", str(args.tp), "--microbatches", str(args.microbatches),
         "--steps", str(args.steps), "--out", out, "--timeline", "--progress", "--sample", "60",
+    ]  # fmt: skip
+    cmd = [
+        mpiexec(), "-n", str(args.nprocs), sys.executable,
+        os.path.join(ROOT, "examples", "gpt", "train.py"), *train_argv,
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     print(f"demo: {' '.join(cmd)}", flush=True)
@@ -83,6 +133,29 @@ def main() -> int:
     )
     for name in expected:
         print(f"  {os.path.join(out, name)}")
+    t_ref = time.perf_counter()
+    want = reference_losses(train_argv, args.nprocs)
+    print(f"demo: one-process reference trained in {time.perf_counter() - t_ref:.0f}s")
+    print(f"  {'step':>4}  {'smp':>12}  {'one process':>12}  {'|diff|':>9}")
+    bad = []
+    for step, (got, ref) in enumerate(zip(losses, want)):
+        diff = abs(got - ref)
+        if diff > ATOL + RTOL * abs(ref):
+            bad.append(step)
+        if step < 3 or step >= len(losses) - 3 or diff > ATOL + RTOL * abs(ref):
+            print(f"  {step:>4}  {got:>12.7f}  {ref:>12.7f}  {diff:>9.2e}")
+    worst = max(abs(g - r) for g, r in zip(losses, want))
+    if bad or len(losses) != len(want):
+        print(
+            f"demo: the loss differs from one process's at steps {bad} (rtol={RTOL:g}, "
+            f"atol={ATOL:g}; {len(losses)} vs {len(want)} steps)",
+            file=sys.stderr,
+        )
+        return 1
+    print(
+        f"demo: every step's loss matches one process's within rtol={RTOL:g}, atol={ATOL:g} "
+        f"(largest difference {worst:.1e})"
+    )
     return 0
 
 

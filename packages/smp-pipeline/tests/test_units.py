@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import pytest
@@ -50,10 +51,27 @@ def test_split_microbatches() -> None:
 
 
 def test_split_errors_name_the_input() -> None:
-    with pytest.raises(PipelineConfigError, match="input 'x'"):
+    # The one splitter (smp.step's too): each error names the argument and the remedy.
+    with pytest.raises(
+        PipelineConfigError,
+        match=r"input 'x': size 3 along axis 0 is not divisible by microbatches=2; name it in "
+        r"non_split_inputs",
+    ):
         split_microbatches(step, (torch.zeros(3, 2), 1, 2), None, 2)
-    with pytest.raises(PipelineConfigError, match="'nope'"):
+    with pytest.raises(PipelineConfigError, match=r"input 'y': split axis 2 is out of range"):
+        split_microbatches(step, (torch.zeros(4), torch.zeros(4, 2), 2), None, 2, (), {"y": 2})
+    with pytest.raises(PipelineConfigError, match="'nope' in non_split_inputs"):
         split_microbatches(step, (torch.zeros(4), 1, 2), None, 2, non_split_inputs=["nope"])
+
+
+def test_split_walks_mappings_and_keeps_tuple_types() -> None:
+    # A tokenizer's BatchEncoding is a UserDict, not a dict: its tensors are split too (they
+    # used to go whole to every microbatch), and it comes back as its own type.
+    batch = collections.UserDict(ids=torch.arange(4), size=torch.Size([4]))
+    mbs = split_microbatches(step, (batch, 1, 2), None, 2)
+    first = mbs[0][0][0]
+    assert type(first) is collections.UserDict and first["ids"].tolist() == [0, 1]
+    assert type(first["size"]) is torch.Size
 
 
 def drain(s: Scheduler, script: list[str]) -> list[tuple[int, str]]:

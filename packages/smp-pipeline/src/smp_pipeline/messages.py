@@ -11,8 +11,9 @@ The message kinds themselves are in :mod:`smp_pipeline.protocol`.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -25,39 +26,56 @@ class TensorRef:
     index: int
 
 
-def _map_structure(obj: Any, fn: Callable[[Any], Any], leaf: Callable[[Any], bool]) -> Any:
-    """Rebuild ``obj`` with every leaf ``x`` (``leaf(x)`` true) replaced by ``fn(x)``."""
+def is_container(x: Any) -> bool:
+    """Whether :func:`map_structure` walks into ``x`` (a tuple, list, mapping or dataclass
+    instance) rather than treating it as a leaf."""
+    return isinstance(x, (tuple, list, Mapping)) or (
+        dataclasses.is_dataclass(x) and not isinstance(x, type)
+    )
+
+
+def map_structure(obj: Any, fn: Callable[[Any], Any], leaf: Callable[[Any], bool]) -> Any:
+    """Rebuild ``obj`` with every leaf ``x`` (``leaf(x)`` true) replaced by ``fn(x)``; values
+    that are neither leaves nor containers are kept as they are.
+
+    ``torch.utils._pytree`` would walk tuples, lists and dicts the same way, but it keeps a
+    dataclass (a user's batch, a Hugging Face ``ModelOutput`` without transformers' own
+    registration) or a non-dict mapping (a tokenizer's ``BatchEncoding``) whole, as one leaf:
+    their tensors would neither travel on the fast path nor be split into microbatches."""
     if leaf(obj):
         return fn(obj)
     if isinstance(obj, tuple):
-        items = [_map_structure(v, fn, leaf) for v in obj]
+        items = [map_structure(v, fn, leaf) for v in obj]
+        if type(obj) is tuple:
+            return tuple(items)
         if hasattr(obj, "_fields"):  # named tuple
             return type(obj)(*items)
-        return tuple(items)
+        try:  # another tuple subclass (torch.Size): rebuilt as itself where it can be
+            return type(obj)(items)
+        except Exception:
+            return tuple(items)
     if isinstance(obj, list):
-        return [_map_structure(v, fn, leaf) for v in obj]
+        return [map_structure(v, fn, leaf) for v in obj]
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return _map_dataclass(obj, fn, leaf)
-    if isinstance(obj, dict):
-        mapped = {k: _map_structure(v, fn, leaf) for k, v in obj.items()}
+    if isinstance(obj, (dict, Mapping)):
+        mapped = {k: map_structure(v, fn, leaf) for k, v in obj.items()}
         if type(obj) is dict:
             return mapped
         try:
             return type(obj)(mapped)
-        except Exception:  # an exotic dict subclass: fall back to a plain dict
+        except Exception:  # an exotic mapping type: fall back to a plain dict
             return mapped
     return obj
 
 
 def _map_dataclass(obj: Any, fn: Callable[[Any], Any], leaf: Callable[[Any], bool]) -> Any:
     fields = [f for f in dataclasses.fields(obj) if f.init]
-    values = {f.name: _map_structure(getattr(obj, f.name), fn, leaf) for f in fields}
+    values = {f.name: map_structure(getattr(obj, f.name), fn, leaf) for f in fields}
     try:
         return type(obj)(**values)
     except Exception:
         # A dataclass whose __init__ does more than store fields: copy and set attributes.
-        import copy
-
         new = copy.copy(obj)
         for k, v in values.items():
             object.__setattr__(new, k, v)
@@ -108,7 +126,7 @@ def flatten(obj: Any) -> tuple[Any, list[torch.Tensor]]:
         tensors.append(t)
         return TensorRef(len(tensors) - 1)
 
-    return _map_structure(obj, take, _is_tensor), tensors
+    return map_structure(obj, take, _is_tensor), tensors
 
 
 def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
@@ -119,12 +137,12 @@ def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
         return ((tensors[0],), {})
     if skeleton is SKELETON_LIST1:
         return [tensors[0]]
-    return _map_structure(skeleton, lambda r: tensors[r.index], lambda x: isinstance(x, TensorRef))
+    return map_structure(skeleton, lambda r: tensors[r.index], lambda x: isinstance(x, TensorRef))
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     """``obj`` with every tensor ``t`` replaced by ``fn(t)``."""
-    return _map_structure(obj, fn, _is_tensor)
+    return map_structure(obj, fn, _is_tensor)
 
 
 def detach_all(obj: Any) -> Any:

@@ -1,6 +1,7 @@
-"""Splitting a step function's arguments into microbatches.
+"""Splitting a step function's arguments into microbatches: the one splitter, used by the
+pipeline's ``run_step`` and by ``@smp.step`` (smp-torch).
 
-Every tensor inside an argument (at any nesting depth: tuples, lists, dicts, dataclasses) is
+Every tensor inside an argument (at any nesting depth: tuples, lists, mappings, dataclasses) is
 split along that argument's batch axis (0 unless ``input_split_axes`` says otherwise). An
 argument named in ``non_split_inputs``, non-tensor values and 0-d tensors are passed whole to
 every microbatch. The batch size must be divisible by the number of microbatches, so that every
@@ -31,18 +32,18 @@ def _split_value(name: str, value: Any, m: int, axis: int) -> list[Any]:
         if t.dim() == 0:
             pieces.append([t] * m)
             continue
-        ax = axis if axis >= 0 else t.dim() + axis
-        if ax >= t.dim():
+        if not -t.dim() <= axis < t.dim():
             raise PipelineConfigError(
                 f"input '{name}': split axis {axis} is out of range for a tensor of shape "
-                f"{tuple(t.shape)}"
+                f"{tuple(t.shape)} (set input_split_axes['{name}'])"
             )
-        if t.shape[ax] % m != 0:
+        if t.shape[axis] % m != 0:
             raise PipelineConfigError(
-                f"input '{name}': size {t.shape[ax]} along axis {ax} is not divisible by "
-                f"{m} microbatches (name it in non_split_inputs if it is not batched)"
+                f"input '{name}': size {t.shape[axis]} along axis {axis} is not divisible by "
+                f"microbatches={m}; name it in non_split_inputs if it is not batched, or change "
+                f"the batch size"
             )
-        pieces.append(list(torch.chunk(t, m, dim=ax)))
+        pieces.append(list(torch.chunk(t, m, dim=axis)))
     return [unflatten(skeleton, [p[i] for p in pieces]) for i in range(m)]
 
 
@@ -68,9 +69,7 @@ def split_microbatches(
         try:
             params = list(inspect.signature(fn).parameters.values())
             positional = [
-                p.name
-                for p in params
-                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
             ]
             for i in range(min(len(args), len(positional))):
                 names[i] = positional[i]
@@ -86,6 +85,8 @@ def split_microbatches(
                 f"(arguments: {sorted(set(names) | set(kwargs))})"
             )
     m = num_microbatches
+    if m == 1:  # (nothing to split: the arguments as they are, not views of them)
+        return [(tuple(args), kwargs)]
 
     def split(name: str, index: str | None, value: Any) -> list[Any]:
         if name in no_split or (index is not None and index in no_split):

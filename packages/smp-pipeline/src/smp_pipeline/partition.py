@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import smp_partition
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
@@ -229,9 +230,7 @@ def trace(
 
     See :func:`trace_dict` for the arguments.
     """
-    from smp_partition import ModuleGraph
-
-    return ModuleGraph.from_dict(trace_dict(module, args, kwargs, run=run, device=device, costs=costs))
+    return smp_partition.ModuleGraph.from_dict(trace_dict(module, args, kwargs, run=run, device=device, costs=costs))
 
 
 def resolve_assignment(root: nn.Module, manual: Mapping[str, int], pp_size: int) -> dict[str, int]:
@@ -305,10 +304,8 @@ def auto_assignment(graph_dict: dict[str, Any], pp_size: int, alpha: float) -> d
 def _partition_graph(
     graph_dict: dict[str, Any], num_stages: int, alpha: float, balance_slack: float
 ) -> tuple[Any, Any]:
-    from smp_partition import ModuleGraph, partition
-
-    graph = ModuleGraph.from_dict(graph_dict)
-    result = partition(
+    graph = smp_partition.ModuleGraph.from_dict(graph_dict)
+    result = smp_partition.partition(
         graph, num_devices=num_stages, alpha=alpha, method="default", balance_slack=balance_slack
     )
     return graph, result

@@ -48,6 +48,7 @@ def write_chrome_trace(events: Iterable[Event], path: str) -> None:
 
 def plot_timeline(events: Iterable[Event], path: str, title: str = "pipeline timeline") -> None:
     """Draw the timeline as a PNG (needs matplotlib: ``pip install smp-pipeline[plot]``)."""
+    # matplotlib is optional (the [plot] extra): imported only when a plot is asked for.
     try:
         import matplotlib
 

@@ -237,6 +237,9 @@ def _group_backend(choice: str) -> str | None:
             return None
         choice = "smp"
     if choice == "smp":
+        # Imported only when chosen: importing it registers the "smp" backend with
+        # torch.distributed (process-wide) and binds torch's private c10d classes, which a
+        # CUDA job (NCCL) never needs.
         import smp_comm.torch_backend  # noqa: F401 - registers the "smp" backend
 
         return "smp"

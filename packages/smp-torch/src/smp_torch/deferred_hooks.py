@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.init as init_module
 
 from smp_torch.deferred_record import active
 
@@ -51,8 +52,6 @@ _smp_deferred_init_hook = _init_hook
 
 
 def _hook_inits(on: bool) -> None:
-    import torch.nn.init as init_module
-
     if on:
         init_module.__dict__[_HOOK] = _init_hook
         for name in _SKIPPING_INITS:

@@ -14,10 +14,12 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import fields, is_dataclass, replace
 from typing import Any, TypeVar, overload
 
 import torch
+from smp_pipeline.errors import PipelineConfigError
+from smp_pipeline.messages import is_container, map_structure
+from smp_pipeline.microbatch import split_microbatches
 
 from smp_torch.consistency import StepInputs
 from smp_torch.errors import SMPError
@@ -28,51 +30,15 @@ __all__ = ["StepOutput", "step", "split_inputs", "tree_map"]
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def _is_leaf(x: Any) -> bool:
+    return not is_container(x)
+
+
 def tree_map(fn: Callable[[Any], Any], obj: Any) -> Any:
-    """Apply ``fn`` to every leaf of nested tuples, lists, dicts and dataclasses."""
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(tree_map(fn, x) for x in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(tree_map(fn, x) for x in obj)
-    if isinstance(obj, Mapping) and not isinstance(obj, torch.Tensor):
-        try:
-            return type(obj)({k: tree_map(fn, v) for k, v in obj.items()})  # type: ignore[call-arg]
-        except TypeError:
-            return {k: tree_map(fn, v) for k, v in obj.items()}
-    if is_dataclass(obj) and not isinstance(obj, type):
-        return replace(obj, **{f.name: tree_map(fn, getattr(obj, f.name)) for f in fields(obj)})
-    return fn(obj)
-
-
-def _split_leaf(x: Any, n: int, axis: int, where: str) -> list[Any]:
-    if not isinstance(x, torch.Tensor):
-        return [x] * n
-    if x.dim() == 0:
-        return [x] * n
-    if not -x.dim() <= axis < x.dim():
-        raise SMPError(f"input {where}: split axis {axis} out of range for shape {tuple(x.shape)}")
-    length = x.shape[axis]
-    if length % n:
-        raise SMPError(
-            f"input {where}: size {length} along axis {axis} is not divisible by "
-            f"microbatches={n}; pass it in non_split_inputs or change the batch size"
-        )
-    return list(torch.chunk(x, n, dim=axis))
-
-
-def _split_tree(obj: Any, n: int, axis: int, where: str) -> list[Any]:
-    """Split every tensor leaf of ``obj`` into ``n`` pieces; returns ``n`` trees."""
-    leaves: list[Any] = []
-
-    def collect(x: Any) -> Any:
-        leaves.append(_split_leaf(x, n, axis, where))
-        return len(leaves) - 1
-
-    skeleton = tree_map(collect, obj)
-    def pick(m: int) -> Any:
-        return tree_map(lambda i: leaves[i][m], skeleton)
-
-    return [pick(m) for m in range(n)]
+    """Apply ``fn`` to every leaf of nested tuples, lists, mappings and dataclasses (the
+    pipeline's walker, :func:`smp_pipeline.messages.map_structure`, whose docstring says why
+    not ``torch.utils._pytree``)."""
+    return map_structure(obj, fn, _is_leaf)
 
 
 def split_inputs(
@@ -83,38 +49,15 @@ def split_inputs(
     non_split_inputs: Iterable[str] = (),
     input_split_axes: Mapping[str, int] | None = None,
 ) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
-    """Split the arguments of a call to ``fn`` into per-microbatch ``(args, kwargs)``."""
-    axes = dict(input_split_axes or {})
-    whole = set(non_split_inputs)
+    """Split the arguments of a call to ``fn`` into per-microbatch ``(args, kwargs)``: smp-
+    pipeline's :func:`~smp_pipeline.microbatch.split_microbatches`, its errors raised as
+    :class:`SMPError` (smp's own error type) with the same message."""
     try:
-        bound = inspect.signature(fn).bind(*args, **kwargs)
-        names: list[str] | None = list(bound.arguments)
-        values = list(bound.arguments.values())
-    except (TypeError, ValueError):
-        bound, names, values = None, None, [*args, *kwargs.values()]
-    if names is not None:
-        unknown = (whole | set(axes)) - set(names)
-        if unknown:
-            raise SMPError(f"non_split_inputs/input_split_axes name unknown arguments {unknown}")
-    per_arg: list[list[Any]] = []
-    for i, value in enumerate(values):
-        name = names[i] if names is not None else str(i)
-        if name in whole or microbatches == 1:
-            per_arg.append([value] * microbatches)
-        else:
-            per_arg.append(_split_tree(value, microbatches, axes.get(name, 0), repr(name)))
-    out: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
-    for m in range(microbatches):
-        if bound is not None:
-            b = bound.signature.bind_partial()
-            for i, name in enumerate(names or []):
-                b.arguments[name] = per_arg[i][m]
-            out.append((tuple(b.args), dict(b.kwargs)))
-        else:
-            n_pos = len(args)
-            vals = [p[m] for p in per_arg]
-            out.append((tuple(vals[:n_pos]), dict(zip(kwargs, vals[n_pos:]))))
-    return out
+        return split_microbatches(
+            fn, args, kwargs, microbatches, non_split_inputs, input_split_axes
+        )
+    except PipelineConfigError as e:
+        raise SMPError(str(e)) from e
 
 
 def step_inputs(

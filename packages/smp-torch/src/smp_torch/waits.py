@@ -17,6 +17,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Protocol
 
+import torch.distributed as dist
 from smp_comm.shutdown import settle_at_exit, wait_for_threads_at_exit
 
 __all__ = [
@@ -39,8 +40,6 @@ def wait_for_step_threads() -> None:
     """At exit: wait until no step thread is blocked any more, then pause briefly so gloo's
     threads drop the asynchronous collectives smp ran while the interpreter still runs them
     (see :mod:`smp_comm.shutdown`)."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         settle_at_exit()
     wait_for_threads_at_exit(list(_RUNNING), "smp-torch")

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from smp_tp.group import tp_rank, tp_size
 from smp_tp.mappings import _all_gather
 from smp_tp.params import param_spec
 
@@ -32,8 +33,6 @@ def full_shape(t: torch.Tensor) -> tuple[int, ...]:
     spec = param_spec(t)
     shape = list(t.shape)
     if spec is not None and spec.kind == "shard" and spec.dim is not None:
-        from smp_tp.group import tp_size
-
         shape[spec.dim] *= tp_size(spec.tp_group)
     return tuple(shape)
 
@@ -59,8 +58,6 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def _slice(full: torch.Tensor, local: torch.Tensor, key: str) -> torch.Tensor:
     spec = param_spec(local)
     if spec is not None and spec.kind == "shard":
-        from smp_tp.group import tp_rank, tp_size
-
         size, dim = tp_size(spec.tp_group), int(spec.dim or 0)
         if full.shape[dim] % size:
             raise ValueError(f"{key}: full size {tuple(full.shape)} cannot be split {size} ways")

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from smp_tp.layers.layernorm import sharded_layer_norm
 from smp_tp.mappings import (
     allgather_no_grad,
     gather_replicated_for_tp,
@@ -93,8 +94,6 @@ def affine(weight: torch.Tensor | None, bias: torch.Tensor | None) -> nn.Module:
 def region_layer_norm(x: torch.Tensor, ln: Any, eps: float, hidden: int, m: DistributedModule) -> torch.Tensor:
     """Layer norm inside the region: plain (speed) or from all-reduced moments (memory)."""
     if m.optimize == "memory":
-        from smp_tp.layers.layernorm import sharded_layer_norm
-
         return sharded_layer_norm(x, ln.weight, ln.bias, eps, hidden, m.tp_group)
     return F.layer_norm(x, (hidden,), ln.weight, ln.bias, eps)
 
