@@ -101,9 +101,9 @@ def _same_as(obj: Any, out: Any) -> Any:
     """``obj`` if it is a tensor of ``out``'s shape and dtype, else an error saying how it
     differs."""
     shape, dtype = getattr(obj, "shape", None), getattr(obj, "dtype", None)
-    if not hasattr(obj, "copy_") or tuple(shape or ()) != tuple(out.shape) or dtype != out.dtype:
+    if not hasattr(obj, "copy_") or (tuple(shape) if shape is not None else ()) != tuple(out.shape) or dtype != out.dtype:
         what = (
-            f"a tensor of shape {tuple(shape)} and dtype {dtype}" if hasattr(obj, "copy_")
+            f"a tensor of shape {tuple(shape or ())} and dtype {dtype}" if hasattr(obj, "copy_")
             else f"a {type(obj).__name__}"
         )
         raise ValueError(

@@ -67,7 +67,7 @@ _RED_OPS = {
 }
 assert set(_RED_OPS.values()) == set(REDUCE_OPS)
 # Keyed by the enum's integer: hashing the enum itself costs microseconds per collective.
-_RED_OP_VALUES = {int(k): v for k, v in _RED_OPS.items()}
+_RED_OP_VALUES = {k.value: v for k, v in _RED_OPS.items()}
 
 
 # A collective: runs to its end, or returns the rest of itself as a generator (see
@@ -484,7 +484,7 @@ class SmpProcessGroup(ProcessGroup):
         hence DTensor and FSDP2, call for ``all_gather_tensor``)."""
         return self._coalesced(outputs, inputs, self.all_gather_single, opts)
 
-    allgather_into_tensor_coalesced = all_gather_single_coalesced  # the older name
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]  # older name
 
     def allgather(  # type: ignore[override]
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
@@ -538,7 +538,7 @@ class SmpProcessGroup(ProcessGroup):
         ``reduce_scatter_tensor``)."""
         return self._coalesced(outputs, inputs, self.reduce_scatter_single, opts)
 
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # the older name
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]  # older name
 
     def reduce_scatter(  # type: ignore[override]
         self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
@@ -629,7 +629,7 @@ class SmpProcessGroup(ProcessGroup):
 
     @staticmethod
     def _reduce_op(op: Any) -> str:
-        kind = op.op if isinstance(op, ReduceOp) else op
+        kind = op.op if isinstance(op, ReduceOp) else op  # type: ignore[attr-defined]
         name = _RED_OP_VALUES.get(kind.value)
         if name is None:
             raise ValueError(f"smp backend: unsupported reduction {op} on CPU")

@@ -63,7 +63,7 @@ def map_structure(obj: Any, fn: Callable[[Any], Any], leaf: Callable[[Any], bool
         if type(obj) is dict:
             return mapped
         try:
-            return type(obj)(mapped)
+            return type(obj)(mapped)  # type: ignore[call-arg]
         except Exception:  # an exotic mapping type: fall back to a plain dict
             return mapped
     return obj

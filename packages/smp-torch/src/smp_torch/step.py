@@ -53,9 +53,8 @@ def split_inputs(
     pipeline's :func:`~smp_pipeline.microbatch.split_microbatches`, its errors raised as
     :class:`SMPError` (smp's own error type) with the same message."""
     try:
-        return split_microbatches(
-            fn, args, kwargs, microbatches, non_split_inputs, input_split_axes
-        )
+        axes: dict[str | int, int] = {k: v for k, v in (input_split_axes or {}).items()}
+        return split_microbatches(fn, args, kwargs, microbatches, non_split_inputs, axes)
     except PipelineConfigError as e:
         raise SMPError(str(e)) from e
 

@@ -88,10 +88,13 @@ def _futex_wake(addr: int) -> None:
         _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
 
 
+_TYPED: list[ctypes.CDLL] = []  # the loaded step library, once its argument types are set
+
+
 def step_library() -> ctypes.CDLL | None:
     """``_shmstep.c`` built and loaded (with its argument types), or ``None``."""
     lib = compiled.load_library(_STEP_SOURCE)
-    if lib is not None and not hasattr(lib, "_typed"):
+    if lib is not None and lib not in _TYPED:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.smp_publish.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr]
         lib.smp_publish.restype = None
@@ -103,7 +106,7 @@ def step_library() -> ctypes.CDLL | None:
         lib.smp_step.restype = i64
         lib.smp_reduce.argtypes = [ptr, ptr, i64, i64, i64, i64, i64]
         lib.smp_reduce.restype = ctypes.c_int
-        lib._typed = True
+        _TYPED.append(lib)
     return lib
 
 
@@ -230,7 +233,7 @@ class Segment:
         s = self.step + 1
         self.step = s
         if desc is not None:
-            self._desc_buf[:] = desc
+            self._desc_buf[:] = desc  # type: ignore[call-overload]
         buf = self._desc_buf if desc is not None else None
         r = lib.smp_step(self.base, self.size, self.rank, s, buf, src, nbytes, dst, _SPIN_NS, 0)
         return s, r < 0
