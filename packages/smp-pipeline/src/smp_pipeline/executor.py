@@ -19,8 +19,9 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, NoReturn, Protocol
+from typing import Any, NoReturn, Protocol
 
+from smp_pipeline.offload import ActivationOffloader, Key
 from smp_pipeline.offload import offloading as _offloading
 from smp_pipeline.order import OrderChannel
 from smp_pipeline.worker import (
@@ -33,9 +34,6 @@ from smp_pipeline.worker import (
     inline_task,
     set_inline_task,
 )
-
-if TYPE_CHECKING:  # pragma: no cover
-    from smp_pipeline.offload import ActivationOffloader
 
 # (pp rank, microbatch, module, phase, start, end): one EXECUTING span of a task.
 TimelineEvent = tuple[int, int, str, str, float, float]
@@ -64,6 +62,12 @@ class Executor:
         order: tensor-parallel leader's channel: every token grant is published.
         preemption: forwards yield at yield points when work another rank waits for arrives.
         record_timeline: keep every task span in :attr:`events`.
+        inline_max_s: static mode (:meth:`run_inline`): a served task that last held the
+            token this briefly runs on the main loop (0: static mode off).
+        on_diverged: called once, with the task, when a recorded straight-through task
+            first does not run straight through (static mode).
+        offload_horizon: activation offloading with this loading horizon (None: off; see
+            :class:`~smp_pipeline.offload.ActivationOffloader`).
     """
 
     def __init__(
@@ -75,6 +79,9 @@ class Executor:
         order: OrderChannel | None = None,
         preemption: bool = False,
         record_timeline: bool = False,
+        inline_max_s: float = 0.0,
+        on_diverged: Callable[[Task[Any]], None] | None = None,
+        offload_horizon: int | None = None,
     ) -> None:
         self.pp_rank = pp_rank
         self._aborts = aborts
@@ -108,16 +115,27 @@ class Executor:
         # Token grants per (step, microbatch): tensor-parallel followers check the order.
         self.grants: dict[tuple[int, int], int] = {}
         # Activation offloading: told when a backward task gets the token (its prefetch
-        # trigger); checkpointed calls on this executor's workers find it here.
+        # trigger); checkpointed calls on this executor's workers find it here. Built here
+        # because it reads the task holding the token, which only the executor knows.
         self.offloader: ActivationOffloader | None = None
+        if offload_horizon is not None:
+            self.offloader = ActivationOffloader(offload_horizon, self._forward_key)
         # Static mode (run_inline): the served tasks (phase, module) that ran straight through,
         # within inline_max_s, the last time they ran.
-        self.inline_max_s = 0.0  # 0: static mode off
+        self.inline_max_s = inline_max_s  # 0: static mode off (tests raise it to force inlining)
         self._straight: set[tuple[str, str]] = set()
         self.inlined = 0  # tasks run on the main loop's thread
         self.diverged = 0  # recorded straight-through tasks that did not run straight through
         # called once, with the task, at the first divergence
-        self.on_diverged: Callable[[Task[Any]], None] | None = None
+        self.on_diverged = on_diverged
+
+    def _forward_key(self) -> Key | None:
+        """The offloader's owner of saved tensors: the microbatch of the forward task holding
+        the token; outside a forward (a backward recomputing) none move."""
+        task = self.current
+        if task is None or task.phase != "forward":
+            return None
+        return task.step, task.mb
 
     # ------------------------------------------------------------------ WorkerHost
     def token_returned(self) -> None:

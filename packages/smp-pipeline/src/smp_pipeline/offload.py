@@ -41,13 +41,13 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
 from smp_pipeline.errors import PipelineConfigError
-from smp_pipeline.worker import Task, current_worker
+from smp_pipeline.worker import current_worker
 
 # (step, microbatch): whose backward a saved tensor belongs to.
 Key = tuple[int, int]
@@ -403,29 +403,6 @@ class ActivationOffloader:
             self.stats = OffloadStats(
                 peak_device_bytes=self._device_bytes, peak_host_bytes=self._host_bytes
             )
-
-
-class TaskHost(Protocol):
-    """What :func:`install_offloader` needs of a rank's executor (which imports this module)."""
-
-    current: Task[Any] | None
-    offloader: ActivationOffloader | None
-
-
-def install_offloader(executor: TaskHost, horizon: int) -> ActivationOffloader:
-    """An offloader for a pipeline rank: the executor tells it when backwards start, and its
-    workers' checkpointed calls find it there. Tensors belong to the microbatch of the
-    forward task holding the token; outside a forward (a backward recomputing) none move."""
-
-    def forward_key() -> Key | None:
-        task = executor.current
-        if task is None or task.phase != "forward":
-            return None
-        return task.step, task.mb
-
-    offloader = ActivationOffloader(horizon, forward_key)
-    executor.offloader = offloader
-    return offloader
 
 
 def active_offloader() -> ActivationOffloader | None:

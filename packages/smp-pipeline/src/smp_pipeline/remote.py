@@ -40,10 +40,29 @@ from smp_pipeline.worker import Task
 # Runs an owned module: (path, args, kwargs, checkpoint, span) -> outputs, where span (module
 # paths) asks for a run of an nn.Sequential's children, called in order (Appendix B).
 Execute = Callable[[str, tuple[Any, ...], dict[str, Any], bool, "tuple[str, ...] | None"], Any]
+# (path, span) -> whether the request runs only modules owned here
+RunsLocally = Callable[[str, "tuple[str, ...] | None"], bool]
+# (path, span) -> id() of the parameters the request runs
+CallParams = Callable[[str, "tuple[str, ...] | None"], frozenset[int]]
+
+
+def _nothing_local(_path: str, _span: tuple[str, ...] | None) -> bool:
+    return False
+
+
+def _no_params(_path: str, _span: tuple[str, ...] | None) -> frozenset[int]:
+    return frozenset()
 
 
 class RemoteCalls:
-    """Both sides of cross-rank calls, forward and backward, for one rank."""
+    """Both sides of cross-rank calls, forward and backward, for one rank.
+
+    ``runs_locally`` and ``call_params`` answer from the runtime's placement (they see it once
+    the model is partitioned; before, no request arrives): whether a request runs only
+    modules owned here (static mode serves such requests on the main loop), and which
+    parameters it runs (deterministic accumulation streams by it, see
+    :meth:`CallRecords.streamable`). Without a placement: nothing local, no parameters.
+    """
 
     def __init__(
         self,
@@ -54,6 +73,8 @@ class RemoteCalls:
         execute: Execute,
         backward_mode: str,
         on_backward_done: Callable[[int, int], None] | None = None,
+        runs_locally: RunsLocally | None = None,
+        call_params: CallParams | None = None,
     ) -> None:
         self.pp_rank = pp_rank
         self.transport = transport
@@ -66,14 +87,8 @@ class RemoteCalls:
         self._calls = itertools.count()
         self._bwd_reqs = itertools.count()
         self.relayed = 0  # requests sent on to the next owner of a relay (fwd and bwd)
-        # (path, span) -> whether the request runs only modules owned here (set by the
-        # runtime once placed; static mode serves such requests on the main loop).
-        self.runs_locally: Callable[[str, tuple[str, ...] | None], bool] = lambda _p, _s: False
-        # (path, span) -> id() of the parameters the request runs (set by the runtime once
-        # placed; deterministic accumulation streams by it, see CallRecords.streamable).
-        self.call_params: Callable[[str, tuple[str, ...] | None], frozenset[int]] = (
-            lambda _p, _s: frozenset()
-        )
+        self.runs_locally: RunsLocally = runs_locally or _nothing_local
+        self.call_params: CallParams = call_params or _no_params
 
     # ------------------------------------------------------------------ forward
     def call_remote(

@@ -27,7 +27,7 @@ from smp_pipeline.dispatch import ModuleDispatch
 from smp_pipeline.errors import PipelineConfigError
 from smp_pipeline.execution_state import capture
 from smp_pipeline.microbatch import split_microbatches
-from smp_pipeline.offload import ActivationOffloader, OffloadStats, install_offloader
+from smp_pipeline.offload import ActivationOffloader, OffloadStats
 from smp_pipeline.order import OrderChannel
 from smp_pipeline.ownership import Ownership, merge_state_dicts
 from smp_pipeline.partition import COSTS, partition_model, resolve_assignment
@@ -160,6 +160,8 @@ class PipelineRuntime:
         self._tracing = False
         self._num_microbatches = 1
         self._local_params: list[nn.Parameter] = []
+        if not isinstance(offload_activations, bool):
+            raise PipelineConfigError(f"offload_activations must be a bool, got {offload_activations!r}")
         self.server = ExecutionServer(
             comm,
             pp_rank,
@@ -174,16 +176,13 @@ class PipelineRuntime:
             backward_mode=backward_mode,
             deterministic_accumulation=deterministic_accumulation,
             static_mode=static_mode,
+            runs_locally=self._dispatch.runs_locally,
+            call_params=self._dispatch.call_params,
+            offload_horizon=activation_loading_horizon if offload_activations else None,
         )
-        self.server.remote.runs_locally = self._dispatch.runs_locally
-        self.server.remote.call_params = self._dispatch.call_params
         self.server.diagnosis.name_modules(module)
         self.order_channel = order_channel
-        if not isinstance(offload_activations, bool):
-            raise PipelineConfigError(f"offload_activations must be a bool, got {offload_activations!r}")
-        self.offloader: ActivationOffloader | None = None
-        if offload_activations:
-            self.offloader = install_offloader(self.server.executor, activation_loading_horizon)
+        self.offloader: ActivationOffloader | None = self.server.executor.offloader
         _LIVE.add(self)  # closed at exit, and its threads checked (even once closed)
         if assignment is not None:
             self.set_assignment(assignment)

@@ -43,7 +43,7 @@ from smp_pipeline.handlers import MessageHandlers
 from smp_pipeline.messages import detach_all, pack
 from smp_pipeline.order import OrderChannel
 from smp_pipeline.protocol import PREEMPTING, PREEMPTING_CODES, MbDone, Message, StepEnd
-from smp_pipeline.remote import Execute, RemoteCalls
+from smp_pipeline.remote import CallParams, Execute, RemoteCalls, RunsLocally
 from smp_pipeline.schedule import Scheduler
 from smp_pipeline.transport import Transport
 from smp_pipeline.worker import Baton, Task
@@ -75,6 +75,10 @@ class ExecutionServer:
         static_mode: serve a request that runs only modules owned here, and ran straight
             through in under :data:`STATIC_INLINE_MAX_S` the last time, on the main loop's
             thread (:meth:`Executor.run_inline`).
+        runs_locally, call_params: what the runtime's placement says of a request (see
+            :class:`~smp_pipeline.remote.RemoteCalls`).
+        offload_horizon: offload checkpointed activations with this loading horizon (None:
+            no offloading; see :class:`~smp_pipeline.offload.ActivationOffloader`).
     """
 
     def __init__(
@@ -92,6 +96,9 @@ class ExecutionServer:
         backward_mode: str = "auto",
         deterministic_accumulation: bool = True,
         static_mode: bool = False,
+        runs_locally: RunsLocally | None = None,
+        call_params: CallParams | None = None,
+        offload_horizon: int | None = None,
     ) -> None:
         if backward_mode not in BACKWARD_MODES:
             raise PipelineError(
@@ -103,12 +110,14 @@ class ExecutionServer:
         # Wakes the main loop: released when device work ends or a message arrives (a
         # callback on the posted receive), so the loop sleeps instead of polling for either.
         self._wakeup = Baton()
-        self.transport = Transport(
-            comm, pp_rank, comm_ranks, tag, timeout_s, abort_ranks or [], self._wakeup.release
-        )
         # Preemption at yield points: off under tensor-parallel ordering (followers could
         # not yield at the same points), and on a single stage (no other rank waits).
         preemption = order is None and pp_size > 1
+        self.transport = Transport(
+            comm, pp_rank, comm_ranks, tag, timeout_s, abort_ranks or [], self._wakeup.release,
+            on_arrival=self._on_arrival if preemption else None,
+        )
+        static = static_mode and order is None  # off under tensor-parallel ordering, as preemption
         self.executor = Executor(
             pp_rank,
             self.transport,
@@ -116,10 +125,10 @@ class ExecutionServer:
             order=order,
             preemption=preemption,
             record_timeline=record_timeline,
+            inline_max_s=STATIC_INLINE_MAX_S if static else 0.0,
+            on_diverged=self._diverged if static else None,
+            offload_horizon=offload_horizon,
         )
-        if static_mode and order is None:
-            self.executor.inline_max_s = STATIC_INLINE_MAX_S
-            self.executor.on_diverged = self._diverged
         self.records = CallRecords(pp_rank)
         # Gradients of this rank's parameters, summed in microbatch order (see accumulation).
         self.grads = GradAccumulator(
@@ -127,7 +136,7 @@ class ExecutionServer:
         )
         self.remote = RemoteCalls(
             pp_rank, self.transport, self.executor, self.records, execute, backward_mode,
-            self.grads.complete_locally,
+            self.grads.complete_locally, runs_locally, call_params,
         )  # fmt: skip
         self.handlers = MessageHandlers(
             pp_rank, self.transport, self.executor, self.records, self.remote, self.grads
@@ -145,8 +154,6 @@ class ExecutionServer:
         self.order = order
         if order is not None:  # the leader's announcements wake a sleeping follower
             order.on_arrival = self._order_arrival
-        if preemption:
-            self.transport.on_arrival = self._on_arrival
         self.step = 0
         self.scheduler: Scheduler | None = None
         self._next_timeout_check = time.monotonic() + 0.2

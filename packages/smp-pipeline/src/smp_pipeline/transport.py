@@ -55,6 +55,9 @@ class Transport:
             pipelines' ranks, whose tensor-parallel peers would otherwise wait forever).
         wake: called when a message arrives (on the communicator's thread): releases the
             main loop's wake-up baton.
+        on_arrival: called with each completed receive handle, on the communicator's
+            thread (the server's preemption; it reads the message with
+            :meth:`arrived_message`); None: nothing more than ``wake``.
     """
 
     def __init__(
@@ -66,6 +69,7 @@ class Transport:
         timeout_s: float,
         abort_ranks: Sequence[int],
         wake: Callable[[], None],
+        on_arrival: Callable[[Any], None] | None = None,
     ) -> None:
         self.comm = comm
         self.pp_rank = pp_rank
@@ -81,9 +85,7 @@ class Transport:
         settings = getattr(comm, "settings", None)
         self.frame_limit: int = getattr(settings, "small_message_bytes", DEFAULT_LIMIT)
         self.spin_s = _SPIN_S
-        # Called with each completed receive handle, on the communicator's thread (set by the
-        # server for preemption; it reads the message with :meth:`arrived_message`).
-        self.on_arrival: Callable[[Any], None] | None = None
+        self.on_arrival = on_arrival
         self.inbox: collections.deque[Message] = collections.deque()
         self._recv: Any = None  # the posted receive for the next message
         self._sends: list[Any] = []

@@ -11,6 +11,7 @@ from smp_tp.grads import sync_gradients
 from smp_tp.group import tp_rank, tp_size
 from smp_tp.layers.attention import DistributedAttentionLayer
 from smp_tp.layers.block import ColumnParallelLinear, DistributedBlock, RowParallelLinear
+from smp_tp.layers.config import TransformerConfig
 from smp_tp.layers.embedding import DistributedEmbedding
 from smp_tp.layers.layernorm import DistributedLayerNorm
 from smp_tp.layers.linear import DistributedLinear
@@ -74,7 +75,7 @@ __all__ = [
     "DistributedModule", "DistributedLinear", "DistributedEmbedding", "DistributedLayerNorm",
     "DistributedAttentionLayer", "DistributedTransformerOutputLayer",
     "DistributedTransformerLayer", "DistributedTransformer", "DistributedTransformerLMHead",
-    "VocabParallelEmbedding", "VocabParallelLMHead", "DistributedBlock", "ColumnParallelLinear",
+    "TransformerConfig", "VocabParallelEmbedding", "VocabParallelLMHead", "DistributedBlock", "ColumnParallelLinear",
     "RowParallelLinear",
     # vocabulary-parallel loss
     "vocab_parallel_cross_entropy", "gather_vocab_parallel_logits", "sharded_logits",

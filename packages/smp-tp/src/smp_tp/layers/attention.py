@@ -5,12 +5,13 @@ from __future__ import annotations
 import math
 from contextlib import nullcontext
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from smp_tp.group import ProcessGroup
+from smp_tp.layers.config import TransformerConfig, build_config
 from smp_tp.layers.region import RegionModule, affine, region_layer_norm
 from smp_tp.layers.sequence import check_sequence_parallel, gathered_linear
 from smp_tp.mappings import bwd_allreduce_for_tp, fwd_allreduce_for_tp, reduce_scatter_for_tp
@@ -65,34 +66,39 @@ class DistributedAttentionLayer(RegionModule):
     pre_layernorm: Any
     post_layernorm: Any
 
+    # the older call form: positional order, then keyword-only options (see build_config)
+    _POSITIONAL: ClassVar[tuple[str, ...]] = (
+        "num_attention_heads", "attention_head_size", "hidden_size", "attention_dropout_prob",
+        "hidden_dropout_prob", "layernorm_epsilon", "initializer_range", "use_normal_initialization",
+        "cross_attention", "causal_mask_size", "pre_layernorm", "post_layernorm")
+    _KEYWORDS: ClassVar[tuple[str, ...]] = (
+        "optimize", "recompute_activations", "recompute_attention", "sequence_parallel")
+
     def __init__(
         self,
-        num_attention_heads: int = 32,
-        attention_head_size: int = 32,
-        hidden_size: int = 1024,
-        attention_dropout_prob: float = 0.1,
-        hidden_dropout_prob: float = 0.1,
-        layernorm_epsilon: float = 1e-5,
-        initializer_range: float = 0.02,
-        use_normal_initialization: bool = False,
-        cross_attention: bool = False,
-        causal_mask_size: int | None = None,
-        pre_layernorm: bool = False,
-        post_layernorm: bool = True,
-        *,
+        *args: Any,
+        config: TransformerConfig | None = None,
         tp_group: ProcessGroup = None,
         prescaled_batch: bool | None = None,
-        optimize: str | None = None,
-        recompute_activations: bool = True,
-        recompute_attention: bool = False,
-        sequence_parallel: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(tp_group=tp_group, prescaled_batch=prescaled_batch, optimize=optimize)
-        self.recompute_activations = bool(recompute_activations)
-        self.recompute_attention = bool(recompute_attention)
-        self.sequence_parallel = check_sequence_parallel(self, sequence_parallel)
+        """``DistributedAttentionLayer(config, tp_group=..., ...)`` with a
+        :class:`~smp_tp.TransformerConfig`, or the older form with the config's fields as
+        arguments (positional order: ``num_attention_heads, attention_head_size,
+        hidden_size, attention_dropout_prob, hidden_dropout_prob, layernorm_epsilon,
+        initializer_range, use_normal_initialization, cross_attention, causal_mask_size,
+        pre_layernorm, post_layernorm``; keyword-only: ``optimize, recompute_activations,
+        recompute_attention, sequence_parallel``)."""
+        c = build_config(type(self).__name__, self._POSITIONAL, self._KEYWORDS, args, kwargs, config)
+        super().__init__(tp_group=tp_group, prescaled_batch=prescaled_batch, optimize=c.optimize)
+        self.config = c
+        self.recompute_activations = bool(c.recompute_activations)
+        self.recompute_attention = bool(c.recompute_attention)
+        self.sequence_parallel = check_sequence_parallel(self, c.sequence_parallel)
+        num_attention_heads, attention_head_size, hidden_size = (
+            c.num_attention_heads, c.attention_head_size, c.hidden_size)
         self._require_divisible(num_attention_heads=num_attention_heads)
         if self.optimize == "memory":
             self._require_divisible(hidden_size=hidden_size)
@@ -101,16 +107,17 @@ class DistributedAttentionLayer(RegionModule):
         self.num_attention_heads, self.attention_head_size, self.hidden_size = (
             num_attention_heads, attention_head_size, hidden_size)
         self.local_heads = num_attention_heads // T
-        self.attention_dropout_prob, self.hidden_dropout_prob = attention_dropout_prob, hidden_dropout_prob
-        self.eps = layernorm_epsilon
-        self.cross_attention, self.causal = cross_attention, causal_mask_size is not None and not cross_attention
-        self.causal_mask_size = causal_mask_size
-        self.pre_ln, self.post_ln = pre_layernorm, post_layernorm
+        self.attention_dropout_prob, self.hidden_dropout_prob = c.attention_dropout_prob, c.hidden_dropout_prob
+        self.eps = c.layernorm_epsilon
+        self.cross_attention = c.cross_attention
+        self.causal = c.causal_mask_size is not None and not c.cross_attention
+        self.causal_mask_size = c.causal_mask_size
+        self.pre_ln, self.post_ln = c.pre_layernorm, c.post_layernorm
         kw: dict[str, Any] = {"device": device}
         speed = self.optimize == "speed"
         with parameter_creation_scope(  # sequence parallel: norms and biases see own samples
-            self, scaled_batch=not self.sequence_parallel, dtype=dtype, use_normal=use_normal_initialization,
-            initializer_range=initializer_range,
+            self, scaled_batch=not self.sequence_parallel, dtype=dtype, use_normal=c.use_normal_initialization,
+            initializer_range=c.initializer_range,
         ):
             if speed:  # column-parallel q/k/v (heads), row-parallel dense (Megatron)
                 with initialize_with_output_partition(self):
@@ -132,9 +139,9 @@ class DistributedAttentionLayer(RegionModule):
                 ln_size = h // T
             # speed: replicated layer norms (scope default); memory: sharded
             with nullcontext() if speed else initialize_with_output_partition(self):
-                if pre_layernorm:
+                if c.pre_layernorm:
                     self.pre_layernorm = affine(torch.ones(ln_size, **kw), torch.zeros(ln_size, **kw))
-                if post_layernorm:
+                if c.post_layernorm:
                     self.post_layernorm = affine(torch.ones(ln_size, **kw), torch.zeros(ln_size, **kw))
 
     def _core_and_gen(self, device: torch.device) -> tuple[Any, torch.Generator | None]:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from smp_tp.group import ProcessGroup
+from smp_tp.layers.config import TransformerConfig, build_config
 from smp_tp.layers.region import ACTIVATIONS, RegionModule, affine, region_layer_norm
 from smp_tp.layers.sequence import check_sequence_parallel, gathered_linear
 from smp_tp.mappings import bwd_allreduce_for_tp, fwd_allreduce_for_tp, reduce_scatter_for_tp
@@ -42,31 +43,36 @@ class DistributedTransformerOutputLayer(RegionModule):
     pre_layernorm: Any
     post_layernorm: Any
 
+    # the older call form: positional order, then keyword-only options (see build_config)
+    _POSITIONAL: ClassVar[tuple[str, ...]] = (
+        "hidden_size", "intermediate_size", "hidden_dropout_prob", "activation", "layernorm_epsilon",
+        "initializer_range", "use_normal_initialization", "pre_layernorm", "post_layernorm")
+    _KEYWORDS: ClassVar[tuple[str, ...]] = (
+        "optimize", "recompute_activations", "recompute_mlp_activation", "sequence_parallel")
+
     def __init__(
         self,
-        hidden_size: int = 1024,
-        intermediate_size: int = 4096,
-        hidden_dropout_prob: float = 0.1,
-        activation: str = "gelu",
-        layernorm_epsilon: float = 1e-5,
-        initializer_range: float = 0.02,
-        use_normal_initialization: bool = False,
-        pre_layernorm: bool = False,
-        post_layernorm: bool = True,
-        *,
+        *args: Any,
+        config: TransformerConfig | None = None,
         tp_group: ProcessGroup = None,
         prescaled_batch: bool | None = None,
-        optimize: str | None = None,
-        recompute_activations: bool = True,
-        recompute_mlp_activation: bool = False,
-        sequence_parallel: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(tp_group=tp_group, prescaled_batch=prescaled_batch, optimize=optimize)
-        self.recompute_activations = bool(recompute_activations)
-        self.recompute_mlp_activation = bool(recompute_mlp_activation)
-        self.sequence_parallel = check_sequence_parallel(self, sequence_parallel)
+        """``DistributedTransformerOutputLayer(config, tp_group=..., ...)`` with a
+        :class:`~smp_tp.TransformerConfig`, or the older form with the config's fields as
+        arguments (positional order: ``hidden_size, intermediate_size, hidden_dropout_prob,
+        activation, layernorm_epsilon, initializer_range, use_normal_initialization,
+        pre_layernorm, post_layernorm``; keyword-only: ``optimize, recompute_activations,
+        recompute_mlp_activation, sequence_parallel``)."""
+        c = build_config(type(self).__name__, self._POSITIONAL, self._KEYWORDS, args, kwargs, config)
+        super().__init__(tp_group=tp_group, prescaled_batch=prescaled_batch, optimize=c.optimize)
+        self.config = c
+        self.recompute_activations = bool(c.recompute_activations)
+        self.recompute_mlp_activation = bool(c.recompute_mlp_activation)
+        self.sequence_parallel = check_sequence_parallel(self, c.sequence_parallel)
+        hidden_size, intermediate_size, activation = c.hidden_size, c.intermediate_size, c.activation
         if activation not in ACTIVATIONS:
             raise ValueError(
                 f"DistributedTransformerOutputLayer: activation {activation!r} not in {sorted(ACTIVATIONS)}"
@@ -76,13 +82,13 @@ class DistributedTransformerOutputLayer(RegionModule):
             self._require_divisible(hidden_size=hidden_size)
         T, h, inter = self.tp_size, hidden_size, intermediate_size
         self.hidden_size, self.intermediate_size, self.activation = h, inter, activation
-        self.hidden_dropout_prob, self.eps = hidden_dropout_prob, layernorm_epsilon
-        self.pre_ln, self.post_ln = pre_layernorm, post_layernorm
+        self.hidden_dropout_prob, self.eps = c.hidden_dropout_prob, c.layernorm_epsilon
+        self.pre_ln, self.post_ln = c.pre_layernorm, c.post_layernorm
         kw: dict[str, Any] = {"device": device}
         speed = self.optimize == "speed"
         with parameter_creation_scope(  # sequence parallel: norms and biases see own samples
-            self, scaled_batch=not self.sequence_parallel, dtype=dtype, use_normal=use_normal_initialization,
-            initializer_range=initializer_range,
+            self, scaled_batch=not self.sequence_parallel, dtype=dtype, use_normal=c.use_normal_initialization,
+            initializer_range=c.initializer_range,
         ):
             if speed:
                 with initialize_with_output_partition(self):
@@ -100,9 +106,9 @@ class DistributedTransformerOutputLayer(RegionModule):
                     self.dense_4h_to_h.bias = torch.nn.Parameter(torch.zeros(h // T, **kw))
                 ln_size = h // T
             with nullcontext() if speed else initialize_with_output_partition(self):
-                if pre_layernorm:
+                if c.pre_layernorm:
                     self.pre_layernorm = affine(torch.ones(ln_size, **kw), torch.zeros(ln_size, **kw))
-                if post_layernorm:
+                if c.post_layernorm:
                     self.post_layernorm = affine(torch.ones(ln_size, **kw), torch.zeros(ln_size, **kw))
 
     def forward_region(

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -10,6 +11,7 @@ from torch import nn
 
 from smp_tp.group import ProcessGroup
 from smp_tp.layers.attention import DistributedAttentionLayer
+from smp_tp.layers.config import TransformerConfig, build_config
 from smp_tp.layers.embedding import DistributedEmbedding
 from smp_tp.layers.layernorm import DistributedLayerNorm
 from smp_tp.layers.linear import input_split_linear
@@ -17,6 +19,10 @@ from smp_tp.layers.output import DistributedTransformerOutputLayer
 from smp_tp.layers.region import RegionModule
 from smp_tp.layers.sequence import check_sequence_parallel
 from smp_tp.module import DistributedModule
+
+# keyword-only options every composite class accepted in the older call form
+_MODE_KEYWORDS = ("optimize", "recompute_activations", "recompute_attention", "recompute_mlp_activation",
+                  "sequence_parallel")
 
 
 class DistributedTransformerLayer(RegionModule):
@@ -31,57 +37,51 @@ class DistributedTransformerLayer(RegionModule):
     residuals and dropout on this rank's samples; see :mod:`smp_tp.layers.sequence`.
     """
 
+    # the older call form: positional order, then keyword-only options (see build_config)
+    _POSITIONAL: ClassVar[tuple[str, ...]] = (
+        "num_attention_heads", "attention_head_size", "hidden_size", "intermediate_size",
+        "attention_dropout_prob", "hidden_dropout_prob", "activation", "layernorm_epsilon",
+        "initializer_range", "use_normal_initialization", "causal_mask_size", "add_cross_attention",
+        "pre_layernorm", "post_layernorm")
+    _KEYWORDS: ClassVar[tuple[str, ...]] = _MODE_KEYWORDS
+
     def __init__(
         self,
-        num_attention_heads: int = 32,
-        attention_head_size: int = 32,
-        hidden_size: int = 1024,
-        intermediate_size: int = 4096,
-        attention_dropout_prob: float = 0.1,
-        hidden_dropout_prob: float = 0.1,
-        activation: str = "gelu",
-        layernorm_epsilon: float = 1e-5,
-        initializer_range: float = 0.02,
-        use_normal_initialization: bool = False,
-        causal_mask_size: int | None = None,
-        add_cross_attention: bool = False,
-        pre_layernorm: bool = False,
-        post_layernorm: bool = True,
-        *,
+        *args: Any,
+        config: TransformerConfig | None = None,
         tp_group: ProcessGroup = None,
         prescaled_batch: bool | None = None,
-        optimize: str | None = None,
-        recompute_activations: bool = True,
-        recompute_attention: bool = False,
-        recompute_mlp_activation: bool = False,
-        sequence_parallel: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(tp_group=tp_group, prescaled_batch=prescaled_batch, optimize=optimize)
-        self.recompute_activations = bool(recompute_activations)
-        self.sequence_parallel = check_sequence_parallel(self, sequence_parallel)
-        mode: dict[str, Any] = {"tp_group": self.tp_group, "prescaled_batch": self.prescaled_batch,
-                "optimize": self.optimize, "recompute_activations": self.recompute_activations,
-                "sequence_parallel": self.sequence_parallel, "dtype": dtype, "device": device}
-        attn: dict[str, Any] = {"num_attention_heads": num_attention_heads, "attention_head_size": attention_head_size,
-                "hidden_size": hidden_size, "attention_dropout_prob": attention_dropout_prob,
-                "hidden_dropout_prob": hidden_dropout_prob, "layernorm_epsilon": layernorm_epsilon,
-                "initializer_range": initializer_range,
-                "use_normal_initialization": use_normal_initialization,
-                "pre_layernorm": pre_layernorm, "post_layernorm": post_layernorm}
-        self.recompute_attention = bool(recompute_attention)
-        attn["recompute_attention"] = self.recompute_attention
-        self.attention = DistributedAttentionLayer(**attn, causal_mask_size=causal_mask_size, **mode)
-        self.add_cross_attention = add_cross_attention
-        if add_cross_attention:
-            self.crossattention = DistributedAttentionLayer(**attn, cross_attention=True, **mode)
-        self.recompute_mlp_activation = bool(recompute_mlp_activation)
-        self.output = DistributedTransformerOutputLayer(
-            hidden_size, intermediate_size, hidden_dropout_prob, activation, layernorm_epsilon,
-            initializer_range, use_normal_initialization, pre_layernorm, post_layernorm,
-            recompute_mlp_activation=self.recompute_mlp_activation, **mode,
-        )
+        """``DistributedTransformerLayer(config, tp_group=..., ...)`` with a
+        :class:`~smp_tp.TransformerConfig`, or the older form with the config's fields as
+        arguments (positional order: ``num_attention_heads, attention_head_size,
+        hidden_size, intermediate_size, attention_dropout_prob, hidden_dropout_prob,
+        activation, layernorm_epsilon, initializer_range, use_normal_initialization,
+        causal_mask_size, add_cross_attention, pre_layernorm, post_layernorm``; keyword-only:
+        ``optimize, recompute_activations, recompute_attention, recompute_mlp_activation,
+        sequence_parallel``)."""
+        c = build_config(type(self).__name__, self._POSITIONAL, self._KEYWORDS, args, kwargs, config)
+        super().__init__(tp_group=tp_group, prescaled_batch=prescaled_batch, optimize=c.optimize)
+        self.config = c
+        self.recompute_activations = bool(c.recompute_activations)
+        self.recompute_attention = bool(c.recompute_attention)
+        self.recompute_mlp_activation = bool(c.recompute_mlp_activation)
+        self.sequence_parallel = check_sequence_parallel(self, c.sequence_parallel)
+        # children get the settings as resolved here, so a layer and its parts never differ
+        # when the tp_config default changes between them
+        child = replace(c, optimize=self.optimize, sequence_parallel=self.sequence_parallel)
+        place: dict[str, Any] = {"tp_group": self.tp_group, "prescaled_batch": self.prescaled_batch,
+                                 "dtype": dtype, "device": device}
+        self.attention = DistributedAttentionLayer(replace(child, cross_attention=False), **place)
+        self.add_cross_attention = c.add_cross_attention
+        if c.add_cross_attention:
+            # keys and values from the encoder: never causal
+            self.crossattention = DistributedAttentionLayer(
+                replace(child, cross_attention=True, causal_mask_size=None), **place)
+        self.output = DistributedTransformerOutputLayer(child, **place)
 
     def forward_region(
         self,
@@ -103,51 +103,33 @@ class DistributedTransformer(RegionModule):
     exactly the Appendix F collectives.
     """
 
+    _POSITIONAL: ClassVar[tuple[str, ...]] = ("num_layers", *DistributedTransformerLayer._POSITIONAL)
+    _KEYWORDS: ClassVar[tuple[str, ...]] = _MODE_KEYWORDS
+
     def __init__(
         self,
-        num_layers: int = 12,
-        num_attention_heads: int = 32,
-        attention_head_size: int = 32,
-        hidden_size: int = 1024,
-        intermediate_size: int = 4096,
-        attention_dropout_prob: float = 0.1,
-        hidden_dropout_prob: float = 0.1,
-        activation: str = "gelu",
-        layernorm_epsilon: float = 1e-5,
-        initializer_range: float = 0.02,
-        use_normal_initialization: bool = False,
-        causal_mask_size: int | None = None,
-        add_cross_attention: bool = False,
-        pre_layernorm: bool = False,
-        post_layernorm: bool = True,
-        *,
+        *args: Any,
+        config: TransformerConfig | None = None,
         tp_group: ProcessGroup = None,
         prescaled_batch: bool | None = None,
-        optimize: str | None = None,
-        recompute_activations: bool = True,
-        recompute_attention: bool = False,
-        recompute_mlp_activation: bool = False,
-        sequence_parallel: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(tp_group=tp_group, prescaled_batch=prescaled_batch, optimize=optimize)
-        self.recompute_activations = bool(recompute_activations)
-        self.sequence_parallel = check_sequence_parallel(self, sequence_parallel)
-        self.num_layers = num_layers
+        """``DistributedTransformer(config, tp_group=..., ...)`` with a
+        :class:`~smp_tp.TransformerConfig`, or the older form: ``num_layers`` followed by
+        :class:`DistributedTransformerLayer`'s arguments."""
+        c = build_config(type(self).__name__, self._POSITIONAL, self._KEYWORDS, args, kwargs, config)
+        super().__init__(tp_group=tp_group, prescaled_batch=prescaled_batch, optimize=c.optimize)
+        self.config = c
+        self.recompute_activations = bool(c.recompute_activations)
+        self.sequence_parallel = check_sequence_parallel(self, c.sequence_parallel)
+        self.num_layers = c.num_layers
+        child = replace(c, optimize=self.optimize, sequence_parallel=self.sequence_parallel)
         self.layers = nn.ModuleList(
-            DistributedTransformerLayer(
-                num_attention_heads, attention_head_size, hidden_size, intermediate_size,
-                attention_dropout_prob, hidden_dropout_prob, activation, layernorm_epsilon,
-                initializer_range, use_normal_initialization, causal_mask_size,
-                add_cross_attention, pre_layernorm, post_layernorm,
-                tp_group=self.tp_group, prescaled_batch=self.prescaled_batch,
-                optimize=self.optimize, recompute_activations=self.recompute_activations,
-                recompute_attention=recompute_attention, recompute_mlp_activation=recompute_mlp_activation,
-                sequence_parallel=self.sequence_parallel,
-                dtype=dtype, device=device,
-            )
-            for _ in range(num_layers)
+            DistributedTransformerLayer(child, tp_group=self.tp_group, prescaled_batch=self.prescaled_batch,
+                                        dtype=dtype, device=device)
+            for _ in range(c.num_layers)
         )
 
     def forward_region(
@@ -174,63 +156,52 @@ class DistributedTransformerLMHead(DistributedModule):
     embedding shards (the vocabulary is never split, so any vocabulary size works).
     """
 
+    _POSITIONAL: ClassVar[tuple[str, ...]] = (
+        "num_layers", "num_attention_heads", "attention_head_size", "hidden_size", "intermediate_size",
+        "vocab_size", "num_positions", "attention_dropout_prob", "hidden_dropout_prob", "activation",
+        "layernorm_epsilon", "num_token_types", "causal_mask_size", "add_cross_attention",
+        "add_lm_head", "initializer_range", "use_normal_initialization", "pre_layernorm",
+        "post_layernorm")
+    _KEYWORDS: ClassVar[tuple[str, ...]] = _MODE_KEYWORDS
+
     def __init__(
         self,
-        num_layers: int = 12,
-        num_attention_heads: int = 32,
-        attention_head_size: int = 32,
-        hidden_size: int = 1024,
-        intermediate_size: int = 4096,
-        vocab_size: int = 30522,
-        num_positions: int = 1024,
-        attention_dropout_prob: float = 0.1,
-        hidden_dropout_prob: float = 0.1,
-        activation: str = "gelu",
-        layernorm_epsilon: float = 1e-5,
-        num_token_types: int = 0,
-        causal_mask_size: int | None = None,
-        add_cross_attention: bool = False,
-        add_lm_head: bool = True,
-        initializer_range: float = 0.02,
-        use_normal_initialization: bool = False,
-        pre_layernorm: bool = False,
-        post_layernorm: bool = True,
-        *,
+        *args: Any,
+        config: TransformerConfig | None = None,
         tp_group: ProcessGroup = None,
         prescaled_batch: bool | None = None,
-        optimize: str | None = None,
-        recompute_activations: bool = True,
-        recompute_attention: bool = False,
-        recompute_mlp_activation: bool = False,
-        sequence_parallel: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(tp_group=tp_group, prescaled_batch=prescaled_batch, optimize=optimize)
-        self.recompute_activations = bool(recompute_activations)
-        mode: dict[str, Any] = {"tp_group": self.tp_group, "prescaled_batch": self.prescaled_batch,
-                "dtype": dtype, "device": device}
-        self.hidden_dropout_prob, self.add_lm_head = hidden_dropout_prob, add_lm_head
-        self.pre_ln, self.post_ln = pre_layernorm, post_layernorm
-        self.word_embedding = DistributedEmbedding(
-            vocab_size, hidden_size, initializer_range=initializer_range, **mode)
-        self.position_embedding = DistributedEmbedding(
-            num_positions, hidden_size, initializer_range=initializer_range, **mode)
-        if num_token_types > 0:
+        """``DistributedTransformerLMHead(config, tp_group=..., ...)`` with a
+        :class:`~smp_tp.TransformerConfig`, or the older form with the config's fields as
+        arguments (positional order: ``num_layers, num_attention_heads,
+        attention_head_size, hidden_size, intermediate_size, vocab_size, num_positions,
+        attention_dropout_prob, hidden_dropout_prob, activation, layernorm_epsilon,
+        num_token_types, causal_mask_size, add_cross_attention, add_lm_head,
+        initializer_range, use_normal_initialization, pre_layernorm, post_layernorm``;
+        keyword-only as :class:`DistributedTransformerLayer`)."""
+        c = build_config(type(self).__name__, self._POSITIONAL, self._KEYWORDS, args, kwargs, config)
+        super().__init__(tp_group=tp_group, prescaled_batch=prescaled_batch, optimize=c.optimize)
+        self.config = c
+        self.recompute_activations = bool(c.recompute_activations)
+        place: dict[str, Any] = {"tp_group": self.tp_group, "prescaled_batch": self.prescaled_batch,
+                                 "dtype": dtype, "device": device}
+        self.hidden_dropout_prob, self.add_lm_head = c.hidden_dropout_prob, c.add_lm_head
+        self.pre_ln, self.post_ln = c.pre_layernorm, c.post_layernorm
+        h, init = c.hidden_size, c.initializer_range
+        self.word_embedding = DistributedEmbedding(c.vocab_size, h, initializer_range=init, **place)
+        self.position_embedding = DistributedEmbedding(c.num_positions, h, initializer_range=init, **place)
+        if c.num_token_types > 0:
             self.token_type_embedding = DistributedEmbedding(
-                num_token_types, hidden_size, initializer_range=initializer_range, **mode)
-        if post_layernorm and not pre_layernorm:
-            self.embedding_layernorm = DistributedLayerNorm(hidden_size, layernorm_epsilon, **mode)
+                c.num_token_types, h, initializer_range=init, **place)
+        if c.post_layernorm and not c.pre_layernorm:
+            self.embedding_layernorm = DistributedLayerNorm(h, c.layernorm_epsilon, **place)
         self.transformer = DistributedTransformer(
-            num_layers, num_attention_heads, attention_head_size, hidden_size, intermediate_size,
-            attention_dropout_prob, hidden_dropout_prob, activation, layernorm_epsilon,
-            initializer_range, use_normal_initialization, causal_mask_size, add_cross_attention,
-            pre_layernorm, post_layernorm, optimize=self.optimize,
-            recompute_activations=self.recompute_activations, recompute_attention=recompute_attention,
-            recompute_mlp_activation=recompute_mlp_activation, sequence_parallel=sequence_parallel, **mode,
-        )
-        if pre_layernorm:
-            self.layernorm = DistributedLayerNorm(hidden_size, layernorm_epsilon, **mode)
+            replace(c, optimize=self.optimize, recompute_activations=self.recompute_activations), **place)
+        if c.pre_layernorm:
+            self.layernorm = DistributedLayerNorm(h, c.layernorm_epsilon, **place)
 
     def forward(
         self,
