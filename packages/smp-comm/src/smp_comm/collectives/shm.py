@@ -156,6 +156,9 @@ class Segment:
         self._seq_addr = [base + r * LINE for r in range(size)]  # low 32 bits: the futex word
         self.data_offset = _data_offset(size)
         self.lib = step_library()
+        # Spinning only pays when every rank of the segment has a core: oversubscribed (4
+        # ranks on 2 cores in tests), a spinning rank takes the core its peer needs.
+        self.spin_ns = _SPIN_NS if size <= len(os.sched_getaffinity(0)) else 0
         self._desc_buf = (ctypes.c_int64 * DESC_LEN)()
         self.step = int(self._lines[rank, _SEQ])  # 0 in a new segment
         self._lines[rank, _PID] = os.getpid()
@@ -235,7 +238,7 @@ class Segment:
         if desc is not None:
             self._desc_buf[:] = desc  # type: ignore[call-overload]
         buf = self._desc_buf if desc is not None else None
-        r = lib.smp_step(self.base, self.size, self.rank, s, buf, src, nbytes, dst, _SPIN_NS, 0)
+        r = lib.smp_step(self.base, self.size, self.rank, s, buf, src, nbytes, dst, self.spin_ns, 0)
         return s, r < 0
 
     def fast_finish(self, s: int) -> None:
@@ -243,7 +246,7 @@ class Segment:
         in :meth:`advance`."""
         assert self.lib is not None
         deadline = time.monotonic() + self.timeout
-        while (r := self.lib.smp_await(self.base, self.size, self.rank, s, _SPIN_NS,
+        while (r := self.lib.smp_await(self.base, self.size, self.rank, s, self.spin_ns,
                                        _SLEEP_NS)) >= 0:
             self._check(r, s, deadline)
 
