@@ -51,6 +51,8 @@ from smp_comm.collectives.local import (
     CollectiveMismatchError,
     LocalCollectives,
     check_reduce,
+    exhaust,
+    flat,
 )
 from smp_comm.collectives.shm import PeerFailedError
 
@@ -74,12 +76,6 @@ _RED_OP_VALUES = {k.value: v for k, v in _RED_OPS.items()}
 # LocalCollectives._quick) that yields while it waits for peers.
 _Run = Callable[[], "Iterator[None] | None"]
 _DONE = object()
-
-
-def _exhaust(steps: Iterator[None] | None) -> None:
-    if steps is not None:
-        for _ in steps:
-            pass
 
 
 _ALREADY_DONE = threading.Event()  # shared by every handle made complete
@@ -188,15 +184,6 @@ def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """A flat contiguous tensor with ``t``'s elements (``t`` itself when it is contiguous)."""
-    if not t.is_contiguous():
-        t = t.contiguous()
-    # as_strided, not view: a contiguous tensor of one element may have any stride, and a
-    # byte view of it needs stride 1.
-    return t.as_strided((t.numel(),), (1,), t.storage_offset())
-
-
 class SmpProcessGroup(ProcessGroup):
     """A process group whose collectives run through smp-comm's shared-memory collectives.
 
@@ -295,13 +282,19 @@ class SmpProcessGroup(ProcessGroup):
 
     def _execute(self, run: _Run) -> BaseException | None:
         """Run one collective to its end; its error (for the waiter), or None."""
-        if self._broken is not None:
-            return PeerFailedError(f"smp backend: group unusable: {self._broken}")
+        if (refused := self._refusal()) is not None:
+            return refused
         try:
-            _exhaust(run())
+            exhaust(run())
         except BaseException as exc:  # handed to the waiter, never lost
             return self._failed(exc)
         return None
+
+    def _refusal(self) -> PeerFailedError | None:
+        """Why a collective is refused here: the group failed before it; None otherwise."""
+        if self._broken is None:
+            return None
+        return PeerFailedError(f"smp backend: group unusable: {self._broken}")
 
     def _failed(self, exc: BaseException) -> BaseException:
         if not isinstance(exc, CollectiveMismatchError):
@@ -334,11 +327,8 @@ class SmpProcessGroup(ProcessGroup):
             self._running.acquire(blocking=False)
         ):
             try:
-                if self._broken is not None:
-                    error: BaseException | None = PeerFailedError(
-                        f"smp backend: group unusable: {self._broken}"
-                    )
-                else:
+                error: BaseException | None = self._refusal()
+                if error is None:
                     steps = quick()
                     if steps is None:  # no one-step version of this call: the thread runs it
                         work = SmpWork(result)
@@ -348,7 +338,6 @@ class SmpProcessGroup(ProcessGroup):
                         work = SmpWork(result)
                         self._enqueue((lambda: steps, work), first=True)
                         return work
-                    error = None
             except BaseException as exc:
                 error = self._failed(exc)
             finally:
@@ -399,11 +388,11 @@ class SmpProcessGroup(ProcessGroup):
         def run() -> None:
             for t in tensors:
                 if t.is_contiguous():
-                    self._coll.all_reduce(_flat(t), op)
+                    self._coll.all_reduce(flat(t), op)
                 else:
-                    flat = _flat(t)
-                    self._coll.all_reduce(flat, op)
-                    t.copy_(flat.view(t.shape))
+                    buf = flat(t)
+                    self._coll.all_reduce(buf, op)
+                    t.copy_(buf.view(t.shape))
 
         return self._submit(run, tensors, _nbytes(tensors))
 
@@ -419,11 +408,11 @@ class SmpProcessGroup(ProcessGroup):
             check_reduce(t.dtype, op)
 
         def run() -> None:
-            flat = torch.cat([t.reshape(-1) for t in tensors])
-            self._coll.all_reduce(flat, op)
+            buf = torch.cat([t.reshape(-1) for t in tensors])
+            self._coll.all_reduce(buf, op)
             at = 0
             for t in tensors:
-                t.copy_(flat[at : at + t.numel()].view(t.shape))
+                t.copy_(buf[at : at + t.numel()].view(t.shape))
                 at += t.numel()
 
         return self._submit(run, tensors)
@@ -437,16 +426,16 @@ class SmpProcessGroup(ProcessGroup):
         if self._quick is not None and len(tensors) == 1 and tensors[0].is_contiguous():
             t, quick = tensors[0], self._quick
             return self._submit(
-                lambda: quick.broadcast(_flat(t), root), tensors, _nbytes(tensors),
+                lambda: quick.broadcast(flat(t), root), tensors, _nbytes(tensors),
                 lambda: quick.quick_broadcast(t, root),
             )
 
         def run() -> None:
             for t in tensors:
-                flat = _flat(t)
-                self._coll.broadcast(flat, root)
+                buf = flat(t)
+                self._coll.broadcast(buf, root)
                 if not t.is_contiguous():
-                    t.copy_(flat.view(t.shape))
+                    t.copy_(buf.view(t.shape))
 
         return self._submit(run, tensors, _nbytes(tensors))
 
@@ -463,13 +452,13 @@ class SmpProcessGroup(ProcessGroup):
         if self._quick is not None and output.is_contiguous() and input.is_contiguous():
             quick = self._quick
             return self._submit(
-                lambda: quick.all_gather(_flat(output), _flat(input)), [output],
+                lambda: quick.all_gather(flat(output), flat(input)), [output],
                 _nbytes([output]), lambda: quick.quick_all_gather(output, input),
             )
 
         def run() -> None:
-            out = _flat(output) if output.is_contiguous() else torch.empty(output.numel(), dtype=output.dtype)
-            self._coll.all_gather(out, _flat(input))
+            out = flat(output) if output.is_contiguous() else torch.empty(output.numel(), dtype=output.dtype)
+            self._coll.all_gather(out, flat(input))
             if not output.is_contiguous():
                 output.copy_(out.view(output.shape))
 
@@ -503,7 +492,7 @@ class SmpProcessGroup(ProcessGroup):
 
         def run() -> None:
             gathered = torch.empty((self.size(), inp.numel()), dtype=inp.dtype)
-            self._coll.all_gather(gathered.view(-1), _flat(inp))
+            self._coll.all_gather(gathered.view(-1), flat(inp))
             for o, row in zip(outs, gathered):
                 o.copy_(row.view(o.shape))
 
@@ -522,8 +511,8 @@ class SmpProcessGroup(ProcessGroup):
         self._check_sizes(input, output, self.size(), "reduce_scatter_tensor")
 
         def run() -> None:
-            out = _flat(output) if output.is_contiguous() else torch.empty(output.numel(), dtype=output.dtype)
-            self._coll.reduce_scatter(out, _flat(input), op)
+            out = flat(output) if output.is_contiguous() else torch.empty(output.numel(), dtype=output.dtype)
+            self._coll.reduce_scatter(out, flat(input), op)
             if not output.is_contiguous():
                 output.copy_(out.view(output.shape))
 
@@ -561,9 +550,9 @@ class SmpProcessGroup(ProcessGroup):
 
         def run() -> None:
             stacked = torch.cat([i.reshape(-1) for i in ins])
-            flat = torch.empty(out.numel(), dtype=out.dtype)
-            self._coll.reduce_scatter(flat, stacked, op)
-            out.copy_(flat.view(out.shape))
+            buf = torch.empty(out.numel(), dtype=out.dtype)
+            self._coll.reduce_scatter(buf, stacked, op)
+            out.copy_(buf.view(out.shape))
 
         return self._submit(run, [out])
 

@@ -23,7 +23,7 @@ import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroupGloo
 
-from smp_comm.collectives.local import LocalCollectives, reduce_into
+from smp_comm.collectives.local import LocalCollectives, flat, reduce_into
 from smp_comm.collectives.shm import Segment
 
 __all__ = ["DEFAULT_HOST_CHUNK_BYTES", "HierarchicalCollectives", "build_collectives"]
@@ -140,7 +140,7 @@ class HierarchicalCollectives:
     def all_reduce(self, t: torch.Tensor, op: str) -> None:
         """``t`` = the reduction of every rank's ``t``: hosts in order, ranks in order."""
         inner = "sum" if op == "avg" else op
-        t = t.as_strided((t.numel(),), (1,), t.storage_offset())  # flat (any 1-element stride)
+        t = flat(t)
         pieces = [t[lo:hi] for lo, hi in self._ranges(t.numel(), t.element_size())]
         started = []
         for piece in pieces:

@@ -22,7 +22,10 @@ import torch
 
 from smp_comm.collectives.shm import Segment
 
-__all__ = ["DTYPES", "REDUCE_OPS", "CollectiveMismatchError", "LocalCollectives", "check_reduce"]
+__all__ = [
+    "DTYPES", "REDUCE_OPS", "CollectiveMismatchError", "LocalCollectives", "check_reduce", "exhaust",
+    "flat",
+]
 
 # Codes for descriptors: the position in this tuple (the same on every rank of one install).
 DTYPES: tuple[torch.dtype, ...] = tuple(
@@ -75,8 +78,19 @@ def check_reduce(dtype: torch.dtype, op: str) -> None:
         raise TypeError(f"smp backend: {op} is undefined for {dtype}")
 
 
-def _exhaust(steps: Iterator[None] | None) -> bool:
-    """Run a quick collective to its end; False if there was none (``steps`` is None)."""
+def flat(t: torch.Tensor) -> torch.Tensor:
+    """A flat contiguous tensor with ``t``'s elements (``t``'s own memory when it is
+    contiguous)."""
+    if not t.is_contiguous():
+        t = t.contiguous()
+    # as_strided, not view: a contiguous tensor of one element may have any stride, and a
+    # byte view of it needs stride 1.
+    return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
+def exhaust(steps: Iterator[None] | None) -> bool:
+    """Run a quick collective (a :meth:`LocalCollectives._quick` generator) to its end;
+    False if there was none (``steps`` is None)."""
     if steps is None:
         return False
     for _ in steps:
@@ -139,8 +153,7 @@ class LocalCollectives:
         if not done:
             yield
             self.seg.fast_finish(s)
-        if self.seg.mismatch(s):
-            self._check_desc(s)
+        self._check_desc(s)
         if then is not None:
             then(s)
 
@@ -168,7 +181,7 @@ class LocalCollectives:
 
     def barrier(self) -> None:
         """Return once every rank has called it."""
-        if not _exhaust(self.quick_barrier()):
+        if not exhaust(self.quick_barrier()):
             self._step([_BARRIER, 0, 0, 0, 0, 0])
 
     def quick_all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Iterator[None] | None:
@@ -188,7 +201,7 @@ class LocalCollectives:
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """``out`` (``size * inp.numel()`` elements) = every rank's ``inp``, in rank order."""
-        if _exhaust(self.quick_all_gather(out, inp)):
+        if exhaust(self.quick_all_gather(out, inp)):
             return
         desc = self._desc(_ALL_GATHER, inp)
         total, cap = inp.numel() * inp.element_size(), self.seg.slot_bytes
@@ -226,7 +239,7 @@ class LocalCollectives:
 
     def broadcast(self, t: torch.Tensor, root: int) -> None:
         """Every rank's ``t`` = ``root``'s (the root uses a whole phase per step)."""
-        if _exhaust(self.quick_broadcast(t, root)):
+        if exhaust(self.quick_broadcast(t, root)):
             return
         desc = self._desc(_BROADCAST, t, root=root)
         total, cap = t.numel() * t.element_size(), self.size * self.seg.slot_bytes
@@ -263,12 +276,12 @@ class LocalCollectives:
 
     def all_reduce(self, t: torch.Tensor, op: str) -> None:
         """``t`` = the reduction of every rank's ``t`` (contiguous), in place."""
-        if _exhaust(self.quick_all_reduce(t, op)):
+        if exhaust(self.quick_all_reduce(t, op)):
             return
         desc = self._desc(_ALL_REDUCE, t, op=op)
         n, total = self.size, t.numel()
         cap = self.seg.slot_bytes // t.element_size()
-        t = t.as_strided((t.numel(),), (1,), t.storage_offset())  # flat (any 1-element stride)
+        t = flat(t)
         one_shot = total * t.element_size() <= _ONE_SHOT_BYTES
         lo = 0
         while True:
