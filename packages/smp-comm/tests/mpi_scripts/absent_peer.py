@@ -4,7 +4,6 @@ group's timeout, or at once for an abort) instead of hanging. 3 ranks."""
 
 from __future__ import annotations
 
-import os
 import time
 from datetime import timedelta
 
@@ -12,7 +11,7 @@ import smp_comm.torch_backend  # noqa: F401
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
-from payloads import case_ok, main_guard
+from payloads import case_ok, init_smp_world, main_guard
 from smp_comm.collectives.shm import PeerFailedError
 
 WORLD = MPI.COMM_WORLD
@@ -43,10 +42,7 @@ def absent(group: dist.ProcessGroup, members: list[int], numel: int, what: str, 
 
 
 def main() -> None:
-    port = WORLD.bcast(29400 + os.getpid() % 1000 if RANK == 0 else None)
-    store = dist.TCPStore("127.0.0.1", port, WORLD.size, RANK == 0, timedelta(seconds=60))
-    dist.init_process_group("smp", store=store, rank=RANK, world_size=WORLD.size,
-                            timeout=timedelta(seconds=600))
+    init_smp_world(600)
     short = timedelta(seconds=TIMEOUT_S)
     # One group per case: a group whose collective failed refuses later ones.
     small = dist.new_group(backend="smp", timeout=short)

@@ -4,13 +4,12 @@
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 
 import smp_comm.torch_backend  # noqa: F401
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
-from payloads import case_ok, main_guard
+from payloads import case_ok, init_smp_world, main_guard
 from smp_comm.collectives.shm import PeerFailedError
 from smp_comm.shutdown import unlink_mpi_shared_memory
 
@@ -18,11 +17,8 @@ from smp_comm.shutdown import unlink_mpi_shared_memory
 def main() -> None:
     world = MPI.COMM_WORLD
     rank, size = world.rank, world.size
-    port = world.bcast(29400 + os.getpid() % 1000 if rank == 0 else None)
-    store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timedelta(seconds=60))
     # A long group timeout: only the dead-peer check can end the wait in time.
-    dist.init_process_group("smp", store=store, rank=rank, world_size=size,
-                            timeout=timedelta(seconds=600))
+    init_smp_world(600)
     t = torch.ones(10)
     dist.all_reduce(t)
     # Every rank leaves with os._exit, so MPI_Finalize never removes MPICH's shared-memory

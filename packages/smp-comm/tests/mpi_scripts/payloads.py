@@ -173,3 +173,21 @@ def main_guard(fn) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(1)
+
+
+def init_smp_world(timeout_s: float) -> Any:
+    """``init_process_group("smp")`` over MPI's world with a group timeout of ``timeout_s``:
+    a TCPStore on rank 0, its port shared by broadcast. Returns the store."""
+    import os
+    from datetime import timedelta
+
+    import smp_comm.torch_backend  # noqa: F401 - registers "smp"
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    port = world.bcast(29400 + os.getpid() % 1000 if world.rank == 0 else None)
+    store = dist.TCPStore("127.0.0.1", port, world.size, world.rank == 0, timedelta(seconds=60))
+    dist.init_process_group("smp", store=store, rank=world.rank, world_size=world.size,
+                            timeout=timedelta(seconds=timeout_s))
+    return store

@@ -5,17 +5,15 @@ bound."""
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable
-from datetime import timedelta
 
 import smp_comm.torch_backend  # noqa: F401
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from mpi4py import MPI
-from payloads import case_ok, main_guard
+from payloads import case_ok, init_smp_world, main_guard
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
@@ -144,10 +142,7 @@ def ddp(group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
 def main() -> None:
     world = MPI.COMM_WORLD
     rank, size = world.rank, world.size
-    port = world.bcast(29400 + os.getpid() % 1000 if rank == 0 else None)
-    store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timedelta(seconds=60))
-    dist.init_process_group("smp", store=store, rank=rank, world_size=size,
-                            timeout=timedelta(seconds=120))
+    init_smp_world(120)
     gloo = dist.new_group(backend="gloo")
     smp = dist.group.WORLD
     assert smp is not None

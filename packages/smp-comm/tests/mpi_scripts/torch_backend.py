@@ -16,7 +16,7 @@ import torch
 import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 from mpi4py import MPI
-from payloads import case_ok, main_guard
+from payloads import case_ok, init_smp_world, main_guard
 
 world = MPI.COMM_WORLD
 RANK, SIZE = world.rank, world.size
@@ -265,10 +265,7 @@ def test_mismatch_and_async(gloo, store) -> None:
 
 
 def main() -> None:
-    port = world.bcast(29400 + os.getpid() % 1000 if RANK == 0 else None)
-    store = dist.TCPStore("127.0.0.1", port, SIZE, RANK == 0, timedelta(seconds=60))
-    dist.init_process_group("smp", store=store, rank=RANK, world_size=SIZE,
-                            timeout=timedelta(seconds=60))
+    store = init_smp_world(60)
     assert dist.get_backend() == "smp"
     gloo = dist.new_group(backend="gloo")
     test_gather_broadcast(gloo)
