@@ -6,7 +6,8 @@
   ``try`` that catches ``ImportError``) is in its ``dependencies`` or one of its extras (a
   module only used with that extra: smp-comm's torch backend); a guarded or function-local
   import is optional and needs no declaration;
-- every ``torch`` requirement in ``dependencies`` has the floor nox pins for the tests
+- every ``torch`` requirement in ``dependencies`` or an extra (not ``test``, which pins it)
+  has the floor nox pins for the tests
   (``TORCH_PIN`` in ``noxfile.py``): the lowest version the tests run on is what is promised;
 - every ``transformers`` requirement in a ``test`` extra is the same one.
 
@@ -93,10 +94,15 @@ def problems(root: Path) -> list[str]:
                 if dist not in declared and dist not in extras:
                     rel = path.relative_to(root)
                     out.append(f"{package}: {rel} imports {module}, which its dependencies lack")
-        spec = declared.get("torch")
-        if spec is not None and torch_floor and not (spec.startswith(">=") and _version(spec[2:]) == torch_floor):
-            out.append(f"{package}: declares torch{spec}, the tests run on torch "
-                       f"{'.'.join(map(str, torch_floor))} (noxfile's TORCH_PIN)")
+        # The floor in dependencies and in any extra but the test one (which pins it exactly).
+        floors = [("dependencies", declared.get("torch"))] + [
+            (f"extra [{extra}]", dict(_dist(r) for r in reqs).get("torch"))
+            for extra, reqs in project.get("optional-dependencies", {}).items() if extra != "test"
+        ]  # fmt: skip
+        for where, spec in floors:
+            if spec is not None and torch_floor and not (spec.startswith(">=") and _version(spec[2:]) == torch_floor):
+                out.append(f"{package}: {where} declares torch{spec}, the tests run on torch "
+                           f"{'.'.join(map(str, torch_floor))} (noxfile's TORCH_PIN)")
         for requirement in project.get("optional-dependencies", {}).get("test", []):
             name, spec = _dist(requirement)
             if name == "transformers":

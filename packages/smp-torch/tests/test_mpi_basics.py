@@ -57,3 +57,20 @@ def test_failure_in_one_pipeline_raises_on_every_rank(tp: str, pp: str) -> None:
     raised = set(re.findall(r"RANK (\d) RAISED", out))
     assert raised == {"0", "1", "2", "3"}, out
     assert "boom in the last pipeline" in out and "NO ERROR" not in out
+
+
+def test_a_rank_waiting_for_a_slower_peer_does_not_spin() -> None:
+    """``scripts/idle_wait.py``: rank 0 waits ~3 s in ``smp.DistributedModel`` for rank 1,
+    and rank 1 ~3 s in the first step for rank 0's partition. The waiting rank's process must
+    use well under the wait in CPU time (it sleeps between polls); a blocking MPI collective
+    there spins (the whole wait in CPU seconds: 3.0-3.1 before the fix). CPU seconds, not a
+    latency: a busy machine lengthens the wait, not the CPU a sleeping rank uses."""
+    out = launch("idle_wait.py", 2, timeout=120)
+    found = {
+        (int(r), what): (float(wall), float(cpu))
+        for r, what, wall, cpu in re.findall(r"RANK (\d) (MODEL|STEP) wall ([\d.]+) cpu ([\d.]+)", out)
+    }
+    for waiter, what in ((0, "MODEL"), (1, "STEP")):
+        wall, cpu = found[(waiter, what)]
+        assert wall >= 2.5, (waiter, what, wall, out)  # it did wait for its peer
+        assert cpu < 0.2 * wall, f"rank {waiter} spun while waiting ({what}): {cpu:.2f} s CPU in {wall:.2f} s\n{out}"

@@ -118,6 +118,8 @@ class DistributedModel(nn.Module):
         # Read before the engine rewraps modules; told after it accepted the configuration.
         inert = inert_settings(cfg, ctx.device.type, has_checkpointed_module(module))
         engine_cls = PipelineEngine if cfg.pp > 1 else LocalEngine
+        # (The engines start with collectives: wait for the ranks still building theirs.)
+        ctx.watch.arrive("in smp.DistributedModel(), waiting for the other ranks' models")
         self.engine: Engine = engine_cls(ctx, module, broadcast_weights, self._trace_device)
         self.module = self.engine.module
         register_model(self.module)  # (stall reports name its modules)

@@ -209,15 +209,20 @@ class PipelineEngine(Engine):
 
     # -- partitioning ------------------------------------------------------------------------
 
+    def _share_partition(self, obj: Any) -> Any:
+        """Rank 0's partition on every rank (the other ranks wait for its trace without
+        spinning: :meth:`FailureWatch.arrive`)."""
+        self.ctx.watch.arrive("partitioning the model, waiting for rank 0")
+        return self.ctx.mpi_comms["world"].bcast(obj, root=0)
+
     def _partition(self, module: nn.Module, static: bool = False, **trace: Any) -> Any:
         """Collective over the job: partition on world rank 0, share the assignment."""
         ctx, cfg = self.ctx, self.ctx.config
-        world = ctx.mpi_comms["world"]
         try:
             outcome = partition_model(
                 module,
                 cfg.pp,
-                lambda obj: world.bcast(obj, root=0),
+                self._share_partition,
                 root=ctx.rank == 0,
                 static=static,
                 alpha=cfg.memory_weight,
@@ -346,7 +351,9 @@ class PipelineEngine(Engine):
 
     def merge_stages(self, part: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         merged: dict[str, torch.Tensor] = {}
-        for piece in self.ctx.mpi_comms["pp"].allgather(part):
+        pp = self.ctx.mpi_comms["pp"]
+        self.ctx.watch.arrive("gathering the stages' state", pp)
+        for piece in pp.allgather(part):
             merged.update(piece)
         return merged
 

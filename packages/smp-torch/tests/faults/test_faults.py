@@ -36,11 +36,11 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import jobs
 import pytest
+from cases import BY_TIMEOUT, CASES, NO_HANG_CASES, ROLES, STALLED_MODULE, Case
 from conftest import FAULT_TABLE
 from jobs import RANKS
 from smp_comm.testing import run_mpi
@@ -50,73 +50,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # by one): far above any handled fault's time even on a busy machine (the slowest seen: 13 s),
 # so that only a hang fails.
 HANG_S = 60.0
-BY_TIMEOUT = ("stall", "sigstop")  # faults only a timeout can find
 JOB_TIMEOUT_S = 180.0  # a hung job is killed (and the case fails) after this long
 
-ROLES = {
-    "pp2": ["driver", "server"],
-    "tp2": ["tp peer", "tp peer"],
-    "dp2": ["dp peer", "dp peer"],
-    "pp2dp2": ["driver", "server", "driver", "server"],
-    "dp2smp": ["dp peer", "dp peer"],
-}
-
-
-@dataclass(frozen=True)
-class Case:
-    fault: str
-    config: str
-    victim: int
-    launcher: str = "hydra"  # "hydra": plain mpiexec; "shell": ranks under a waiting shell
-    env: tuple[tuple[str, str], ...] = ()
-
-    @property
-    def id(self) -> str:
-        extra = "-heartbeat" if self.env else ""
-        return f"{self.fault}-{self.config}-rank{self.victim}-{self.launcher}{extra}"
-
-
-CASES = [
-    Case("before_step", "pp2", 1),
-    Case("before_step", "tp2", 0),
-    Case("forward", "dp2", 1),
-    Case("forward", "pp2dp2", 1),
-    Case("backward", "pp2", 0),
-    Case("backward", "pp2dp2", 3),
-    Case("after_step", "dp2", 0),
-    Case("after_step", "pp2dp2", 2),
-    Case("optimizer", "tp2", 1),
-    Case("optimizer", "pp2", 1),
-    Case("thread", "dp2", 1),
-    Case("forward", "dp2smp", 1),
-    # A peer fails while the other waits in an smp-backend all-reduce of gradients: the
-    # failed step marks the smp groups failed, so the waiter raises and exits at once (a
-    # fresh-clone run before that: 18 s, each rank's exit waiting for the other).
-    Case("backward", "dp2smp", 1),
-    Case("thread", "dp2smp", 1),
-    Case("raw_collective", "dp2", 1),
-    Case("kill", "pp2", 0, "shell"),
-    Case("kill", "pp2dp2", 3, "shell"),
-    Case("kill", "tp2", 1, "shell"),
-    Case("kill", "dp2", 0, "shell"),
-    Case("kill", "dp2smp", 1, "shell"),
-    Case("kill", "dp2", 1, "shell", (("SMP_FAILURE_PROC_CHECK", "0"),)),
-    Case("kill", "pp2", 1, "hydra"),
-    Case("truncate", "pp2", 0),
-    Case("flip", "tp2", 1),
-    Case("no_manifest", "dp2", 0),
-    Case("pickle", "pp2", 1),
-    Case("save_kill", "pp2", 1, "shell"),
-    Case("save_kill", "dp2", 0, "shell"),
-    Case("save_error", "pp2", 1),
-    Case("save_gather", "pp2dp2", 3),
-    Case("microbatches", "dp2", 1),
-    Case("bad_config", "dp2", 1),
-    Case("bad_config", "pp2dp2", 3),
-    Case("batch", "dp2", 1),
-    Case("batch", "pp2dp2", 2),
-    Case("batch", "tp2", 0),
-]
 
 LOAD_FAULTS = {  # what every rank must say: the damaged file and what is wrong with it
     "truncate": r"ckpt/model_pp0\.pt has \d+ bytes where the manifest records \d+",
@@ -228,7 +163,7 @@ def test_stalled_module(request: pytest.FixtureRequest) -> None:
     worker only until rank 0's process has ended), its output holding
     the chain: rank 0's step function waits for the module on pp rank 1, whose forward has
     held the execution token since, in ``inject.py``'s hook."""
-    case = Case("stall", "pp2", 1)
+    case = STALLED_MODULE
     before = jobs.shm_entries()
     job = _launch(case)
     out = job.out
@@ -252,17 +187,6 @@ def test_stalled_module(request: pytest.FixtureRequest) -> None:
     assert not left, f"left in /dev/shm: {left}\n{out}"
 
 
-# Issue 49: faults that used to hang a job or blame the wrong rank. A frozen rank (SIGSTOP,
-# alive in /proc) and a stall in user code (a module's forward that never returns) on
-# stage 0 or at pp = 1: every rank must end (within timeout_s + HANG_S of the fault), and
-# every rank that can still speak must name the culprit (and, for a stall, its module).
-NO_HANG_CASES = [
-    Case("sigstop", "pp2", 1, "shell"),
-    Case("sigstop", "dp2", 1, "shell"),
-    Case("stall", "pp2", 0),
-    Case("stall", "tp2", 0),
-    Case("stall", "dp2", 1),
-]
 # What names the culprit: smp's stall verdict, a frozen rank's, or the pipeline's chain.
 _VERDICT = re.compile(r"(?:StallError|FrozenRankError): ")
 
