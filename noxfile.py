@@ -84,7 +84,11 @@ def tests(session: nox.Session, package: str) -> None:
     _install(session, package)
     session.chdir(ROOT / "packages" / package)
     # pytest exits 5 when it collected nothing; nox treats any non-zero exit as failure.
-    session.run("python", "-m", "pytest", "-ra", "-p", "no:cacheprovider", *session.posargs)
+    # --durations: the slowest tests, printed, for the suite's 30-minute budget.
+    session.run(
+        "python", "-m", "pytest", "-ra", "-p", "no:cacheprovider", "--durations=15",
+        *session.posargs,
+    )  # fmt: skip
 
 
 @nox.session
