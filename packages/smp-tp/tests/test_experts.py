@@ -8,10 +8,11 @@ from launch import torchrun
 pytest.importorskip("transformers")
 
 LABELS = [
-    f"{name} impl={impl} grouped_mm={grouped}: checked"
+    f"{name} impl={impl} grouped_mm={grouped} per_sender_gemm={per_sender}: checked"
     for name in ("mixtral", "qwen3_moe", "deepseek_v3")
     for impl in ("eager", "grouped_mm")
     for grouped in (False, True)
+    for per_sender in (False, True)
 ]
 
 

@@ -112,6 +112,12 @@ class ExpertParallelExperts(nn.Module):
 
     ``grouped_mm=True`` computes the local experts with one ``torch.nn.functional.grouped_mm``
     per projection instead of a Python loop over experts.
+
+    ``per_sender_gemm=True`` multiplies the rows each rank sent to an expert separately (ep
+    GEMMs per expert instead of one), in the original's row order. A CPU GEMM's row result
+    depends on how many rows it is given (MKL/oneDNN pick kernels and blockings by shape;
+    one row takes a GEMV), so only this reproduces the original forward bit for bit;
+    batching every sender's rows into one GEMM, the default, agrees to float32 rounding.
     """
 
     def __init__(
@@ -124,6 +130,7 @@ class ExpertParallelExperts(nn.Module):
         ep_group: ProcessGroup = None,
         combine: Combine = "auto",
         grouped_mm: bool = False,
+        per_sender_gemm: bool = False,
         config: Any = None,
     ) -> None:
         super().__init__()
@@ -142,6 +149,7 @@ class ExpertParallelExperts(nn.Module):
         self.ep_group = ep_group
         self.combine = combine
         self.grouped_mm = grouped_mm
+        self.per_sender_gemm = per_sender_gemm
         # Not a submodule: only read for "auto" (the model's config object, shared).
         self._config = config
 
@@ -149,7 +157,7 @@ class ExpertParallelExperts(nn.Module):
         return (
             f"experts {self.first_expert}..{self.first_expert + self.num_local_experts - 1} of "
             f"{self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, "
-            f"combine={self.combine}, grouped_mm={self.grouped_mm}"
+            f"combine={self.combine}, grouped_mm={self.grouped_mm}, per_sender_gemm={self.per_sender_gemm}"
         )
 
     def _combine_mode(self) -> str:
@@ -160,21 +168,25 @@ class ExpertParallelExperts(nn.Module):
 
     # -- the local experts -------------------------------------------------------------
 
-    def _run_experts(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
-        """Rows of ``x`` grouped by local expert (``tokens_per_expert[j]`` rows for expert j)."""
+    def _run_experts(self, x: torch.Tensor, lens: list[int], expert_of: list[int]) -> torch.Tensor:
+        """Consecutive row groups of ``x``: ``lens[g]`` rows for local expert ``expert_of[g]``."""
         if self.grouped_mm:
             gmm = _grouped_mm_fn()
-            offs = torch.tensor(tokens_per_expert, device=x.device).cumsum(0).to(torch.int32)
-            h = gmm(x, self.gate_up_proj.transpose(-2, -1), offs=offs)
-            gate, up = h.chunk(2, dim=-1)
-            return gmm(self.act_fn(gate) * up, self.down_proj.transpose(-2, -1), offs=offs)
+            offs = torch.tensor(lens, device=x.device).cumsum(0).to(torch.int32)
+            gate_up, down = self.gate_up_proj, self.down_proj
+            if expert_of != list(range(self.num_local_experts)):  # per-sender groups
+                pick = torch.tensor(expert_of, device=x.device)
+                gate_up, down = gate_up[pick], down[pick]
+            gate, up = gmm(x, gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+            return gmm(self.act_fn(gate) * up, down.transpose(-2, -1), offs=offs)
         outs = []
-        for j, rows in enumerate(x.split(tokens_per_expert)):
-            if rows.shape[0] == 0 and (outs or j < len(tokens_per_expert) - 1):
+        for g, rows in enumerate(x.split(lens)):
+            if rows.shape[0] == 0 and (outs or g < len(lens) - 1):
                 continue  # as the original, an expert without tokens costs nothing ...
-            # ... except when no expert got any: the (empty) output must still depend on the
+            # ... except when no group has rows: the (empty) output must still depend on the
             # parameters, or this rank's backward would skip the return all-to-all that the
             # other ranks' backward runs, and the group would hang.
+            j = expert_of[g]
             gate, up = F.linear(rows, self.gate_up_proj[j]).chunk(2, dim=-1)
             outs.append(F.linear(self.act_fn(gate) * up, self.down_proj[j]))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
@@ -187,10 +199,16 @@ class ExpertParallelExperts(nn.Module):
         n_tok, k = top_k_index.shape
         ep, n_loc = tp_size(self.ep_group), self.num_local_experts
         experts = top_k_index.reshape(-1)  # slot s = token s // k, choice s % k
+        mode = self._combine_mode()
         with torch.no_grad():
-            # Slots sorted by expert (stable: within an expert, token order), so the rows for
-            # rank j are one consecutive block, themselves grouped by j's local experts.
-            order = torch.argsort(experts, stable=True)
+            # Slots sorted by expert, so the rows for rank j are one consecutive block, grouped
+            # by j's local experts. Within an expert the rows keep the original's order (only
+            # ``per_sender_gemm`` relies on it): slot order for grouped_mm's sort, choice-major
+            # for the eager loop (torch.where over its [k, N] mask).
+            slots = torch.arange(experts.numel(), device=experts.device)
+            if mode == "expert_order":
+                slots = slots.view(n_tok, k).t().reshape(-1)
+            order = slots[torch.argsort(experts[slots], stable=True)]
             counts = torch.bincount(experts, minlength=self.num_experts)
             if counts.numel() != self.num_experts:
                 raise ValueError(f"expert index out of range: {int(experts.max())} >= {self.num_experts}")
@@ -221,13 +239,16 @@ class ExpertParallelExperts(nn.Module):
         rows = hidden_states[order // k]
         if ep > 1:
             rows = all_to_all_rows(rows, send_splits, recv_splits, self.ep_group)
-        y = self._run_experts(rows[perm], recv.sum(0).tolist())[inv_perm]
+        if self.per_sender_gemm:  # received layout: sender-major groups, expert inner
+            y = self._run_experts(rows, recv.reshape(-1).tolist(), list(range(n_loc)) * ep)
+        else:
+            y = self._run_experts(rows[perm], recv.sum(0).tolist(), list(range(n_loc)))[inv_perm]
         if ep > 1:
             y = all_to_all_rows(y, recv_splits, send_splits, self.ep_group)
         # Back in slot order; weights applied on the token's own rank (the same elementwise
         # product as the original, which dtype promotion included: fp32 weights stay fp32).
         weighted = y[inv_order] * top_k_weights.reshape(-1, 1)
-        if self._combine_mode() == "slot_sum":
+        if mode == "slot_sum":
             return weighted.view(n_tok, k, -1).sum(dim=1).to(hidden_states.dtype)
         # Eager original: out = 0, then out[t] += contribution of each expert, ascending id.
         by_expert = top_k_index.argsort(dim=1, stable=True)
@@ -250,7 +271,12 @@ def _is_fused_experts(module: nn.Module) -> bool:
 
 
 def distribute_experts(
-    experts: nn.Module, ep_group: ProcessGroup = None, *, combine: Combine = "auto", grouped_mm: bool = False
+    experts: nn.Module,
+    ep_group: ProcessGroup = None,
+    *,
+    combine: Combine = "auto",
+    grouped_mm: bool = False,
+    per_sender_gemm: bool = False,
 ) -> ExpertParallelExperts:
     """Build this rank's :class:`ExpertParallelExperts` from a transformers-5 fused experts
     module (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``), copying its slice of the
@@ -288,15 +314,15 @@ def distribute_experts(
     down.requires_grad_(experts.down_proj.requires_grad)
     return ExpertParallelExperts(
         gate_up, down, experts.act_fn, num_experts, first, ep_group,
-        combine=combine, grouped_mm=grouped_mm, config=getattr(experts, "config", None),
+        combine=combine, grouped_mm=grouped_mm, per_sender_gemm=per_sender_gemm,
+        config=getattr(experts, "config", None),
     )
 
 
-def expert_parallelize(
-    model: nn.Module, ep_group: ProcessGroup = None, *, combine: Combine = "auto", grouped_mm: bool = False
-) -> int:
+def expert_parallelize(model: nn.Module, ep_group: ProcessGroup = None, **options: Any) -> int:
     """Replace, in place, every fused experts module inside ``model`` (not ``model`` itself)
-    with :func:`distribute_experts`; return how many were replaced."""
+    with :func:`distribute_experts` (``options``: its keyword arguments); return how many
+    were replaced."""
     targets = [
         (name, m) for name, m in model.named_modules()
         if name and _is_fused_experts(m) and not isinstance(m, ExpertParallelExperts)
@@ -304,7 +330,7 @@ def expert_parallelize(
     for name, m in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, distribute_experts(m, ep_group, combine=combine, grouped_mm=grouped_mm))
+        setattr(parent, child, distribute_experts(m, ep_group, **options))
     return len(targets)
 
 
