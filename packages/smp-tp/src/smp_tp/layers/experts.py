@@ -222,19 +222,21 @@ class ExpertParallelExperts(nn.Module):
             recv = recv.view(ep, n_loc)
             send_splits = counts.view(ep, n_loc).sum(1).tolist()
             recv_splits = recv.sum(1).tolist()
-            # Received rows are sender-major (rank 0's rows for experts 0..n_loc-1, then rank
-            # 1's, ...); the experts want them expert-major. `perm` lists, expert by expert
-            # and sender by sender, where each received segment starts.
-            flat = recv.reshape(-1)
-            seg_start = (flat.cumsum(0) - flat).view(ep, n_loc).t().reshape(-1)
-            seg_len = recv.t().reshape(-1)
-            out_start = seg_len.cumsum(0) - seg_len
-            total = int(flat.sum())
-            perm = torch.repeat_interleave(seg_start - out_start, seg_len) + torch.arange(total)
-            inv_perm = torch.empty_like(perm)
-            inv_perm[perm] = torch.arange(total)
+            dev = experts.device
+            if not self.per_sender_gemm:
+                # Received rows are sender-major (rank 0's rows for experts 0..n_loc-1, then
+                # rank 1's, ...); one GEMM per expert wants them expert-major. `perm` lists,
+                # expert by expert and sender by sender, the received segments' rows.
+                flat = recv.reshape(-1)
+                seg_start = (flat.cumsum(0) - flat).view(ep, n_loc).t().reshape(-1)
+                seg_len = recv.t().reshape(-1)
+                out_start = seg_len.cumsum(0) - seg_len
+                total = int(flat.sum())
+                perm = torch.repeat_interleave(seg_start - out_start, seg_len) + torch.arange(total, device=dev)
+                inv_perm = torch.empty_like(perm)
+                inv_perm[perm] = torch.arange(total, device=dev)
             inv_order = torch.empty_like(order)
-            inv_order[order] = torch.arange(order.numel())
+            inv_order[order] = torch.arange(order.numel(), device=dev)
 
         rows = hidden_states[order // k]
         if ep > 1:
