@@ -202,13 +202,15 @@ class ExpertParallelExperts(nn.Module):
         mode = self._combine_mode()
         with torch.no_grad():
             # Slots sorted by expert, so the rows for rank j are one consecutive block, grouped
-            # by j's local experts. Within an expert the rows keep the original's order (only
-            # ``per_sender_gemm`` relies on it): slot order for grouped_mm's sort, choice-major
-            # for the eager loop (torch.where over its [k, N] mask).
-            slots = torch.arange(experts.numel(), device=experts.device)
+            # by j's local experts. Within an expert the rows keep the original's order, since
+            # with several threads a GEMM row's result can depend on its position: the eager
+            # loop takes them choice-major (torch.where over its [k, N] mask), grouped_mm in
+            # the order of its own (unstable, but deterministic) torch.sort of the same ids.
             if mode == "expert_order":
-                slots = slots.view(n_tok, k).t().reshape(-1)
-            order = slots[torch.argsort(experts[slots], stable=True)]
+                slots = torch.arange(experts.numel(), device=experts.device).view(n_tok, k).t().reshape(-1)
+                order = slots[torch.argsort(experts[slots], stable=True)]
+            else:
+                order = torch.sort(experts)[1]
             counts = torch.bincount(experts, minlength=self.num_experts)
             if counts.numel() != self.num_experts:
                 raise ValueError(f"expert index out of range: {int(experts.max())} >= {self.num_experts}")
