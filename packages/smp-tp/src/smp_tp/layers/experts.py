@@ -173,13 +173,14 @@ class ExpertParallelExperts(nn.Module):
         if self.grouped_mm:
             gmm = _grouped_mm_fn()
             offs = torch.tensor(lens, device=x.device).cumsum(0).to(torch.int32)
-            gate_up, down = self.gate_up_proj, self.down_proj
+            gate_up: torch.Tensor = self.gate_up_proj
+            down: torch.Tensor = self.down_proj
             if expert_of != list(range(self.num_local_experts)):  # per-sender groups
                 pick = torch.tensor(expert_of, device=x.device)
                 gate_up, down = gate_up[pick], down[pick]
             gate, up = gmm(x, gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
             return gmm(self.act_fn(gate) * up, down.transpose(-2, -1), offs=offs)
-        outs = []
+        outs: list[torch.Tensor] = []
         for g, rows in enumerate(x.split(lens)):
             if rows.shape[0] == 0 and (outs or g < len(lens) - 1):
                 continue  # as the original, an expert without tokens costs nothing ...
@@ -303,7 +304,8 @@ def distribute_experts(
         unsupported.append("_apply_gate")
     if unsupported:
         raise ValueError(f"distribute_experts: {type(experts).__name__} has unsupported {unsupported}")
-    num_experts, ep = experts.num_experts, tp_size(ep_group)
+    fused: Any = experts  # (its attributes are checked above: tensors and ints, not modules)
+    num_experts, ep = int(fused.num_experts), tp_size(ep_group)
     if num_experts % ep:
         raise ValueError(
             f"distribute_experts: the expert-parallel degree {ep} does not divide the number "
@@ -312,12 +314,12 @@ def distribute_experts(
     n_loc = num_experts // ep
     first = tp_rank(ep_group) * n_loc
     with torch.no_grad():
-        gate_up = experts.gate_up_proj[first:first + n_loc].clone()
-        down = experts.down_proj[first:first + n_loc].clone()
-    gate_up.requires_grad_(experts.gate_up_proj.requires_grad)
-    down.requires_grad_(experts.down_proj.requires_grad)
+        gate_up = fused.gate_up_proj[first:first + n_loc].clone()
+        down = fused.down_proj[first:first + n_loc].clone()
+    gate_up.requires_grad_(bool(fused.gate_up_proj.requires_grad))
+    down.requires_grad_(bool(fused.down_proj.requires_grad))
     return ExpertParallelExperts(
-        gate_up, down, experts.act_fn, num_experts, first, ep_group,
+        gate_up, down, fused.act_fn, num_experts, first, ep_group,
         combine=combine, grouped_mm=grouped_mm, per_sender_gemm=per_sender_gemm,
         config=getattr(experts, "config", None),
     )
