@@ -13,6 +13,14 @@ from smp_tp.layers.attention import DistributedAttentionLayer
 from smp_tp.layers.block import ColumnParallelLinear, DistributedBlock, RowParallelLinear
 from smp_tp.layers.config import TransformerConfig
 from smp_tp.layers.embedding import DistributedEmbedding
+from smp_tp.layers.experts import (
+    ExpertParallelExperts,
+    all_to_all_rows,
+    distribute_experts,
+    expert_parallelize,
+    full_expert_grads,
+    full_expert_state,
+)
 from smp_tp.layers.layernorm import DistributedLayerNorm
 from smp_tp.layers.linear import DistributedLinear
 from smp_tp.layers.output import DistributedTransformerOutputLayer
@@ -77,6 +85,9 @@ __all__ = [
     "DistributedTransformerLayer", "DistributedTransformer", "DistributedTransformerLMHead",
     "TransformerConfig", "VocabParallelEmbedding", "VocabParallelLMHead", "DistributedBlock", "ColumnParallelLinear",
     "RowParallelLinear",
+    # expert parallelism (routed experts of transformers-5 MoE blocks)
+    "ExpertParallelExperts", "distribute_experts", "expert_parallelize", "full_expert_state",
+    "full_expert_grads", "all_to_all_rows",
     # vocabulary-parallel loss
     "vocab_parallel_cross_entropy", "gather_vocab_parallel_logits", "sharded_logits",
     "VocabParallelCausalLMLoss",
