@@ -129,6 +129,12 @@ MEANINGS: dict[str, str] = {
         "ranks keeps 1/N of every parameter, gradient and optimizer state. Must divide the "
         "data-parallel degree."
     ),
+    "expert_parallel_degree": (
+        "Expert parallelism: the routed experts of each MoE layer are split over groups of "
+        "this many consecutive data-parallel ranks (each keeps 1/N of the experts and its own "
+        "samples; tokens travel by all-to-all). Must divide the data-parallel degree and "
+        "every MoE layer's number of experts; pp = tp = 1 only so far."
+    ),
     "sdp_reduce_bucket_size": (
         "Elements: the largest shard unit made by keeping small children with their parent."
     ),

@@ -28,6 +28,8 @@ from smp_torch.report import ModelReport, ModuleReport, TPFallbackWarning
 from smp_torch.state import (
     dp_rank,
     dp_size,
+    ep_rank,
+    ep_size,
     get_dp_group,
     get_dp_process_group,
     get_mp_group,
@@ -133,6 +135,8 @@ __all__ = [
     "dp_size",
     "rdp_rank",
     "rdp_size",
+    "ep_rank",
+    "ep_size",
     "mp_rank",
     "mp_size",
     "get_world_group",

@@ -89,6 +89,10 @@ class SMPConfig:
     sdp_max_live_parameters: int = 1_000_000_000
     sdp_hierarchical_allgather: bool = False
     sdp_gradient_clipping: float = 0.0
+    # Expert parallelism (smp_tp.expert_parallelize): the routed experts of every MoE layer
+    # are split over groups of this many data-parallel ranks (each keeps num_experts / ep of
+    # them and its own samples; tokens travel by all-to-all).
+    expert_parallel_degree: int = 1
     # Derived by validation, not a user key.
     data_parallel_degree: int = field(default=1, metadata={"derived": True})
 
@@ -104,6 +108,11 @@ class SMPConfig:
     def sdp(self) -> int:
         """Sharded data-parallel degree: ranks that each keep 1/sdp of every parameter."""
         return self.sharded_data_parallel_degree
+
+    @property
+    def ep(self) -> int:
+        """Expert-parallel degree: data-parallel ranks that split the routed experts."""
+        return self.expert_parallel_degree
 
     @property
     def rdp(self) -> int:
@@ -305,6 +314,31 @@ def _validate_values(cfg: SMPConfig, world_size: int) -> None:
         )
     cfg.data_parallel_degree = world_size // mp
     _validate_sharding(cfg)
+    _validate_experts(cfg)
+
+
+def _validate_experts(cfg: SMPConfig) -> None:
+    """``expert_parallel_degree``: ep groups are taken from the data-parallel ranks. Only
+    pipeline and tensor-parallel degree 1, without sharded data parallelism, so far: the
+    other combinations are refused here rather than computed wrongly."""
+    ep = cfg.expert_parallel_degree
+    if ep < 1:
+        raise ConfigError("expert_parallel_degree", f"must be >= 1, got {ep}")
+    if ep == 1:
+        return
+    if cfg.data_parallel_degree % ep:
+        raise ConfigError(
+            "expert_parallel_degree",
+            f"{ep} does not divide the data-parallel degree {cfg.data_parallel_degree} "
+            "(world size / (pipeline_parallel_degree * tensor_parallel_degree))",
+        )
+    for key in ("pipeline_parallel_degree", "tensor_parallel_degree", "sharded_data_parallel_degree"):
+        if getattr(cfg, key) > 1:
+            raise ConfigError(key, f"cannot be combined with expert_parallel_degree > 1 yet (got {getattr(cfg, key)})")
+    if cfg.shard_optimizer_state:
+        raise ConfigError("shard_optimizer_state", "cannot be combined with expert_parallel_degree > 1 yet")
+    if not cfg.ddp:
+        raise ConfigError("ddp", "expert_parallel_degree > 1 requires ddp=True")
 
 
 def _validate_sharding(cfg: SMPConfig) -> None:

@@ -30,9 +30,11 @@ from smp_torch.errors import PeerFailedError
 from smp_torch.topology import Coord, Topology
 from smp_torch.watch import Failure, FailureWatch, first_line
 
-__all__ = ["GROUP_KINDS", "SMPContext", "StepOutcome", "create_context"]
+__all__ = ["EXPERT_GROUP_KINDS", "GROUP_KINDS", "SMPContext", "StepOutcome", "create_context"]
 
 GROUP_KINDS = ("pp", "tp", "dp", "rdp", "mp")
+# Made only with expert_parallel_degree > 1 (see smp_torch.topology).
+EXPERT_GROUP_KINDS = ("ep", "edp")
 
 
 @dataclass(frozen=True)
@@ -187,13 +189,13 @@ def create_context(cfg: SMPConfig) -> SMPContext:
     else:
         device = torch.device("cpu")
 
-    topo = Topology(cfg.pp, cfg.tp, cfg.rdp, cfg.placement)
+    topo = Topology(cfg.pp, cfg.tp, cfg.rdp, cfg.placement, cfg.ep)
     backend = _group_backend(cfg.collective_backend)
     groups: dict[str, list[int]] = {"world": list(range(size))}
     pgs: dict[str, Any] = {"world": dist.group.WORLD}
     comms: dict[str, Any] = {"world_raw": world, "world": world.Dup()}
     used: list[group_cache.GroupKey] = []
-    for kind in GROUP_KINDS:
+    for kind in GROUP_KINDS + (EXPERT_GROUP_KINDS if cfg.ep > 1 else ()):
         mine = getattr(topo, f"{kind}_group")(rank)
         groups[kind] = mine
         # new_group must be called by every rank for every group, in the same order.

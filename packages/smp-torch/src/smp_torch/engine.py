@@ -26,7 +26,7 @@ from smp_torch import sharded, tp_glue
 from smp_torch.annotations import checkpoint_options
 from smp_torch.context import SMPContext
 from smp_torch.deferred import DeferredInit
-from smp_torch.errors import SMPError
+from smp_torch.errors import ConfigError, SMPError
 from smp_torch.precision import autocast_context
 from smp_torch.sharded_agree import END
 from smp_torch.weights import (
@@ -107,6 +107,36 @@ class Engine(ABC):
             module.to(ctx.device)
         if broadcast_weights and ctx.size > 1 and not on_host:
             broadcast_tensors(module_tensors(module), 0, ctx.process_groups["world"])
+
+    def _distribute_experts(self, module: nn.Module) -> None:
+        """``expert_parallel_degree`` > 1: replace every fused experts module of ``module``
+        with this rank's share (``smp_tp.expert_parallelize`` over the ep group). Run once
+        every rank holds the same weights (after the broadcast or the replay) and before
+        anything reads the parameters (reducer, report, optimizer). Raises
+        :class:`ConfigError` on every rank alike (same model everywhere) when the model has
+        no fused experts or the degree does not divide a layer's number of experts."""
+        ep = self.ctx.config.ep
+        if ep == 1:
+            return
+        found = [(name, m) for name, m in module.named_modules() if name and _looks_fused_experts(m)]
+        if not found:
+            raise ConfigError(
+                "expert_parallel_degree",
+                f"is {ep} but {type(module).__name__} has no fused experts module "
+                "(transformers-5 MoE experts: 3-D gate_up_proj and down_proj, num_experts)",
+            )
+        for name, m in found:
+            fused: Any = m  # (num_experts is an int: checked by _looks_fused_experts)
+            experts = int(fused.num_experts)
+            if experts % ep:
+                raise ConfigError(
+                    "expert_parallel_degree",
+                    f"{ep} does not divide the {experts} experts of module {name!r} ({type(m).__name__})",
+                )
+        try:
+            smp_tp.expert_parallelize(module, self.ctx.process_groups["ep"])
+        except ValueError as exc:
+            raise ConfigError("expert_parallel_degree", f"cannot split the experts: {exc}") from None
 
     def _parallelize(self, module: nn.Module) -> nn.Module:
         cfg = self.ctx.config
@@ -198,6 +228,19 @@ class Engine(ABC):
         raise SMPError("the request timeline exists only with pipeline parallelism")
 
 
+def _looks_fused_experts(module: nn.Module) -> bool:
+    """A transformers-5 fused experts module (what ``smp_tp.expert_parallelize`` replaces),
+    not yet distributed."""
+    if isinstance(module, smp_tp.ExpertParallelExperts):
+        return False
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (
+        isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
+        and gate_up.dim() == 3 and down.dim() == 3
+        and isinstance(getattr(module, "num_experts", None), int)
+    )
+
+
 class LocalEngine(Engine):
     """pp = 1: the whole model in this process; microbatches run one after the other."""
 
@@ -217,6 +260,7 @@ class LocalEngine(Engine):
             materialize_named(module, ctx.device, None, delayed[1])
         if delayed is None:
             self._prepare_weights(module, broadcast_weights)
+        self._distribute_experts(module)
         self.module = self._parallelize(module)
         config, options = checkpoint_options(self.module)
         checkpoint_in_place(self.module, config, options)

@@ -246,10 +246,18 @@ class DistributedModel(nn.Module):
             return None  # FSDP2 reduce-scatters (and all-reduces across sharding groups)
         # ddp=False with tp > 1 is rejected by the config, so TP scaling always happens here.
         specs: list[GradSpec] = []
+        experts = _expert_param_ids(self.module)
         for _, p in self.named_parameters():
             if not p.requires_grad:
                 continue
-            if cfg.tp > 1 and tp_glue.is_distributed(p):
+            if id(p) in experts:
+                # Expert parallelism: this slice already holds the sum over its ep group's
+                # ranks of their losses' gradients (smp_tp.layers.experts). Summed over the
+                # ranks holding the same experts (one per ep group) it is the sum over every
+                # data-parallel rank's loss, and smp's loss is their mean: divide by rdp.
+                edp = cfg.rdp // cfg.ep
+                specs.append(GradSpec(p, ctx.process_groups["edp"], edp, float(cfg.rdp)))
+            elif cfg.tp > 1 and tp_glue.is_distributed(p):
                 divisor = cfg.rdp / tp_glue.grad_scale(p)
                 specs.append(GradSpec(p, ctx.process_groups["rdp"], cfg.rdp, float(divisor)))
             else:
@@ -282,6 +290,12 @@ class DistributedModel(nn.Module):
         """This rank's parameters (its pipeline stage, its tensor-parallel shards)."""
         for _, p in self.named_parameters(recurse=recurse):
             yield p
+
+    def expert_parameters(self) -> list[nn.Parameter]:
+        """This rank's shares of the routed experts (``expert_parallel_degree`` > 1; else
+        empty): split over the ep group, each rank holding different values."""
+        ids = _expert_param_ids(self.module)
+        return [p for p in self.parameters() if id(p) in ids]
 
     def full_param_names(self) -> list[str]:
         """Parameter names of the original, unwrapped module (tied aliases included)."""
@@ -439,6 +453,8 @@ class DistributedModel(nn.Module):
                 if p.grad is not None and self.owns_full_key(key):
                     g = p.grad
                     grads[key] = g.full_tensor() if isinstance(g, DTensor) else g
+        if cfg.ep > 1:
+            grads = {**grads, **smp_tp.full_expert_grads(self.module)}  # (zeros for none)
         part = {k: g.detach().to("cpu").clone() for k, g in grads.items() if self.owns_full_key(k)}
         return self.engine.merge_stages(part)
 
@@ -452,12 +468,32 @@ class DistributedModel(nn.Module):
                 full = tp_glue.full_state_dict(self.module, self._cfg.tp)
                 return {k: v.detach().to("cpu").clone() for k, v in full.items() if self.owns_full_key(k)}
         full = tp_glue.full_state_dict(self.module, self._cfg.tp)
+        if self._cfg.ep > 1:
+            # The experts' shares gathered over the ep group, under the unwrapped keys.
+            full = {**full, **smp_tp.full_expert_state(self.module)}
         return {k: v.detach().to("cpu").clone() for k, v in full.items() if self.owns_full_key(k)}
+
+    def _slice_experts(self, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A full state dict's expert entries cut to this rank's share (entries already of
+        the share's shape, a local dict's, stay)."""
+        out = dict(sd)
+        for name, m in self.module.named_modules():
+            if not isinstance(m, smp_tp.ExpertParallelExperts):
+                continue
+            first, count = m.first_expert, m.num_local_experts
+            for pname in ("gate_up_proj", "down_proj"):
+                key = f"{name}.{pname}" if name else pname
+                value = out.get(key)
+                if value is not None and value.dim() == 3 and value.shape[0] == m.num_experts != count:
+                    out[key] = value[first : first + count]
+        return out
 
     def load_state_dict(  # type: ignore[override]
         self, state_dict: dict[str, torch.Tensor], strict: bool = True
     ) -> Any:
         """Load either a full (unwrapped-model) or a local (this rank's) state dict."""
+        if self._cfg.ep > 1:
+            state_dict = self._slice_experts(state_dict)
         local_keys = set(self.local_state_dict_keys())
         keys = set(state_dict)
         if self._cfg.sdp > 1 and keys == local_keys and self._is_shard_form(state_dict):
@@ -520,20 +556,38 @@ class DistributedModel(nn.Module):
             )
         local = torch.zeros((), dtype=torch.float64, device=ctx.device)
         distributed = torch.zeros((), dtype=torch.float64, device=ctx.device)
+        expert = torch.zeros((), dtype=torch.float64, device=ctx.device)
+        experts = _expert_param_ids(self.module)
         for p in self.parameters():
             if p.grad is None:
                 continue
             value = p.grad.detach().double().norm(norm_type) ** norm_type
-            if cfg.tp > 1 and tp_glue.is_shard(p):
+            if id(p) in experts:
+                expert += value
+            elif cfg.tp > 1 and tp_glue.is_shard(p):
                 distributed += value
             else:
                 local += value
         # Shards add up over the TP group; replicated params are counted once (TP rank 0's copy).
         if cfg.tp > 1:
             dist.all_reduce(distributed, group=ctx.process_groups["tp"])
-        total = local + distributed
+        if cfg.ep > 1:
+            # Each expert is held by one rank of the ep group: its shares add up over it.
+            dist.all_reduce(expert, group=ctx.process_groups["ep"])
+        total = local + distributed + expert
         if cfg.pp > 1:
             dist.all_reduce(total, group=ctx.process_groups["pp"])
         norm = total ** (1.0 / norm_type)
         sharded.scale_grads([p.grad for p in self.parameters() if p.grad is not None], max_norm, norm)
         return norm.float()
+
+
+def _expert_param_ids(module: nn.Module) -> set[int]:
+    """The ``id`` of every parameter of ``module``'s expert-parallel experts (their shares)."""
+    return {
+        id(p)
+        for m in module.modules()
+        if isinstance(m, smp_tp.ExpertParallelExperts)
+        for p in m.parameters()
+    }
+

@@ -38,6 +38,8 @@ __all__ = [
     "dp_rank",
     "dp_size",
     "rdp_rank",
+    "ep_rank",
+    "ep_size",
     "rdp_size",
     "mp_rank",
     "mp_size",
@@ -195,6 +197,15 @@ def rdp_rank() -> int:
 
 def rdp_size() -> int:
     return state().config.rdp
+
+
+def ep_rank() -> int:
+    """Index of this rank in its expert-parallel group (0 with ``expert_parallel_degree`` 1)."""
+    return _index("ep") if state().config.ep > 1 else 0
+
+
+def ep_size() -> int:
+    return state().config.ep
 
 
 def mp_rank() -> int:

@@ -17,6 +17,11 @@ Groups (each a sorted list of global ranks):
 - ``RDP_GROUP``: same (p, t), all d — the ranks that hold identical parameters.
 - ``DP_GROUP``: same p, all (d, t) — ``TP_GROUP`` is a subset of it (TP across DP).
 - ``MP_GROUP``: same d, all (p, t) — one full model replica.
+- ``EP_GROUP`` (expert parallelism, degree ``ep``): ``ep`` consecutive members of the
+  ``RDP_GROUP`` (same (p, t), d in ``[b * ep, (b + 1) * ep)``) — they split the routed
+  experts between them.
+- ``EDP_GROUP``: same (p, t) and the same ``d % ep`` — the ranks holding the same experts
+  (one per ep group); expert gradients are averaged over it.
 
 Ranks inside a group are ordered by global rank, so ``tp_rank`` is the index of this rank in
 its ``TP_GROUP`` and so on. In particular ``dp_rank`` orders the data shards of a step.
@@ -42,10 +47,12 @@ class Coord:
 class Topology:
     """Pure rank arithmetic for ``pp * tp * rdp`` ranks under a placement (no communication)."""
 
-    def __init__(self, pp: int, tp: int, rdp: int, placement: str = "DPT") -> None:
+    def __init__(self, pp: int, tp: int, rdp: int, placement: str = "DPT", ep: int = 1) -> None:
         if sorted(placement) != ["D", "P", "T"]:
             raise ValueError(f"placement must be a permutation of 'DPT', got {placement!r}")
-        self.pp, self.tp, self.rdp = pp, tp, rdp
+        if ep < 1 or rdp % ep:
+            raise ValueError(f"the expert-parallel degree {ep} must divide rdp={rdp}")
+        self.pp, self.tp, self.rdp, self.ep = pp, tp, rdp, ep
         self.placement = placement
         self.size = pp * tp * rdp
         self._deg = {"D": rdp, "P": pp, "T": tp}
@@ -93,8 +100,19 @@ class Topology:
     def mp_group(self, rank: int) -> list[int]:
         return self._group(rank, "PT")
 
+    def ep_group(self, rank: int) -> list[int]:
+        replicas = self.rdp_group(rank)  # sorted by global rank, i.e. by d
+        block = self.coord(rank).d // self.ep
+        return [r for r in replicas if self.coord(r).d // self.ep == block]
+
+    def edp_group(self, rank: int) -> list[int]:
+        replicas = self.rdp_group(rank)
+        slot = self.coord(rank).d % self.ep
+        return [r for r in replicas if self.coord(r).d % self.ep == slot]
+
     def all_groups(self, kind: str) -> list[list[int]]:
-        """Every distinct group of a kind (``"pp"``, ``"tp"``, ``"rdp"``, ``"dp"``, ``"mp"``),
+        """Every distinct group of a kind (``"pp"``, ``"tp"``, ``"rdp"``, ``"dp"``, ``"mp"``,
+        ``"ep"``, ``"edp"``),
         in a fixed order that is the same on every rank."""
         fn = getattr(self, f"{kind}_group")
         seen: list[list[int]] = []
