@@ -63,6 +63,13 @@ def test_alias_partitions_and_derived_degree() -> None:
         ({"timeline": 5}, "timeline"),
         ({"partition_costs": "timed"}, "partition_costs"),
         ({"partition_file": 3}, "partition_file"),
+        ({"expert_parallel_degree": 3}, "expert_parallel_degree"),
+        ({"expert_parallel_degree": 0}, "expert_parallel_degree"),
+        ({"expert_parallel_degree": 4, "pipeline_parallel_degree": 2}, "expert_parallel_degree"),
+        ({"expert_parallel_degree": 2, "pipeline_parallel_degree": 2}, "pipeline_parallel_degree"),
+        ({"expert_parallel_degree": 2, "tensor_parallel_degree": 2}, "tensor_parallel_degree"),
+        ({"expert_parallel_degree": 2, "sharded_data_parallel_degree": 2}, "sharded_data_parallel_degree"),
+        ({"expert_parallel_degree": 2, "shard_optimizer_state": True}, "shard_optimizer_state"),
     ],
 )
 def test_bad_values_name_the_key(config: dict, key: str) -> None:
@@ -222,3 +229,10 @@ def test_init_typo_on_one_rank_uncaught_fails_the_job_on_both_ranks() -> None:
 def test_partitions_are_reproducible_and_pinned_by_partition_file() -> None:
     out = launch("partition_pin.py", 2, timeout=300)
     assert ok_cases(out) == ["five-constructions", "partition-file-written", "partition-file-read"], out
+
+
+def test_expert_parallel_degree_divides_the_data_parallel_degree() -> None:
+    cfg = parse_config({"expert_parallel_degree": 2}, world_size=4)
+    assert (cfg.ep, cfg.rdp) == (2, 4)  # taken from the data-parallel ranks: dp unchanged
+    assert parse_config({"expert_parallel_degree": 4}, world_size=4).ep == 4
+    assert parse_config({}, world_size=4).ep == 1

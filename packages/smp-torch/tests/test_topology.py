@@ -33,3 +33,27 @@ def test_cluster_and_spread_layouts() -> None:
     assert spread.rdp_group(0) == [0, 1]  # replicas are neighbours
     assert spread.pp_group(0) == [0, 2]
     assert spread.tp_group(0) == [0, 4]
+
+
+@pytest.mark.parametrize("placement", ["DPT", "TPD", "PDT"])
+@pytest.mark.parametrize(("pp", "tp", "rdp", "ep"), [(1, 1, 4, 2), (1, 1, 4, 4), (2, 2, 4, 2), (1, 2, 6, 3)])
+def test_expert_groups(placement: str, pp: int, tp: int, rdp: int, ep: int) -> None:
+    topo = Topology(pp, tp, rdp, placement, ep)
+    world = set(range(topo.size))
+    for kind, size in (("ep", ep), ("edp", rdp // ep)):
+        groups = topo.all_groups(kind)
+        assert sorted(r for g in groups for r in g) == sorted(world)
+        assert all(len(g) == size for g in groups)
+    for r in world:
+        replicas = topo.rdp_group(r)
+        ep_group, edp_group = topo.ep_group(r), topo.edp_group(r)
+        # ep groups: consecutive blocks of the replicas; edp: the same place in each block.
+        block = replicas.index(r) // ep
+        assert ep_group == replicas[block * ep : (block + 1) * ep]
+        assert edp_group == replicas[replicas.index(r) % ep :: ep]
+        assert set(ep_group) & set(edp_group) == {r}
+
+
+def test_expert_degree_must_divide_rdp() -> None:
+    with pytest.raises(ValueError):
+        Topology(1, 1, 4, "DPT", 3)

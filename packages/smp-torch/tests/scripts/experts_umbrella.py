@@ -1,0 +1,260 @@
+"""``expert_parallel_degree`` through the umbrella, against one process on the global batch.
+
+Usage: ``mpiexec -n N python experts_umbrella.py CASES_JSON``; CASES_JSON is a JSON list of
+``{"name", "config", "model": "mixtral" | "qwen3_moe" | "llama", "steps", "batch",
+"error": KEY}``. A case with ``"error"`` must raise ``ConfigError`` naming ``KEY`` on every
+rank (from ``smp.init`` or from ``smp.DistributedModel``); the others train ``steps`` steps
+of Adam on their data-parallel share of the batch and are checked after every step against
+a single-process copy trained on the whole batch: the mean loss, the gathered gradients
+(``full_grad_dict``) and every entry of the gathered ``state_dict`` (SPEC §8: rtol 1e-5,
+atol 1e-6). Each rank must hold 1/ep of the expert elements; a full state dict loaded back
+must come out unchanged. Rank 0 prints ``CASE-OK <name> ...`` per case.
+
+``SMP_EP_BROKEN=divisor`` (or a case's ``"broken": "divisor"``) averages the expert gradients over the expert-data-parallel group
+only (divides by its size instead of the data-parallel degree), ``SMP_EP_BROKEN=group``
+reduces them with the replicated parameters over the whole data-parallel group: both must
+fail (the test shows the checks can fail). A case with ``"broken"`` expects the check to
+fail on every rank and prints ``CASE-OK <name> failed as expected: ...``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import time
+import warnings
+from typing import Any
+
+import smp_tp
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+
+warnings.filterwarnings("ignore")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+import smp_torch as smp  # noqa: E402
+from smp_torch import model as smp_model  # noqa: E402
+from smp_torch.state import state  # noqa: E402
+from transformers import (  # noqa: E402
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+RTOL, ATOL = 1e-5, 1e-6
+VOCAB, SEQ = 64, 6
+BROKEN = os.environ.get("SMP_EP_BROKEN", "")
+
+
+def mixtral(experts: int = 8) -> torch.nn.Module:
+    return MixtralForCausalLM(MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=experts,
+        num_experts_per_tok=2, max_position_embeddings=SEQ, use_cache=False,
+        experts_implementation="eager", pad_token_id=0, bos_token_id=0, eos_token_id=0,
+    ))  # fmt: skip
+
+
+def qwen3_moe() -> torch.nn.Module:
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], max_position_embeddings=SEQ, use_cache=False,
+        experts_implementation="grouped_mm", pad_token_id=0, bos_token_id=0, eos_token_id=0,
+    ))  # fmt: skip
+
+
+def llama() -> torch.nn.Module:  # no experts at all
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+        use_cache=False, pad_token_id=0, bos_token_id=0, eos_token_id=0,
+    ))  # fmt: skip
+
+
+MODELS = {
+    "mixtral": mixtral, "mixtral6": lambda: mixtral(6), "qwen3_moe": qwen3_moe, "llama": llama,
+}  # fmt: skip
+
+
+def build(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    # Larger than the models' 0.02 init, so the routing and the experts matter.
+    gen = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for key, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            norm = p.dim() == 1 and "norm" in key
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3 + (1.0 if norm else 0.0))
+    return model
+
+
+def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, VOCAB, (size, SEQ), generator=g), torch.randint(0, VOCAB, (size, SEQ), generator=g)
+
+
+def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def is_expert(key: str) -> bool:
+    return key.endswith(("experts.gate_up_proj", "experts.down_proj"))
+
+
+class Worst:
+    """The largest |got - want| seen, and whether everything was bitwise equal."""
+
+    def __init__(self) -> None:
+        self.diff = 0.0
+        self.bitwise = True
+
+    def check(self, what: str, got: torch.Tensor, want: torch.Tensor, name: str) -> None:
+        got, want = got.detach().double(), want.detach().double()
+        if got.shape != want.shape:
+            raise AssertionError(f"[{name}] rank {smp.rank()}: {what}: shape {tuple(got.shape)} != {tuple(want.shape)}")
+        if not torch.allclose(got, want, rtol=RTOL, atol=ATOL):
+            diff = (got - want).abs().max().item()
+            raise AssertionError(f"[{name}] rank {smp.rank()}: {what} differs from one process (max diff {diff:.3g})")
+        self.diff = max(self.diff, (got - want).abs().max().item() if got.numel() else 0.0)
+        self.bitwise = self.bitwise and torch.equal(got, want)
+
+
+def break_reduction(dmodel: smp.DistributedModel, broken: str) -> None:
+    """SMP_EP_BROKEN: a wrong expert-gradient reduction, to show the checks fail."""
+    reducer = dmodel.grad_reducer
+    assert reducer is not None
+    experts = {id(p) for p in dmodel.expert_parameters()}
+    cfg = dmodel.context.config
+    for bucket in reducer._buckets:
+        for spec in bucket.specs:
+            if id(spec.param) in experts and broken == "divisor":
+                spec.divisor = float(cfg.rdp // cfg.ep)
+
+
+def expect_error(case: dict) -> None:
+    name, key = case["name"], case["error"]
+    caught: BaseException | None = None
+    try:
+        smp.init(case["config"])
+        smp.DistributedModel(build(case["model"]))
+    except smp.ConfigError as exc:
+        caught = exc
+    got = MPI.COMM_WORLD.allgather(None if caught is None else (caught.key, str(caught)))
+    bad = [r for r, g in enumerate(got) if g is None or g[0] != key]
+    if bad:
+        raise AssertionError(f"[{name}] no ConfigError naming {key!r} on ranks {bad}: {got}")
+    if smp.rank() == 0:
+        print(f"CASE-OK {name} ConfigError on every rank: {got[0][1]}", flush=True)
+
+
+def train(case: dict, dmodel: smp.DistributedModel, ref: torch.nn.Module, opt: smp.DistributedOptimizer,
+          ref_opt: torch.optim.Optimizer, train_step: Any, worst: dict[str, Worst]) -> None:
+    name, size = case["name"], case.get("batch", 8)
+    n, i = smp.dp_size(), smp.dp_rank()
+    for step in range(case.get("steps", 3)):
+        x, y = batch(step, size)
+        ref_opt.zero_grad()
+        ref_loss = lm_loss(ref(input_ids=x).logits, y)
+        ref_loss.backward()
+        opt.zero_grad()
+        out = train_step(x.chunk(n)[i], y.chunk(n)[i])
+        losses = smp.allgather(float(out.reduce_mean()), smp.DP_GROUP)
+        mean = torch.tensor(sum(losses) / len(losses), dtype=torch.float64)
+        worst["loss"].check(f"loss at step {step}", mean, ref_loss, name)
+        grads = dmodel.full_grad_dict()
+        want_grads = {k: p.grad for k, p in ref.named_parameters() if p.grad is not None}
+        assert set(grads) == set(want_grads), f"[{name}] grad keys {sorted(set(grads) ^ set(want_grads))}"
+        for k, g in want_grads.items():
+            worst["grads"].check(f"grad {k} at step {step}", grads[k], g, name)
+        ref_opt.step()
+        opt.step()
+        full, want = dmodel.state_dict(), ref.state_dict()
+        assert set(full) == set(want), f"[{name}] state_dict keys {sorted(set(full) ^ set(want))}"
+        for k, v in want.items():
+            worst["params"].check(f"{k} after step {step}", full[k], v, name)
+
+
+def run_case(case: dict) -> None:
+    name = case["name"]
+    if "error" in case:
+        expect_error(case)
+        return
+    cfg = smp.init(case["config"])
+    broken = case.get("broken", BROKEN)
+    keep = smp_model._expert_param_ids
+    if broken == "group":
+        smp_model._expert_param_ids = lambda module: set()  # experts reduced like the rest
+    model = build(case["model"])
+    ref = copy.deepcopy(model)
+    try:
+        dmodel = smp.DistributedModel(model)
+    finally:
+        smp_model._expert_param_ids = keep
+    if broken == "divisor":
+        break_reduction(dmodel, broken)
+    ep = cfg.expert_parallel_degree
+    # Each rank holds 1/ep of every expert tensor, and the experts' tokens travel by all-to-all.
+    split = [m for m in dmodel.modules() if isinstance(m, smp_tp.ExpertParallelExperts)]
+    assert split, f"[{name}] no experts were split"
+    held = sum(p.numel() for k, p in dmodel.named_parameters() if is_expert(k))
+    total = sum(p.numel() for k, p in ref.named_parameters() if is_expert(k))
+    assert held * ep == total, f"[{name}] rank {smp.rank()} holds {held} of {total} expert elements (ep={ep})"
+    assert all(m.ep_group is state().process_groups["ep"] for m in split)
+    assert smp.ep_size() == ep and smp.dp_size() == smp.size() // (cfg.pp * cfg.tp)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    opt = smp.DistributedOptimizer(torch.optim.Adam(dmodel.parameters(), lr=1e-2))
+
+    @smp.step
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = lm_loss(dmodel(input_ids=x).logits, y)
+        dmodel.backward(loss)
+        return loss
+
+    worst = {"loss": Worst(), "grads": Worst(), "params": Worst()}
+    t0 = time.perf_counter()
+    failure: AssertionError | None = None
+    try:
+        train(case, dmodel, ref, opt, ref_opt, train_step, worst)
+    except AssertionError as exc:
+        if "broken" not in case:
+            raise
+        failure = exc
+    if "broken" in case:
+        failed = MPI.COMM_WORLD.allgather(failure is not None)
+        assert all(failed), f"[{name}] broken={case['broken']} passed on ranks {[r for r, f in enumerate(failed) if not f]}"
+        if smp.rank() == 0:
+            print(f"CASE-OK {name} failed as expected: {failure}", flush=True)
+        smp.barrier()
+        return
+    elapsed = time.perf_counter() - t0
+    # A full state dict (the reference's) loads back: the experts sliced to this rank's share.
+    want = {k: v.clone() for k, v in ref.state_dict().items()}
+    dmodel.load_state_dict(want)
+    back = dmodel.state_dict()
+    for k, v in want.items():
+        assert torch.equal(back[k], v), f"[{name}] {k} changed through load_state_dict/state_dict"
+    fresh = MODELS[case["model"]]()
+    fresh.load_state_dict(back, strict=True)
+    smp.barrier()
+    if smp.rank() == 0:
+        text = " ".join(
+            f"{k}={'bitwise' if w.bitwise else f'max|diff|={w.diff:.2g}'}" for k, w in worst.items()
+        )
+        print(f"CASE-OK {name} ({elapsed:.1f}s) {text}", flush=True)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    for case in json.loads(sys.argv[1]):
+        run_case(case)
+
+
+if __name__ == "__main__":
+    main()
