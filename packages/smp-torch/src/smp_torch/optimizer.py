@@ -17,6 +17,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
+import smp_tp
 import torch
 import torch.distributed as dist
 
@@ -229,6 +230,8 @@ class DistributedOptimizer:
             for p in g["params"]
             if p in self.optimizer.state
         }
+        if self._cfg.ep > 1:
+            self._gather_expert_state(named)
         if not self._owner:
             return named
         s = self.context
@@ -245,6 +248,34 @@ class DistributedOptimizer:
                     merged[name] = peer_state[name]
                     break
         return merged
+
+    def _expert_shares(self) -> dict[int, tuple[int, int, int]]:
+        """``id(param)`` → ``(first expert, local experts, all experts)`` for every expert
+        parameter (``expert_parallel_degree`` > 1)."""
+        return {
+            id(p): (m.first_expert, m.num_local_experts, m.num_experts)
+            for m in self.model.module.modules()
+            if isinstance(m, smp_tp.ExpertParallelExperts)
+            for p in m.parameters()
+        }
+
+    def _gather_expert_state(self, named: dict[str, dict[str, Any]]) -> None:
+        """Collective over the ep groups: each expert parameter's per-element state (its
+        share's shape) gathered along the expert axis, in place in ``named``."""
+        group = self.context.process_groups["ep"]
+        ep = self._cfg.ep
+        shares = self._expert_shares()
+        # The same parameters, in the same order, on every rank of the group.
+        for name, p in self.model.named_parameters():
+            if id(p) not in shares or name not in named:
+                continue
+            for key, v in sorted(named[name].items()):
+                if torch.is_tensor(v) and tuple(v.shape) == tuple(p.shape):
+                    mine = v.to(p.device).contiguous()
+                    parts = [torch.empty_like(mine) for _ in range(ep)]
+                    work = dist.all_gather(parts, mine, group=group, async_op=True)
+                    self._wait(work)
+                    named[name][key] = torch.cat(parts).cpu()
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer state in the unwrapped model's naming; see :meth:`_full_state`."""
@@ -304,6 +335,7 @@ class DistributedOptimizer:
         self, named: dict[str, dict[str, Any]], hyper: dict[str, dict[str, Any]]
     ) -> None:
         by_name = {n: p for n, p in self.model.named_parameters()}
+        shares = self._expert_shares() if self._cfg.ep > 1 else {}
         self.optimizer.state.clear()
         for g in self.optimizer.param_groups:
             for p in g["params"]:
@@ -315,6 +347,9 @@ class DistributedOptimizer:
                     continue
                 st: dict[str, Any] = {}
                 for k, v in named[name].items():
+                    share = shares.get(id(p))
+                    if share is not None and torch.is_tensor(v) and v.dim() == p.dim() and v.shape[0] == share[2] != share[1]:
+                        v = v[share[0] : share[0] + share[1]]  # a full expert state: this rank's experts
                     if _whole_of(v, p):
                         st[k] = sharded.shard_like(v, p)  # type: ignore[arg-type]
                     elif torch.is_tensor(v) and v.dim() > 0:

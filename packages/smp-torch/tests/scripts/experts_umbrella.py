@@ -234,6 +234,18 @@ def run_case(case: dict) -> None:
         smp.barrier()
         return
     elapsed = time.perf_counter() - t0
+    # The optimizer's full state: the experts' Adam moments gathered, equal to one process's.
+    worst["adam"] = Worst()
+    opt_sd = opt.state_dict()
+    ref_params = dict(ref.named_parameters())
+    for k, p in ref_params.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            worst["adam"].check(f"optimizer {key} of {k}", opt_sd["state"][k][key], ref_opt.state[p][key], name)
+    opt.load_state_dict(opt_sd)  # the experts' moments sliced back to this rank's share
+    again = opt.state_dict()
+    for k in ref_params:
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(again["state"][k][key], opt_sd["state"][k][key]), f"[{name}] optimizer {key} of {k}"
     # A full state dict (the reference's) loads back: the experts sliced to this rank's share.
     want = {k: v.clone() for k, v in ref.state_dict().items()}
     dmodel.load_state_dict(want)
