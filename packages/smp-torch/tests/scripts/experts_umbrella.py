@@ -173,6 +173,10 @@ def train(case: dict, dmodel: smp.DistributedModel, ref: torch.nn.Module, opt: s
         assert set(grads) == set(want_grads), f"[{name}] grad keys {sorted(set(grads) ^ set(want_grads))}"
         for k, g in want_grads.items():
             worst["grads"].check(f"grad {k} at step {step}", grads[k], g, name)
+        # The whole gradient's norm: each expert counted once over its ep group (no clipping).
+        norm = dmodel.clip_grad_norm_(1e9)
+        want_norm = torch.stack([g.double().pow(2).sum() for g in want_grads.values()]).sum().sqrt()
+        worst["norm"].check(f"gradient norm at step {step}", norm, want_norm, name)
         ref_opt.step()
         opt.step()
         full, want = dmodel.state_dict(), ref.state_dict()
@@ -217,7 +221,7 @@ def run_case(case: dict) -> None:
         dmodel.backward(loss)
         return loss
 
-    worst = {"loss": Worst(), "grads": Worst(), "params": Worst()}
+    worst = {"loss": Worst(), "grads": Worst(), "norm": Worst(), "params": Worst()}
     t0 = time.perf_counter()
     failure: AssertionError | None = None
     try:
