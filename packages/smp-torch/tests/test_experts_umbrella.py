@@ -1,14 +1,16 @@
 """``expert_parallel_degree`` (issue 45) through ``smp.init`` / ``smp.DistributedModel``.
 
 One MPI job per world size runs several cases (``scripts/experts_umbrella.py``): tiny
-Mixtral and Qwen3-MoE models built from configs, the routed experts split over ep groups of
+Mixtral, Qwen3-MoE and DeepSeek-V3 models built from configs, the routed experts split over ep groups of
 data-parallel ranks, 3 steps of Adam checked after every step against one process training
 on the global batch: the mean loss within SPEC §8's rtol 1e-5, atol 1e-6; the gathered
 gradients and every parameter of the gathered state dict within the same bound in its norm
 form per tensor (SPEC §8 allows one where the reduction order differs: Adam turns the
 rounding of expert-gradient elements near zero into element differences of ~3e-5, see the
 script); the optimizer's gathered moments elementwise. Each rank holds 1/ep of the expert
-elements; a full model and optimizer state dict load back unchanged. A bad degree raises ``ConfigError`` on every rank,
+elements; a full model and optimizer state dict load back unchanged; a checkpoint saved at one
+degree resumes at another (2 -> 1, 1 -> 4) bitwise and trains on equal to one process. A bad
+degree raises ``ConfigError`` on every rank,
 and a wrong expert-gradient reduction must make the checks fail.
 """
 
@@ -28,6 +30,11 @@ FOUR_RANKS = [
     _case("mixtral-dp4-ep2", expert_parallel_degree=2),
     _case("mixtral-dp4-ep4", expert_parallel_degree=4),
     _case("qwen3moe-dp4-ep2-mb2", "qwen3_moe", expert_parallel_degree=2, microbatches=2),
+    _case("deepseekv3-dp4-ep2", "deepseek_v3", expert_parallel_degree=2),
+    # A checkpoint saved at one expert-parallel degree resumes at another: the gathered
+    # model and optimizer state come back bitwise, and training goes on equal to one process.
+    {**_case("mixtral-resume-ep2-to-ep1", expert_parallel_degree=2), "resume": {"ddp": True}},
+    {**_case("mixtral-resume-ep1-to-ep4", ddp=True), "resume": {"expert_parallel_degree": 4, "ddp": True}},
     # ep must divide the data-parallel degree (smp.init) ...
     {**_case("bad-ep-dp", expert_parallel_degree=3), "error": "expert_parallel_degree"},
     # ... and every MoE layer's number of experts; a model without experts is refused.

@@ -151,6 +151,7 @@ def _layout(cfg: SMPConfig) -> dict[str, Any]:
         "pipeline_parallel_degree": cfg.pp,
         "tensor_parallel_degree": cfg.tp,
         "data_parallel_degree": cfg.rdp,
+        "expert_parallel_degree": cfg.ep,
         "sharded_data_parallel_degree": cfg.sdp,
         "placement_strategy": cfg.placement_strategy,
     }

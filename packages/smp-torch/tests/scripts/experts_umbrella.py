@@ -23,7 +23,9 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 import warnings
 from typing import Any
@@ -39,6 +41,8 @@ import smp_torch as smp  # noqa: E402
 from smp_torch import model as smp_model  # noqa: E402
 from smp_torch.state import state  # noqa: E402
 from transformers import (  # noqa: E402
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MixtralConfig,
@@ -71,6 +75,18 @@ def qwen3_moe() -> torch.nn.Module:
     ))  # fmt: skip
 
 
+def deepseek_v3() -> torch.nn.Module:  # routed experts beside a shared expert, group routing
+    return DeepseekV3ForCausalLM(DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+        n_shared_experts=1, num_experts_per_tok=3, n_group=2, topk_group=1,
+        first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=4,
+        qk_nope_head_dim=8, v_head_dim=8, routed_scaling_factor=2.5, norm_topk_prob=True,
+        max_position_embeddings=SEQ, use_cache=False, experts_implementation="eager",
+        pad_token_id=0, bos_token_id=0, eos_token_id=0,
+    ))  # fmt: skip
+
+
 def llama() -> torch.nn.Module:  # no experts at all
     return LlamaForCausalLM(LlamaConfig(
         vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -80,7 +96,8 @@ def llama() -> torch.nn.Module:  # no experts at all
 
 
 MODELS = {
-    "mixtral": mixtral, "mixtral6": lambda: mixtral(6), "qwen3_moe": qwen3_moe, "llama": llama,
+    "mixtral": mixtral, "mixtral6": lambda: mixtral(6), "qwen3_moe": qwen3_moe,
+    "deepseek_v3": deepseek_v3, "llama": llama,
 }  # fmt: skip
 
 
@@ -165,10 +182,11 @@ def expect_error(case: dict) -> None:
 
 
 def train(case: dict, dmodel: smp.DistributedModel, ref: torch.nn.Module, opt: smp.DistributedOptimizer,
-          ref_opt: torch.optim.Optimizer, train_step: Any, worst: dict[str, Worst]) -> None:
+          ref_opt: torch.optim.Optimizer, train_step: Any, worst: dict[str, Worst],
+          steps: range | None = None) -> None:
     name, size = case["name"], case.get("batch", 8)
     n, i = smp.dp_size(), smp.dp_rank()
-    for step in range(case.get("steps", 3)):
+    for step in steps if steps is not None else range(case.get("steps", 3)):
         x, y = batch(step, size)
         ref_opt.zero_grad()
         ref_loss = lm_loss(ref(input_ids=x).logits, y)
@@ -226,7 +244,7 @@ def run_case(case: dict) -> None:
     ep = cfg.expert_parallel_degree
     # Each rank holds 1/ep of every expert tensor, and the experts' tokens travel by all-to-all.
     split = [m for m in dmodel.modules() if isinstance(m, smp_tp.ExpertParallelExperts)]
-    assert split, f"[{name}] no experts were split"
+    assert bool(split) == (ep > 1), f"[{name}] {len(split)} experts modules split at ep={ep}"
     held = sum(p.numel() for k, p in dmodel.named_parameters() if is_expert(k))
     total = sum(p.numel() for k, p in ref.named_parameters() if is_expert(k))
     assert held * ep == total, f"[{name}] rank {smp.rank()} holds {held} of {total} expert elements (ep={ep})"
@@ -240,16 +258,14 @@ def run_case(case: dict) -> None:
     # bound; with 1e-5 the same rounding moves an update by ~4e-7 x lr.
     eps = case.get("adam_eps", 1e-5)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2, eps=eps)
-    opt = smp.DistributedOptimizer(torch.optim.Adam(dmodel.parameters(), lr=1e-2, eps=eps))
-
-    @smp.step
-    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = lm_loss(dmodel(input_ids=x).logits, y)
-        dmodel.backward(loss)
-        return loss
-
+    opt, train_step = trainer(dmodel, eps)
     worst = {"loss": Worst(), "grads": Worst(), "norm": Worst(), "params": Worst()}
     t0 = time.perf_counter()
+    if "resume" in case:
+        resume(case, dmodel, ref, opt, ref_opt, train_step, worst)
+        if smp.rank() == 0:
+            print(f"CASE-OK {name} ({time.perf_counter() - t0:.1f}s) {summary(worst)}", flush=True)
+        return
     failure: AssertionError | None = None
     try:
         train(case, dmodel, ref, opt, ref_opt, train_step, worst)
@@ -287,10 +303,56 @@ def run_case(case: dict) -> None:
     fresh.load_state_dict(back, strict=True)
     smp.barrier()
     if smp.rank() == 0:
-        text = " ".join(
-            f"{k}={'bitwise' if w.bitwise else f'max|diff|={w.diff:.2g},norm-ratio={w.ratio:.2g}'}" for k, w in worst.items()
-        )
-        print(f"CASE-OK {name} ({elapsed:.1f}s) {text}", flush=True)
+        print(f"CASE-OK {name} ({elapsed:.1f}s) {summary(worst)}", flush=True)
+
+
+def summary(worst: dict[str, Worst]) -> str:
+    return " ".join(
+        f"{k}={'bitwise' if w.bitwise else f'max|diff|={w.diff:.2g},norm-ratio={w.ratio:.2g}'}" for k, w in worst.items()
+    )
+
+
+def trainer(dmodel: smp.DistributedModel, eps: float) -> tuple[smp.DistributedOptimizer, Any]:
+    opt = smp.DistributedOptimizer(torch.optim.Adam(dmodel.parameters(), lr=1e-2, eps=eps))
+
+    @smp.step
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = lm_loss(dmodel(input_ids=x).logits, y)
+        dmodel.backward(loss)
+        return loss
+
+    return opt, train_step
+
+
+def resume(case: dict, dmodel: smp.DistributedModel, ref: torch.nn.Module, opt: smp.DistributedOptimizer,
+           ref_opt: torch.optim.Optimizer, train_step: Any, worst: dict[str, Worst]) -> None:
+    """Train ``save_after`` steps, save a checkpoint, resume it into a fresh model under the
+    case's ``resume`` config (another expert-parallel degree), check the model's and the
+    optimizer's gathered state came back bitwise, and train the remaining steps there."""
+    name, save_after, steps = case["name"], case.get("save_after", 2), case.get("steps", 3)
+    train(case, dmodel, ref, opt, ref_opt, train_step, worst, range(save_after))
+    path = MPI.COMM_WORLD.bcast(tempfile.mkdtemp(prefix="smp-ep-") if smp.rank() == 0 else None)
+    smp.save_checkpoint(path, "ep", partial=case.get("partial", True), model=dmodel, optimizer=opt)
+    saved, saved_opt = dmodel.state_dict(), opt.state_dict()
+    cfg = smp.init(case["resume"])
+    torch.manual_seed(99)  # a fresh model with other weights: only the checkpoint can restore it
+    fresh = smp.DistributedModel(MODELS[case["model"]]())
+    fresh_opt, fresh_step = trainer(fresh, case.get("adam_eps", 1e-5))
+    held = sum(p.numel() for k, p in fresh.named_parameters() if is_expert(k))
+    total = sum(p.numel() for k, p in ref.named_parameters() if is_expert(k))
+    assert held * cfg.expert_parallel_degree == total, f"[{name}] rank {smp.rank()} holds {held} of {total}"
+    smp.resume_from_checkpoint(path, "ep", model=fresh, optimizer=fresh_opt)
+    back, back_opt = fresh.state_dict(), fresh_opt.state_dict()
+    for k, v in saved.items():
+        assert torch.equal(back[k], v), f"[{name}] rank {smp.rank()}: {k} differs after resuming"
+    for k, st in saved_opt["state"].items():
+        for key, v in st.items():
+            got = back_opt["state"][k][key]
+            assert torch.equal(torch.as_tensor(got), torch.as_tensor(v)), f"[{name}] optimizer {key} of {k} after resuming"
+    train(case, fresh, ref, fresh_opt, ref_opt, fresh_step, worst, range(save_after, steps))
+    smp.barrier()
+    if smp.rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def main() -> None:
