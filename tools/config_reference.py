@@ -133,7 +133,8 @@ MEANINGS: dict[str, str] = {
         "Expert parallelism: the routed experts of each MoE layer are split over groups of "
         "this many consecutive data-parallel ranks (each keeps 1/N of the experts and its own "
         "samples; tokens travel by all-to-all). Must divide the data-parallel degree and "
-        "every MoE layer's number of experts; pp = tp = 1 only so far."
+        "every MoE layer's number of experts; composes with tensor_parallel_degree, not yet with "
+        "pipeline_parallel_degree or sharded data parallelism."
     ),
     "sdp_reduce_bucket_size": (
         "Elements: the largest shard unit made by keeping small children with their parent."

@@ -40,17 +40,20 @@ def test_cluster_and_spread_layouts() -> None:
 def test_expert_groups(placement: str, pp: int, tp: int, rdp: int, ep: int) -> None:
     topo = Topology(pp, tp, rdp, placement, ep)
     world = set(range(topo.size))
-    for kind, size in (("ep", ep), ("edp", rdp // ep)):
+    for kind, size in (("ep", ep), ("edp", tp * rdp // ep)):
         groups = topo.all_groups(kind)
         assert sorted(r for g in groups for r in g) == sorted(world)
         assert all(len(g) == size for g in groups)
     for r in world:
         replicas = topo.rdp_group(r)
         ep_group, edp_group = topo.ep_group(r), topo.edp_group(r)
-        # ep groups: consecutive blocks of the replicas; edp: the same place in each block.
+        # ep groups: consecutive blocks of the replicas; edp: the same place in each block,
+        # on every TP rank (TP peers feed their own samples to the same experts).
         block = replicas.index(r) // ep
         assert ep_group == replicas[block * ep : (block + 1) * ep]
-        assert edp_group == replicas[replicas.index(r) % ep :: ep]
+        slot = replicas.index(r) % ep
+        want = sorted(q for t in topo.tp_group(r) for q in topo.rdp_group(t)[slot::ep])
+        assert edp_group == want
         assert set(ep_group) & set(edp_group) == {r}
 
 

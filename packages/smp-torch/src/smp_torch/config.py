@@ -318,9 +318,9 @@ def _validate_values(cfg: SMPConfig, world_size: int) -> None:
 
 
 def _validate_experts(cfg: SMPConfig) -> None:
-    """``expert_parallel_degree``: ep groups are taken from the data-parallel ranks. Only
-    pipeline and tensor-parallel degree 1, without sharded data parallelism, so far: the
-    other combinations are refused here rather than computed wrongly."""
+    """``expert_parallel_degree``: ep groups are taken from the data-parallel ranks (with
+    tensor parallelism, of each TP rank's replicas). Pipeline degree 1, without sharded data
+    parallelism, so far: those combinations are refused here rather than computed wrongly."""
     ep = cfg.expert_parallel_degree
     if ep < 1:
         raise ConfigError("expert_parallel_degree", f"must be >= 1, got {ep}")
@@ -332,7 +332,7 @@ def _validate_experts(cfg: SMPConfig) -> None:
             f"{ep} does not divide the data-parallel degree {cfg.data_parallel_degree} "
             "(world size / (pipeline_parallel_degree * tensor_parallel_degree))",
         )
-    for key in ("pipeline_parallel_degree", "tensor_parallel_degree", "sharded_data_parallel_degree"):
+    for key in ("pipeline_parallel_degree", "sharded_data_parallel_degree"):
         if getattr(cfg, key) > 1:
             raise ConfigError(key, f"cannot be combined with expert_parallel_degree > 1 yet (got {getattr(cfg, key)})")
     if cfg.shard_optimizer_state:

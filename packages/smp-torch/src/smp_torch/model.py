@@ -253,10 +253,11 @@ class DistributedModel(nn.Module):
             if id(p) in experts:
                 # Expert parallelism: this slice already holds the sum over its ep group's
                 # ranks of their losses' gradients (smp_tp.layers.experts). Summed over the
-                # ranks holding the same experts (one per ep group) it is the sum over every
-                # data-parallel rank's loss, and smp's loss is their mean: divide by rdp.
-                edp = cfg.rdp // cfg.ep
-                specs.append(GradSpec(p, ctx.process_groups["edp"], edp, float(cfg.rdp)))
+                # ranks holding the same experts (one per ep group and TP rank: TP peers feed
+                # their own samples to the replicated experts) it is the sum over every
+                # data-parallel rank's loss, and smp's loss is their mean: divide by dp.
+                dp = cfg.rdp * cfg.tp
+                specs.append(GradSpec(p, ctx.process_groups["edp"], dp // cfg.ep, float(dp)))
             elif cfg.tp > 1 and tp_glue.is_distributed(p):
                 divisor = cfg.rdp / tp_glue.grad_scale(p)
                 specs.append(GradSpec(p, ctx.process_groups["rdp"], cfg.rdp, float(divisor)))

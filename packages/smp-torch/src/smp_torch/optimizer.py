@@ -230,8 +230,6 @@ class DistributedOptimizer:
             for p in g["params"]
             if p in self.optimizer.state
         }
-        if self._cfg.ep > 1:
-            self._gather_expert_state(named)
         if not self._owner:
             return named
         s = self.context
@@ -249,33 +247,43 @@ class DistributedOptimizer:
                     break
         return merged
 
-    def _expert_shares(self) -> dict[int, tuple[int, int, int]]:
-        """``id(param)`` → ``(first expert, local experts, all experts)`` for every expert
-        parameter (``expert_parallel_degree`` > 1)."""
-        return {
-            id(p): (m.first_expert, m.num_local_experts, m.num_experts)
-            for m in self.model.module.modules()
-            if isinstance(m, smp_tp.ExpertParallelExperts)
-            for p in m.parameters()
-        }
+    def _expert_shares(self) -> dict[str, tuple[int, int, int]]:
+        """Full (unwrapped) key → ``(first expert, local experts, all experts)`` of every
+        expert parameter (``expert_parallel_degree`` > 1), in the same order on every rank."""
+        out = {}
+        for name, m in self.model.module.named_modules():
+            if isinstance(m, smp_tp.ExpertParallelExperts):
+                for pname in ("gate_up_proj", "down_proj"):
+                    out[f"{name}.{pname}" if name else pname] = (m.first_expert, m.num_local_experts, m.num_experts)
+        return out
 
-    def _gather_expert_state(self, named: dict[str, dict[str, Any]]) -> None:
+    def _gather_expert_state(self, full: dict[str, dict[str, Any]]) -> None:
         """Collective over the ep groups: each expert parameter's per-element state (its
-        share's shape) gathered along the expert axis, in place in ``named``."""
+        share's rows) gathered along the expert axis, in place in the full-key state
+        ``full`` (after the tensor-parallel gather, which leaves the experts' shares as
+        they are: they are replicated over TP)."""
         group = self.context.process_groups["ep"]
         ep = self._cfg.ep
-        shares = self._expert_shares()
-        # The same parameters, in the same order, on every rank of the group.
-        for name, p in self.model.named_parameters():
-            if id(p) not in shares or name not in named:
-                continue
-            for key, v in sorted(named[name].items()):
-                if torch.is_tensor(v) and tuple(v.shape) == tuple(p.shape):
-                    mine = v.to(p.device).contiguous()
+        for key, (_, count, experts) in self._expert_shares().items():
+            for k, v in sorted(full.get(key, {}).items()):
+                if torch.is_tensor(v) and v.dim() == 3 and v.shape[0] == count != experts:
+                    mine = v.to(self.context.device).contiguous()
                     parts = [torch.empty_like(mine) for _ in range(ep)]
-                    work = dist.all_gather(parts, mine, group=group, async_op=True)
-                    self._wait(work)
-                    named[name][key] = torch.cat(parts).cpu()
+                    self._wait(dist.all_gather(parts, mine, group=group, async_op=True))
+                    full[key][k] = torch.cat(parts).cpu()
+
+    def _slice_expert_state(self, full: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """A full state's expert entries cut to this rank's experts (the inverse of
+        :meth:`_gather_expert_state`; entries already of the share's size stay)."""
+        out = dict(full)
+        for key, (first, count, experts) in self._expert_shares().items():
+            if key in out:
+                out[key] = {
+                    k: v[first : first + count]
+                    if torch.is_tensor(v) and v.dim() == 3 and v.shape[0] == experts != count else v
+                    for k, v in out[key].items()
+                }
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer state in the unwrapped model's naming; see :meth:`_full_state`."""
@@ -301,6 +309,8 @@ class DistributedOptimizer:
             full_state, full_groups = reshard.optimizer_state_to_full(
                 self.model, named, groups, merge_stages
             )
+        if self._cfg.ep > 1:
+            self._gather_expert_state(full_state)
         sd: dict[str, Any] = {
             "format": FULL_FORMAT,
             "state": full_state,
@@ -313,10 +323,9 @@ class DistributedOptimizer:
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Load a full (:meth:`state_dict`) or local (:meth:`local_state_dict`) state."""
         if sd.get("format") == FULL_FORMAT:
+            state = self._slice_expert_state(sd["state"]) if self._cfg.ep > 1 else sd["state"]
             with self._plain_parameters():
-                named, hyper = reshard.optimizer_state_from_full(
-                    self.model, sd["state"], sd["param_groups"]
-                )
+                named, hyper = reshard.optimizer_state_from_full(self.model, state, sd["param_groups"])
             self._load_named(named, hyper)
         elif "optimizer" in sd and "param_names" in sd:
             order = [self._names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
@@ -335,7 +344,6 @@ class DistributedOptimizer:
         self, named: dict[str, dict[str, Any]], hyper: dict[str, dict[str, Any]]
     ) -> None:
         by_name = {n: p for n, p in self.model.named_parameters()}
-        shares = self._expert_shares() if self._cfg.ep > 1 else {}
         self.optimizer.state.clear()
         for g in self.optimizer.param_groups:
             for p in g["params"]:
@@ -347,9 +355,6 @@ class DistributedOptimizer:
                     continue
                 st: dict[str, Any] = {}
                 for k, v in named[name].items():
-                    share = shares.get(id(p))
-                    if share is not None and torch.is_tensor(v) and v.dim() == p.dim() and v.shape[0] == share[2] != share[1]:
-                        v = v[share[0] : share[0] + share[1]]  # a full expert state: this rank's experts
                     if _whole_of(v, p):
                         st[k] = sharded.shard_like(v, p)  # type: ignore[arg-type]
                     elif torch.is_tensor(v) and v.dim() > 0:

@@ -20,8 +20,8 @@ Groups (each a sorted list of global ranks):
 - ``EP_GROUP`` (expert parallelism, degree ``ep``): ``ep`` consecutive members of the
   ``RDP_GROUP`` (same (p, t), d in ``[b * ep, (b + 1) * ep)``) — they split the routed
   experts between them.
-- ``EDP_GROUP``: same (p, t) and the same ``d % ep`` — the ranks holding the same experts
-  (one per ep group); expert gradients are averaged over it.
+- ``EDP_GROUP``: same p and the same ``d % ep``, all t — the ranks holding the same experts
+  (one per ep group and TP rank); expert gradients are averaged over it.
 
 Ranks inside a group are ordered by global rank, so ``tp_rank`` is the index of this rank in
 its ``TP_GROUP`` and so on. In particular ``dp_rank`` orders the data shards of a step.
@@ -106,9 +106,11 @@ class Topology:
         return [r for r in replicas if self.coord(r).d // self.ep == block]
 
     def edp_group(self, rank: int) -> list[int]:
-        replicas = self.rdp_group(rank)
+        # Over the whole DP group (TP peers included): each TP rank feeds its own samples to
+        # the (TP-replicated) experts, so every (d, t) with this d % ep holds these experts.
+        peers = self.dp_group(rank)
         slot = self.coord(rank).d % self.ep
-        return [r for r in replicas if self.coord(r).d % self.ep == slot]
+        return [r for r in peers if self.coord(r).d % self.ep == slot]
 
     def all_groups(self, kind: str) -> list[list[int]]:
         """Every distinct group of a kind (``"pp"``, ``"tp"``, ``"rdp"``, ``"dp"``, ``"mp"``,
