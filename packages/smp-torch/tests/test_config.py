@@ -66,7 +66,6 @@ def test_alias_partitions_and_derived_degree() -> None:
         ({"expert_parallel_degree": 3}, "expert_parallel_degree"),
         ({"expert_parallel_degree": 0}, "expert_parallel_degree"),
         ({"expert_parallel_degree": 4, "pipeline_parallel_degree": 2}, "expert_parallel_degree"),
-        ({"expert_parallel_degree": 2, "pipeline_parallel_degree": 2}, "pipeline_parallel_degree"),
         ({"expert_parallel_degree": 2, "sharded_data_parallel_degree": 2}, "sharded_data_parallel_degree"),
         ({"expert_parallel_degree": 2, "shard_optimizer_state": True}, "shard_optimizer_state"),
     ],

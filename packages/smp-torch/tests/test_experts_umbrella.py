@@ -44,6 +44,22 @@ FOUR_RANKS = [
     # model and optimizer state come back bitwise, and training goes on equal to one process.
     {**_case("mixtral-resume-ep2-to-ep1", expert_parallel_degree=2), "resume": {"ddp": True}},
     {**_case("mixtral-resume-ep1-to-ep4", ddp=True), "resume": {"expert_parallel_degree": 4, "ddp": True}},
+    # ep x pp: the replicas of a stage start tasks in one order (smp-pipeline's OrderChannel,
+    # one leader over the stage's ep group): without it 3 of 4 runs of the mb4 case hung or
+    # aborted in gloo on mismatched all-to-alls. Interleaved and simple schedules.
+    _case("mixtral-pp2-ep2-mb4", pipeline_parallel_degree=2, expert_parallel_degree=2, microbatches=4) | {"batch": 16},
+    _case("deepseekv3-pp2-ep2-mb2", "deepseek_v3", pipeline_parallel_degree=2, expert_parallel_degree=2, microbatches=2),
+    _case("qwen3moe-pp2-ep2-simple", "qwen3_moe", pipeline_parallel_degree=2, expert_parallel_degree=2,
+          microbatches=2, pipeline="simple"),
+    {**_case("mixtral-resume-pp2ep2-to-dp4", pipeline_parallel_degree=2, expert_parallel_degree=2, microbatches=2),
+     "resume": {"ddp": True}},
+    # Delayed initialisation: each rank materialises its stage's share of the experts, the
+    # gathered initial weights equal the normal construction's bitwise. (These cases draw the
+    # initial weights from the global generator, which the replay needs; that draw is more
+    # sensitive: 2.2e-5 relative on the embedding's gradient at step 1, so the TP bound.)
+    {**_case("mixtral-pp2-ep2-delayed", pipeline_parallel_degree=2, expert_parallel_degree=2, microbatches=2),
+     "delayed": True, "steps": 2, **TP},
+    {**_case("mixtral-dp4-ep2-delayed", expert_parallel_degree=2), "delayed": True, "steps": 2, **TP},
     # ep must divide the data-parallel degree (smp.init) ...
     {**_case("bad-ep-dp", expert_parallel_degree=3), "error": "expert_parallel_degree"},
     # ... and every MoE layer's number of experts; a model without experts is refused.

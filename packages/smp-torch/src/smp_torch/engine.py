@@ -133,10 +133,21 @@ class Engine(ABC):
                     "expert_parallel_degree",
                     f"{ep} does not divide the {experts} experts of module {name!r} ({type(m).__name__})",
                 )
+        # The local experts' compute follows the model's own choice: one grouped matmul over
+        # the received rows when it was built with experts_implementation="grouped_mm" (and
+        # torch has it), else a loop over experts as transformers' eager one.
+        impl = {getattr(getattr(m, "config", None), "_experts_implementation", None) for _, m in found}
+        grouped = impl == {"grouped_mm"} and hasattr(torch.nn.functional, "grouped_mm")
         try:
-            smp_tp.expert_parallelize(module, self.ctx.process_groups["ep"])
+            replaced = smp_tp.expert_parallelize(module, self.ctx.process_groups["ep"], grouped_mm=grouped)
         except ValueError as exc:
             raise ConfigError("expert_parallel_degree", f"cannot split the experts: {exc}") from None
+        if replaced != len(found):  # (e.g. an experts module without act_fn: not left whole silently)
+            raise ConfigError(
+                "expert_parallel_degree",
+                f"split {replaced} of the {len(found)} experts modules {[n for n, _ in found]}: "
+                "smp_tp.expert_parallelize needs 3-D gate_up_proj/down_proj, num_experts and act_fn",
+            )
 
     def _parallelize(self, module: nn.Module) -> nn.Module:
         cfg = self.ctx.config

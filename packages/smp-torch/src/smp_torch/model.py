@@ -455,7 +455,7 @@ class DistributedModel(nn.Module):
                     g = p.grad
                     grads[key] = g.full_tensor() if isinstance(g, DTensor) else g
         if cfg.ep > 1:
-            grads = {**grads, **smp_tp.full_expert_grads(self.module)}  # (zeros for none)
+            grads = {**grads, **self._full_experts(grads=True)}  # (zeros for none)
         part = {k: g.detach().to("cpu").clone() for k, g in grads.items() if self.owns_full_key(k)}
         return self.engine.merge_stages(part)
 
@@ -471,8 +471,20 @@ class DistributedModel(nn.Module):
         full = tp_glue.full_state_dict(self.module, self._cfg.tp)
         if self._cfg.ep > 1:
             # The experts' shares gathered over the ep group, under the unwrapped keys.
-            full = {**full, **smp_tp.full_expert_state(self.module)}
+            full = {**full, **self._full_experts(grads=False)}
         return {k: v.detach().to("cpu").clone() for k, v in full.items() if self.owns_full_key(k)}
+
+    def _full_experts(self, grads: bool) -> dict[str, torch.Tensor]:
+        """Collective over the ep groups: this stage's experts (or their gradients) gathered
+        to the full ``[E, ...]`` tensors under the unwrapped keys. Only the experts this
+        pipeline stage owns: the other stages' are empty stand-ins here (the ranks of an ep
+        group share a stage, so they gather the same modules in the same order)."""
+        out: dict[str, torch.Tensor] = {}
+        gather = smp_tp.full_expert_grads if grads else smp_tp.full_expert_state
+        for name, m in self.module.named_modules():
+            if isinstance(m, smp_tp.ExpertParallelExperts) and self.owns_full_key(f"{name}.gate_up_proj"):
+                out.update({f"{name}.{k}": v for k, v in gather(m).items()})
+        return out
 
     def _slice_experts(self, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A full state dict's expert entries cut to this rank's share (entries already of

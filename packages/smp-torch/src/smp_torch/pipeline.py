@@ -153,6 +153,9 @@ class PipelineEngine(Engine):
             # rank owns moves there once the assignment is applied (_apply).
             whole = assignment is None and self.trace_device not in ("cpu", "meta")
             self._prepare_weights(module, broadcast_weights, to_device=whole)
+        # The experts split over the ep group before anything is partitioned: the partition
+        # weighs each rank's share.
+        self._distribute_experts(module)
         # Tensor-parallel layers run collectives on this rank's device (in the trace too):
         # they are built and placed there whatever the trace device.
         self.module = module = self._parallelize(module)
@@ -164,11 +167,13 @@ class PipelineEngine(Engine):
         self.comm = Communicator(world.Dup())
         order: OrderChannel | None = None
         self.ordering = "none"
-        if cfg.tp > 1:
+        if cfg.tp > 1 or cfg.ep > 1:
             # TP peers of a stage sit in different pipelines and run collectives inside module
-            # executions, so they must start tasks in the same order.
-            tp_group = ctx.groups["tp"]
-            order = OrderChannel(self.comm, tp_group[0], tp_group[1:], _ORDER_TAG)
+            # executions, so they must start tasks in the same order; so must the replicas of
+            # an expert-parallel group (the experts' all-to-alls), and with both, every rank of
+            # the stage's TP x EP block, one leader for all.
+            peers = _order_group(ctx)
+            order = OrderChannel(self.comm, peers[0], peers[1:], _ORDER_TAG)
             self.ordering = "leader"
         self.runtime = PipelineRuntime(
             module,
@@ -281,8 +286,9 @@ class PipelineEngine(Engine):
                 outcome = self._partition(
                     self.module,
                     run=lambda: fn(*args, **kwargs),
-                    # Tensor-parallel layers need their peers to run the trace with them.
-                    trace_here=ctx.rank == 0 or (cfg.tp > 1 and self.pp_rank == 0),
+                    # Tensor-parallel layers and split experts need their peers to run the
+                    # trace with them.
+                    trace_here=ctx.rank == 0 or ((cfg.tp > 1 or cfg.ep > 1) and self.pp_rank == 0),
                 )
         finally:
             self.tracing = False
@@ -402,3 +408,14 @@ class PipelineEngine(Engine):
             self.runtime.close()
         finally:
             self.comm.close()
+
+
+def _order_group(ctx: SMPContext) -> list[int]:
+    """The ranks that must start tasks in one order (see :class:`OrderChannel`): this
+    rank's TP group, joined over its expert-parallel group (the same stage in ``ep``
+    replicas); sorted, so the leader is the same on every member."""
+    topo = ctx.topology
+    tp_peers = topo.tp_group(ctx.rank)
+    if ctx.config.ep == 1:
+        return sorted(tp_peers)
+    return sorted({r for t in tp_peers for r in topo.ep_group(t)})

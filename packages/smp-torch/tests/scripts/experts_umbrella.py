@@ -102,11 +102,12 @@ MODELS = {
 }  # fmt: skip
 
 
-def build(name: str) -> torch.nn.Module:
+def build(name: str, global_rng: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
     model = MODELS[name]()
-    # Larger than the models' 0.02 init, so the routing and the experts matter.
-    gen = torch.Generator().manual_seed(1234)
+    # Larger than the models' 0.02 init, so the routing and the experts matter. (Delayed
+    # initialisation replays the global generator's draws, not an explicit generator's.)
+    gen = None if global_rng else torch.Generator().manual_seed(1234)
     with torch.no_grad():
         for key, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
             norm = p.dim() == 1 and "norm" in key
@@ -156,6 +157,14 @@ class Worst:
             )
         self.diff = max(self.diff, (got - want).abs().max().item() if got.numel() else 0.0)
         self.bitwise = self.bitwise and torch.equal(got, want)
+
+
+def check_held(name: str, dmodel: smp.DistributedModel, ref: torch.nn.Module, ep: int) -> None:
+    """Each rank holds 1/ep of the elements of the experts its pipeline stage owns (all of
+    them before the first step partitions a pipelined model), counted from the tensors."""
+    held = sum(p.numel() for k, p in dmodel.named_parameters() if is_expert(k) and dmodel.owns_full_key(k))
+    total = sum(p.numel() for k, p in ref.named_parameters() if is_expert(k) and dmodel.owns_full_key(k))
+    assert total and held * ep == total, f"[{name}] rank {smp.rank()} holds {held} of {total} expert elements (ep={ep})"
 
 
 def break_reduction(dmodel: smp.DistributedModel, broken: str) -> None:
@@ -240,13 +249,18 @@ def run_case(case: dict) -> None:
     if "error" in case:
         expect_error(case)
         return
-    cfg = smp.init(case["config"])
+    delayed = {"delayed_parameter_initialization": True} if case.get("delayed") else {}
+    cfg = smp.init({**case["config"], **delayed})
     broken = case.get("broken", BROKEN)
     keep = smp_model._expert_param_ids
     if broken == "group":
         smp_model._expert_param_ids = lambda module: set()  # experts reduced like the rest
-    model = build(case["model"])
+    model = build(case["model"], bool(delayed) or case.get("global_rng", False))
     ref = copy.deepcopy(model)
+    if delayed:  # the same construction recorded on the meta device: each rank makes its share
+        with smp.delay_param_initialization():
+            model = build(case["model"], True)
+        assert all(t.is_meta for t in model.parameters()), f"[{name}] not built on meta"
     if cfg.tp > 1:
         smp.set_tensor_parallelism(model)  # the attention (and dense MLPs) tensor-parallel
     try:
@@ -259,10 +273,15 @@ def run_case(case: dict) -> None:
     # Each rank holds 1/ep of every expert tensor, and the experts' tokens travel by all-to-all.
     split = [m for m in dmodel.modules() if isinstance(m, smp_tp.ExpertParallelExperts)]
     assert bool(split) == (ep > 1), f"[{name}] {len(split)} experts modules split at ep={ep}"
-    held = sum(p.numel() for k, p in dmodel.named_parameters() if is_expert(k))
-    total = sum(p.numel() for k, p in ref.named_parameters() if is_expert(k))
-    assert held * ep == total, f"[{name}] rank {smp.rank()} holds {held} of {total} expert elements (ep={ep})"
+    check_held(name, dmodel, ref, ep)
+    if delayed:  # each rank materialised its share of what its stage owns: the gathered whole is the reference
+        initial, want = dmodel.state_dict(), ref.state_dict()
+        bad = [k for k, v in want.items() if not torch.equal(initial[k], v)]
+        assert not bad and set(initial) == set(want), f"[{name}] delayed initialisation made other weights: {bad[:3]}"
     assert all(m.ep_group is state().process_groups["ep"] for m in split)
+    # The local experts run as the model computes them: grouped_mm for Qwen3-MoE here, a loop for the others.
+    grouped = getattr(ref.config, "_experts_implementation", None) == "grouped_mm"
+    assert all(m.grouped_mm == grouped for m in split), f"[{name}] grouped_mm is not {grouped}"
     if cfg.tp > 1:  # ep x tp: the attention is tensor-parallel, the experts split over ep
         assert any(tp_glue.is_distributed(p) for p in dmodel.parameters()), f"[{name}] nothing tensor-parallel"
     assert smp.ep_size() == ep and smp.rdp_size() == smp.size() // (cfg.pp * cfg.tp)
@@ -297,6 +316,7 @@ def run_case(case: dict) -> None:
         smp.barrier()
         return
     elapsed = time.perf_counter() - t0
+    check_held(name, dmodel, ref, ep)  # (with a pipeline: of this stage's experts)
     # The optimizer's full state: the experts' Adam moments gathered, equal to one process's.
     worst["adam"] = Worst()
     opt_sd = opt.state_dict()
@@ -357,9 +377,7 @@ def resume(case: dict, dmodel: smp.DistributedModel, ref: torch.nn.Module, opt: 
     torch.manual_seed(99)  # a fresh model with other weights: only the checkpoint can restore it
     fresh = smp.DistributedModel(MODELS[case["model"]]())
     fresh_opt, fresh_step = trainer(fresh, case.get("adam_eps", 1e-5))
-    held = sum(p.numel() for k, p in fresh.named_parameters() if is_expert(k))
-    total = sum(p.numel() for k, p in ref.named_parameters() if is_expert(k))
-    assert held * cfg.expert_parallel_degree == total, f"[{name}] rank {smp.rank()} holds {held} of {total}"
+    check_held(name, fresh, ref, cfg.expert_parallel_degree)
     smp.resume_from_checkpoint(path, "ep", model=fresh, optimizer=fresh_opt)
     back, back_opt = fresh.state_dict(), fresh_opt.state_dict()
     for k, v in saved.items():
