@@ -9,18 +9,23 @@ Both of transformers' experts implementations ("eager": expert-order index_add_,
 "grouped_mm": slot sum) are the reference, with the loop and the grouped-matmul compute,
 one GEMM per expert (allclose) or one per expert and sender (``per_sender_gemm``: the
 logits and loss must be bitwise the original's).
+
+The optional capacity factor: a capacity nothing exceeds is bitwise no capacity; cf=0.5
+(slots dropped) matches the unsplit experts with the dropped slots' weights zeroed; cf=0
+is a ValueError.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import os
 import warnings
 
 import smp_tp
 import torch
 import torch.distributed as dist
-from common import FAILURES, check, close, finish, log, randomize, setup
+from common import FAILURES, check, close, finish, gather_batch, log, randomize, setup
 
 warnings.filterwarnings("ignore")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -204,6 +209,107 @@ def bad_degree() -> None:
     raise AssertionError("no ValueError for 3 experts on 2 ranks")
 
 
+def capacity_mask(idx: torch.Tensor, num_experts: int, cf: float) -> torch.Tensor:
+    """1.0 for the slots kept under capacity factor ``cf``, 0.0 for the dropped ones: the rule
+    written out slot by slot (the layer's is vectorised), over one rank's tokens."""
+    n, k = idx.shape
+    cap = math.ceil(cf * n * k / num_experts)
+    seen = [0] * num_experts
+    mask = torch.ones(n, k)
+    for t in range(n):  # token order first, a token's choices in top-k order
+        for c in range(k):
+            e = int(idx[t, c])
+            if seen[e] >= cap:
+                mask[t, c] = 0.0
+            seen[e] += 1
+    return mask
+
+
+def capacity_nothing_dropped() -> None:
+    """A capacity no expert can exceed (cf = E gives cap = n_tok * k): through
+    ``expert_parallelize``, logits, loss and every gradient are bitwise cf=None's."""
+    torch.manual_seed(0)
+    base = mixtral("eager")
+    randomize(base)
+    models = {cf: copy.deepcopy(base) for cf in (None, 8.0)}
+    gen = torch.Generator().manual_seed(300 + rank)
+    ids = torch.randint(0, V, (B, S), generator=gen)
+    outs = {}
+    for cf, m in models.items():
+        smp_tp.expert_parallelize(m, None, capacity_factor=cf)
+        outs[cf] = m(input_ids=ids, labels=ids)
+        outs[cf].loss.backward()
+    layers = [m for m in models[8.0].modules() if isinstance(m, smp_tp.ExpertParallelExperts)]
+    label = "capacity cf=8 nothing dropped"
+
+    def compare() -> None:
+        assert len(layers) == 2 and all(m.capacity_factor == 8.0 for m in layers), layers
+        assert [m.dropped_slots for m in layers] == [0, 0], [m.dropped_slots for m in layers]
+        assert torch.equal(outs[8.0].logits, outs[None].logits), "logits"
+        assert torch.equal(outs[8.0].loss, outs[None].loss), "loss"
+        got, want = grads(models[8.0]), grads(models[None])
+        for k in want:
+            assert torch.equal(got[k], want[k]), f"grad {k}"
+
+    check(label, compare)
+    log(f"{label}: checked")
+
+
+def capacity_drops(impl: str, grouped: bool, per_sender: bool, cf: float = 0.5) -> None:
+    """cf=0.5 on Mixtral's experts at ep=2 against the unsplit experts on the concatenated
+    batch with the routing weights of exactly the dropped slots zeroed (each rank's drops
+    chosen over its own tokens): outputs, input/weight gradients, summed expert gradients."""
+    torch.manual_seed(0)
+    ref = mixtral(impl).model.layers[0].mlp.experts
+    randomize(ref)
+    ep = smp_tp.distribute_experts(ref, None, grouped_mm=grouped, per_sender_gemm=per_sender, capacity_factor=cf)
+    gen = torch.Generator().manual_seed(400 + rank)
+    n, k, E = 10, 3, ref.num_experts
+    x = torch.randn(n, 32, generator=gen)
+    idx = torch.rand(n, E, generator=gen).topk(k, dim=1).indices
+    w = torch.rand(n, k, generator=gen)
+    xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = ep(xa, idx, wa)
+    y.square().sum().backward()
+    dropped = ep.dropped_slots
+    total_dropped = torch.tensor([dropped])
+    dist.all_reduce(total_dropped)
+    g_got = smp_tp.full_expert_grads(ep)
+    X, IDX, W = gather_batch(x), gather_batch(idx), gather_batch(w)
+    # All collectives done; the reference runs on one rank's view of the whole batch.
+    mask = torch.cat([capacity_mask(part, E, cf) for part in IDX.split(n)])
+    xb, wb = X.clone().requires_grad_(), W.clone().requires_grad_()
+    y_ref = ref(xb, IDX, wb * mask)
+    y_ref.square().sum().backward()
+    mine = slice(rank * n, (rank + 1) * n)
+    label = f"capacity cf={cf} impl={impl} grouped_mm={grouped} per_sender_gemm={per_sender}"
+
+    def compare() -> None:
+        assert dropped == int((mask[mine] == 0).sum()), (dropped, mask[mine])
+        assert int(total_dropped) == int((mask == 0).sum()) and dropped > 0, (dropped, int(total_dropped))
+        close(f"{label} out", y, y_ref[mine])
+        close(f"{label} d input", xa.grad, xb.grad[mine])
+        close(f"{label} d weights", wa.grad, wb.grad[mine])
+        assert torch.all(wa.grad[mask[mine] == 0] == 0), "a dropped slot's weight got a gradient"
+        close(f"{label} d gate_up_proj", g_got["gate_up_proj"], ref.gate_up_proj.grad)
+        close(f"{label} d down_proj", g_got["down_proj"], ref.down_proj.grad)
+
+    check(label, compare)
+    log(f"{label}: checked (dropped {dropped} of {n * k} slots here, {int(total_dropped)} in all)")
+
+
+def bad_capacity() -> None:
+    experts = mixtral("eager").model.layers[0].mlp.experts
+    try:
+        smp_tp.distribute_experts(experts, None, capacity_factor=0.0)
+    except ValueError as e:
+        msg = str(e)
+        assert "capacity_factor" in msg, msg
+        log(f"ValueError: {msg}")
+        return
+    raise AssertionError("no ValueError for capacity_factor=0")
+
+
 for name in MODELS:
     for impl in ("eager", "grouped_mm"):
         for grouped in (False, True):
@@ -212,6 +318,11 @@ for name in MODELS:
 for grouped in (False, True):
     skewed(grouped)
 check("bad degree", bad_degree)
+capacity_nothing_dropped()
+for impl in ("eager", "grouped_mm"):
+    for grouped, per_sender in ((False, False), (True, False), (False, True)):
+        capacity_drops(impl, grouped, per_sender)
+check("bad capacity", bad_capacity)
 log("largest difference / max|value| where not bitwise: " + ", ".join(f"{k} {v:.1e}" for k, v in WORST.items()))
 if FAILURES:
     log(f"{len(FAILURES)} checks failed")

@@ -31,10 +31,23 @@ summed). Nothing is averaged here. When ranks outside the ep group hold the same
 has to average the expert gradients over those ranks, and average the replicated parameters
 (router, attention, shared experts) over every rank that holds them, as for any
 data-parallel replica. This module does neither.
+
+Capacity (``capacity_factor``, off by default): with ``capacity_factor=None`` no token is
+ever dropped and the layer is exact. A float ``cf > 0`` bounds the rows any expert can get
+from one rank, so a skewed router cannot make one expert's rank the straggler (or run out
+of memory): each rank lets at most ``cap = ceil(cf * n_tok * k / E)`` of its own slots
+(token, choice pairs) go to each expert and drops the rest *before* the all-to-all, so they
+are never sent. Which slots stay is deterministic: the first ``cap`` in token order (lowest
+token index first; a token's choices in top-k order). A dropped slot adds nothing to its
+token's output, exactly as if its routing weight were 0: its expert gets no gradient from
+it and its weight a zero gradient; the token's other choices still count and the block's
+residual connection carries it on. This *changes results* (it is not the original model);
+``dropped_slots`` holds how many slots this rank dropped in the last forward.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import torch
@@ -118,6 +131,10 @@ class ExpertParallelExperts(nn.Module):
     depends on how many rows it is given (MKL/oneDNN pick kernels and blockings by shape;
     one row takes a GEMV), so only this reproduces the original forward bit for bit;
     batching every sender's rows into one GEMM, the default, agrees to float32 rounding.
+
+    ``capacity_factor`` (``None``: nothing dropped, exact) caps the slots this rank sends to
+    each expert at ``ceil(capacity_factor * n_tok * k / num_experts)``, keeping the first in
+    token order (see the module docstring); ``dropped_slots`` counts the rest, last forward.
     """
 
     def __init__(
@@ -132,8 +149,10 @@ class ExpertParallelExperts(nn.Module):
         grouped_mm: bool = False,
         per_sender_gemm: bool = False,
         config: Any = None,
+        capacity_factor: float | None = None,
     ) -> None:
         super().__init__()
+        _check_capacity_factor(capacity_factor)
         if combine not in ("auto", "expert_order", "slot_sum"):
             raise ValueError(f"combine must be 'auto', 'expert_order' or 'slot_sum', not {combine!r}")
         if grouped_mm and _grouped_mm_fn() is None:
@@ -150,6 +169,8 @@ class ExpertParallelExperts(nn.Module):
         self.combine = combine
         self.grouped_mm = grouped_mm
         self.per_sender_gemm = per_sender_gemm
+        self.capacity_factor = capacity_factor
+        self.dropped_slots = 0  # this rank's slots over capacity in the last forward
         # Not a submodule: only read for "auto" (the model's config object, shared).
         self._config = config
 
@@ -158,6 +179,7 @@ class ExpertParallelExperts(nn.Module):
             f"experts {self.first_expert}..{self.first_expert + self.num_local_experts - 1} of "
             f"{self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, "
             f"combine={self.combine}, grouped_mm={self.grouped_mm}, per_sender_gemm={self.per_sender_gemm}"
+            + (f", capacity_factor={self.capacity_factor}" if self.capacity_factor is not None else "")
         )
 
     def _combine_mode(self) -> str:
@@ -192,6 +214,27 @@ class ExpertParallelExperts(nn.Module):
             outs.append(F.linear(self.act_fn(gate) * up, self.down_proj[j]))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
+    # -- capacity ----------------------------------------------------------------------
+
+    def _within_capacity(
+        self, experts: torch.Tensor, counts: torch.Tensor, n_tok: int, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keep, kept counts)`` for the token-major slots ``experts`` (``counts`` their
+        per-expert counts): a slot is kept when fewer than ``cap`` earlier slots (in token
+        order) chose the same expert. Vectorised: a stable sort groups the slots by expert
+        without changing their token order, and a slot's rank within its group is its
+        position in the sorted list minus the group's start."""
+        assert self.capacity_factor is not None
+        cap = math.ceil(self.capacity_factor * n_tok * k / self.num_experts)
+        by_expert = torch.argsort(experts, stable=True)
+        group_start = counts.cumsum(0) - counts
+        position = torch.empty_like(experts)
+        position[by_expert] = torch.arange(experts.numel(), device=experts.device) - group_start[experts[by_expert]]
+        keep = position < cap
+        kept = counts.clamp(max=cap)
+        self.dropped_slots = int((counts - kept).sum())
+        return keep, kept
+
     # -- forward -----------------------------------------------------------------------
 
     def forward(
@@ -215,6 +258,10 @@ class ExpertParallelExperts(nn.Module):
             counts = torch.bincount(experts, minlength=self.num_experts)
             if counts.numel() != self.num_experts:
                 raise ValueError(f"expert index out of range: {int(experts.max())} >= {self.num_experts}")
+            keep: torch.Tensor | None = None
+            if self.capacity_factor is not None:
+                keep, counts = self._within_capacity(experts, counts, n_tok, k)
+                order = order[keep[order]]  # the kept slots, in the same order as above
             if ep > 1:
                 # recv[i, j]: tokens rank i sends to my local expert j.
                 recv = torch.empty_like(counts)
@@ -238,8 +285,9 @@ class ExpertParallelExperts(nn.Module):
                 perm = torch.repeat_interleave(seg_start - out_start, seg_len) + torch.arange(total, device=dev)
                 inv_perm = torch.empty_like(perm)
                 inv_perm[perm] = torch.arange(total, device=dev)
-            inv_order = torch.empty_like(order)
-            inv_order[order] = torch.arange(order.numel(), device=dev)
+            if keep is None:
+                inv_order = torch.empty_like(order)
+                inv_order[order] = torch.arange(order.numel(), device=dev)
 
         rows = hidden_states[order // k]
         if ep > 1:
@@ -252,7 +300,11 @@ class ExpertParallelExperts(nn.Module):
             y = all_to_all_rows(y, recv_splits, send_splits, self.ep_group)
         # Back in slot order; weights applied on the token's own rank (the same elementwise
         # product as the original, which dtype promotion included: fp32 weights stay fp32).
-        weighted = y[inv_order] * top_k_weights.reshape(-1, 1)
+        if keep is None:
+            y = y[inv_order]
+        else:  # dropped slots: a zero row, so a zero contribution and a zero weight gradient
+            y = y.new_zeros((experts.numel(), y.shape[-1])).index_copy(0, order, y)
+        weighted = y * top_k_weights.reshape(-1, 1)
         if mode == "slot_sum":
             return weighted.view(n_tok, k, -1).sum(dim=1).to(hidden_states.dtype)
         # Eager original: out = 0, then out[t] += contribution of each expert, ascending id.
@@ -265,6 +317,12 @@ class ExpertParallelExperts(nn.Module):
 
 
 # ----------------------------------------------------------------------------- conversion
+
+
+def _check_capacity_factor(capacity_factor: float | None) -> None:
+    # `not > 0` also refuses NaN.
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise ValueError(f"capacity_factor must be None or > 0, not {capacity_factor!r}")
 
 
 def _is_fused_experts(module: nn.Module) -> bool:
@@ -282,15 +340,21 @@ def distribute_experts(
     combine: Combine = "auto",
     grouped_mm: bool = False,
     per_sender_gemm: bool = False,
+    capacity_factor: float | None = None,
 ) -> ExpertParallelExperts:
     """Build this rank's :class:`ExpertParallelExperts` from a transformers-5 fused experts
     module (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``), copying its slice of the
     weights. Every rank of ``ep_group`` must call it with the same module (same weights).
 
-    Raises ``ValueError`` when the group's size does not divide the number of experts, and
+    ``capacity_factor`` (default ``None``: exact, nothing dropped) changes results: see
+    :class:`ExpertParallelExperts` and the module docstring.
+
+    Raises ``ValueError`` when the group's size does not divide the number of experts, for a
+    ``capacity_factor`` that is not positive, and
     for layouts it does not reproduce (biases, transposed or interleaved weights, no gate,
     a post-expert norm, a custom gate function).
     """
+    _check_capacity_factor(capacity_factor)
     if not _is_fused_experts(experts):
         raise ValueError(
             f"distribute_experts: {type(experts).__name__} is not a fused experts module "
@@ -321,14 +385,14 @@ def distribute_experts(
     return ExpertParallelExperts(
         gate_up, down, fused.act_fn, num_experts, first, ep_group,
         combine=combine, grouped_mm=grouped_mm, per_sender_gemm=per_sender_gemm,
-        config=getattr(experts, "config", None),
+        config=getattr(experts, "config", None), capacity_factor=capacity_factor,
     )
 
 
 def expert_parallelize(model: nn.Module, ep_group: ProcessGroup = None, **options: Any) -> int:
     """Replace, in place, every fused experts module inside ``model`` (not ``model`` itself)
-    with :func:`distribute_experts` (``options``: its keyword arguments); return how many
-    were replaced."""
+    with :func:`distribute_experts` (``options``: its keyword arguments, ``capacity_factor``
+    included); return how many were replaced."""
     targets = [
         (name, m) for name, m in model.named_modules()
         if name and _is_fused_experts(m) and not isinstance(m, ExpertParallelExperts)
