@@ -6,16 +6,18 @@ Run: python benchmarks/bench_moe.py   (spawns `mpiexec -n 2` of itself three tim
 The model: transformers' ``MixtralForCausalLM`` built from a config (``LAYERS`` layers,
 hidden ``HIDDEN``, expert intermediate ``INTER``, ``EXPERTS`` experts, top-2, vocabulary 256),
 Adam, fp32, ``BATCH`` sequences of ``SEQ`` tokens per rank, so the global batch is the same
-for every contender. Four contenders on 2 processes:
+for every contender. Five contenders on 2 processes:
 
 - ``dp loop`` / ``dp grouped``: ``expert_parallel_degree`` 1 — every rank holds every expert
   and runs transformers' own experts (``experts_implementation`` "eager": a loop over the
   experts; "grouped_mm": one grouped matmul);
 - ``ep2 loop`` / ``ep2 grouped``: ``expert_parallel_degree`` 2 — each rank holds half of the
   experts, tokens travel by all-to-all, the local experts run as a loop or as one grouped
-  matmul (smp follows the model's ``experts_implementation``).
+  matmul (smp follows the model's ``experts_implementation``);
+- ``ep2 grouped-cap1``: the same with ``expert_capacity_factor`` 1.0 (slots over an expert's
+  capacity dropped: faster, not the same results).
 
-Timing job: the four alternate round by round in one job (same machine load); the median
+Timing job: the five alternate round by round in one job (same machine load); the median
 step time of each, tokens/s over both ranks, and the ratios ep2/dp (same compute) and
 grouped/loop (same degree). The same job prints the bytes a rank holds in parameters +
 gradients + Adam state and in expert parameters (from the tensors). Memory jobs: one per
@@ -37,7 +39,7 @@ EXPERTS = int(os.environ.get("BENCH_MOE_EXPERTS", "8"))
 LAYERS = int(os.environ.get("BENCH_MOE_LAYERS", "4"))
 BATCH, SEQ, VOCAB = 4, 64, 256
 WARMUP, STEPS, ROUNDS = 2, 4, 3
-CONTENDERS = ("dp loop", "dp grouped", "ep2 loop", "ep2 grouped")
+CONTENDERS = ("dp loop", "dp grouped", "ep2 loop", "ep2 grouped", "ep2 grouped-cap1")
 
 
 def _rss_kib() -> int:
@@ -60,13 +62,14 @@ def _worker(names: list[str]) -> None:
     def build(name: str):  # type: ignore[no-untyped-def]
         degree, compute = name.split()
         ep = 2 if degree == "ep2" else 1
-        smp.init({"expert_parallel_degree": ep, "ddp": True})
+        capacity = {"expert_capacity_factor": 1.0} if compute.endswith("-cap1") else {}
+        smp.init({"expert_parallel_degree": ep, "ddp": True, **capacity})
         torch.manual_seed(0)
         net = MixtralForCausalLM(MixtralConfig(
             vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
             num_attention_heads=8, num_key_value_heads=2, num_local_experts=EXPERTS,
             num_experts_per_tok=2, max_position_embeddings=SEQ, use_cache=False,
-            experts_implementation="grouped_mm" if compute == "grouped" else "eager",
+            experts_implementation="grouped_mm" if compute.startswith("grouped") else "eager",
             pad_token_id=0, bos_token_id=0, eos_token_id=0,
         ))  # fmt: skip
         model = smp.DistributedModel(net)
@@ -133,13 +136,15 @@ def _worker(names: list[str]) -> None:
         flush=True,
     )
     for n in names:
-        print(f"  {n:<12} step {med[n] * 1e3:7.1f} ms  {tokens / med[n]:8.0f} tokens/s", flush=True)
+        print(f"  {n:<17} step {med[n] * 1e3:7.1f} ms  {tokens / med[n]:8.0f} tokens/s", flush=True)
     for compute in ("loop", "grouped"):
         r = med[f"dp {compute}"] / med[f"ep2 {compute}"]
         print(f"  tokens/s ratio ep2/dp ({compute}): {r:.3f}", flush=True)
     for degree in ("dp", "ep2"):
         r = med[f"{degree} loop"] / med[f"{degree} grouped"]
         print(f"  tokens/s ratio grouped/loop ({degree}): {r:.3f}", flush=True)
+    r = med["ep2 grouped"] / med["ep2 grouped-cap1"]
+    print(f"  tokens/s ratio capacity factor 1.0 / no drops (ep2 grouped; changes results): {r:.3f}", flush=True)
     (dp_all, dp_exp), (ep_all, ep_exp) = held["dp loop"], held["ep2 loop"]
     print(
         f"  bytes per rank (parameters + gradients + Adam state): dp {dp_all / 2**20:.1f} MiB, "

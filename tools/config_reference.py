@@ -133,8 +133,14 @@ MEANINGS: dict[str, str] = {
         "Expert parallelism: the routed experts of each MoE layer are split over groups of "
         "this many consecutive data-parallel ranks (each keeps 1/N of the experts and its own "
         "samples; tokens travel by all-to-all). Must divide the data-parallel degree and "
-        "every MoE layer's number of experts; composes with tensor_parallel_degree, not yet with "
-        "pipeline_parallel_degree or sharded data parallelism."
+        "every MoE layer's number of experts; composes with pipeline and tensor parallelism, not "
+        "yet with sharded data parallelism."
+    ),
+    "expert_capacity_factor": (
+        "Expert parallelism only. null (default): no token is dropped, results are exact. A "
+        "number > 0 caps the slots each rank sends to one expert at ceil(factor x tokens x "
+        "top_k / num_experts), keeping the first in token order; a dropped slot contributes "
+        "nothing to its token's output. Bounds the all-to-all's size; changes results."
     ),
     "sdp_reduce_bucket_size": (
         "Elements: the largest shard unit made by keeping small children with their parent."

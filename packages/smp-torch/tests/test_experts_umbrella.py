@@ -60,6 +60,10 @@ FOUR_RANKS = [
     {**_case("mixtral-pp2-ep2-delayed", pipeline_parallel_degree=2, expert_parallel_degree=2, microbatches=2),
      "delayed": True, "steps": 2, **TP},
     {**_case("mixtral-dp4-ep2-delayed", expert_parallel_degree=2), "delayed": True, "steps": 2, **TP},
+    # expert_capacity_factor: large enough to drop nothing, still one process's result ...
+    _case("mixtral-dp4-ep2-capacity8", expert_parallel_degree=2, expert_capacity_factor=8.0),
+    # ... small: slots are dropped and the loss changes (as documented).
+    {**_case("mixtral-dp4-ep2-capacity0.5", expert_parallel_degree=2, expert_capacity_factor=0.5), "drops": True},
     # ep must divide the data-parallel degree (smp.init) ...
     {**_case("bad-ep-dp", expert_parallel_degree=3), "error": "expert_parallel_degree"},
     # ... and every MoE layer's number of experts; a model without experts is refused.

@@ -93,6 +93,9 @@ class SMPConfig:
     # are split over groups of this many data-parallel ranks (each keeps num_experts / ep of
     # them and its own samples; tokens travel by all-to-all).
     expert_parallel_degree: int = 1
+    # None: no token is dropped (exact). A number > 0 caps the slots each rank sends to an
+    # expert at ceil(factor * tokens * top_k / num_experts): faster, changes results.
+    expert_capacity_factor: float | None = None
     # Derived by validation, not a user key.
     data_parallel_degree: int = field(default=1, metadata={"derived": True})
 
@@ -319,12 +322,17 @@ def _validate_values(cfg: SMPConfig, world_size: int) -> None:
 
 def _validate_experts(cfg: SMPConfig) -> None:
     """``expert_parallel_degree``: ep groups are taken from the data-parallel ranks (with
-    tensor parallelism, of each TP rank's replicas). Pipeline degree 1, without sharded data
-    parallelism, so far: those combinations are refused here rather than computed wrongly."""
+    tensor parallelism, of each TP rank's replicas). Not with sharded data parallelism or
+    optimizer-state sharding so far: refused here rather than computed wrongly."""
     ep = cfg.expert_parallel_degree
     if ep < 1:
         raise ConfigError("expert_parallel_degree", f"must be >= 1, got {ep}")
+    cf = cfg.expert_capacity_factor
+    if cf is not None and not cf > 0:
+        raise ConfigError("expert_capacity_factor", f"must be > 0 (or null: nothing dropped), got {cf}")
     if ep == 1:
+        if cf is not None:  # (no experts are split, so nothing would read it)
+            raise ConfigError("expert_capacity_factor", "needs expert_parallel_degree > 1")
         return
     if cfg.data_parallel_degree % ep:
         raise ConfigError(

@@ -139,7 +139,10 @@ class Engine(ABC):
         impl = {getattr(getattr(m, "config", None), "_experts_implementation", None) for _, m in found}
         grouped = impl == {"grouped_mm"} and hasattr(torch.nn.functional, "grouped_mm")
         try:
-            replaced = smp_tp.expert_parallelize(module, self.ctx.process_groups["ep"], grouped_mm=grouped)
+            replaced = smp_tp.expert_parallelize(
+                module, self.ctx.process_groups["ep"], grouped_mm=grouped,
+                capacity_factor=self.ctx.config.expert_capacity_factor,
+            )
         except ValueError as exc:
             raise ConfigError("expert_parallel_degree", f"cannot split the experts: {exc}") from None
         if replaced != len(found):  # (e.g. an experts module without act_fn: not left whole silently)

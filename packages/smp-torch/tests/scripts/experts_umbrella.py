@@ -296,6 +296,9 @@ def run_case(case: dict) -> None:
     opt, train_step = trainer(dmodel, eps)
     worst = {"loss": Worst(), "grads": Worst(), "norm": Worst(), "params": Worst()}
     t0 = time.perf_counter()
+    if case.get("drops"):
+        capacity_drops(case, split, dmodel, ref, train_step)
+        return
     if "resume" in case:
         resume(case, dmodel, ref, opt, ref_opt, train_step, worst)
         if smp.rank() == 0:
@@ -343,6 +346,24 @@ def run_case(case: dict) -> None:
     smp.barrier()
     if smp.rank() == 0:
         print(f"CASE-OK {name} ({elapsed:.1f}s) {summary(worst)}", flush=True)
+
+
+def capacity_drops(case: dict, split: list, dmodel: smp.DistributedModel, ref: torch.nn.Module,
+                   train_step: Any) -> None:
+    """``expert_capacity_factor`` small enough to drop slots: the setting reaches every split
+    experts module, slots are dropped, and the loss is no longer one process's (documented
+    as changing results)."""
+    name, cf = case["name"], case["config"]["expert_capacity_factor"]
+    assert all(m.capacity_factor == cf for m in split), f"[{name}] capacity_factor not applied"
+    x, y = batch(0, case.get("batch", 8))
+    n, i = smp.dp_size(), smp.dp_rank()
+    out = train_step(x.chunk(n)[i], y.chunk(n)[i])
+    mean = sum(smp.allgather(float(out.reduce_mean()), smp.DP_GROUP)) / n
+    dropped = sum(smp.allgather(sum(m.dropped_slots for m in split), smp.DP_GROUP))
+    want = float(lm_loss(ref(input_ids=x).logits, y))
+    assert dropped > 0 and abs(mean - want) > 1e-4, f"[{name}] dropped {dropped}, loss {mean} vs {want}"
+    if smp.rank() == 0:
+        print(f"CASE-OK {name} capacity {cf}: {dropped} slots dropped, loss {mean:.5f} vs one process {want:.5f}", flush=True)
 
 
 def summary(worst: dict[str, Worst]) -> str:
