@@ -26,12 +26,13 @@ degree, rank 0's peak RSS and its growth over the RSS before the model was built
 
 from __future__ import annotations
 
+import functools
 import os
 import resource
 import statistics
-import subprocess
 import sys
-import time
+
+import workers  # (this folder)
 
 HIDDEN = int(os.environ.get("BENCH_MOE_HIDDEN", "256"))
 INTER = int(os.environ.get("BENCH_MOE_INTER", "512"))
@@ -112,13 +113,7 @@ def _worker(names: list[str]) -> None:
     for _ in range(ROUNDS if len(names) > 1 else 1):
         for name in names:
             step, model, opt = build(name)
-            for i in range(WARMUP + STEPS):
-                smp.barrier()
-                t0 = time.perf_counter()
-                step(x, y)
-                smp.barrier()
-                if i >= WARMUP:
-                    times[name].append(time.perf_counter() - t0)
+            times[name] += workers.timed_steps(functools.partial(step, x, y), WARMUP, STEPS, smp.barrier).times
             held[name] = held_bytes(model, opt)
             del step, model, opt
     if smp.rank() != 0:
@@ -155,23 +150,8 @@ def _worker(names: list[str]) -> None:
 
 
 def main() -> None:
-    from smp_comm.testing import mpiexec_path
-
-    mpiexec = mpiexec_path()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SMP_CONFIG": "", "PYTHONWARNINGS": "ignore"}
-
-    def run(names: list[str]) -> str:
-        cmd = [mpiexec, "-n", "2", sys.executable, os.path.abspath(__file__), "--worker", *names]
-        out = subprocess.run(cmd, env=env, check=True, timeout=900, capture_output=True, text=True)
-        return out.stdout
-
-    print(run(list(CONTENDERS)), end="", flush=True)
-    mem = {}
-    for name in ("dp loop", "ep2 loop"):
-        for line in run([name]).splitlines():
-            if line.startswith("MEM "):
-                _, degree, peak, grown = line.split()
-                mem[degree] = (int(peak), int(grown))
+    print(workers.run_self(__file__, 2, list(CONTENDERS)), end="", flush=True)
+    mem = workers.peak_rss(__file__, 2, [["dp loop"], ["ep2 loop"]])
     print(
         "  rank 0 peak RSS (growth over the RSS before the model): "
         + ", ".join(f"{d} {mem[d][0] / 1024:.0f} MiB (+{mem[d][1] / 1024:.0f})" for d in ("dp", "ep2"))

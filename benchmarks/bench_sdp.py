@@ -25,9 +25,10 @@ from __future__ import annotations
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
+
+import workers  # (this folder)
 
 WIDTH = int(os.environ.get("BENCH_SDP_WIDTH", "1024"))
 BLOCKS = int(os.environ.get("BENCH_SDP_BLOCKS", "8"))
@@ -155,23 +156,8 @@ def _worker(modes: list[str]) -> None:
 
 
 def main() -> None:
-    from smp_comm.testing import mpiexec_path
-
-    mpiexec = mpiexec_path()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SMP_CONFIG": "", "PYTHONWARNINGS": "ignore::UserWarning"}
-
-    def run(modes: list[str]) -> str:
-        cmd = [mpiexec, "-n", "4", sys.executable, os.path.abspath(__file__), "--worker", *modes]
-        out = subprocess.run(cmd, env=env, check=True, timeout=600, capture_output=True, text=True)
-        return out.stdout
-
-    print(run(list(NAMES)), end="", flush=True)
-    mem = {}
-    for mode in NAMES:
-        for line in run([mode]).splitlines():
-            if line.startswith("MEM "):
-                _, name, peak, grown = line.split()
-                mem[name] = (int(peak), int(grown))
+    print(workers.run_self(__file__, 4, list(NAMES), timeout=600), end="", flush=True)
+    mem = workers.peak_rss(__file__, 4, [[mode] for mode in NAMES])
     print(
         "  rank 0 peak RSS (growth over the RSS before the model): "
         + ", ".join(f"{m} {mem[m][0] / 1024:.0f} MiB (+{mem[m][1] / 1024:.0f})" for m in NAMES)

@@ -2,12 +2,15 @@
 under ``mpiexec``, each bound to a core unless told otherwise) that prints one ``RESULT
 {json}`` line from its rank 0; the parent launches them in turn and reads that line.
 
-Used by ``bench_sequential.py``, ``bench_gpt.py`` and ``bench_hf.py``.
+Used by ``bench_sequential.py``, ``bench_gpt.py``, ``bench_hf.py`` and ``bench_moe.py``; :func:`run_self` and
+:func:`peak_rss` (a job whose workers print their own lines) by ``bench_sdp.py`` and
+``bench_moe.py``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -59,6 +62,30 @@ def launch(
     if not lines:
         raise SystemExit(f"{name}: {kind} printed no result:\n{out.stdout}\n{out.stderr}")
     return json.loads(lines[0][7:])
+
+
+def run_self(script: str, nprocs: int, args: list[str], timeout: float = 900) -> str:
+    """``mpiexec -n nprocs python script --worker *args`` (one thread per rank, no
+    ``SMP_CONFIG``); its standard output. Raises if it fails."""
+    from smp_comm.testing import mpiexec_path
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SMP_CONFIG": "", "PYTHONWARNINGS": "ignore"}
+    cmd = [mpiexec_path(), "-n", str(nprocs), sys.executable, os.path.abspath(script), "--worker", *args]
+    out = subprocess.run(cmd, env=env, check=True, timeout=timeout, capture_output=True, text=True)
+    return out.stdout
+
+
+def peak_rss(script: str, nprocs: int, jobs: list[list[str]]) -> dict[str, tuple[int, int]]:
+    """One job per entry of ``jobs`` (peak RSS only grows, so each contender needs fresh
+    processes); each prints ``MEM <label> <peak KiB> <growth KiB>`` from rank 0. ``{label:
+    (peak, growth)}``."""
+    mem: dict[str, tuple[int, int]] = {}
+    for args in jobs:
+        for line in run_self(script, nprocs, args).splitlines():
+            if line.startswith("MEM "):
+                _, label, peak, grown = line.split()
+                mem[label] = (int(peak), int(grown))
+    return mem
 
 
 def timed_steps(

@@ -28,58 +28,69 @@ def _case(name: str, model: str = "mixtral", **config: object) -> dict:
 
 TP = {"later_grad_rtol": 1e-4}
 
-FOUR_RANKS = [
-    _case("mixtral-dp4-ep2", expert_parallel_degree=2),
-    _case("mixtral-dp4-ep4", expert_parallel_degree=4),
-    _case("qwen3moe-dp4-ep2-mb2", "qwen3_moe", expert_parallel_degree=2, microbatches=2),
-    _case("deepseekv3-dp4-ep2", "deepseek_v3", expert_parallel_degree=2),
-    # ep x tp: the attention tensor-parallel, the experts split over ep groups of rdp ranks
-    # (each TP rank feeds its own samples, so expert gradients are averaged over TP peers too).
-    # (Gradients after the first step within rtol 1e-4 there: see the script's ``train``.)
-    {**_case("mixtral-tp2-ep2", tensor_parallel_degree=2, expert_parallel_degree=2, ddp=True), **TP},
-    {**_case("deepseekv3-tp2-ep2", "deepseek_v3", tensor_parallel_degree=2, expert_parallel_degree=2, ddp=True), **TP},
-    {**_case("mixtral-resume-tp2ep2-to-dp4", tensor_parallel_degree=2, expert_parallel_degree=2, ddp=True),
-     "resume": {"ddp": True}, **TP},
-    # A checkpoint saved at one expert-parallel degree resumes at another: the gathered
-    # model and optimizer state come back bitwise, and training goes on equal to one process.
-    {**_case("mixtral-resume-ep2-to-ep1", expert_parallel_degree=2), "resume": {"ddp": True}},
-    {**_case("mixtral-resume-ep1-to-ep4", ddp=True), "resume": {"expert_parallel_degree": 4, "ddp": True}},
-    # ep x pp: the replicas of a stage start tasks in one order (smp-pipeline's OrderChannel,
-    # one leader over the stage's ep group): without it 3 of 4 runs of the mb4 case hung or
-    # aborted in gloo on mismatched all-to-alls. Interleaved and simple schedules.
-    _case("mixtral-pp2-ep2-mb4", pipeline_parallel_degree=2, expert_parallel_degree=2, microbatches=4) | {"batch": 16},
-    _case("deepseekv3-pp2-ep2-mb2", "deepseek_v3", pipeline_parallel_degree=2, expert_parallel_degree=2, microbatches=2),
-    _case("qwen3moe-pp2-ep2-simple", "qwen3_moe", pipeline_parallel_degree=2, expert_parallel_degree=2,
-          microbatches=2, pipeline="simple"),
-    {**_case("mixtral-resume-pp2ep2-to-dp4", pipeline_parallel_degree=2, expert_parallel_degree=2, microbatches=2),
-     "resume": {"ddp": True}},
-    # Delayed initialisation: each rank materialises its stage's share of the experts, the
-    # gathered initial weights equal the normal construction's bitwise. (These cases draw the
-    # initial weights from the global generator, which the replay needs; that draw is more
-    # sensitive: 2.2e-5 relative on the embedding's gradient at step 1, so the TP bound.)
-    {**_case("mixtral-pp2-ep2-delayed", pipeline_parallel_degree=2, expert_parallel_degree=2, microbatches=2),
-     "delayed": True, "steps": 2, **TP},
-    {**_case("mixtral-dp4-ep2-delayed", expert_parallel_degree=2), "delayed": True, "steps": 2, **TP},
-    # expert_capacity_factor: large enough to drop nothing, still one process's result ...
-    _case("mixtral-dp4-ep2-capacity8", expert_parallel_degree=2, expert_capacity_factor=8.0),
-    # ... small: slots are dropped and the loss changes (as documented).
-    {**_case("mixtral-dp4-ep2-capacity0.5", expert_parallel_degree=2, expert_capacity_factor=0.5), "drops": True},
-    # ep must divide the data-parallel degree (smp.init) ...
-    {**_case("bad-ep-dp", expert_parallel_degree=3), "error": "expert_parallel_degree"},
-    # ... and every MoE layer's number of experts; a model without experts is refused.
-    {**_case("bad-ep-experts", "mixtral6", expert_parallel_degree=4), "error": "expert_parallel_degree"},
-    {**_case("no-experts", "llama", expert_parallel_degree=2), "error": "expert_parallel_degree"},
-    # The checks fail when the expert gradients are reduced wrongly.
-    {**_case("broken-divisor", expert_parallel_degree=2), "broken": "divisor", "steps": 1},
-    {**_case("broken-group", expert_parallel_degree=2), "broken": "group", "steps": 1},
-]
+FOUR_RANKS = {
+    # One job per group (each with its own time limit): data and tensor parallelism, capacity and errors ...
+    "dp-tp": [
+        _case("mixtral-dp4-ep2", expert_parallel_degree=2),
+        _case("mixtral-dp4-ep4", expert_parallel_degree=4),
+        _case("qwen3moe-dp4-ep2-mb2", "qwen3_moe", expert_parallel_degree=2, microbatches=2),
+        _case("deepseekv3-dp4-ep2", "deepseek_v3", expert_parallel_degree=2),
+        # ep x tp: the attention tensor-parallel, the experts split over ep groups of rdp ranks
+        # (each TP rank feeds its own samples, so expert gradients are averaged over TP peers too).
+        # (Gradients after the first step within rtol 1e-4 there: see the script's ``train``.)
+        {**_case("mixtral-tp2-ep2", tensor_parallel_degree=2, expert_parallel_degree=2, ddp=True), **TP},
+        {**_case("deepseekv3-tp2-ep2", "deepseek_v3", tensor_parallel_degree=2, expert_parallel_degree=2, ddp=True), **TP},
+        # expert_capacity_factor: large enough to drop nothing, still one process's result ...
+        _case("mixtral-dp4-ep2-capacity8", expert_parallel_degree=2, expert_capacity_factor=8.0),
+        # ... small: slots are dropped and the loss changes (as documented).
+        {**_case("mixtral-dp4-ep2-capacity0.5", expert_parallel_degree=2, expert_capacity_factor=0.5), "drops": True},
+        # ep must divide the data-parallel degree (smp.init) ...
+        {**_case("bad-ep-dp", expert_parallel_degree=3), "error": "expert_parallel_degree"},
+        # ... and every MoE layer's number of experts; a model without experts is refused.
+        {**_case("bad-ep-experts", "mixtral6", expert_parallel_degree=4), "error": "expert_parallel_degree"},
+        {**_case("no-experts", "llama", expert_parallel_degree=2), "error": "expert_parallel_degree"},
+        # The checks fail when the expert gradients are reduced wrongly.
+        {**_case("broken-divisor", expert_parallel_degree=2), "broken": "divisor", "steps": 1},
+        {**_case("broken-group", expert_parallel_degree=2), "broken": "group", "steps": 1},
+    ],
+    # ... checkpoints resumed onto other degrees ...
+    "resume": [
+        # A checkpoint saved at one expert-parallel degree resumes at another: the gathered
+        # model and optimizer state come back bitwise, and training goes on equal to one process.
+        {**_case("mixtral-resume-ep2-to-ep1", expert_parallel_degree=2), "resume": {"ddp": True}},
+        {**_case("mixtral-resume-ep1-to-ep4", ddp=True), "resume": {"expert_parallel_degree": 4, "ddp": True}},
+        {**_case("mixtral-resume-tp2ep2-to-dp4", tensor_parallel_degree=2, expert_parallel_degree=2, ddp=True),
+         "resume": {"ddp": True}, **TP},
+        {**_case("mixtral-resume-pp2ep2-to-dp4", pipeline_parallel_degree=2, expert_parallel_degree=2, microbatches=2),
+         "resume": {"ddp": True}},
+    ],
+    # ... and pipelines.
+    "pp": [
+        # ep x pp: the replicas of a stage start tasks in one order (smp-pipeline's OrderChannel,
+        # one leader over the stage's ep group): without it 3 of 4 runs of the mb4 case hung or
+        # aborted in gloo on mismatched all-to-alls. Interleaved and simple schedules.
+        _case("mixtral-pp2-ep2-mb4", pipeline_parallel_degree=2, expert_parallel_degree=2, microbatches=4) | {"batch": 16},
+        _case("deepseekv3-pp2-ep2-mb2", "deepseek_v3", pipeline_parallel_degree=2, expert_parallel_degree=2, microbatches=2),
+        _case("qwen3moe-pp2-ep2-simple", "qwen3_moe", pipeline_parallel_degree=2, expert_parallel_degree=2,
+              microbatches=2, pipeline="simple"),
+        # Delayed initialisation: each rank materialises its stage's share of the experts, the
+        # gathered initial weights equal the normal construction's bitwise. (These cases draw the
+        # initial weights from the global generator, which the replay needs; that draw is more
+        # sensitive: 2.2e-5 relative on the embedding's gradient at step 1, so the TP bound.)
+        {**_case("mixtral-pp2-ep2-delayed", pipeline_parallel_degree=2, expert_parallel_degree=2, microbatches=2),
+         "delayed": True, "steps": 2, **TP},
+        {**_case("mixtral-dp4-ep2-delayed", expert_parallel_degree=2), "delayed": True, "steps": 2, **TP},
+    ],
+}
 
 TWO_RANKS = [_case("mixtral-dp2-ep2", expert_parallel_degree=2)]
 
 
-def test_expert_parallel_four_ranks() -> None:
-    out = launch("experts_umbrella.py", 4, FOUR_RANKS, timeout=420)
-    assert ok_cases(out) == [c["name"] for c in FOUR_RANKS], out
+@pytest.mark.parametrize("group", sorted(FOUR_RANKS))
+def test_expert_parallel_four_ranks(group: str) -> None:
+    cases = FOUR_RANKS[group]
+    out = launch("experts_umbrella.py", 4, cases, timeout=600)
+    assert ok_cases(out) == [c["name"] for c in cases], out
 
 
 def test_expert_parallel_two_ranks() -> None:
