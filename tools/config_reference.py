@@ -133,8 +133,8 @@ MEANINGS: dict[str, str] = {
         "Expert parallelism: the routed experts of each MoE layer are split over groups of "
         "this many consecutive data-parallel ranks (each keeps 1/N of the experts and its own "
         "samples; tokens travel by all-to-all). Must divide the data-parallel degree and "
-        "every MoE layer's number of experts; composes with pipeline and tensor parallelism, not "
-        "yet with sharded data parallelism."
+        "every MoE layer's number of experts; composes with pipeline and tensor parallelism and "
+        "shard_optimizer_state, not yet with sharded data parallelism."
     ),
     "expert_capacity_factor": (
         "Expert parallelism only. null (default): no token is dropped, results are exact. A "

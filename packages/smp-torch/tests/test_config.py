@@ -67,7 +67,6 @@ def test_alias_partitions_and_derived_degree() -> None:
         ({"expert_parallel_degree": 0}, "expert_parallel_degree"),
         ({"expert_parallel_degree": 4, "pipeline_parallel_degree": 2}, "expert_parallel_degree"),
         ({"expert_parallel_degree": 2, "sharded_data_parallel_degree": 2}, "sharded_data_parallel_degree"),
-        ({"expert_parallel_degree": 2, "shard_optimizer_state": True}, "shard_optimizer_state"),
         ({"expert_parallel_degree": 2, "expert_capacity_factor": 0}, "expert_capacity_factor"),
         ({"expert_capacity_factor": 1.5}, "expert_capacity_factor"),
     ],

@@ -322,8 +322,8 @@ def _validate_values(cfg: SMPConfig, world_size: int) -> None:
 
 def _validate_experts(cfg: SMPConfig) -> None:
     """``expert_parallel_degree``: ep groups are taken from the data-parallel ranks (with
-    tensor parallelism, of each TP rank's replicas). Not with sharded data parallelism or
-    optimizer-state sharding so far: refused here rather than computed wrongly."""
+    tensor parallelism, of each TP rank's replicas). Not with sharded data parallelism so
+    far: refused here rather than computed wrongly."""
     ep = cfg.expert_parallel_degree
     if ep < 1:
         raise ConfigError("expert_parallel_degree", f"must be >= 1, got {ep}")
@@ -343,8 +343,6 @@ def _validate_experts(cfg: SMPConfig) -> None:
     for key in ("sharded_data_parallel_degree",):
         if getattr(cfg, key) > 1:
             raise ConfigError(key, f"cannot be combined with expert_parallel_degree > 1 yet (got {getattr(cfg, key)})")
-    if cfg.shard_optimizer_state:
-        raise ConfigError("shard_optimizer_state", "cannot be combined with expert_parallel_degree > 1 yet")
     if not cfg.ddp:
         raise ConfigError("ddp", "expert_parallel_degree > 1 requires ddp=True")
 

@@ -69,6 +69,7 @@ class DistributedOptimizer:
             scaler = self.scaler
             self.model.set_loss_scale(lambda: scaler.scale)
         self._owner: dict[int, tuple[str, int]] = {}  # id(param) -> (group kind, owner rank)
+        self._experts: set[int] = set()  # id of each expert share (expert_parallel_degree > 1)
         # Now with pp=1 (or a partition known at wrap time), else after the first step's.
         self.model.on_partitioned(self._after_partition)
         _CURRENT = self
@@ -109,11 +110,16 @@ class DistributedOptimizer:
     # -- sharding ----------------------------------------------------------------------------
 
     def _kind(self, p: torch.Tensor) -> str:
+        """The group whose members hold the same values of ``p``: its state is sharded over it."""
+        if id(p) in self._experts:
+            return "edp"  # an expert share: the ranks holding the same experts
         return "rdp" if self._cfg.tp > 1 and tp_glue.is_distributed(p) else "dp"
 
     def _assign_owners(self) -> None:
         s = self.context
-        loads = {kind: [0] * len(s.groups[kind]) for kind in ("dp", "rdp")}
+        self._experts = {id(p) for p in self.model.expert_parameters()}
+        kinds = ("dp", "rdp", "edp") if self._cfg.ep > 1 else ("dp", "rdp")
+        loads = {kind: [0] * len(s.groups[kind]) for kind in kinds}
         for _, p in self.model.named_parameters():
             kind = self._kind(p)
             members = s.groups[kind]
@@ -236,12 +242,15 @@ class DistributedOptimizer:
         tp_rank = s.index("tp")
         pieces = s.mpi_comms["dp"].allgather((tp_rank, named))
         merged: dict[str, dict[str, Any]] = {}
+        holders = {"edp": set(s.groups.get("edp", ()))}
         for _, p in self.model.named_parameters():
             name = self._names[id(p)]
-            same_shard = self._kind(p) == "rdp"
-            for peer_tp, peer_state in pieces:
-                if same_shard and peer_tp != tp_rank:
-                    continue
+            kind = self._kind(p)
+            for peer, (peer_tp, peer_state) in zip(s.groups["dp"], pieces):
+                if kind == "rdp" and peer_tp != tp_rank:
+                    continue  # another TP rank's shard
+                if kind == "edp" and peer not in holders["edp"]:
+                    continue  # another ep rank's experts under the same name
                 if name in peer_state:
                     merged[name] = peer_state[name]
                     break

@@ -261,7 +261,10 @@ def run_case(case: dict) -> None:
         with smp.delay_param_initialization():
             model = build(case["model"], True)
         assert all(t.is_meta for t in model.parameters()), f"[{name}] not built on meta"
-    if cfg.tp > 1:
+    if cfg.tp > 1 and case.get("tp_context"):  # built inside the context: marked as it is made
+        with smp.tensor_parallelism():
+            model = build(case["model"])
+    elif cfg.tp > 1:
         smp.set_tensor_parallelism(model)  # the attention (and dense MLPs) tensor-parallel
     try:
         dmodel = smp.DistributedModel(model)
@@ -319,6 +322,11 @@ def run_case(case: dict) -> None:
         smp.barrier()
         return
     elapsed = time.perf_counter() - t0
+    if cfg.shard_optimizer_state:  # each expert share's state lives on one rank of its edp group
+        mine = [p for p in dmodel.expert_parameters() if p in opt.optimizer.state]
+        owners = smp.allgather(len(mine), smp.DP_GROUP)
+        edp = cfg.rdp * cfg.tp // ep
+        assert sum(owners) * edp == len(dmodel.expert_parameters()) * len(owners), f"[{name}] expert state owners {owners}"
     check_held(name, dmodel, ref, ep)  # (with a pipeline: of this stage's experts)
     # The optimizer's full state: the experts' Adam moments gathered, equal to one process's.
     worst["adam"] = Worst()
