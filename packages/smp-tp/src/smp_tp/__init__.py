@@ -12,6 +12,12 @@ from smp_tp.group import tp_rank, tp_size
 from smp_tp.layers.attention import DistributedAttentionLayer
 from smp_tp.layers.block import ColumnParallelLinear, DistributedBlock, RowParallelLinear
 from smp_tp.layers.config import TransformerConfig
+from smp_tp.layers.context import (
+    ContextParallelAttention,
+    context_parallel_attention,
+    gather_sequence,
+    split_sequence,
+)
 from smp_tp.layers.embedding import DistributedEmbedding
 from smp_tp.layers.experts import (
     ExpertParallelExperts,
@@ -88,6 +94,8 @@ __all__ = [
     # expert parallelism (routed experts of transformers-5 MoE blocks)
     "ExpertParallelExperts", "distribute_experts", "expert_parallelize", "full_expert_state",
     "full_expert_grads", "all_to_all_rows",
+    # context parallelism (ring attention over a sequence split across ranks)
+    "ContextParallelAttention", "context_parallel_attention", "split_sequence", "gather_sequence",
     # vocabulary-parallel loss
     "vocab_parallel_cross_entropy", "gather_vocab_parallel_logits", "sharded_logits",
     "VocabParallelCausalLMLoss",

@@ -1,0 +1,82 @@
+"""Context-parallel (ring) attention: 2 gloo ranks (and 4 once) against one process's SDPA;
+the layouts, the refusals and the one-rank path in this process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from launch import torchrun
+from smp_tp.layers.context import (
+    ContextParallelAttention,
+    context_parallel_attention,
+    gather_sequence,
+    split_sequence,
+)
+
+CASES = ["causal balanced", "causal contiguous", "non-causal contiguous", "non-causal balanced",
+         "causal balanced gqa", "causal contiguous gqa module"]
+
+
+@pytest.fixture(scope="module")
+def output() -> str:
+    return torchrun("check_context.py", 2, timeout=200)
+
+
+@pytest.mark.parametrize("label", CASES)
+def test_matches_one_process(output: str, label: str) -> None:
+    assert output.count("ALL OK") == 2
+    assert output.count(f"] {label} cp=2: checked") == 2, output
+
+
+def test_odd_shard_is_an_error(output: str) -> None:
+    assert output.count("ValueError: context_parallel_attention: a balanced shard holds two equal chunks") == 2
+
+
+def test_four_ranks() -> None:
+    out = torchrun("check_context.py", 4, "quick", timeout=200)
+    assert out.count("ALL OK") == 4
+    assert out.count("] causal balanced gqa cp=4: checked") == 4, out
+
+
+def test_balanced_layout_and_inverse() -> None:
+    x = torch.arange(16).view(1, 1, 16, 1)
+    parts = [split_sequence(x, r, 4, 2, "balanced") for r in range(4)]
+    assert parts[0].flatten().tolist() == [0, 1, 14, 15]
+    assert parts[3].flatten().tolist() == [6, 7, 8, 9]
+    assert torch.equal(gather_sequence(parts, 2, "balanced"), x)
+    parts = [split_sequence(x, r, 4, 2, "contiguous") for r in range(4)]
+    assert parts[1].flatten().tolist() == [4, 5, 6, 7]
+    assert torch.equal(gather_sequence(parts, 2, "contiguous"), x)
+
+
+@pytest.mark.parametrize(("layout", "length"), [("balanced", 30), ("contiguous", 33)])
+def test_indivisible_sequence_is_an_error(layout: str, length: int) -> None:
+    with pytest.raises(ValueError, match=f"sequence length {length} is not divisible"):
+        split_sequence(torch.zeros(1, 1, length, 2), 0, 2, 2, layout)
+
+
+def test_unknown_layout_is_an_error() -> None:
+    with pytest.raises(ValueError, match="layout must be one of"):
+        split_sequence(torch.zeros(1, 1, 8, 2), 0, 2, 2, "zigzag")
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [({"window": 8}, "sliding-window"), ({"softcap": 30.0}, "soft-capping")])
+def test_window_and_softcap_are_refused(kwargs: dict, match: str) -> None:
+    x = torch.zeros(1, 2, 8, 4)
+    with pytest.raises(ValueError, match=match):
+        context_parallel_attention(x, x, x, None, causal=True, **kwargs)
+
+
+def test_gqa_heads_must_divide() -> None:
+    with pytest.raises(ValueError, match="not a multiple"):
+        context_parallel_attention(torch.zeros(1, 3, 8, 4), torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 8, 4),
+                                   None, causal=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_one_rank_is_sdpa(causal: bool) -> None:
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    assert torch.equal(ContextParallelAttention(None, causal=causal)(q, k, v), want)
