@@ -54,11 +54,8 @@ def test_degree_not_dividing_experts_is_an_error(output: str) -> None:
                         "the number of experts 3") == 2
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("impl", ["eager", "grouped_mm"])
-@pytest.mark.parametrize("grouped", [False, True])
-def test_degree_one_is_the_original_bitwise(impl: str, grouped: bool, dtype: torch.dtype) -> None:
-    """No process group: the same module (sorting, grouping, combine) without the all-to-alls."""
+def _mixtral_experts(impl: str) -> torch.nn.Module:
+    """transformers' MixtralExperts (8 experts, top-3, hidden 16), weights larger than its init."""
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
@@ -69,6 +66,15 @@ def test_degree_one_is_the_original_bitwise(impl: str, grouped: bool, dtype: tor
     with torch.no_grad():
         ref.gate_up_proj.normal_(0, 0.3)
         ref.down_proj.normal_(0, 0.3)
+    return ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("impl", ["eager", "grouped_mm"])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_degree_one_is_the_original_bitwise(impl: str, grouped: bool, dtype: torch.dtype) -> None:
+    """No process group: the same module (sorting, grouping, combine) without the all-to-alls."""
+    ref = _mixtral_experts(impl)
     ref = ref.to(dtype)
     ep = smp_tp.distribute_experts(ref, grouped_mm=grouped)
     x = torch.randn(12, 16).to(dtype)
@@ -99,16 +105,7 @@ def _kept(idx: torch.Tensor, num_experts: int, cf: float) -> torch.Tensor:
 def test_degree_one_capacity(impl: str, grouped: bool) -> None:
     """No process group: the cap applies as with one: the original with the dropped slots'
     weights zeroed; a weight of a dropped slot gets a zero gradient."""
-    from transformers import MixtralConfig
-    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
-
-    torch.manual_seed(0)
-    cfg = MixtralConfig(hidden_size=16, intermediate_size=24, num_local_experts=8, num_experts_per_tok=3,
-                        experts_implementation=impl)
-    ref = MixtralExperts(cfg)
-    with torch.no_grad():
-        ref.gate_up_proj.normal_(0, 0.3)
-        ref.down_proj.normal_(0, 0.3)
+    ref = _mixtral_experts(impl)
     ep = smp_tp.distribute_experts(ref, grouped_mm=grouped, capacity_factor=0.5)
     x = torch.randn(12, 16)
     idx = torch.rand(12, 8).topk(3, dim=1).indices
