@@ -152,12 +152,8 @@ def _worker(names: list[str]) -> None:
 def main() -> None:
     print(workers.run_self(__file__, 2, list(CONTENDERS)), end="", flush=True)
     mem = workers.peak_rss(__file__, 2, [["dp loop"], ["ep2 loop"]])
-    print(
-        "  rank 0 peak RSS (growth over the RSS before the model): "
-        + ", ".join(f"{d} {mem[d][0] / 1024:.0f} MiB (+{mem[d][1] / 1024:.0f})" for d in ("dp", "ep2"))
-        + f"; growth ratio ep2/dp {mem['ep2'][1] / mem['dp'][1]:.3f}",
-        flush=True,
-    )
+    ratio = mem["ep2"][1] / mem["dp"][1]
+    print(workers.rss_summary(mem, ("dp", "ep2")) + f"; growth ratio ep2/dp {ratio:.3f}", flush=True)
 
 
 if __name__ == "__main__":

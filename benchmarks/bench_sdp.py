@@ -158,12 +158,9 @@ def _worker(modes: list[str]) -> None:
 def main() -> None:
     print(workers.run_self(__file__, 4, list(NAMES), timeout=600), end="", flush=True)
     mem = workers.peak_rss(__file__, 4, [[mode] for mode in NAMES])
-    print(
-        "  rank 0 peak RSS (growth over the RSS before the model): "
-        + ", ".join(f"{m} {mem[m][0] / 1024:.0f} MiB (+{mem[m][1] / 1024:.0f})" for m in NAMES)
-        + f"; growth ratio sdp/dp {mem['sdp'][1] / mem['dp'][1]:.3f}, sdp/fsdp2 {mem['sdp'][1] / mem['fsdp2'][1]:.3f}",
-        flush=True,
-    )
+    grown = {m: mem[m][1] for m in NAMES}
+    ratios = f"; growth ratio sdp/dp {grown['sdp'] / grown['dp']:.3f}, sdp/fsdp2 {grown['sdp'] / grown['fsdp2']:.3f}"
+    print(workers.rss_summary(mem, NAMES) + ratios, flush=True)
 
 
 if __name__ == "__main__":

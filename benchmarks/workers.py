@@ -15,7 +15,7 @@ import resource
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -86,6 +86,14 @@ def peak_rss(script: str, nprocs: int, jobs: list[list[str]]) -> dict[str, tuple
                 _, label, peak, grown = line.split()
                 mem[label] = (int(peak), int(grown))
     return mem
+
+
+def rss_summary(mem: dict[str, tuple[int, int]], labels: Sequence[str]) -> str:
+    """One line of :func:`peak_rss`'s figures for ``labels`` (MiB), for a benchmark to end
+    with its own ratios."""
+    return "  rank 0 peak RSS (growth over the RSS before the model): " + ", ".join(
+        f"{m} {mem[m][0] / 1024:.0f} MiB (+{mem[m][1] / 1024:.0f})" for m in labels
+    )
 
 
 def timed_steps(

@@ -340,9 +340,11 @@ def _validate_experts(cfg: SMPConfig) -> None:
             f"{ep} does not divide the data-parallel degree {cfg.data_parallel_degree} "
             "(world size / (pipeline_parallel_degree * tensor_parallel_degree))",
         )
-    for key in ("sharded_data_parallel_degree",):
-        if getattr(cfg, key) > 1:
-            raise ConfigError(key, f"cannot be combined with expert_parallel_degree > 1 yet (got {getattr(cfg, key)})")
+    if cfg.sdp > 1:
+        raise ConfigError(
+            "sharded_data_parallel_degree",
+            f"cannot be combined with expert_parallel_degree > 1 yet (got {cfg.sdp})",
+        )
     if not cfg.ddp:
         raise ConfigError("ddp", "expert_parallel_degree > 1 requires ddp=True")
 

@@ -24,6 +24,7 @@ tensor-parallel shards): build the optimizer from it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import smp_tp
@@ -486,19 +487,24 @@ class DistributedModel(nn.Module):
                 out.update({f"{name}.{k}": v for k, v in gather(m).items()})
         return out
 
+    def expert_shares(self) -> dict[str, ExpertShare]:
+        """Full (unwrapped) key → this rank's share of every expert parameter
+        (``expert_parallel_degree`` > 1; else empty), in the same order on every rank."""
+        out = {}
+        for name, m in self.module.named_modules():
+            if isinstance(m, smp_tp.ExpertParallelExperts):
+                share = ExpertShare(m.first_expert, m.num_local_experts, m.num_experts)
+                for pname in ("gate_up_proj", "down_proj"):
+                    out[f"{name}.{pname}" if name else pname] = share
+        return out
+
     def _slice_experts(self, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A full state dict's expert entries cut to this rank's share (entries already of
         the share's shape, a local dict's, stay)."""
         out = dict(sd)
-        for name, m in self.module.named_modules():
-            if not isinstance(m, smp_tp.ExpertParallelExperts):
-                continue
-            first, count = m.first_expert, m.num_local_experts
-            for pname in ("gate_up_proj", "down_proj"):
-                key = f"{name}.{pname}" if name else pname
-                value = out.get(key)
-                if value is not None and value.dim() == 3 and value.shape[0] == m.num_experts != count:
-                    out[key] = value[first : first + count]
+        for key, share in self.expert_shares().items():
+            if key in out:
+                out[key] = share.rows(out[key])
         return out
 
     def load_state_dict(  # type: ignore[override]
@@ -593,6 +599,25 @@ class DistributedModel(nn.Module):
         norm = total ** (1.0 / norm_type)
         sharded.scale_grads([p.grad for p in self.parameters() if p.grad is not None], max_norm, norm)
         return norm.float()
+
+
+@dataclass(frozen=True)
+class ExpertShare:
+    """The experts ``first .. first + count - 1`` of ``experts``, held by this rank."""
+
+    first: int
+    count: int
+    experts: int
+
+    def is_share(self, value: Any) -> bool:
+        """Whether ``value`` holds this share's rows (a per-element tensor of the share)."""
+        return torch.is_tensor(value) and value.dim() == 3 and value.shape[0] == self.count != self.experts
+
+    def rows(self, value: Any) -> Any:
+        """This share's rows of a full ``[experts, ...]`` per-element tensor; anything else
+        (a share already, a scalar) unchanged."""
+        full = torch.is_tensor(value) and value.dim() == 3 and value.shape[0] == self.experts != self.count
+        return value[self.first : self.first + self.count] if full else value
 
 
 def _expert_param_ids(module: nn.Module) -> set[int]:

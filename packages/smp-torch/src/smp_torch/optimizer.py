@@ -17,7 +17,6 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-import smp_tp
 import torch
 import torch.distributed as dist
 
@@ -242,29 +241,19 @@ class DistributedOptimizer:
         tp_rank = s.index("tp")
         pieces = s.mpi_comms["dp"].allgather((tp_rank, named))
         merged: dict[str, dict[str, Any]] = {}
-        holders = {"edp": set(s.groups.get("edp", ()))}
+        same_experts = set(s.groups.get("edp", ()))
         for _, p in self.model.named_parameters():
             name = self._names[id(p)]
             kind = self._kind(p)
             for peer, (peer_tp, peer_state) in zip(s.groups["dp"], pieces):
                 if kind == "rdp" and peer_tp != tp_rank:
                     continue  # another TP rank's shard
-                if kind == "edp" and peer not in holders["edp"]:
+                if kind == "edp" and peer not in same_experts:
                     continue  # another ep rank's experts under the same name
                 if name in peer_state:
                     merged[name] = peer_state[name]
                     break
         return merged
-
-    def _expert_shares(self) -> dict[str, tuple[int, int, int]]:
-        """Full (unwrapped) key → ``(first expert, local experts, all experts)`` of every
-        expert parameter (``expert_parallel_degree`` > 1), in the same order on every rank."""
-        out = {}
-        for name, m in self.model.module.named_modules():
-            if isinstance(m, smp_tp.ExpertParallelExperts):
-                for pname in ("gate_up_proj", "down_proj"):
-                    out[f"{name}.{pname}" if name else pname] = (m.first_expert, m.num_local_experts, m.num_experts)
-        return out
 
     def _gather_expert_state(self, full: dict[str, dict[str, Any]]) -> None:
         """Collective over the ep groups: each expert parameter's per-element state (its
@@ -273,9 +262,9 @@ class DistributedOptimizer:
         they are: they are replicated over TP)."""
         group = self.context.process_groups["ep"]
         ep = self._cfg.ep
-        for key, (_, count, experts) in self._expert_shares().items():
+        for key, share in self.model.expert_shares().items():
             for k, v in sorted(full.get(key, {}).items()):
-                if torch.is_tensor(v) and v.dim() == 3 and v.shape[0] == count != experts:
+                if share.is_share(v):
                     mine = v.to(self.context.device).contiguous()
                     parts = [torch.empty_like(mine) for _ in range(ep)]
                     self._wait(dist.all_gather(parts, mine, group=group, async_op=True))
@@ -285,13 +274,9 @@ class DistributedOptimizer:
         """A full state's expert entries cut to this rank's experts (the inverse of
         :meth:`_gather_expert_state`; entries already of the share's size stay)."""
         out = dict(full)
-        for key, (first, count, experts) in self._expert_shares().items():
+        for key, share in self.model.expert_shares().items():
             if key in out:
-                out[key] = {
-                    k: v[first : first + count]
-                    if torch.is_tensor(v) and v.dim() == 3 and v.shape[0] == experts != count else v
-                    for k, v in out[key].items()
-                }
+                out[key] = {k: share.rows(v) for k, v in out[key].items()}
         return out
 
     def state_dict(self) -> dict[str, Any]:
