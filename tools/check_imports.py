@@ -38,6 +38,12 @@ def lint(src_root: Path) -> subprocess.CompletedProcess[str]:
 
 # (file under packages/, module imported) -> why it is imported inside a function.
 LOCAL_IMPORTS = {
+    ("smp-torch/src/smp_torch/context_parallel.py", "transformers"): (
+        "optional: context parallelism routes Hugging Face models' attention, only with cp > 1"
+    ),
+    ("smp-torch/src/smp_torch/context_parallel.py", "transformers.loss.loss_utils"): (
+        "optional: context parallelism routes Hugging Face models' attention, only with cp > 1"
+    ),
     ("smp-pipeline/src/smp_pipeline/timeline.py", "matplotlib"): "optional ([plot] extra)",
     ("smp-pipeline/src/smp_pipeline/timeline.py", "matplotlib.pyplot"): "optional ([plot] extra)",
     ("smp-torch/src/smp_torch/context.py", "smp_comm.torch_backend"): (

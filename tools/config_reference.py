@@ -55,8 +55,9 @@ MEANINGS: dict[str, str] = {
         "stage. `False`: autograd's order (last bits differ run to run)."
     ),
     "placement_strategy": (
-        '`"cluster"` (= `"DPT"`: tensor-parallel peers neighbours), `"spread"` (= `"TPD"`) or '
-        'any permutation of `"DPT"`; see [Ranks and groups](../packages/smp-torch.md#ranks-and-groups).'
+        '`"cluster"` (= `"DPCT"`: tensor-parallel peers neighbours, then context-parallel '
+        'ones), `"spread"` (= `"CTPD"`), any permutation of `"CDPT"`, or of `"DPT"` (C goes '
+        'just left of T); see [Ranks and groups](../packages/smp-torch.md#ranks-and-groups).'
     ),
     "auto_partition": (
         "Trace and partition the model automatically; `False`: use the `smp.partition` / "
@@ -141,6 +142,17 @@ MEANINGS: dict[str, str] = {
         "number > 0 caps the slots each rank sends to one expert at ceil(factor x tokens x "
         "top_k / num_experts), keeping the first in token order; a dropped slot contributes "
         "nothing to its token's output. Bounds the all-to-all's size; changes results."
+    ),
+    "context_parallel_degree": (
+        "Context parallelism: every sequence is split over this many ranks, which receive "
+        "the same full batch (a new axis outside data parallelism: `smp.dp_size()` excludes "
+        "it). Each rank keeps two of 2 x cp equal chunks (load-balanced causal work); "
+        "attention is ring attention over the cp group; the causal-LM loss is the full "
+        "sequence's on every cp rank. Hugging Face models calling attention through "
+        "transformers' attention interface (Llama, Mistral, Qwen2/3, ...); sequences "
+        "divisible by 2 x cp, no padding mask, no soft-capping or shorter sliding window. "
+        "Composes with tensor, pipeline and data parallelism; not yet with sharded data or "
+        "expert parallelism. See [Context parallelism](how-to/context-parallel.md)."
     ),
     "sdp_reduce_bucket_size": (
         "Elements: the largest shard unit made by keeping small children with their parent."

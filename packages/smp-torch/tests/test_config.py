@@ -21,7 +21,7 @@ def test_defaults_follow_the_spec() -> None:
     assert cfg.pp == 1 and cfg.tp == 1 and cfg.rdp == 4
     assert cfg.microbatches == 1 and cfg.pipeline == "interleaved"
     assert cfg.active_microbatches == 3  # pp + 2
-    assert cfg.placement == "DPT" and cfg.auto_partition and cfg.default_partition == 0
+    assert cfg.placement == "DPCT" and cfg.auto_partition and cfg.default_partition == 0
     assert cfg.memory_weight == 0.8 and cfg.optimize == "speed" and cfg.ddp
     assert not any([cfg.prescaled_batch, cfg.fp16, cfg.bf16, cfg.shard_optimizer_state])
     assert not any([cfg.offload_activations, cfg.static_mode])
@@ -69,6 +69,14 @@ def test_alias_partitions_and_derived_degree() -> None:
         ({"expert_parallel_degree": 2, "sharded_data_parallel_degree": 2}, "sharded_data_parallel_degree"),
         ({"expert_parallel_degree": 2, "expert_capacity_factor": 0}, "expert_capacity_factor"),
         ({"expert_capacity_factor": 1.5}, "expert_capacity_factor"),
+        ({"context_parallel_degree": 3}, "context_parallel_degree"),
+        ({"context_parallel_degree": 0}, "context_parallel_degree"),
+        ({"context_parallel_degree": 2, "pipeline_parallel_degree": 2, "tensor_parallel_degree": 2},
+         "context_parallel_degree"),
+        ({"context_parallel_degree": 2, "sharded_data_parallel_degree": 2}, "sharded_data_parallel_degree"),
+        ({"context_parallel_degree": 2, "expert_parallel_degree": 2}, "expert_parallel_degree"),
+        ({"context_parallel_degree": 2, "ddp": False}, "ddp"),
+        ({"placement_strategy": "CDPP"}, "placement_strategy"),
     ],
 )
 def test_bad_values_name_the_key(config: dict, key: str) -> None:
@@ -79,9 +87,17 @@ def test_bad_values_name_the_key(config: dict, key: str) -> None:
 
 
 def test_permutations_of_dpt_are_accepted() -> None:
-    for p in ("DPT", "DTP", "PDT", "PTD", "TDP", "TPD", "tpd"):
-        assert parse_config({"placement_strategy": p}, 4).placement == p.upper()
-    assert parse_config({"placement_strategy": "spread"}, 4).placement == "TPD"
+    # C (context parallelism) goes just left of T: cp peers next to the TP peers.
+    for p, full in (("DPT", "DPCT"), ("DTP", "DCTP"), ("PDT", "PDCT"), ("PTD", "PCTD"),
+                    ("TDP", "CTDP"), ("TPD", "CTPD"), ("tpd", "CTPD"), ("TCDP", "TCDP"), ("cdpt", "CDPT")):
+        assert parse_config({"placement_strategy": p}, 4).placement == full
+    assert parse_config({"placement_strategy": "spread"}, 4).placement == "CTPD"
+
+
+def test_context_parallel_degree_is_outside_data_parallelism() -> None:
+    cfg = parse_config({"context_parallel_degree": 2, "tensor_parallel_degree": 2}, 8)
+    assert (cfg.cp, cfg.tp, cfg.pp, cfg.rdp) == (2, 2, 1, 2)
+    assert parse_config({"context_parallel_degree": 4}, 4).rdp == 1
 
 
 def test_json_file_and_environment(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]

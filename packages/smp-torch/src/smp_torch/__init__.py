@@ -26,10 +26,14 @@ from smp_torch.model import DistributedModel
 from smp_torch.optimizer import DistributedOptimizer
 from smp_torch.report import ModelReport, ModuleReport, TPFallbackWarning
 from smp_torch.state import (
+    cp_rank,
+    cp_size,
     dp_rank,
     dp_size,
     ep_rank,
     ep_size,
+    get_cp_group,
+    get_cp_process_group,
     get_dp_group,
     get_dp_process_group,
     get_mp_group,
@@ -135,6 +139,8 @@ __all__ = [
     "dp_size",
     "rdp_rank",
     "rdp_size",
+    "cp_rank",
+    "cp_size",
     "ep_rank",
     "ep_size",
     "mp_rank",
@@ -142,6 +148,8 @@ __all__ = [
     "get_world_group",
     "get_pp_group",
     "get_tp_group",
+    "get_cp_group",
+    "get_cp_process_group",
     "get_dp_group",
     "get_rdp_group",
     "get_mp_group",

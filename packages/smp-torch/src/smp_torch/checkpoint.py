@@ -213,7 +213,7 @@ def _save(
 
     # Gathering is collective: every rank computes the pieces, one rank per piece writes.
     pp_rank = s.index("pp")
-    writer_of_stage = s.index("tp") == 0 and s.index("rdp") == 0
+    writer_of_stage = s.index("tp") == 0 and s.index("rdp") == 0 and s.index("cp") == 0
 
     def gather() -> tuple[Any, Any]:
         if partial:

@@ -39,6 +39,7 @@ class CommGroup(enum.Enum):
     DP_GROUP = "dp"
     RDP_GROUP = "rdp"
     MP_GROUP = "mp"
+    CP_GROUP = "cp"
 
 
 # SageMaker v1 spells the ``recv_from`` argument as a rank type; the same groups.

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from smp_torch.errors import ConfigError
+from smp_torch.topology import with_context_axis
 
 __all__ = ["SMPConfig", "parse_config", "resolve_placement", "CONFIG_ENV", "TRACE_DEVICES"]
 
@@ -96,6 +97,9 @@ class SMPConfig:
     # None: no token is dropped (exact). A number > 0 caps the slots each rank sends to an
     # expert at ceil(factor * tokens * top_k / num_experts): faster, changes results.
     expert_capacity_factor: float | None = None
+    # Context parallelism (smp_torch.context_parallel): every sequence is split over this
+    # many ranks, which receive the same full batch; a new axis outside data parallelism.
+    context_parallel_degree: int = 1
     # Derived by validation, not a user key.
     data_parallel_degree: int = field(default=1, metadata={"derived": True})
 
@@ -118,13 +122,18 @@ class SMPConfig:
         return self.expert_parallel_degree
 
     @property
+    def cp(self) -> int:
+        """Context-parallel degree: ranks that split every sequence between them."""
+        return self.context_parallel_degree
+
+    @property
     def rdp(self) -> int:
         """Reduced data-parallel degree: number of identical model replicas."""
         return self.data_parallel_degree
 
     @property
     def placement(self) -> str:
-        """The placement as a permutation of ``"DPT"`` (right-most letter varies fastest)."""
+        """The placement as a permutation of ``"CDPT"`` (right-most letter varies fastest)."""
         return resolve_placement(self.placement_strategy)
 
     def to_dict(self) -> dict[str, Any]:
@@ -141,16 +150,21 @@ def _user_fields() -> dict[str, dataclasses.Field[Any]]:
 
 
 def resolve_placement(strategy: str) -> str:
-    """``"cluster"`` → ``"DPT"``, ``"spread"`` → ``"TPD"``, a permutation of DPT → itself."""
+    """``"cluster"`` → ``"DPCT"``, ``"spread"`` → ``"CTPD"``, a permutation of CDPT → itself,
+    a permutation of DPT → itself with ``C`` just left of ``T`` (:mod:`smp_torch.topology`)."""
     if strategy == "cluster":
-        return "DPT"
+        return "DPCT"
     if strategy == "spread":
-        return "TPD"
-    if isinstance(strategy, str) and sorted(strategy.upper()) == ["D", "P", "T"]:
-        return strategy.upper()
+        return "CTPD"
+    if isinstance(strategy, str):
+        letters = strategy.upper()
+        if sorted(letters) == ["C", "D", "P", "T"]:
+            return letters
+        if sorted(letters) == ["D", "P", "T"]:
+            return with_context_axis(letters)
     raise ConfigError(
         "placement_strategy",
-        f"must be 'cluster', 'spread' or a permutation of 'DPT', got {strategy!r}",
+        f"must be 'cluster', 'spread' or a permutation of 'DPT' or 'CDPT', got {strategy!r}",
     )
 
 
@@ -298,6 +312,8 @@ def _validate_values(cfg: SMPConfig, world_size: int) -> None:
         raise ConfigError(
             "tensor_parallel_seed", f"must be within [0, 2**63), got {cfg.tensor_parallel_seed}"
         )
+    if cfg.context_parallel_degree < 1:
+        raise ConfigError("context_parallel_degree", f"must be >= 1, got {cfg.context_parallel_degree}")
     mp = cfg.pipeline_parallel_degree * cfg.tensor_parallel_degree
     if world_size % cfg.pipeline_parallel_degree:
         raise ConfigError(
@@ -315,9 +331,35 @@ def _validate_values(cfg: SMPConfig, world_size: int) -> None:
             f"pipeline_parallel_degree * tensor_parallel_degree = {mp} does not divide the "
             f"world size {world_size}",
         )
-    cfg.data_parallel_degree = world_size // mp
+    cp = cfg.context_parallel_degree
+    if (world_size // mp) % cp:
+        raise ConfigError(
+            "context_parallel_degree",
+            f"pipeline_parallel_degree * tensor_parallel_degree * context_parallel_degree = "
+            f"{mp * cp} does not divide the world size {world_size}",
+        )
+    cfg.data_parallel_degree = world_size // (mp * cp)
     _validate_sharding(cfg)
     _validate_experts(cfg)
+    _validate_context(cfg)
+
+
+def _validate_context(cfg: SMPConfig) -> None:
+    """``context_parallel_degree``: combinations not supported yet are refused by name."""
+    if cfg.cp == 1:
+        return
+    if cfg.sdp > 1:
+        raise ConfigError(
+            "sharded_data_parallel_degree",
+            f"cannot be combined with context_parallel_degree > 1 yet (got {cfg.sdp})",
+        )
+    if cfg.ep > 1:
+        raise ConfigError(
+            "expert_parallel_degree",
+            f"cannot be combined with context_parallel_degree > 1 yet (got {cfg.ep})",
+        )
+    if not cfg.ddp:
+        raise ConfigError("ddp", "context_parallel_degree > 1 requires ddp=True")
 
 
 def _validate_experts(cfg: SMPConfig) -> None:

@@ -30,11 +30,17 @@ from smp_torch.errors import PeerFailedError
 from smp_torch.topology import Coord, Topology
 from smp_torch.watch import Failure, FailureWatch, first_line
 
-__all__ = ["EXPERT_GROUP_KINDS", "GROUP_KINDS", "SMPContext", "StepOutcome", "create_context"]
+__all__ = [
+    "CONTEXT_GROUP_KINDS", "EXPERT_GROUP_KINDS", "GROUP_KINDS", "SMPContext", "StepOutcome",
+    "create_context",
+]
 
 GROUP_KINDS = ("pp", "tp", "dp", "rdp", "mp")
 # Made only with expert_parallel_degree > 1 (see smp_torch.topology).
 EXPERT_GROUP_KINDS = ("ep", "edp")
+# Made only with context_parallel_degree > 1; with cp 1, "rdp_cp" and "dp_cp" are "rdp" and
+# "dp", and "cp" is this rank alone (no process group).
+CONTEXT_GROUP_KINDS = ("cp", "rdp_cp", "dp_cp")
 
 
 @dataclass(frozen=True)
@@ -156,8 +162,11 @@ class SMPContext:
                 closer()
             except Exception:  # noqa: BLE001 - closing must not mask the next init
                 pass
+        freed: set[int] = set()
         for name, comm in self.mpi_comms.items():
-            if name != "world_raw":
+            # (with cp 1 the *_cp kinds share the plain kinds' communicators)
+            if name != "world_raw" and id(comm) not in freed:
+                freed.add(id(comm))
                 comm.Free()
         self.watch.close()
 
@@ -189,13 +198,14 @@ def create_context(cfg: SMPConfig) -> SMPContext:
     else:
         device = torch.device("cpu")
 
-    topo = Topology(cfg.pp, cfg.tp, cfg.rdp, cfg.placement, cfg.ep)
+    topo = Topology(cfg.pp, cfg.tp, cfg.rdp, cfg.placement, cfg.ep, cfg.cp)
     backend = _group_backend(cfg.collective_backend)
     groups: dict[str, list[int]] = {"world": list(range(size))}
     pgs: dict[str, Any] = {"world": dist.group.WORLD}
     comms: dict[str, Any] = {"world_raw": world, "world": world.Dup()}
     used: list[group_cache.GroupKey] = []
-    for kind in GROUP_KINDS + (EXPERT_GROUP_KINDS if cfg.ep > 1 else ()):
+    kinds = GROUP_KINDS + (EXPERT_GROUP_KINDS if cfg.ep > 1 else ())
+    for kind in kinds + (CONTEXT_GROUP_KINDS if cfg.cp > 1 else ()):
         mine = getattr(topo, f"{kind}_group")(rank)
         groups[kind] = mine
         # new_group must be called by every rank for every group, in the same order.
@@ -206,6 +216,10 @@ def create_context(cfg: SMPConfig) -> SMPContext:
                 pgs[kind] = pg
         color = topo.all_groups(kind).index(mine)
         comms[kind] = world.Split(color, key=rank)
+    if cfg.cp == 1:
+        for kind, same in (("rdp_cp", "rdp"), ("dp_cp", "dp")):
+            groups[kind], pgs[kind], comms[kind] = groups[same], pgs[same], comms[same]
+        groups["cp"], pgs["cp"], comms["cp"] = [rank], None, MPI.COMM_SELF.Dup()
     return SMPContext(
         config=cfg,
         topology=topo,

@@ -304,10 +304,10 @@ class LocalEngine(Engine):
 
     @property
     def watched(self) -> bool:
-        # With tensor parallelism (or FSDP2's gathers, or the experts' all-to-alls) a failing
-        # rank could leave peers inside a collective of the step.
+        # With tensor parallelism (or FSDP2's gathers, the experts' all-to-alls, the ring
+        # attention's exchanges) a failing rank could leave peers inside a collective of the step.
         cfg = self.ctx.config
-        return (cfg.tp > 1 or cfg.sdp > 1 or cfg.ep > 1) and self.ctx.size > 1
+        return (cfg.tp > 1 or cfg.sdp > 1 or cfg.ep > 1 or cfg.cp > 1) and self.ctx.size > 1
 
     def load_full_state(self, sd: dict[str, torch.Tensor], strict: bool) -> Any:
         if self.shard_plan is not None and self.ctx.config.tp == 1:

@@ -23,7 +23,7 @@ tensor-parallel shards): build the optimizer from it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,9 @@ from smp_torch import sharded, tp_glue
 from smp_torch.config import TRACE_DEVICES
 from smp_torch.consistency import StepInputs, check_tp_inputs
 from smp_torch.context import SMPContext, StepOutcome
+from smp_torch.context_parallel import SequenceSplit, full_sequence_loss
+from smp_torch.context_parallel import install as install_context_parallel
+from smp_torch.context_parallel import splitter as sequence_splitter
 from smp_torch.engine import Engine, LocalEngine, Microbatches
 from smp_torch.errors import ConfigError, SMPError
 from smp_torch.grads import GradReducer, GradSpec
@@ -77,6 +80,10 @@ class DistributedModel(nn.Module):
         bucket_bytes: size of the data-parallel gradient buckets.
         overlap_grad_reduction: start each data-parallel bucket's all-reduce as soon as its
             gradients are final (default); False reduces everything after the step.
+        sequence_inputs: with ``context_parallel_degree`` > 1, more call arguments to split
+            along the sequence (``{name: axis}``), beside the defaults of
+            :data:`smp_torch.context_parallel.SEQUENCE_INPUTS` (labels and position ids
+            are always handled); an error without context parallelism.
 
     Any other keyword raises ``TypeError`` (a misspelt option is never silently ignored);
     job-wide settings belong in the ``smp.init`` configuration.
@@ -89,6 +96,7 @@ class DistributedModel(nn.Module):
         broadcast_weights: bool = True,
         bucket_bytes: int = 4 << 20,
         overlap_grad_reduction: bool = True,
+        sequence_inputs: Mapping[str, int] | None = None,
     ) -> None:
         super().__init__()
         global _CURRENT
@@ -116,6 +124,12 @@ class DistributedModel(nn.Module):
                 "the module has meta-device parameters; set "
                 "'delayed_parameter_initialization': True in the smp config"
             )
+        self._sequence: SequenceSplit | None = None
+        if cfg.cp > 1:
+            # (Before the engine: the pipeline's trace already runs the split model.)
+            install_context_parallel(module, ctx.process_groups["cp"], cfg.cp)
+        elif sequence_inputs:
+            raise ConfigError("context_parallel_degree", "sequence_inputs needs context_parallel_degree > 1")
         # Read before the engine rewraps modules; told after it accepted the configuration.
         inert = inert_settings(cfg, ctx.device.type, has_checkpointed_module(module))
         engine_cls = PipelineEngine if cfg.pp > 1 else LocalEngine
@@ -123,6 +137,9 @@ class DistributedModel(nn.Module):
         ctx.watch.arrive("in smp.DistributedModel(), waiting for the other ranks' models")
         self.engine: Engine = engine_cls(ctx, module, broadcast_weights, self._trace_device)
         self.module = self.engine.module
+        if cfg.cp > 1:  # (the loss as tensor parallelism left it)
+            causal_lm = full_sequence_loss(self.module, ctx.process_groups["cp"])
+            self._sequence = sequence_splitter(self.module, ctx.index("cp"), cfg.cp, causal_lm, sequence_inputs)
         register_model(self.module)  # (stall reports name its modules)
         self.engine.on_partitioned(self._after_partition)
         self.engine.start()
@@ -241,7 +258,7 @@ class DistributedModel(nn.Module):
 
     def _build_reducer(self) -> GradReducer | None:
         ctx, cfg = self.context, self._cfg
-        if not cfg.ddp or (cfg.rdp == 1 and cfg.tp == 1):
+        if not cfg.ddp or (cfg.rdp == 1 and cfg.tp == 1 and cfg.cp == 1):
             return None
         if cfg.sdp > 1:
             return None  # FSDP2 reduce-scatters (and all-reduces across sharding groups)
@@ -259,16 +276,19 @@ class DistributedModel(nn.Module):
                 # data-parallel rank's loss, and smp's loss is their mean: divide by dp.
                 dp = cfg.rdp * cfg.tp
                 specs.append(GradSpec(p, ctx.process_groups["edp"], dp // cfg.ep, float(dp)))
+            # Context parallelism: each cp rank's gradient is its tokens' share of the
+            # full-sequence gradient (smp_torch.context_parallel), so the groups span cp
+            # and the divisors do not: summed over cp, averaged over data parallelism.
             elif cfg.tp > 1 and tp_glue.is_distributed(p):
                 divisor = cfg.rdp / tp_glue.grad_scale(p)
-                specs.append(GradSpec(p, ctx.process_groups["rdp"], cfg.rdp, float(divisor)))
+                specs.append(GradSpec(p, ctx.process_groups["rdp_cp"], cfg.rdp * cfg.cp, float(divisor)))
             else:
                 dp = cfg.rdp * cfg.tp
-                specs.append(GradSpec(p, ctx.process_groups["dp"], dp, float(dp)))
+                specs.append(GradSpec(p, ctx.process_groups["dp_cp"], dp * cfg.cp, float(dp)))
         cuda = ctx.device.type == "cuda"
         return GradReducer(
             specs,
-            ctx.process_groups["dp"],
+            ctx.process_groups["dp_cp"],
             bucket_bytes=self._bucket_bytes,
             overlap=self._overlap,
             register_hook=self.engine.register_grad_hook,
@@ -324,6 +344,8 @@ class DistributedModel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._cfg.pp > 1 and not self._in_step:
             raise SMPError("with pipeline parallelism, call the model inside an @smp.step")
+        if self._sequence is not None:
+            args, kwargs = self._sequence.split(args, kwargs)
         return self.module(*args, **kwargs)
 
     def backward(self, tensors: Any, grad_tensors: Any = None) -> None:

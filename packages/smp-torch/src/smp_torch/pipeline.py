@@ -167,11 +167,12 @@ class PipelineEngine(Engine):
         self.comm = Communicator(world.Dup())
         order: OrderChannel | None = None
         self.ordering = "none"
-        if cfg.tp > 1 or cfg.ep > 1:
+        if cfg.tp > 1 or cfg.ep > 1 or cfg.cp > 1:
             # TP peers of a stage sit in different pipelines and run collectives inside module
             # executions, so they must start tasks in the same order; so must the replicas of
-            # an expert-parallel group (the experts' all-to-alls), and with both, every rank of
-            # the stage's TP x EP block, one leader for all.
+            # an expert-parallel group (the experts' all-to-alls) and the ranks of a
+            # context-parallel group (ring attention), and with several, every rank of the
+            # stage's TP x EP x CP block, one leader for all.
             peers = _order_group(ctx)
             order = OrderChannel(self.comm, peers[0], peers[1:], _ORDER_TAG)
             self.ordering = "leader"
@@ -286,9 +287,9 @@ class PipelineEngine(Engine):
                 outcome = self._partition(
                     self.module,
                     run=lambda: fn(*args, **kwargs),
-                    # Tensor-parallel layers and split experts need their peers to run the
-                    # trace with them.
-                    trace_here=ctx.rank == 0 or ((cfg.tp > 1 or cfg.ep > 1) and self.pp_rank == 0),
+                    # Tensor-parallel layers, split experts and ring attention need their
+                    # peers to run the trace with them.
+                    trace_here=ctx.rank == 0 or ((cfg.tp > 1 or cfg.ep > 1 or cfg.cp > 1) and self.pp_rank == 0),
                 )
         finally:
             self.tracing = False
@@ -413,9 +414,10 @@ class PipelineEngine(Engine):
 def _order_group(ctx: SMPContext) -> list[int]:
     """The ranks that must start tasks in one order (see :class:`OrderChannel`): this
     rank's TP group, joined over its expert-parallel group (the same stage in ``ep``
-    replicas); sorted, so the leader is the same on every member."""
+    replicas) and its context-parallel group; sorted, so the leader is the same on every
+    member."""
     topo = ctx.topology
-    tp_peers = topo.tp_group(ctx.rank)
-    if ctx.config.ep == 1:
-        return sorted(tp_peers)
-    return sorted({r for t in tp_peers for r in topo.ep_group(t)})
+    block = set(topo.tp_group(ctx.rank))
+    for joined in (topo.ep_group, topo.cp_group):
+        block = {r for b in block for r in joined(b)}
+    return sorted(block)

@@ -38,6 +38,8 @@ __all__ = [
     "dp_rank",
     "dp_size",
     "rdp_rank",
+    "cp_rank",
+    "cp_size",
     "ep_rank",
     "ep_size",
     "rdp_size",
@@ -45,6 +47,8 @@ __all__ = [
     "mp_size",
     "get_pp_group",
     "get_tp_group",
+    "get_cp_group",
+    "get_cp_process_group",
     "get_dp_group",
     "get_rdp_group",
     "get_mp_group",
@@ -208,6 +212,16 @@ def ep_size() -> int:
     return state().config.ep
 
 
+def cp_rank() -> int:
+    """Index of this rank in its context-parallel group: which share of every sequence it
+    keeps (0 with ``context_parallel_degree`` 1)."""
+    return _index("cp")
+
+
+def cp_size() -> int:
+    return state().config.cp
+
+
 def mp_rank() -> int:
     """Index of this rank in its model-parallel group (one whole model replica)."""
     return _index("mp")
@@ -238,6 +252,11 @@ def get_rdp_group() -> list[int]:
     return list(state().groups["rdp"])
 
 
+def get_cp_group() -> list[int]:
+    """Global ranks that split this rank's sequences (this rank alone with cp 1)."""
+    return list(state().groups["cp"])
+
+
 def get_mp_group() -> list[int]:
     return list(state().groups["mp"])
 
@@ -261,6 +280,11 @@ def get_dp_process_group() -> Any:
 
 def get_rdp_process_group() -> Any:
     return state().process_groups["rdp"]
+
+
+def get_cp_process_group() -> Any:
+    """The ``torch.distributed`` group of :func:`get_cp_group` (None with cp 1)."""
+    return state().process_groups["cp"]
 
 
 def get_mp_process_group() -> Any:

@@ -160,8 +160,11 @@ class _Ring:
         """Start sending ``tensors`` to rank + 1 and receiving the same shapes from rank - 1.
         Distinct tags keep the k/v hop and the dk/dv hop apart when both are in flight."""
         nxt, prv = (self.rank + 1) % self.cp, (self.rank - 1) % self.cp
+        # Contiguous both ways: a model's k/v are often transposed views, and backends (gloo)
+        # refuse to receive into a strided buffer.
+        tensors = [t.contiguous() for t in tensors]
         bufs = [torch.empty_like(t) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t.contiguous(), group=self.group, tag=tag + i, group_peer=nxt)
+        ops = [dist.P2POp(dist.isend, t, group=self.group, tag=tag + i, group_peer=nxt)
                for i, t in enumerate(tensors)]
         ops += [dist.P2POp(dist.irecv, b, group=self.group, tag=tag + i, group_peer=prv)
                 for i, b in enumerate(bufs)]

@@ -1,0 +1,261 @@
+"""Context parallelism (``context_parallel_degree``): every sequence split across the cp group.
+
+The ranks of one cp group receive the same full batch from the user. At the model's call
+(:meth:`SequenceSplit.split`, from ``DistributedModel.forward``) each keeps its share of
+every sequence input, in smp-tp's load-balanced layout: the sequence is cut into ``2 * cp``
+chunks and cp rank ``i`` keeps chunks ``i`` and ``2 * cp - 1 - i`` (one early, one late: the
+same causal work everywhere). Activations stay split through the whole model; only
+attention needs the other shares, and gets them from :func:`smp_tp.context_parallel_attention`
+(ring attention: k/v blocks travel round the group, nothing else does).
+
+What is split, and how:
+
+- ``input_ids`` / ``inputs_embeds`` / ``token_type_ids`` and the keys the user names
+  (``DistributedModel(sequence_inputs={"name": axis})``) along their sequence axis;
+- ``labels``: shifted by one first (token ``t`` predicts ``t + 1``, the last predicts
+  nothing), then split, so no rank loses the target that sits across a chunk boundary;
+- ``position_ids``: the global positions (``0..S-1`` when not given), then split, so rotary
+  embeddings see where each chunk really is;
+- ``attention_mask``: only an all-ones mask (no padding) is accepted, and dropped.
+
+Applied to Hugging Face models that call attention through transformers' attention
+interface (``_supports_attention_backend``: Llama, Mistral, Qwen2/3, Phi-3, ...): smp registers
+one attention function there and selects it on the model. The model's causal-LM loss is
+replaced by one that sums the cross entropy of this rank's tokens, all-reduces the sum and
+the token count over the cp group, and divides: every cp rank gets the full-sequence loss.
+Its backward passes the gradient straight to this rank's tokens, so each rank's parameter
+gradients hold its tokens' share and their sum over the cp group is the full gradient: the
+data-parallel reducer sums over cp (and averages over dp), see ``DistributedModel``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from smp_tp import VocabParallelCausalLMLoss, context_parallel_attention, split_sequence
+from torch import nn
+
+from smp_torch.errors import ConfigError
+
+__all__ = ["ATTENTION_NAME", "SEQUENCE_INPUTS", "SequenceSplit", "full_sequence_loss", "install", "splitter"]
+
+#: The name smp's attention function is registered under in transformers.
+ATTENTION_NAME = "smp_context_parallel"
+#: Inputs split along the sequence by default (name: axis); labels and positions are
+#: handled on their own (see the module docstring).
+SEQUENCE_INPUTS: Mapping[str, int] = {"input_ids": 1, "inputs_embeds": 1, "token_type_ids": 1,
+                                      "shift_labels": -1}
+_IGNORE = -100  # transformers' ignore_index: a target that counts for nothing
+
+
+@dataclass(frozen=True)
+class SequenceSplit:
+    """Cuts a model call's sequence inputs to this cp rank's share (see the module docstring)."""
+
+    signature: inspect.Signature
+    cp_rank: int
+    cp: int
+    inputs: Mapping[str, int]
+    #: Whether the model's loss is the full-sequence causal-LM loss (:func:`install`).
+    causal_lm: bool
+
+    def split(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The call's arguments with every sequence input replaced by this rank's share."""
+        bound = self.signature.bind_partial(*args, **kwargs)
+        named = dict(bound.arguments)
+        var_keyword = _var_keyword(self.signature)
+        extra = (named.pop(var_keyword, None) if var_keyword else None) or {}
+        named.update(extra)
+        length = self._length(named)
+        mask = named.get("attention_mask")
+        if mask is not None:
+            if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not bool(mask.all()):
+                raise ConfigError(
+                    "context_parallel_degree",
+                    "splits sequences without padding only: attention_mask must be None or all ones "
+                    "(pack sequences to a common length instead)",
+                )
+            named["attention_mask"] = None
+        labels = named.get("labels")
+        if isinstance(labels, torch.Tensor):
+            if not self.causal_lm:
+                raise ConfigError(
+                    "context_parallel_degree",
+                    "splits the loss of causal language models (transformers' ForCausalLM loss) "
+                    "only; this model's loss is another",
+                )
+            if named.get("shift_labels") is None:
+                named["labels"] = F.pad(labels[..., 1:], (0, 1), value=_IGNORE)
+        positions = named.get("position_ids")
+        if positions is None:
+            ref = named.get("input_ids", named.get("inputs_embeds"))
+            device = ref.device if isinstance(ref, torch.Tensor) else None
+            positions = torch.arange(length, device=device).unsqueeze(0)
+        named["position_ids"] = positions
+        axes = {**self.inputs, "labels": -1, "position_ids": -1}
+        for name, axis in axes.items():
+            value = named.get(name)
+            if isinstance(value, torch.Tensor):
+                named[name] = self._share(name, value, axis, length)
+        return (), named
+
+    def _length(self, named: Mapping[str, Any]) -> int:
+        for name in ("input_ids", "inputs_embeds", *self.inputs):
+            value = named.get(name)
+            if isinstance(value, torch.Tensor):
+                axis = self.inputs.get(name, 1)
+                return int(value.shape[axis])
+        raise ConfigError(
+            "context_parallel_degree",
+            f"found no sequence input in the model's call (looked for {sorted(self.inputs)}); "
+            "name yours with DistributedModel(sequence_inputs={name: axis})",
+        )
+
+    def _share(self, name: str, value: torch.Tensor, axis: int, length: int) -> torch.Tensor:
+        axis %= value.dim()
+        if value.shape[axis] != length:
+            raise ConfigError(
+                "context_parallel_degree",
+                f"input {name!r} has {value.shape[axis]} positions along axis {axis}, the sequence has {length}",
+            )
+        if length % (2 * self.cp):
+            raise ConfigError(
+                "context_parallel_degree",
+                f"the sequence length {length} (input {name!r}) is not divisible by 2 * "
+                f"context_parallel_degree = {2 * self.cp} (each rank keeps two equal chunks)",
+            )
+        return split_sequence(value, self.cp_rank, self.cp, axis, "balanced")
+
+
+def _var_keyword(sig: inspect.Signature) -> str | None:
+    for p in sig.parameters.values():
+        if p.kind is inspect.Parameter.VAR_KEYWORD:
+            return p.name
+    return None
+
+
+class _SequenceMean(torch.autograd.Function):
+    """``(sum over the group of local sums) / denominator``; the gradient goes straight to
+    this rank's sum (each rank's share of the full-sequence gradient, summed over cp later)."""
+
+    @staticmethod
+    def forward(ctx: Any, local_sum: torch.Tensor, count: torch.Tensor, fixed: float | None,
+                group: Any) -> torch.Tensor:
+        both = torch.stack([local_sum.detach().float(), count.float()])
+        if not both.is_meta:
+            dist.all_reduce(both, group=group)
+        denominator = both[1] if fixed is None else torch.tensor(fixed, dtype=both.dtype)
+        ctx.save_for_backward(denominator)
+        return (both[0] / denominator).to(local_sum.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (denominator,) = ctx.saved_tensors
+        return grad / denominator, None, None, None
+
+
+class _SequenceLoss:
+    """A causal-LM loss over the whole sequence from each rank's share (labels arrive shifted)."""
+
+    def __init__(self, original: Any, group: Any) -> None:
+        self.original, self.group = original, group
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor | None, vocab_size: int,
+                 num_items_in_batch: Any = None, ignore_index: int = _IGNORE,
+                 shift_labels: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+        targets = labels if shift_labels is None else shift_labels
+        assert targets is not None
+        # num_items_in_batch=1: transformers' loss then returns the plain sum.
+        local = self.original(logits, None, vocab_size, num_items_in_batch=1, ignore_index=ignore_index,
+                              shift_labels=targets, **kwargs)
+        count = (targets != ignore_index).sum()
+        fixed = None if num_items_in_batch is None else float(num_items_in_batch)
+        out: torch.Tensor = _SequenceMean.apply(local, count, fixed, self.group)
+        return out
+
+
+def _attention_function(group: Any, cp: int) -> Any:
+    """transformers' attention-interface signature over smp-tp's ring attention."""
+
+    def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                  sliding_window: int | None = None, softcap: float | None = None,
+                  **kwargs: Any) -> tuple[torch.Tensor, None]:
+        where = f"context_parallel_degree={cp}, in {type(module).__name__}"
+        if dropout:
+            raise ValueError(f"{where}: attention dropout ({dropout}) is not supported; set it to 0")
+        full = query.shape[2] * cp
+        if sliding_window is not None and sliding_window < full:
+            raise ValueError(f"{where}: a sliding window of {sliding_window} tokens over sequences "
+                             f"of {full} is not supported by context parallelism yet")
+        causal = kwargs.get("is_causal")
+        causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
+        if query.is_meta:  # (a shape-only trace: nothing to exchange)
+            out = query.new_empty(*query.shape[:3], value.shape[-1])
+        else:
+            out = context_parallel_attention(query, key, value, group, causal=causal, scale=scaling,
+                                             softcap=softcap)
+        return out.transpose(1, 2).contiguous(), None
+
+    return attention
+
+
+def install(module: nn.Module, group: Any, cp: int) -> int:
+    """Route ``module``'s attention through ring attention over ``group``. Returns the number
+    of attention modules routed. Before the engine wraps the model (its trace runs it).
+
+    Raises :class:`ConfigError` (the same on every rank: same model) when the model's
+    attention cannot be routed or its configuration is one the ring does not support."""
+    from transformers import AttentionInterface, PreTrainedModel  # (the user's model is one)
+
+    name = type(module).__name__
+    if not isinstance(module, PreTrainedModel) or not getattr(module, "_supports_attention_backend", False):
+        raise ConfigError(
+            "context_parallel_degree",
+            f"is {cp} but {name} is not a Hugging Face model that calls attention through "
+            "transformers' attention interface (Llama, Mistral, Qwen2/3, Phi-3, ...); "
+            "smp-tp's DistributedAttentionLayer is not context-parallel yet",
+        )
+    config = module.config
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise ConfigError(
+            "context_parallel_degree",
+            f"{name} soft-caps its attention scores (attn_logit_softcapping="
+            f"{config.attn_logit_softcapping}); ring attention does not support soft-capping yet",
+        )
+    attention = [m for m in module.modules() if getattr(m, "is_causal", None) is not None
+                 and type(m).__name__.endswith("Attention")]
+    if not attention:
+        raise ConfigError("context_parallel_degree", f"found no attention module in {name}")
+    AttentionInterface.register(ATTENTION_NAME, _attention_function(group, cp))
+    module.set_attn_implementation(ATTENTION_NAME)
+    return len(attention)
+
+
+def full_sequence_loss(module: nn.Module, group: Any) -> bool:
+    """Make ``module``'s causal-LM loss the full sequence's (:class:`_SequenceLoss`). After
+    the engine wrapped the model: tensor parallelism may have replaced the loss with its
+    vocabulary-parallel one, which this wraps the same way. Returns whether the model has a
+    causal-LM loss (transformers' own or smp-tp's)."""
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    original = getattr(module, "loss_function", None)
+    if isinstance(original, _SequenceLoss):
+        return True
+    if original is LOSS_MAPPING.get("ForCausalLM") or isinstance(original, VocabParallelCausalLMLoss):
+        setattr(module, "loss_function", _SequenceLoss(original, group))  # noqa: B010 - (a property)
+        return True
+    return False
+
+
+def splitter(module: nn.Module, cp_rank: int, cp: int, causal_lm: bool,
+             inputs: Mapping[str, int] | None = None) -> SequenceSplit:
+    """The :class:`SequenceSplit` of ``module``'s calls (``inputs`` add to :data:`SEQUENCE_INPUTS`)."""
+    return SequenceSplit(inspect.signature(module.forward), cp_rank, cp,
+                         {**SEQUENCE_INPUTS, **(inputs or {})}, causal_lm)
