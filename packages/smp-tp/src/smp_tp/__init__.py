@@ -35,6 +35,7 @@ from smp_tp.layers.transformer import (
     DistributedTransformerLayer,
     DistributedTransformerLMHead,
 )
+from smp_tp.layers.ulysses import ulysses_attention
 from smp_tp.layers.vocab import (
     VocabParallelEmbedding,
     VocabParallelLMHead,
@@ -94,8 +95,10 @@ __all__ = [
     # expert parallelism (routed experts of transformers-5 MoE blocks)
     "ExpertParallelExperts", "distribute_experts", "expert_parallelize", "full_expert_state",
     "full_expert_grads", "all_to_all_rows",
-    # context parallelism (ring attention over a sequence split across ranks)
+    # context parallelism (ring attention over a sequence split across ranks; all-to-all
+    # over heads as the alternative)
     "ContextParallelAttention", "context_parallel_attention", "split_sequence", "gather_sequence",
+    "ulysses_attention",
     # vocabulary-parallel loss
     "vocab_parallel_cross_entropy", "gather_vocab_parallel_logits", "sharded_logits",
     "VocabParallelCausalLMLoss",

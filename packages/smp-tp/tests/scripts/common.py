@@ -29,7 +29,11 @@ def setup() -> tuple[int, int, object]:
 
 
 def log(*args: object) -> None:
-    print(f"[rank {dist.get_rank()}]", *args, flush=True)
+    # One write per line: print() writes its pieces separately, and unbuffered ranks sharing
+    # a pipe then interleave mid-line (a test counting "[rank r] ..." lines misses one).
+    line = " ".join(map(str, (f"[rank {dist.get_rank()}]", *args)))
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def gather_batch(x: torch.Tensor) -> torch.Tensor:
