@@ -77,6 +77,8 @@ def test_alias_partitions_and_derived_degree() -> None:
         ({"context_parallel_degree": 2, "expert_parallel_degree": 2}, "expert_parallel_degree"),
         ({"context_parallel_degree": 2, "ddp": False}, "ddp"),
         ({"placement_strategy": "CDPP"}, "placement_strategy"),
+        ({"context_parallel_degree": 2, "context_parallel_attention": "ulysses"}, "context_parallel_attention"),
+        ({"context_parallel_attention": "ring"}, "context_parallel_attention"),
     ],
 )
 def test_bad_values_name_the_key(config: dict, key: str) -> None:

@@ -27,7 +27,9 @@ def _case(name: str, model: str = "llama", **config: object) -> dict:
 CP2 = {"context_parallel_degree": 2}
 
 TWO_RANKS = [
-    {**_case("llama-cp2", **CP2), "saved_limit": 0.6},
+    # "auto": the all-to-all over heads where cp divides them (here), the ring elsewhere.
+    {**_case("llama-cp2", **CP2), "saved_limit": 0.6, "attention": "all_to_all"},
+    {**_case("llama-cp2-ring", **CP2, context_parallel_attention="ring"), "saved_limit": 0.6, "attention": "ring"},
     _case("qwen2-cp2", "qwen2", **CP2),
     # Mistral's sliding window, longer than the sequence: no effect, accepted.
     {**_case("mistral-cp2", "mistral", **CP2), "steps": 1},
@@ -37,6 +39,8 @@ TWO_RANKS = [
     # Refusals, named: attention soft-capping, a model whose attention smp cannot route.
     {**_case("gemma2-softcap", "gemma2", **CP2), "error": "context_parallel_degree"},
     {**_case("not-hf", "mlp", **CP2), "error": "context_parallel_degree"},
+    # An unknown attention choice is named (the all-to-all's head condition: see FOUR_RANKS).
+    {**_case("bad-choice", **CP2, context_parallel_attention="ulysses"), "error": "context_parallel_attention"},
 ]
 
 # Refused at the first call, on every rank (a failed step ends the job's use of smp: one per
@@ -49,13 +53,16 @@ STEP_ERRORS = [
 
 FOUR_RANKS = {
     "cp-dp": [
-        _case("llama-cp4", context_parallel_degree=4),
+        # 2 key/value heads, cp=4: "auto" takes the ring; the all-to-all is refused by name.
+        {**_case("llama-cp4", context_parallel_degree=4), "attention": "ring"},
+        {**_case("llama-cp4-all-to-all", context_parallel_degree=4, context_parallel_attention="all_to_all"),
+         "error": "context_parallel_attention"},
         _case("llama-cp2-dp2", **CP2),
         _case("llama-cp2-dp2-spread", **CP2, placement_strategy="spread"),
         {**_case("bad-cp3", context_parallel_degree=3), "error": "context_parallel_degree"},
     ],
     "cp-tp-pp": [
-        _case("llama-cp2-tp2", **CP2, tensor_parallel_degree=2),
+        {**_case("llama-cp2-tp2", **CP2, tensor_parallel_degree=2), "attention": "ring"},  # (1 kv head per TP rank)
         {**_case("llama-tied-cp2-pp2", "llama-tied", **CP2, pipeline_parallel_degree=2, microbatches=2),
          "resume": {"ddp": True}},
         _case("qwen2-cp2-pp2-simple", "qwen2", **CP2, pipeline_parallel_degree=2, microbatches=2, pipeline="simple"),
@@ -79,3 +86,53 @@ def test_context_parallel_four_ranks(group: str) -> None:
     cases = FOUR_RANKS[group]
     out = launch("context_parallel.py", 4, cases, timeout=600)
     assert ok_cases(out) == [c["name"] for c in cases], out
+
+
+# -- the sequence split alone (no processes) ---------------------------------------------
+
+
+def _forward(input_ids=None, attention_mask=None, position_ids=None, labels=None, **kwargs):  # type: ignore[no-untyped-def]
+    return None
+
+
+def _split(cp_rank: int = 0, cp: int = 2, causal_lm: bool = True, **inputs: int):  # type: ignore[no-untyped-def]
+    import inspect
+
+    from smp_torch.context_parallel import SEQUENCE_INPUTS, SequenceSplit
+
+    return SequenceSplit(inspect.signature(_forward), cp_rank, cp, {**SEQUENCE_INPUTS, **inputs}, causal_lm)
+
+
+def test_labels_are_shifted_before_the_split_and_positions_are_global() -> None:
+    import torch
+
+    x = torch.arange(8).view(1, 8)
+    # balanced layout, cp = 2: chunks of 2, rank 0 keeps chunks 0 and 3, rank 1 chunks 1 and 2
+    _, kw0 = _split(0).split((x,), {"labels": x})
+    _, kw1 = _split(1).split((x,), {"labels": x})
+    assert kw0["input_ids"].tolist() == [[0, 1, 6, 7]] and kw1["input_ids"].tolist() == [[2, 3, 4, 5]]
+    assert kw0["position_ids"].tolist() == [[0, 1, 6, 7]] and kw1["position_ids"].tolist() == [[2, 3, 4, 5]]
+    # token t's target is t + 1 wherever t lands (across the chunk boundary too); the last has none
+    assert kw0["labels"].tolist() == [[1, 2, 7, -100]] and kw1["labels"].tolist() == [[3, 4, 5, 6]]
+
+
+def test_named_inputs_padding_and_lengths() -> None:
+    import torch
+    from smp_torch import ConfigError
+
+    x = torch.arange(8).view(1, 8)
+    extra = torch.arange(16).view(1, 8, 2)
+    _, kw = _split(1, extra_states=1).split((), {"input_ids": x, "extra_states": extra, "other": extra})
+    assert kw["extra_states"][0, :, 0].tolist() == [4, 6, 8, 10] and kw["other"] is extra
+    _, kw = _split().split((x,), {"attention_mask": torch.ones(1, 8)})
+    assert kw["attention_mask"] is None  # all ones: no padding, dropped
+    with pytest.raises(ConfigError, match="without padding"):
+        _split().split((x,), {"attention_mask": torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0]])})
+    with pytest.raises(ConfigError, match="sequence length 6 .* not divisible by 2 \\* context_parallel_degree = 4"):
+        _split().split((torch.zeros(1, 6, dtype=torch.long),), {})
+    with pytest.raises(ConfigError, match="'position_ids' has 4 positions"):
+        _split().split((x,), {"position_ids": torch.arange(4).view(1, 4)})
+    with pytest.raises(ConfigError, match="found no sequence input"):
+        _split().split((), {})
+    with pytest.raises(ConfigError, match="causal language models"):
+        _split(causal_lm=False).split((x,), {"labels": x})

@@ -26,6 +26,7 @@ CONFIG_ENV = "SMP_CONFIG"
 _PIPELINES = ("simple", "interleaved")
 _COLLECTIVE_BACKENDS = ("auto", "gloo", "smp")
 _OPTIMIZE = ("speed", "memory")
+CP_ATTENTION = ("auto", "ring", "all_to_all")
 PARTITION_COSTS = ("flops", "measured")
 TRACE_DEVICES = ("cpu", "meta", "cuda")
 # Keys whose name differs from the dataclass field (SageMaker v1 spellings).
@@ -100,6 +101,11 @@ class SMPConfig:
     # Context parallelism (smp_torch.context_parallel): every sequence is split over this
     # many ranks, which receive the same full batch; a new axis outside data parallelism.
     context_parallel_degree: int = 1
+    # How attention sees the other ranks' tokens: "ring" (k/v blocks passed round the group,
+    # any head count), "all_to_all" (one all-to-all over heads, DeepSpeed-Ulysses: cp must
+    # divide the query and key/value heads of every attention) or "auto" (all_to_all where
+    # the heads divide, the ring elsewhere). See smp_torch.context_parallel.
+    context_parallel_attention: str = "auto"
     # Derived by validation, not a user key.
     data_parallel_degree: int = field(default=1, metadata={"derived": True})
 
@@ -346,7 +352,14 @@ def _validate_values(cfg: SMPConfig, world_size: int) -> None:
 
 def _validate_context(cfg: SMPConfig) -> None:
     """``context_parallel_degree``: combinations not supported yet are refused by name."""
+    if cfg.context_parallel_attention not in CP_ATTENTION:
+        raise ConfigError(
+            "context_parallel_attention",
+            f"must be one of {CP_ATTENTION}, got {cfg.context_parallel_attention!r}",
+        )
     if cfg.cp == 1:
+        if cfg.context_parallel_attention != "auto":  # (nothing would read it)
+            raise ConfigError("context_parallel_attention", "needs context_parallel_degree > 1")
         return
     if cfg.sdp > 1:
         raise ConfigError(

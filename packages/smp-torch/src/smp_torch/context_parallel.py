@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from smp_tp import VocabParallelCausalLMLoss, context_parallel_attention, split_sequence
+from smp_tp import VocabParallelCausalLMLoss, context_parallel_attention, split_sequence, ulysses_attention
 from torch import nn
 
 from smp_torch.errors import ConfigError
@@ -180,8 +180,9 @@ class _SequenceLoss:
         return out
 
 
-def _attention_function(group: Any, cp: int) -> Any:
-    """transformers' attention-interface signature over smp-tp's ring attention."""
+def _attention_function(group: Any, cp: int, choice: str) -> Any:
+    """transformers' attention-interface signature over smp-tp's ring attention or
+    all-to-all over heads (``choice``: ``context_parallel_attention``)."""
 
     def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
@@ -196,17 +197,25 @@ def _attention_function(group: Any, cp: int) -> Any:
                              f"of {full} is not supported by context parallelism yet")
         causal = kwargs.get("is_causal")
         causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
+        if softcap is not None:
+            raise ValueError(f"{where}: attention soft-capping is not supported by context parallelism yet")
+        heads_divide = query.shape[1] % cp == 0 and key.shape[1] % cp == 0
+        if choice == "all_to_all" and not heads_divide:
+            raise ValueError(f"{where}: context_parallel_attention='all_to_all' needs cp to divide the "
+                             f"{query.shape[1]} query and {key.shape[1]} key/value heads this rank "
+                             "holds; use 'ring' or 'auto'")
         if query.is_meta:  # (a shape-only trace: nothing to exchange)
             out = query.new_empty(*query.shape[:3], value.shape[-1])
+        elif choice != "ring" and heads_divide:
+            out = ulysses_attention(query, key, value, group, causal=causal, scale=scaling)
         else:
-            out = context_parallel_attention(query, key, value, group, causal=causal, scale=scaling,
-                                             softcap=softcap)
+            out = context_parallel_attention(query, key, value, group, causal=causal, scale=scaling)
         return out.transpose(1, 2).contiguous(), None
 
     return attention
 
 
-def install(module: nn.Module, group: Any, cp: int) -> int:
+def install(module: nn.Module, group: Any, cp: int, choice: str = "auto", tp: int = 1) -> int:
     """Route ``module``'s attention through ring attention over ``group``. Returns the number
     of attention modules routed. Before the engine wraps the model (its trace runs it).
 
@@ -233,7 +242,16 @@ def install(module: nn.Module, group: Any, cp: int) -> int:
                  and type(m).__name__.endswith("Attention")]
     if not attention:
         raise ConfigError("context_parallel_degree", f"found no attention module in {name}")
-    AttentionInterface.register(ATTENTION_NAME, _attention_function(group, cp))
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if choice == "all_to_all" and isinstance(heads, int) and isinstance(kv_heads, int) \
+            and (heads // tp % cp or kv_heads // tp % cp):
+        raise ConfigError(
+            "context_parallel_attention",
+            f"'all_to_all' needs context_parallel_degree={cp} to divide each rank's heads: {name} has "
+            f"{heads} query and {kv_heads} key/value heads over tensor_parallel_degree={tp}; use 'ring' or 'auto'",
+        )
+    AttentionInterface.register(ATTENTION_NAME, _attention_function(group, cp, choice))
     module.set_attn_implementation(ATTENTION_NAME)
     return len(attention)
 

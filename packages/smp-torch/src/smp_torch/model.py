@@ -127,7 +127,7 @@ class DistributedModel(nn.Module):
         self._sequence: SequenceSplit | None = None
         if cfg.cp > 1:
             # (Before the engine: the pipeline's trace already runs the split model.)
-            install_context_parallel(module, ctx.process_groups["cp"], cfg.cp)
+            install_context_parallel(module, ctx.process_groups["cp"], cfg.cp, cfg.context_parallel_attention, cfg.tp)
         elif sequence_inputs:
             raise ConfigError("context_parallel_degree", "sequence_inputs needs context_parallel_degree > 1")
         # Read before the engine rewraps modules; told after it accepted the configuration.

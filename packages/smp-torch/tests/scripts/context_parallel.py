@@ -161,8 +161,25 @@ class _NoShift:
         return args, kwargs
 
 
+USED: set[str] = set()
+
+
+def _count(kind: str, fn: Any) -> Any:
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        USED.add(kind)
+        return fn(*args, **kwargs)
+
+    return counted
+
+
+# Which exchange the umbrella's attention used (a case's "attention": "ring" | "all_to_all").
+context_parallel.context_parallel_attention = _count("ring", context_parallel.context_parallel_attention)
+context_parallel.ulysses_attention = _count("all_to_all", context_parallel.ulysses_attention)
+
+
 def run_case(case: dict) -> None:
     name = case["name"]
+    USED.clear()
     if "error" in case:
         expect_error(case)
         return
@@ -243,6 +260,9 @@ def run_case(case: dict) -> None:
         limit = case.get("saved_limit")
         assert limit is None or mine <= limit * one, f"[{name}] saved {mine} bytes vs {one} in one process"
         note = f" saved={mine}/{one}={mine / one:.3f}"
+    if "attention" in case:
+        assert USED == {case["attention"]}, f"[{name}] attention ran as {USED}, not {case['attention']}"
+        note += f" attention={case['attention']}"
     if "resume" in case:
         note += resume(case, dmodel, opt)
     smp.barrier()
