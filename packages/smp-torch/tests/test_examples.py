@@ -58,3 +58,14 @@ def test_sharded_gpt_fits_the_budget() -> None:
     assert "sdp=4" in out and "within the budget (plain data parallelism would not fit)" in out, out
     first, last = out.split("loss ")[1].split(" -> ")
     assert float(last.split()[0].rstrip(";")) < float(first)
+
+
+def test_long_context_cp2_learns_and_splits_activations() -> None:
+    pytest.importorskip("transformers")
+    out = _run("long_context/train.py", 2, "--cp", "2", "--seq", "64", "--steps", "8", "--dim", "32",
+               "--attention", "ring")
+    assert "(cp=2 dp=1, attention ring), 64 tokens per sequence, 32 per rank" in out and "loss fell from" in out, out
+    first, last = out.split("loss fell from ")[1].split(" to ")
+    assert float(last.split()[0]) < float(first)
+    ratios = [float(line.rsplit("(", 1)[1].rstrip("x)")) for line in out.splitlines() if "saved for backward" in line]
+    assert len(ratios) == 2 and all(r < 0.75 for r in ratios), out  # each rank keeps about half

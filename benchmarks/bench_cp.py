@@ -1,0 +1,243 @@
+"""Context parallelism (``context_parallel_degree`` 1, 2, 4) on one long sequence: step time,
+tokens/s, the activation bytes each rank saves for backward, and the share of the step a rank
+spends blocked on the ring attention's exchange.
+
+Run: python benchmarks/bench_cp.py   (spawns `mpiexec -n 1`, `-n 2`, `-n 4` of itself, in turn,
+``BENCH_CP_ROUNDS`` = 2 times; ~4 minutes on a quiet 2-core machine (an estimate from the
+smoke run), of which ~1.5 minutes per round is the jobs' start-up: importing
+torch/transformers, smp.init, tracing the model)
+Smoke: BENCH_CP_SEQS=256 BENCH_CP_ROUNDS=1 BENCH_CP_STEPS=2 python benchmarks/bench_cp.py
+
+The model: transformers' ``LlamaForCausalLM`` built from a config (hidden ``HIDDEN``, 4 heads,
+2 key/value heads, ``LAYERS`` layers, intermediate ``INTER``, vocabulary 256, no KV cache),
+fp32, Adam; ``model(input_ids=x, labels=x).loss`` inside an ``@smp.step`` function, on a
+global batch of ONE sequence of ``SEQ`` tokens (``BENCH_CP_SEQS``, default 1024 and 4096).
+Every rank receives the whole sequence; smp keeps 1/cp of it per rank (activations split)
+and routes attention to smp-tp's ring attention: ``context_parallel_attention`` is pinned to
+"ring" (``BENCH_CP_ATTENTION`` changes it; with this model's 2 key/value heads smp's default
+"auto" would pick the all-to-all over heads at cp=2, which the exchange timers below do not
+see). Three contenders:
+
+- ``cp1``: one process, ``smp.init({})`` in a 1-rank job: the whole sequence, transformers'
+  own attention (SDPA) — the baseline every ratio is against;
+- ``cp2``: ``context_parallel_degree`` 2 on 2 ranks;
+- ``cp4``: ``context_parallel_degree`` 4 on 4 ranks. On a 2-core machine this job is
+  OVERSUBSCRIBED (4 processes on 2 cores): its step times count two ranks per core and say
+  little about cp=4 on 4 cores; its bytes are exact all the same.
+
+smp's topology spans ``MPI.COMM_WORLD``, so each degree is a job of its own size (one per
+contender, unlike ``bench_moe.py``'s single job): the three jobs alternate round by round
+(cp1, cp2, cp4, cp1, ...) so the machine's load falls on all alike, and the medians are over
+every round's timed steps. Each job builds the model once per sequence length, runs
+``WARMUP`` untimed and ``STEPS`` timed steps (a barrier before each, untimed), then one more
+forward under ``saved_tensors_hooks``.
+
+Per contender and sequence: the median step time; tokens/s = the global batch's tokens (one
+sequence) / that time; the bytes of the distinct non-parameter tensors autograd saves for
+backward in one forward, per rank (the largest rank's), and their ratio to cp1; and the
+exchange share: ``smp_tp.layers.context._wait`` and ``_Ring.shift`` are wrapped with timers
+during the timed steps, and the share is (time inside ``_wait`` + time inside ``shift``) /
+step time, averaged over the ranks (the worst rank in brackets; the detail lines also give
+the blocked milliseconds per step). cp1 has no ring: 0. ``_wait`` is the time a
+rank is BLOCKED on the k/v (forward and backward) and dk/dv (backward) hops, not the
+transfers' total time: a hop is started before the block's math and mostly travels under it;
+``shift`` is the time to post a hop (contiguous copies, ``batch_isend_irecv``). The table at
+the end puts the contenders side by side, each ratio against cp1 at the same length.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import statistics
+import time
+
+import workers  # (this folder)
+
+HIDDEN = int(os.environ.get("BENCH_CP_HIDDEN", "256"))
+INTER = int(os.environ.get("BENCH_CP_INTER", "512"))
+LAYERS = int(os.environ.get("BENCH_CP_LAYERS", "2"))
+SEQS = [int(s) for s in os.environ.get("BENCH_CP_SEQS", "1024,4096").split(",")]
+WARMUP = int(os.environ.get("BENCH_CP_WARMUP", "1"))
+STEPS = int(os.environ.get("BENCH_CP_STEPS", "3"))
+ROUNDS = int(os.environ.get("BENCH_CP_ROUNDS", "2"))
+ATTENTION = os.environ.get("BENCH_CP_ATTENTION", "ring")
+VOCAB = 256
+DEGREES = (1, 2, 4)
+OVERSUBSCRIBED = {cp for cp in DEGREES if cp > (os.cpu_count() or 1)}
+
+
+class _ExchangeClock:
+    """Wall time inside the ring's ``_wait`` and ``_Ring.shift`` while ``on``."""
+
+    def __init__(self) -> None:
+        from smp_tp.layers import context
+
+        self.on = False
+        self.wait_s = self.shift_s = 0.0
+        wait, shift = context._wait, context._Ring.shift
+
+        def timed_wait(works):  # type: ignore[no-untyped-def]
+            t0 = time.perf_counter()
+            try:
+                return wait(works)
+            finally:
+                if self.on:
+                    self.wait_s += time.perf_counter() - t0
+
+        def timed_shift(ring, tensors, tag):  # type: ignore[no-untyped-def]
+            t0 = time.perf_counter()
+            try:
+                return shift(ring, tensors, tag)
+            finally:
+                if self.on:
+                    self.shift_s += time.perf_counter() - t0
+
+        # _ring_forward/_ring_backward look both up at call time: patched for this process.
+        context._wait = timed_wait
+        context._Ring.shift = timed_shift
+
+
+def _worker(cp: int) -> dict:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    import smp_torch as smp
+    import torch
+    from mpi4py import MPI
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.set_num_threads(1)
+    clock = _ExchangeClock()
+    smp.init({"context_parallel_degree": cp, "context_parallel_attention": ATTENTION} if cp > 1 else {})
+    assert smp.cp_size() == cp and smp.dp_size() == 1
+
+    def saved_bytes(run, params: set[int]) -> int:  # type: ignore[no-untyped-def]
+        """Bytes of the distinct non-parameter tensors autograd saves for backward during ``run()``."""
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params:
+                seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            run()
+        return sum(seen.values())
+
+    def measure(seq: int) -> dict:
+        torch.manual_seed(0)
+        net = LlamaForCausalLM(LlamaConfig(
+            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max(SEQS),
+            use_cache=False, pad_token_id=0, bos_token_id=0, eos_token_id=0,
+        ))  # fmt: skip
+        model = smp.DistributedModel(net)
+        opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-4))
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+        @smp.step
+        def train_step(x: torch.Tensor) -> torch.Tensor:
+            loss = model(input_ids=x, labels=x).loss
+            model.backward(loss)
+            return loss
+
+        exchange: list[tuple[float, float]] = []
+
+        def step(x: torch.Tensor) -> None:
+            clock.wait_s = clock.shift_s = 0.0
+            clock.on = True
+            opt.zero_grad()
+            train_step(x)
+            opt.step()
+            clock.on = False
+            exchange.append((clock.wait_s, clock.shift_s))
+
+        # The same global batch (one sequence) on every rank, as the user would feed it.
+        x = torch.randint(0, VOCAB, (1, seq), generator=torch.Generator().manual_seed(seq))
+        timed = workers.timed_steps(functools.partial(step, x), WARMUP, STEPS, smp.barrier)
+        wait_s = sum(w for w, _ in exchange[WARMUP:])
+        shift_s = sum(s for _, s in exchange[WARMUP:])
+        saved = saved_bytes(lambda: model(input_ids=x, labels=x).loss, params)
+        step_s = sum(timed.times)
+        per_rank = MPI.COMM_WORLD.gather((wait_s / step_s, shift_s / step_s, wait_s / STEPS, saved), root=0)
+        return {
+            "times": timed.times,
+            "wait": [r[0] for r in per_rank or []],
+            "shift": [r[1] for r in per_rank or []],
+            "wait_per_step": [r[2] for r in per_rank or []],
+            "saved": [r[3] for r in per_rank or []],
+        }
+
+    result: dict = {"rank": smp.rank(), "cp": cp, "load": " ".join(open("/proc/loadavg").read().split()[:3])}
+    for seq in SEQS:
+        result[str(seq)] = measure(seq)
+    smp.barrier()
+    return result
+
+
+def _fmt_share(values: list[float]) -> str:
+    return f"{100 * statistics.mean(values):5.2f}% ({100 * max(values):5.2f}%)"
+
+
+def main() -> None:
+    label = {cp: f"cp{cp}" + (" (oversubscribed)" if cp in OVERSUBSCRIBED else "") for cp in DEGREES}
+    cores = os.cpu_count()
+    print(
+        f"context parallelism (Llama {LAYERS} layers, hidden {HIDDEN}, 4 heads / 2 kv, inter {INTER}, "
+        f"vocab {VOCAB}, fp32, Adam; context_parallel_attention={ATTENTION!r}; global batch 1 sequence of {'/'.join(map(str, SEQS))} tokens; "
+        f"{ROUNDS} rounds x {STEPS} timed steps after {WARMUP} warm-up; {cores} cores)",
+        flush=True,
+    )
+    if OVERSUBSCRIBED:
+        names = ", ".join(f"cp{cp}" for cp in sorted(OVERSUBSCRIBED))
+        print(f"  NOTE: {names} run(s) more processes than the {cores} cores here (oversubscribed): "
+              "their step times share cores, their bytes are exact", flush=True)
+    runs: dict[int, list[dict]] = {cp: [] for cp in DEGREES}
+    for r in range(ROUNDS):
+        for cp in DEGREES:
+            t0 = time.perf_counter()
+            out = workers.run_self(__file__, cp, [f"cp{cp}"])
+            lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+            if not lines:
+                raise SystemExit(f"bench_cp: cp{cp} printed no result:\n{out}")
+            runs[cp].append(json.loads(lines[0][7:]))
+            print(f"  round {r + 1}/{ROUNDS} {label[cp]}: job {time.perf_counter() - t0:.1f} s, "
+                  f"load {runs[cp][-1]['load']}", flush=True)
+    rows = []
+    for seq in SEQS:
+        key = str(seq)
+        for cp in DEGREES:
+            got = [run[key] for run in runs[cp]]
+            med = statistics.median([t for g in got for t in g["times"]])
+            saved = max(b for g in got for b in g["saved"])
+            wait = [statistics.mean(g["wait"][i] for g in got) for i in range(cp)]
+            shift = [statistics.mean(g["shift"][i] for g in got) for i in range(cp)]
+            share = [w + s for w, s in zip(wait, shift, strict=True)]
+            blocked_ms = 1e3 * statistics.mean(w for g in got for w in g["wait_per_step"])
+            rows.append((seq, cp, med, saved, share))
+            print(
+                f"  seq {seq:5d} {label[cp]:<21} step {med * 1e3:8.1f} ms  {seq / med:8.0f} tokens/s  "
+                f"saved {saved / 2**20:7.2f} MiB/rank  blocked in _wait {_fmt_share(wait)} "
+                f"= {blocked_ms:6.1f} ms/step  in shift {_fmt_share(shift)}  "
+                f"(mean over {cp} rank(s), worst in brackets)",
+                flush=True,
+            )
+    print("\n  side by side (ratios against cp1 at the same sequence; exchange = _wait + shift, "
+          "mean over ranks; * = oversubscribed):", flush=True)
+    print(f"  {'seq':>5} {'contender':<9} {'ranks':>5} {'step ms':>9} {'tokens/s':>9} {'x cp1':>6} "
+          f"{'saved MiB/rank':>14} {'x cp1':>6} {'exchange':>9}", flush=True)
+    base = {seq: (med, saved) for seq, cp, med, saved, _ in rows if cp == 1}
+    for seq, cp, med, saved, share in rows:
+        b_med, b_saved = base[seq]
+        star = "*" if cp in OVERSUBSCRIBED else ""
+        print(f"  {seq:>5} {f'cp{cp}{star}':<9} {cp:>5} {med * 1e3:>9.1f} {seq / med:>9.0f} {b_med / med:>6.2f} "
+              f"{saved / 2**20:>14.2f} {saved / b_saved:>6.3f} {100 * statistics.mean(share):>8.2f}%", flush=True)
+
+
+if __name__ == "__main__":
+    if not workers.serve_worker({f"cp{cp}": functools.partial(_worker, cp) for cp in DEGREES}):
+        main()
