@@ -114,20 +114,6 @@ def _worker(cp: int) -> dict:
     smp.init({"context_parallel_degree": cp, "context_parallel_attention": ATTENTION} if cp > 1 else {})
     assert smp.cp_size() == cp and smp.dp_size() == 1
 
-    def saved_bytes(run, params: set[int]) -> int:  # type: ignore[no-untyped-def]
-        """Bytes of the distinct non-parameter tensors autograd saves for backward during ``run()``."""
-        seen: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in params:
-                seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            run()
-        return sum(seen.values())
-
     def measure(seq: int) -> dict:
         torch.manual_seed(0)
         net = LlamaForCausalLM(LlamaConfig(
@@ -137,7 +123,6 @@ def _worker(cp: int) -> dict:
         ))  # fmt: skip
         model = smp.DistributedModel(net)
         opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-4))
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
         @smp.step
         def train_step(x: torch.Tensor) -> torch.Tensor:
@@ -161,7 +146,7 @@ def _worker(cp: int) -> dict:
         timed = workers.timed_steps(functools.partial(step, x), WARMUP, STEPS, smp.barrier)
         wait_s = sum(w for w, _ in exchange[WARMUP:])
         shift_s = sum(s for _, s in exchange[WARMUP:])
-        saved = saved_bytes(lambda: model(input_ids=x, labels=x).loss, params)
+        saved = smp.saved_activation_bytes(lambda: model(input_ids=x, labels=x).loss, model.parameters())
         step_s = sum(timed.times)
         per_rank = MPI.COMM_WORLD.gather((wait_s / step_s, shift_s / step_s, wait_s / STEPS, saved), root=0)
         return {

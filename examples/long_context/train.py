@@ -58,21 +58,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def saved_bytes(run: object, params: set[int]) -> int:
-    """Bytes of the distinct non-parameter tensors autograd saves for backward during ``run()``."""
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run()  # type: ignore[operator]
-    return sum(seen.values())
-
-
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -118,10 +103,8 @@ def main(argv: list[str] | None = None) -> dict:
         # One forward on this rank's sequences: the bytes autograd keeps for backward here
         # (1/cp of each sequence) and in one process holding the whole sequences.
         x = common.local_part(corpus.batch(0, args.batch, args.seq)[0])
-        mine = saved_bytes(lambda: model(input_ids=x, labels=x).loss,
-                           {p.untyped_storage().data_ptr() for p in model.parameters()})
-        one = saved_bytes(lambda: one_process(input_ids=x, labels=x).loss,
-                          {p.untyped_storage().data_ptr() for p in one_process.parameters()})
+        mine = smp.saved_activation_bytes(lambda: model(input_ids=x, labels=x).loss, model.parameters())
+        one = smp.saved_activation_bytes(lambda: one_process(input_ids=x, labels=x).loss, one_process.parameters())
         memory = smp.allgather((mine, one), smp.WORLD)
     if smp.rank() == 0:
         fell = "fell" if losses[-1] < losses[0] else "did not fall"

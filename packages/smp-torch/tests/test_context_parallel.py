@@ -63,8 +63,11 @@ FOUR_RANKS = {
     ],
     "cp-tp-pp": [
         {**_case("llama-cp2-tp2", **CP2, tensor_parallel_degree=2), "attention": "ring"},  # (1 kv head per TP rank)
-        {**_case("llama-tied-cp2-pp2", "llama-tied", **CP2, pipeline_parallel_degree=2, microbatches=2),
-         "resume": {"ddp": True}},
+        # The ranks of a stage's cp group sit in different pipelines and must run the ring's
+        # exchanges in one order (one order-channel leader per TP x CP block): with the leader
+        # over the TP group only, 2 of 3 runs of this case timed out or aborted.
+        {**_case("llama-tied-cp2-pp2-mb4", "llama-tied", **CP2, pipeline_parallel_degree=2, microbatches=4),
+         "batch": 8, "resume": {"ddp": True}},
         _case("qwen2-cp2-pp2-simple", "qwen2", **CP2, pipeline_parallel_degree=2, microbatches=2, pipeline="simple"),
     ],
 }

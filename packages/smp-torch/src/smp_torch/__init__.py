@@ -20,6 +20,7 @@ from smp_torch.annotations import (
 from smp_torch.checkpoint import CheckpointError, resume_from_checkpoint, save_checkpoint
 from smp_torch.comm import CommGroup, RankType, allgather, barrier, broadcast, recv_from, send
 from smp_torch.config import SMPConfig
+from smp_torch.context_parallel import saved_activation_bytes
 from smp_torch.errors import ConfigError, NotInitializedError, PeerFailedError, SMPError, StallError
 from smp_torch.inert import InertSettingWarning
 from smp_torch.model import DistributedModel
@@ -160,4 +161,5 @@ __all__ = [
     "get_rdp_process_group",
     "get_mp_process_group",
     *_FROM_TP,
+    "saved_activation_bytes",
 ]

@@ -361,16 +361,9 @@ def _validate_context(cfg: SMPConfig) -> None:
         if cfg.context_parallel_attention != "auto":  # (nothing would read it)
             raise ConfigError("context_parallel_attention", "needs context_parallel_degree > 1")
         return
-    if cfg.sdp > 1:
-        raise ConfigError(
-            "sharded_data_parallel_degree",
-            f"cannot be combined with context_parallel_degree > 1 yet (got {cfg.sdp})",
-        )
-    if cfg.ep > 1:
-        raise ConfigError(
-            "expert_parallel_degree",
-            f"cannot be combined with context_parallel_degree > 1 yet (got {cfg.ep})",
-        )
+    for key, degree in (("sharded_data_parallel_degree", cfg.sdp), ("expert_parallel_degree", cfg.ep)):
+        if degree > 1:
+            raise ConfigError(key, f"cannot be combined with context_parallel_degree > 1 yet (got {degree})")
     if not cfg.ddp:
         raise ConfigError("ddp", "context_parallel_degree > 1 requires ddp=True")
 

@@ -31,19 +31,27 @@ data-parallel reducer sums over cp (and averages over dp), see ``DistributedMode
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from smp_tp import VocabParallelCausalLMLoss, context_parallel_attention, split_sequence, ulysses_attention
+from smp_tp import (
+    VocabParallelCausalLMLoss,
+    context_parallel_attention,
+    split_sequence,
+    ulysses_attention,
+)
 from torch import nn
 
 from smp_torch.errors import ConfigError
 
-__all__ = ["ATTENTION_NAME", "SEQUENCE_INPUTS", "SequenceSplit", "full_sequence_loss", "install", "splitter"]
+__all__ = [
+    "ATTENTION_NAME", "SEQUENCE_INPUTS", "SequenceSplit", "full_sequence_loss", "install",
+    "saved_activation_bytes", "splitter",
+]
 
 #: The name smp's attention function is registered under in transformers.
 ATTENTION_NAME = "smp_context_parallel"
@@ -277,3 +285,21 @@ def splitter(module: nn.Module, cp_rank: int, cp: int, causal_lm: bool,
     """The :class:`SequenceSplit` of ``module``'s calls (``inputs`` add to :data:`SEQUENCE_INPUTS`)."""
     return SequenceSplit(inspect.signature(module.forward), cp_rank, cp,
                          {**SEQUENCE_INPUTS, **(inputs or {})}, causal_lm)
+
+
+def saved_activation_bytes(run: Callable[[], Any], parameters: Iterable[torch.Tensor] = ()) -> int:
+    """Bytes of the distinct tensors autograd saves for backward while ``run()`` executes,
+    the storages of ``parameters`` left out: the activation memory a forward keeps until its
+    backward (what context parallelism divides), counted from the tensors themselves."""
+    skip = {p.untyped_storage().data_ptr() for p in parameters}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(seen.values())

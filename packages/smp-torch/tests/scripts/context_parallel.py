@@ -107,21 +107,6 @@ def check(name: str, what: str, got: torch.Tensor, want: torch.Tensor, worst: di
     worst[what.split()[0]] = max(worst.get(what.split()[0], 0.0), ratio)
 
 
-def saved_bytes(run: Any, params: set[int]) -> int:
-    """Bytes of the distinct non-parameter tensors autograd saves for backward during ``run()``."""
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run()
-    return sum(seen.values())
-
-
 def expect_error(case: dict) -> None:
     name, key = case["name"], case["error"]
     caught: BaseException | None = None
@@ -253,10 +238,8 @@ def run_case(case: dict) -> None:
     if cfg.pp == 1 and cfg.tp == 1:
         # Bytes autograd keeps for backward in one forward, against one process on the same batch.
         x = batch(0, size, seq).chunk(n)[i]
-        ids = {p.untyped_storage().data_ptr() for p in dmodel.parameters()}
-        ref_ids = {p.untyped_storage().data_ptr() for p in ref.parameters()}
-        mine = saved_bytes(lambda: dmodel(input_ids=x, labels=x).loss, ids)
-        one = saved_bytes(lambda: ref(input_ids=x, labels=x).loss, ref_ids)
+        mine = smp.saved_activation_bytes(lambda: dmodel(input_ids=x, labels=x).loss, dmodel.parameters())
+        one = smp.saved_activation_bytes(lambda: ref(input_ids=x, labels=x).loss, ref.parameters())
         limit = case.get("saved_limit")
         assert limit is None or mine <= limit * one, f"[{name}] saved {mine} bytes vs {one} in one process"
         note = f" saved={mine}/{one}={mine / one:.3f}"
