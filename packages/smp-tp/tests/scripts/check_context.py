@@ -82,9 +82,10 @@ CASES = [
     ("causal balanced gqa", dict(causal=True, layout="balanced", hq=4, hkv=2, seq=64)),
     ("causal contiguous gqa module", dict(causal=True, layout="contiguous", hq=4, hkv=2, seq=32, module=True)),
 ]
-if ULYSSES:  # the module is the ring's; q, k, v of three shapes take three exchanges
+# Ulysses: q, k, v of three shapes take three exchanges; the ring: Dv != D takes the math blocks
+CASES.append(("causal balanced gqa dv", dict(causal=True, layout="balanced", hq=4, hkv=2, seq=32, dv=8)))
+if ULYSSES:  # the module is the ring's
     CASES = [c for c in CASES if "module" not in c[0]]
-    CASES.append(("causal balanced gqa dv", dict(causal=True, layout="balanced", hq=4, hkv=2, seq=32, dv=8)))
 if "quick" in sys.argv[1:]:  # Ulysses needs the 4 ranks to divide the heads; the ring does not
     CASES = [("causal balanced gqa", dict(causal=True, layout="balanced", hq=8 if ULYSSES else 4,
                                           hkv=4 if ULYSSES else 2, seq=64))]

@@ -9,10 +9,18 @@ partials combine as ``lse = logaddexp(lse_a, lse_b)``, ``out = out_a * exp(lse_a
 out_b * exp(lse_b - lse)``, always in float32. The result equals softmax attention over the
 whole sequence up to float32 rounding.
 
+Each block is one call of torch's fused attention kernel that also returns the log-sum-exp
+(``_scaled_dot_product_flash_attention_for_cpu`` on CPU, the memory-efficient kernel on CUDA),
+on float32 copies of q, k and v; the diagonal block is its ``is_causal`` square. A value head
+size different from the query's, or another device, takes an explicit float32 matmul,
+masked softmax, matmul instead.
+
 The backward pass runs the ring again, from the saved output and log-sum-exp (no score
 matrix is kept): the k/v blocks travel as in the forward, each rank adds its queries'
 contribution to ``dq`` locally and to a ``dk``/``dv`` accumulator that travels with the
-block; after ``cp`` hops each accumulator is back on the rank that owns the block.
+block; after ``cp`` hops each accumulator is back on the rank that owns the block. Each
+block's backward is given the final output and log-sum-exp of its query rows, so the
+probabilities it rebuilds are the whole softmax's, not the block's.
 
 Layouts. With a causal mask the last rows of the sequence attend to many more keys than
 the first, so contiguous shards would leave rank 0 idle while rank ``cp - 1`` works.
@@ -98,6 +106,19 @@ def _fold(dx: torch.Tensor, groups: int) -> torch.Tensor:
     return dx.view(b, h // groups, groups, s, d).sum(2)
 
 
+def _kernel(q: torch.Tensor, v: torch.Tensor) -> str | None:
+    """The fused attention kernel that computes the ring's blocks, or None for the float32
+    math below. The fused kernels return the block's log-sum-exp and take it back (with the
+    final output) in the backward; both want the value head size equal to the query's."""
+    if q.shape[-1] != v.shape[-1]:
+        return None
+    if q.device.type == "cpu":
+        return "cpu"
+    if q.device.type == "cuda" and q.shape[-1] % 8 == 0:
+        return "cuda"
+    return None
+
+
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mode: int) -> torch.Tensor:
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
     if mode == _DIAG:  # same chunk: global positions differ by the same offset, plain causal
@@ -106,10 +127,21 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mode: int) -> torch.
     return s
 
 
-def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                   mode: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Normalised attention of q over one key block and its log-sum-exp per row (float32).
-    A diagonal block always leaves each row its own key, so no row is fully masked."""
+def _block_forward(kernel: str | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                   mode: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalised attention of q over one key block and its log-sum-exp per row ``[B, H, Sq]``,
+    all float32. A diagonal block is a square, aligned causal mask (the fused kernels'
+    ``is_causal``) and always leaves each row its own key, so no row is fully masked."""
+    causal = mode == _DIAG
+    if kernel == "cpu":  # takes grouped-query k/v as they are
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse
+    k, v = _expand(k, groups), _expand(v, groups)
+    if kernel == "cuda":
+        # Not run by the tests (no GPU there). The log-sum-exp comes padded to a multiple of 32 rows.
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q.contiguous(), k.contiguous(), v.contiguous(), None, True, 0.0, causal, scale=scale)[:2]
+        return out, lse[..., :q.shape[2]]
     s = _scores(q, k, scale, mode)
     m = s.amax(-1, keepdim=True)
     p = torch.exp(s - m)
@@ -126,15 +158,32 @@ def _merge(acc: tuple[torch.Tensor, torch.Tensor] | None,
     return o_a * torch.exp(l_a - lse).unsqueeze(-1) + o_b * torch.exp(l_b - lse).unsqueeze(-1), lse
 
 
-def _block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
-                    lse: torch.Tensor, delta: torch.Tensor, scale: float,
-                    mode: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One block's share of dq, dk, dv: the probabilities are rebuilt from the final
-    log-sum-exp, so they are already normalised over the whole sequence."""
-    p = torch.exp(_scores(q, k, scale, mode) - lse.unsqueeze(-1))
-    dv = torch.matmul(p.transpose(-1, -2), do)
-    ds = p * (torch.matmul(do, v.transpose(-1, -2)) - delta.unsqueeze(-1))
-    return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, dv
+def _block_backward(kernel: str | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor, scale: float, mode: int,
+                    groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block's share of dq, dk, dv (dk, dv with k's heads), given the FINAL output and
+    log-sum-exp of these query rows: the probabilities exp(scores - lse) rebuilt from them are
+    already normalised over the whole sequence, and rowsum(dO * O) is the whole softmax's."""
+    causal = mode == _DIAG
+    if kernel == "cpu":
+        grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = \
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                do, q, k, v, out, lse, 0.0, causal, scale=scale)
+        return grads
+    ke, ve = _expand(k, groups), _expand(v, groups)
+    if kernel == "cuda":
+        # Not run by the tests (no GPU there). Seed and offset only matter with dropout.
+        unused = torch.zeros((), dtype=torch.int64, device=q.device)
+        lse = F.pad(lse, (0, -lse.shape[-1] % 32)).contiguous()
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            do.contiguous(), q.contiguous(), ke.contiguous(), ve.contiguous(), None, out.contiguous(), lse,
+            unused, unused, 0.0, [True, True, True, False], causal, scale=scale)
+    else:
+        p = torch.exp(_scores(q, ke, scale, mode) - lse.unsqueeze(-1))
+        dv = torch.matmul(p.transpose(-1, -2), do)
+        ds = p * (torch.matmul(do, ve.transpose(-1, -2)) - (do * out).sum(-1, keepdim=True))
+        dq, dk = torch.matmul(ds, ke) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale
+    return dq, _fold(dk, groups), _fold(dv, groups)
 
 
 def _mode(q_id: int, k_id: int, causal: bool) -> int:
@@ -178,20 +227,19 @@ def _wait(works: list[Any]) -> None:
 
 def _ring_forward(ring: _Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    groups, n = q.shape[1] // k.shape[1], ring.parts
+    groups, n, kernel = q.shape[1] // k.shape[1], ring.parts, _kernel(q, v)
     qs = q.float().chunk(n, 2)
     acc: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n
     kv = [k, v]
     for step in range(ring.cp):
         # Start the next hop before computing, so the transfer overlaps the block's math.
         pending = ring.shift(kv, _KV_TAG) if step < ring.cp - 1 else None
-        ks = _expand(kv[0].float(), groups).chunk(n, 2)
-        vs = _expand(kv[1].float(), groups).chunk(n, 2)
+        ks, vs = kv[0].float().chunk(n, 2), kv[1].float().chunk(n, 2)
         for a, q_id in enumerate(ring.ids(ring.rank)):
             for b, k_id in enumerate(ring.ids((ring.rank - step) % ring.cp)):
                 mode = _mode(q_id, k_id, ring.causal)
                 if mode != _SKIP:
-                    acc[a] = _merge(acc[a], _block_forward(qs[a], ks[b], vs[b], scale, mode))
+                    acc[a] = _merge(acc[a], _block_forward(kernel, qs[a], ks[b], vs[b], scale, mode, groups))
         if pending is not None:
             _wait(pending[1])
             kv = pending[0]
@@ -203,11 +251,9 @@ def _ring_forward(ring: _Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 def _ring_backward(ring: _Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, dout: torch.Tensor,
                    scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    groups, n = q.shape[1] // k.shape[1], ring.parts
-    do = dout.float()
-    delta = (do * out).sum(-1)  # rowsum(dO * O): the softmax Jacobian's correction term
-    qs, dos = q.float().chunk(n, 2), do.chunk(n, 2)
-    lses, deltas = lse.chunk(n, 2), delta.chunk(n, 2)
+    groups, n, kernel = q.shape[1] // k.shape[1], ring.parts, _kernel(q, v)
+    qs, dos = q.float().chunk(n, 2), dout.float().chunk(n, 2)
+    outs, lses = out.chunk(n, 2), lse.chunk(n, 2)
     dqs = [torch.zeros_like(x) for x in qs]
     kv = [k, v]
     # The dk/dv accumulator of the block in hand; it travels with the block and after the
@@ -215,8 +261,7 @@ def _ring_backward(ring: _Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     dkv = [torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
     for step in range(ring.cp):
         pending = ring.shift(kv, _KV_TAG) if step < ring.cp - 1 else None
-        ke, ve = _expand(kv[0].float(), groups), _expand(kv[1].float(), groups)
-        ks, vs = ke.chunk(n, 2), ve.chunk(n, 2)
+        ks, vs = kv[0].float().chunk(n, 2), kv[1].float().chunk(n, 2)
         dks = [torch.zeros_like(x) for x in ks]
         dvs = [torch.zeros_like(x) for x in vs]
         for a, q_id in enumerate(ring.ids(ring.rank)):
@@ -224,12 +269,13 @@ def _ring_backward(ring: _Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                 mode = _mode(q_id, k_id, ring.causal)
                 if mode == _SKIP:
                     continue
-                dq, dk, dv = _block_backward(qs[a], ks[b], vs[b], dos[a], lses[a], deltas[a], scale, mode)
+                dq, dk, dv = _block_backward(kernel, qs[a], ks[b], vs[b], dos[a], outs[a], lses[a], scale,
+                                             mode, groups)
                 dqs[a] += dq
                 dks[b] += dk
                 dvs[b] += dv
-        dkv[0] += _fold(torch.cat(dks, 2), groups)
-        dkv[1] += _fold(torch.cat(dvs, 2), groups)
+        dkv[0] += torch.cat(dks, 2)
+        dkv[1] += torch.cat(dvs, 2)
         dkv_next, works = ring.shift(dkv, _GRAD_TAG)
         _wait(works)
         dkv = dkv_next
