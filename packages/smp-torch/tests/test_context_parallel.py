@@ -36,6 +36,10 @@ TWO_RANKS = [
     # The checks fail on the bugs they guard.
     {**_case("broken-sum", **CP2), "broken": "sum", "steps": 1},
     {**_case("broken-shift", **CP2), "broken": "shift", "steps": 1},
+    # A model of one's own from smp-tp's attention layers: each gets the cp group; its loss
+    # from smp.sequence_share / smp.sequence_mean. Without the group the check fails.
+    _case("smp-tp-layers-cp2", "smptp", **CP2),
+    {**_case("broken-unrouted", "smptp", **CP2), "broken": "unrouted", "steps": 1},
     # Refusals, named: attention soft-capping, a model whose attention smp cannot route.
     {**_case("gemma2-softcap", "gemma2", **CP2), "error": "context_parallel_degree"},
     {**_case("not-hf", "mlp", **CP2), "error": "context_parallel_degree"},

@@ -101,3 +101,19 @@ def test_fused_block_matches_math(mode: str) -> None:
     for got, want in zip(grads["cpu"], grads[None], strict=True):
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_layer_with_a_context_group_refuses_masks_and_dropout() -> None:
+    """``DistributedAttentionLayer.context_group`` runs its core as ring attention: what the
+    ring cannot do is refused by name before any exchange (no group needed to see it)."""
+    from smp_tp import DistributedAttentionLayer
+
+    layer = DistributedAttentionLayer(4, 8, 32, 0.0, 0.0, 1e-5, 0.02, True, False, 16, True, False)
+    layer.context_group = object()  # (never reached: refused first)
+    x = torch.randn(2, 16, 32)
+    with pytest.raises(ValueError, match="without a mask or attention dropout"):
+        layer(x, torch.ones(2, 1, 16, 16, dtype=torch.bool))
+    dropping = DistributedAttentionLayer(4, 8, 32, 0.1, 0.0, 1e-5, 0.02, True, False, 16, True, False)
+    dropping.context_group = object()
+    with pytest.raises(ValueError, match="attention dropout 0.1"):
+        dropping.train()(x)

@@ -20,7 +20,7 @@ from smp_torch.annotations import (
 from smp_torch.checkpoint import CheckpointError, resume_from_checkpoint, save_checkpoint
 from smp_torch.comm import CommGroup, RankType, allgather, barrier, broadcast, recv_from, send
 from smp_torch.config import SMPConfig
-from smp_torch.context_parallel import saved_activation_bytes
+from smp_torch.context_parallel import saved_activation_bytes, sequence_mean, sequence_share
 from smp_torch.errors import ConfigError, NotInitializedError, PeerFailedError, SMPError, StallError
 from smp_torch.inert import InertSettingWarning
 from smp_torch.model import DistributedModel
@@ -162,4 +162,6 @@ __all__ = [
     "get_mp_process_group",
     *_FROM_TP,
     "saved_activation_bytes",
+    "sequence_mean",
+    "sequence_share",
 ]

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from smp_tp import (
+    DistributedAttentionLayer,
     VocabParallelCausalLMLoss,
     context_parallel_attention,
     split_sequence,
@@ -47,10 +48,11 @@ from smp_tp import (
 from torch import nn
 
 from smp_torch.errors import ConfigError
+from smp_torch.state import state
 
 __all__ = [
     "ATTENTION_NAME", "SEQUENCE_INPUTS", "SequenceSplit", "full_sequence_loss", "install",
-    "saved_activation_bytes", "splitter",
+    "route_layers", "saved_activation_bytes", "sequence_mean", "sequence_share", "splitter",
 ]
 
 #: The name smp's attention function is registered under in transformers.
@@ -101,11 +103,12 @@ class SequenceSplit:
             if named.get("shift_labels") is None:
                 named["labels"] = F.pad(labels[..., 1:], (0, 1), value=_IGNORE)
         positions = named.get("position_ids")
-        if positions is None:
-            ref = named.get("input_ids", named.get("inputs_embeds"))
-            device = ref.device if isinstance(ref, torch.Tensor) else None
+        if positions is None and "position_ids" in self.signature.parameters:
+            tokens = [named.get(k) for k in ("input_ids", "inputs_embeds")]
+            device = next((t.device for t in tokens if isinstance(t, torch.Tensor)), None)
             positions = torch.arange(length, device=device).unsqueeze(0)
-        named["position_ids"] = positions
+        if positions is not None:
+            named["position_ids"] = positions
         axes = {**self.inputs, "labels": -1, "position_ids": -1}
         for name, axis in axes.items():
             value = named.get(name)
@@ -224,22 +227,21 @@ def _attention_function(group: Any, cp: int, choice: str) -> Any:
 
 
 def install(module: nn.Module, group: Any, cp: int, choice: str = "auto", tp: int = 1) -> int:
-    """Route ``module``'s attention through ring attention over ``group``. Returns the number
-    of attention modules routed. Before the engine wraps the model (its trace runs it).
+    """Route the attention of a Hugging Face ``module`` that calls it through transformers'
+    attention interface to ring attention or the all-to-all over heads, over ``group``.
+    Returns the number of attention modules routed (0 for another model). Before the engine
+    wraps the model (its trace runs it).
 
     Raises :class:`ConfigError` (the same on every rank: same model) when the model's
-    attention cannot be routed or its configuration is one the ring does not support."""
-    from transformers import AttentionInterface, PreTrainedModel  # (the user's model is one)
+    configuration is one the exchange does not support."""
+    from transformers import (  # (optional: the user's model may be one)
+        AttentionInterface,
+        PreTrainedModel,
+    )
 
-    name = type(module).__name__
     if not isinstance(module, PreTrainedModel) or not getattr(module, "_supports_attention_backend", False):
-        raise ConfigError(
-            "context_parallel_degree",
-            f"is {cp} but {name} is not a Hugging Face model that calls attention through "
-            "transformers' attention interface (Llama, Mistral, Qwen2/3, Phi-3, ...); "
-            "smp-tp's DistributedAttentionLayer is not context-parallel yet",
-        )
-    config = module.config
+        return 0
+    name, config = type(module).__name__, module.config
     if getattr(config, "attn_logit_softcapping", None) is not None:
         raise ConfigError(
             "context_parallel_degree",
@@ -248,8 +250,6 @@ def install(module: nn.Module, group: Any, cp: int, choice: str = "auto", tp: in
         )
     attention = [m for m in module.modules() if getattr(m, "is_causal", None) is not None
                  and type(m).__name__.endswith("Attention")]
-    if not attention:
-        raise ConfigError("context_parallel_degree", f"found no attention module in {name}")
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if choice == "all_to_all" and isinstance(heads, int) and isinstance(kv_heads, int) \
@@ -262,6 +262,23 @@ def install(module: nn.Module, group: Any, cp: int, choice: str = "auto", tp: in
     AttentionInterface.register(ATTENTION_NAME, _attention_function(group, cp, choice))
     module.set_attn_implementation(ATTENTION_NAME)
     return len(attention)
+
+
+def route_layers(module: nn.Module, group: Any, cp: int, routed: int) -> None:
+    """After the engine: give every smp-tp ``DistributedAttentionLayer`` of ``module`` (built
+    by the user or by tensor parallelism's replacements) the cp group, so its attention core
+    runs as ring attention. ``routed``: what :func:`install` routed; with nothing routed at
+    all, :class:`ConfigError` (no attention would see the other ranks' tokens)."""
+    layers = [m for m in module.modules() if isinstance(m, DistributedAttentionLayer)]
+    for layer in layers:
+        layer.context_group = group
+    if not routed and not layers:
+        raise ConfigError(
+            "context_parallel_degree",
+            f"is {cp} but {type(module).__name__} has no attention smp can split: neither a Hugging "
+            "Face model calling attention through transformers' attention interface (Llama, "
+            "Mistral, Qwen2/3, Phi-3, ...) nor smp-tp's DistributedAttentionLayer",
+        )
 
 
 def full_sequence_loss(module: nn.Module, group: Any) -> bool:
@@ -303,3 +320,34 @@ def saved_activation_bytes(run: Callable[[], Any], parameters: Iterable[torch.Te
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         run()
     return sum(seen.values())
+
+
+def sequence_share(t: torch.Tensor, axis: int = 1) -> torch.Tensor:
+    """This rank's share of a full-sequence tensor, as the model's inputs are split (load-
+    balanced chunks ``cp_rank`` and ``2 cp - 1 - cp_rank``): for a model of your own, the
+    targets that match its outputs. ``t`` itself with ``context_parallel_degree`` 1."""
+    ctx = state()
+    cp = ctx.config.cp
+    if cp == 1:
+        return t
+    length = t.shape[axis]
+    if length % (2 * cp):
+        raise ConfigError(
+            "context_parallel_degree",
+            f"the sequence length {length} is not divisible by 2 * context_parallel_degree = {2 * cp}",
+        )
+    return split_sequence(t, ctx.index("cp"), cp, axis, "balanced")
+
+
+def sequence_mean(total: torch.Tensor, count: torch.Tensor | int) -> torch.Tensor:
+    """The mean over the whole sequences from this rank's share: ``total`` (e.g. the summed
+    token losses of :func:`sequence_share`'s targets) and ``count`` (the tokens counted) summed
+    over the cp group, divided. Every cp rank gets the same value; the gradient reaches this
+    rank's ``total`` only (its share: smp sums gradients over cp). What a model of your own
+    returns as its loss under ``context_parallel_degree``; ``total / count`` without it."""
+    ctx = state()
+    count_t = torch.as_tensor(count, device=total.device)
+    if ctx.config.cp == 1:
+        return total / count_t
+    out: torch.Tensor = _SequenceMean.apply(total, count_t, None, ctx.process_groups["cp"])
+    return out

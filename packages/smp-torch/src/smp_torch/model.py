@@ -40,6 +40,7 @@ from smp_torch.consistency import StepInputs, check_tp_inputs
 from smp_torch.context import SMPContext, StepOutcome
 from smp_torch.context_parallel import SequenceSplit, full_sequence_loss
 from smp_torch.context_parallel import install as install_context_parallel
+from smp_torch.context_parallel import route_layers as route_attention_layers
 from smp_torch.context_parallel import splitter as sequence_splitter
 from smp_torch.engine import Engine, LocalEngine, Microbatches
 from smp_torch.errors import ConfigError, SMPError
@@ -125,9 +126,12 @@ class DistributedModel(nn.Module):
                 "'delayed_parameter_initialization': True in the smp config"
             )
         self._sequence: SequenceSplit | None = None
+        routed = 0
         if cfg.cp > 1:
             # (Before the engine: the pipeline's trace already runs the split model.)
-            install_context_parallel(module, ctx.process_groups["cp"], cfg.cp, cfg.context_parallel_attention, cfg.tp)
+            routed = install_context_parallel(
+                module, ctx.process_groups["cp"], cfg.cp, cfg.context_parallel_attention, cfg.tp
+            )
         elif sequence_inputs:
             raise ConfigError("context_parallel_degree", "sequence_inputs needs context_parallel_degree > 1")
         # Read before the engine rewraps modules; told after it accepted the configuration.
@@ -137,7 +141,8 @@ class DistributedModel(nn.Module):
         ctx.watch.arrive("in smp.DistributedModel(), waiting for the other ranks' models")
         self.engine: Engine = engine_cls(ctx, module, broadcast_weights, self._trace_device)
         self.module = self.engine.module
-        if cfg.cp > 1:  # (the loss as tensor parallelism left it)
+        if cfg.cp > 1:  # (the attention layers and the loss as tensor parallelism left them)
+            route_attention_layers(self.module, ctx.process_groups["cp"], cfg.cp, routed)
             causal_lm = full_sequence_loss(self.module, ctx.process_groups["cp"])
             self._sequence = sequence_splitter(self.module, ctx.index("cp"), cfg.cp, causal_lm, sequence_inputs)
         register_model(self.module)  # (stall reports name its modules)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from smp_tp.group import ProcessGroup
 from smp_tp.layers.config import TransformerConfig, build_config
+from smp_tp.layers.context import context_parallel_attention
 from smp_tp.layers.region import RegionModule, affine, region_layer_norm
 from smp_tp.layers.sequence import check_sequence_parallel, gathered_linear
 from smp_tp.mappings import bwd_allreduce_for_tp, fwd_allreduce_for_tp, reduce_scatter_for_tp
@@ -56,7 +57,16 @@ class DistributedAttentionLayer(RegionModule):
     ``sequence_parallel`` (default False; ``optimize="speed"``, scaled batch): layer norm,
     residual and hidden dropout on this rank's own samples, q/k/v input gathered by sample
     (stored per rank), output reduce-scattered by sample; see :mod:`smp_tp.layers.sequence`.
+
+    ``context_group`` (attribute, default None): a process group over which the *sequence* is
+    split (context parallelism, as :func:`~smp_tp.split_sequence` cuts it, balanced layout):
+    the attention core then runs as ring attention
+    (:func:`~smp_tp.context_parallel_attention`) over this rank's heads. Self-attention only,
+    without a mask or attention dropout (``ValueError`` otherwise).
     """
+
+    #: Context parallelism: the group the sequence is split over (None: not split).
+    context_group: Any = None
 
     # parameter containers (plain nn.Module holding weight/bias)
     query: Any
@@ -154,10 +164,34 @@ class DistributedAttentionLayer(RegionModule):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
         """This rank's partial output projection of the attention context (before combining)."""
+        if self.context_group is not None:
+            return F.linear(self._ring_core(q, k, v, mask), self.dense.weight)
         core, gen = self._core_and_gen(q.device)
         if self._recompute_active() and torch.is_grad_enabled():
             return recomputed_linear(core, gen, self.dense.weight, q, k, v, mask)
         return F.linear(core(gen, q, k, v, mask), self.dense.weight)
+
+    def _ring_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   mask: torch.Tensor | None) -> torch.Tensor:
+        """The attention core over a sequence split across ``context_group`` (ring attention:
+        no score matrix is kept, so recomputation has nothing to add)."""
+        p = self.attention_dropout_prob if self.training else 0.0
+        if self.cross_attention or mask is not None or p > 0.0:
+            raise ValueError(
+                "DistributedAttentionLayer with a context_group (context parallelism) supports "
+                "self-attention without a mask or attention dropout; got "
+                f"cross_attention={self.cross_attention}, mask={'given' if mask is not None else None}, "
+                f"attention dropout {p}"
+            )
+        B, sq, _ = q.shape
+        H, d = self.local_heads, self.attention_head_size
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(B, sq, H, d).transpose(1, 2)
+
+        out = context_parallel_attention(heads(q), heads(k), heads(v), self.context_group,
+                                         causal=self.causal, scale=1.0 / math.sqrt(d))
+        return out.transpose(1, 2).reshape(B, sq, H * d)
 
     def _recompute_active(self) -> bool:
         if self.optimize == "memory":
