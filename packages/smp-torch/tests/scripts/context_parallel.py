@@ -43,6 +43,7 @@ from mpi4py import MPI
 warnings.filterwarnings("ignore")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import smp_torch as smp  # noqa: E402
+from models import expect_config_error  # noqa: E402
 from smp_torch import context_parallel  # noqa: E402
 from smp_torch.state import state  # noqa: E402
 from transformers import (  # noqa: E402
@@ -147,18 +148,7 @@ def check(name: str, what: str, got: torch.Tensor, want: torch.Tensor, worst: di
 
 
 def expect_error(case: dict) -> None:
-    name, key = case["name"], case["error"]
-    caught: BaseException | None = None
-    try:
-        smp.init(case["config"])
-        smp.DistributedModel(build(case["model"]))
-    except smp.ConfigError as exc:
-        caught = exc
-    got = MPI.COMM_WORLD.allgather(None if caught is None else (caught.key, str(caught)))
-    bad = [r for r, g in enumerate(got) if g is None or g[0] != key]
-    assert not bad, f"[{name}] no ConfigError naming {key!r} on ranks {bad}: {got}"
-    if smp.rank() == 0:
-        print(f"CASE-OK {name} ConfigError on every rank: {got[0][1]}", flush=True)
+    expect_config_error(case["name"], case["error"], case["config"], lambda: build(case["model"]))
 
 
 def break_it(dmodel: smp.DistributedModel, broken: str) -> None:

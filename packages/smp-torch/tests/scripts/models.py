@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import smp_torch as smp
 import torch
 import torch.nn.functional as F
+from mpi4py import MPI
 from torch import nn
 
 VOCAB, HIDDEN, SEQ = 16, 8, 4
@@ -174,3 +177,20 @@ def hf_llama() -> nn.Module:
 
 
 HF_MODELS = {"gpt2": hf_gpt2, "llama": hf_llama}
+
+
+def expect_config_error(name: str, key: str, config: dict, build_model: Callable[[], nn.Module]) -> None:
+    """``smp.init(config)`` then ``smp.DistributedModel(build_model())`` must raise
+    ``ConfigError`` naming ``key`` on every rank; rank 0 prints ``CASE-OK <name> ...``."""
+    caught: BaseException | None = None
+    try:
+        smp.init(config)
+        smp.DistributedModel(build_model())
+    except smp.ConfigError as exc:
+        caught = exc
+    got = MPI.COMM_WORLD.allgather(None if caught is None else (caught.key, str(caught)))
+    bad = [r for r, g in enumerate(got) if g is None or g[0] != key]
+    if bad:
+        raise AssertionError(f"[{name}] no ConfigError naming {key!r} on ranks {bad}: {got}")
+    if MPI.COMM_WORLD.Get_rank() == 0:  # (smp may not be initialised: init itself may be what failed)
+        print(f"CASE-OK {name} ConfigError on every rank: {got[0][1]}", flush=True)
