@@ -152,14 +152,14 @@ MEANINGS: dict[str, str] = {
         "transformers' attention interface (Llama, Mistral, Qwen2/3, ...); sequences "
         "divisible by 2 x cp, no padding mask, no soft-capping or shorter sliding window. "
         "Composes with tensor, pipeline and data parallelism; not yet with sharded data or "
-        "expert parallelism. See [Context parallelism](how-to/context-parallel.md)."
+        "expert parallelism. See [Context parallelism](../how-to/context-parallel.md)."
     ),
     "context_parallel_attention": (
         "Context parallelism only: how attention sees the other ranks' tokens. `\"ring\"`: "
         "k/v blocks passed round the cp group (any number of heads); `\"all_to_all\"`: one "
         "all-to-all over heads (DeepSpeed-Ulysses; cp must divide each rank's query and "
         "key/value heads, else `ConfigError`); `\"auto\"` (default): the all-to-all where the "
-        "heads divide, the ring elsewhere. See [Context parallelism](how-to/context-parallel.md)."
+        "heads divide, the ring elsewhere. See [Context parallelism](../how-to/context-parallel.md)."
     ),
     "sdp_reduce_bucket_size": (
         "Elements: the largest shard unit made by keeping small children with their parent."
