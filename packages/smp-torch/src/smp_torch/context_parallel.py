@@ -135,13 +135,20 @@ class SequenceSplit:
                 "context_parallel_degree",
                 f"input {name!r} has {value.shape[axis]} positions along axis {axis}, the sequence has {length}",
             )
-        if length % (2 * self.cp):
-            raise ConfigError(
-                "context_parallel_degree",
-                f"the sequence length {length} (input {name!r}) is not divisible by 2 * "
-                f"context_parallel_degree = {2 * self.cp} (each rank keeps two equal chunks)",
-            )
-        return split_sequence(value, self.cp_rank, self.cp, axis, "balanced")
+        return _balanced_share(value, axis, self.cp_rank, self.cp, f" (input {name!r})")
+
+
+def _balanced_share(value: torch.Tensor, axis: int, cp_rank: int, cp: int, what: str = "") -> torch.Tensor:
+    """``cp_rank``'s balanced share of ``value`` along ``axis``; a length that 2 * cp does not
+    divide is a :class:`ConfigError` (``what`` names the input in the message)."""
+    length = value.shape[axis]
+    if length % (2 * cp):
+        raise ConfigError(
+            "context_parallel_degree",
+            f"the sequence length {length}{what} is not divisible by 2 * "
+            f"context_parallel_degree = {2 * cp} (each rank keeps two equal chunks)",
+        )
+    return split_sequence(value, cp_rank, cp, axis, "balanced")
 
 
 def _var_keyword(sig: inspect.Signature) -> str | None:
@@ -328,15 +335,7 @@ def sequence_share(t: torch.Tensor, axis: int = 1) -> torch.Tensor:
     targets that match its outputs. ``t`` itself with ``context_parallel_degree`` 1."""
     ctx = state()
     cp = ctx.config.cp
-    if cp == 1:
-        return t
-    length = t.shape[axis]
-    if length % (2 * cp):
-        raise ConfigError(
-            "context_parallel_degree",
-            f"the sequence length {length} is not divisible by 2 * context_parallel_degree = {2 * cp}",
-        )
-    return split_sequence(t, ctx.index("cp"), cp, axis, "balanced")
+    return t if cp == 1 else _balanced_share(t, axis, ctx.index("cp"), cp)
 
 
 def sequence_mean(total: torch.Tensor, count: torch.Tensor | int) -> torch.Tensor:

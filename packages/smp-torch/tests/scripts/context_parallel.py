@@ -43,7 +43,7 @@ from mpi4py import MPI
 warnings.filterwarnings("ignore")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import smp_torch as smp  # noqa: E402
-from models import expect_config_error  # noqa: E402
+from models import assert_resumed, expect_config_error  # noqa: E402
 from smp_torch import context_parallel  # noqa: E402
 from smp_torch.state import state  # noqa: E402
 from transformers import (  # noqa: E402
@@ -311,13 +311,7 @@ def resume(case: dict, dmodel: smp.DistributedModel, opt: smp.DistributedOptimiz
     fresh = smp.DistributedModel(MODELS[case["model"]]())
     fresh_opt = smp.DistributedOptimizer(torch.optim.Adam(fresh.parameters(), lr=1e-2))
     smp.resume_from_checkpoint(path, "cp", model=fresh, optimizer=fresh_opt)
-    back, back_opt = fresh.state_dict(), fresh_opt.state_dict()
-    for k, v in saved.items():
-        assert torch.equal(back[k], v), f"[{name}] rank {smp.rank()}: {k} differs after resuming"
-    for k, st in saved_opt["state"].items():
-        for key, v in st.items():
-            assert torch.equal(torch.as_tensor(back_opt["state"][k][key]), torch.as_tensor(v)), \
-                f"[{name}] optimizer {key} of {k} differs after resuming"
+    assert_resumed(name, saved, saved_opt, fresh, fresh_opt)
     smp.barrier()
     if smp.rank() == 0:
         shutil.rmtree(path, ignore_errors=True)

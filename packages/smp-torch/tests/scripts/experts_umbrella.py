@@ -38,7 +38,7 @@ from mpi4py import MPI
 warnings.filterwarnings("ignore")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import smp_torch as smp  # noqa: E402
-from models import expect_config_error  # noqa: E402
+from models import assert_resumed, expect_config_error  # noqa: E402
 from smp_torch import model as smp_model  # noqa: E402
 from smp_torch import tp_glue  # noqa: E402
 from smp_torch.state import state  # noqa: E402
@@ -397,13 +397,7 @@ def resume(case: dict, dmodel: smp.DistributedModel, ref: torch.nn.Module, opt: 
     fresh_opt, fresh_step = trainer(fresh, case.get("adam_eps", 1e-5))
     check_held(name, fresh, ref, cfg.expert_parallel_degree)
     smp.resume_from_checkpoint(path, "ep", model=fresh, optimizer=fresh_opt)
-    back, back_opt = fresh.state_dict(), fresh_opt.state_dict()
-    for k, v in saved.items():
-        assert torch.equal(back[k], v), f"[{name}] rank {smp.rank()}: {k} differs after resuming"
-    for k, st in saved_opt["state"].items():
-        for key, v in st.items():
-            got = back_opt["state"][k][key]
-            assert torch.equal(torch.as_tensor(got), torch.as_tensor(v)), f"[{name}] optimizer {key} of {k} after resuming"
+    assert_resumed(name, saved, saved_opt, fresh, fresh_opt)
     train(case, fresh, ref, fresh_opt, ref_opt, fresh_step, worst, range(save_after, steps))
     smp.barrier()
     if smp.rank() == 0:

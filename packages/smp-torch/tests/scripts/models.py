@@ -194,3 +194,15 @@ def expect_config_error(name: str, key: str, config: dict, build_model: Callable
         raise AssertionError(f"[{name}] no ConfigError naming {key!r} on ranks {bad}: {got}")
     if MPI.COMM_WORLD.Get_rank() == 0:  # (smp may not be initialised: init itself may be what failed)
         print(f"CASE-OK {name} ConfigError on every rank: {got[0][1]}", flush=True)
+
+
+def assert_resumed(name: str, saved: dict, saved_opt: dict, model: smp.DistributedModel,
+                   opt: smp.DistributedOptimizer) -> None:
+    """The gathered model and optimizer state of ``model``/``opt`` equal what was saved, bitwise."""
+    back, back_opt = model.state_dict(), opt.state_dict()
+    for k, v in saved.items():
+        assert torch.equal(back[k], v), f"[{name}] rank {smp.rank()}: {k} differs after resuming"
+    for k, st in saved_opt["state"].items():
+        for key, v in st.items():
+            got = back_opt["state"][k][key]
+            assert torch.equal(torch.as_tensor(got), torch.as_tensor(v)), f"[{name}] optimizer {key} of {k} after resuming"
