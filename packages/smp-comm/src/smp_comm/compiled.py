@@ -36,7 +36,7 @@ from types import ModuleType
 
 from smp_comm import fastpath
 
-__all__ = ["load", "load_library", "why_not"]
+__all__ = ["load", "load_extension", "load_library", "why_not"]
 
 _SOURCE = Path(__file__).with_name("_fastlane.c")
 _lock = threading.Lock()
@@ -192,13 +192,56 @@ def _build() -> ModuleType:
             # Linked by file name: the loader then reuses the copy mpi4py has loaded.
             f"-L{lib.parent}", f"-l:{lib.name}", f"-Wl,-rpath,{lib.parent}",
         ])  # fmt: skip
+    module = _import(target, "smp_comm._fastlane")
+    fastpath.configure_compiled(module)
+    return module
+
+
+def _import(target: Path, name: str) -> ModuleType:
+    """Import the built extension module at ``target`` as ``name``."""
     spec = importlib.util.spec_from_file_location(
-        "smp_comm._fastlane", target, loader=importlib.machinery.ExtensionFileLoader(
-            "smp_comm._fastlane", str(target)
-        )
+        name, target, loader=importlib.machinery.ExtensionFileLoader(name, str(target))
     )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    fastpath.configure_compiled(module)
     return module
+
+
+_extensions: dict[Path, ModuleType | None] = {}
+
+
+def load_extension(source: Path, name: str, *includes: Path) -> ModuleType | None:
+    """A C file using only Python's C API (no MPI) built into the extension module ``name``
+    on first use, cached like the fast path, and imported; the files it includes from
+    its own directory are listed in ``includes`` (they are part of the cache key). ``None``
+    if it cannot be built (no compiler or Python headers, not Linux, ``SMP_COMM_COMPILED=0``).
+    """
+    with _lock:
+        if source not in _extensions:
+            _extensions[source] = None
+            if os.environ.get("SMP_COMM_COMPILED", "1") != "0" and sys.platform.startswith("linux"):
+                try:
+                    _extensions[source] = _build_extension(source, name, includes)
+                except (_Unavailable, OSError, ImportError):
+                    pass
+        return _extensions[source]
+
+
+def _build_extension(source: Path, name: str, includes: tuple[Path, ...]) -> ModuleType:
+    py_include = sysconfig.get_paths()["include"]
+    if not Path(py_include, "Python.h").is_file():
+        raise _Unavailable(f"no Python.h in {py_include} (install the Python headers)")
+    cc = _compiler()
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    leaf = name.rsplit(".", 1)[-1]
+    target = _cached(
+        source, f"{leaf}{suffix}", *(p.read_bytes() for p in includes), suffix, " ".join(cc),
+        py_include,
+    )
+    if not target.is_file():
+        _compile(source, target, [
+            *cc, "-O2", "-fwrapv", "-shared", "-fPIC", "-o", "{out}", str(source),
+            f"-I{py_include}", f"-I{source.parent}",
+        ])  # fmt: skip
+    return _import(target, name)

@@ -45,6 +45,7 @@ from torch._C._distributed_c10d import ProcessGroup, ProcessGroupGloo, ReduceOp,
 from torch.futures import Future
 
 from smp_comm import shutdown
+from smp_comm.collectives import express
 from smp_comm.collectives.hierarchy import DEFAULT_HOST_CHUNK_BYTES, build_collectives
 from smp_comm.collectives.local import (
     REDUCE_OPS,
@@ -221,6 +222,8 @@ class SmpProcessGroup(ProcessGroup):
         self._running = threading.Lock()  # held while a collective runs; taken before a pop
         self._quick = self._coll if isinstance(self._coll, LocalCollectives) else None
         self.inline_bytes = _inline_bytes()
+        # All-reduce and barrier up to inline_bytes in one C call (None: not built here).
+        self._express = express.build(self._quick, self.inline_bytes) if self._quick else None
         self._thread = threading.Thread(target=self._serve, name="smp-collectives", daemon=True)
         self._thread.start()
         # A failed step here must not leave peers waiting in this group's collectives (a
@@ -368,8 +371,44 @@ class SmpProcessGroup(ProcessGroup):
         return None
 
     # -- the collectives it implements ---------------------------------------------------
+    def _try_express(
+        self, start: Callable[..., Iterator[None] | bool | None], result: list[torch.Tensor],
+        *args: Any,
+    ) -> SmpWork | None:
+        """Start a collective on the express path (nothing queued: the caller's thread, one C
+        call); ``None`` if ``start`` does not serve it. As in :meth:`_submit`, a collective
+        whose peers are late is finished by the group's thread, first in line."""
+        if self._queued or not self._running.acquire(blocking=False):
+            return None
+        try:
+            error: BaseException | None = self._refusal()
+            if error is None:
+                rest = start(*args)
+                if rest is None:
+                    return None
+                if rest is not True:
+                    work = SmpWork(result)
+                    self._enqueue((lambda: rest, work), first=True)  # type: ignore[arg-type,return-value]
+                    return work
+        except BaseException as exc:
+            error = self._failed(exc)
+        finally:
+            self._running.release()
+        return SmpWork.finished(result, error)
+
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:  # type: ignore[override]
         """In-place all-reduce of each tensor (one per device; here one CPU tensor)."""
+        # The express path first: what a small all-reduce costs is mostly this method's own
+        # Python, so it tests as little as it can before the one C call.
+        fast = self._express
+        if fast is not None and opts is not None and len(tensors) == 1:
+            t = tensors[0]
+            if t.is_cpu and t.is_contiguous():
+                name = _RED_OP_VALUES.get(opts.reduceOp.op.value)
+                if name is not None and (
+                    work := self._try_express(fast.all_reduce, tensors, t, name)
+                ) is not None:
+                    return work
         opts = opts if opts is not None else c10d.AllreduceOptions()
         if not all(t.is_cpu for t in tensors) and (other := self._fallback(tensors)) is not None:
             return other.allreduce(tensors, opts)
@@ -441,6 +480,9 @@ class SmpProcessGroup(ProcessGroup):
 
     def barrier(self, opts: Any = None) -> Work:
         """Completes once every rank of the group has called it."""
+        fast = self._express
+        if fast is not None and (work := self._try_express(fast.barrier, [])) is not None:
+            return work
         quick = self._quick
         return self._submit(self._coll.barrier, [], 0, quick.quick_barrier if quick else None)
 

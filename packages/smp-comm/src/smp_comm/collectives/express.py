@@ -1,0 +1,148 @@
+"""The express path of small collectives: one C call from the caller's thread.
+
+A 64 B all-reduce between two processes takes MPICH about 10 us. Through the segment's
+one-step protocol (:meth:`LocalCollectives._quick`) it took smp 50-60 us: the step itself
+is well under a microsecond, the rest was Python around it, above all ctypes (~0.35 us per
+argument per call, several calls). Here the whole step (copy in, publish, spin for the
+peers, compare the descriptors, reduce) is one call into ``_shmexpress.c``, a CPython
+extension built on first use like the fast path, and what the call needs is worked out
+once per segment (slot and phase addresses) or once per shape (the descriptor bytes).
+
+The protocol and its results are the segment's own (see :mod:`smp_comm.collectives.local`):
+the same steps, descriptors and rank-order reductions, so express and ordinary calls mix
+freely on one group and across ranks. When the peers are not all there after the spin,
+the call returns the rest of the collective as a generator, which finishes it exactly as
+the ordinary path does (waits with failure and timeout checks, then the descriptor check
+and the reduction).
+
+Without the Python headers or a C compiler, :func:`build` returns ``None`` and callers keep
+the ordinary path.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from smp_comm import compiled
+from smp_comm.collectives.local import (
+    _ALL_REDUCE,
+    _BARRIER,
+    _C_DTYPE,
+    _C_OPS,
+    _CODE,
+    _OP_CODE,
+    LocalCollectives,
+)
+
+__all__ = ["Express", "build"]
+
+_SOURCE = Path(__file__).with_name("_shmexpress.c")
+_INCLUDES = (Path(__file__).with_name("_shmstep.c"),)
+_DONE = -1  # every rank took the step (>= 0: the rank still awaited after the spin)
+_MISMATCH, _NO_KERNEL = -2, -3
+
+
+def _module() -> ModuleType | None:
+    return compiled.load_extension(_SOURCE, "smp_comm.collectives._shmexpress", *_INCLUDES)
+
+
+def build(local: LocalCollectives, max_bytes: int) -> Express | None:
+    """The express path of ``local``'s segment for collectives of at most ``max_bytes``, or
+    ``None`` where it cannot be built (then the ordinary path serves every call)."""
+    if max_bytes <= 0 or local.seg.lib is None:
+        return None
+    module = _module()
+    return None if module is None else Express(local, module, max_bytes)
+
+
+class Express:
+    """One segment's express collectives. Each method returns ``None`` when the call is not
+    one it serves (the caller takes the ordinary path), ``True`` when the collective is done,
+    or a generator that finishes it (its peers were not all there yet); it raises
+    :class:`~smp_comm.collectives.local.CollectiveMismatchError` when the ranks disagree."""
+
+    def __init__(self, local: LocalCollectives, module: ModuleType, max_bytes: int) -> None:
+        seg = local.seg
+        self._local, self._seg, self._call = local, seg, module.step
+        self._size, self._rank = seg.size, seg.rank
+        self._limit = min(max_bytes, seg.slot_bytes)
+        self._slots = tuple(seg.base + seg.slot_offset(p, seg.rank) for p in (0, 1))
+        self._phases = tuple(seg.base + seg.phase_offset(p) for p in (0, 1))
+        # (dtype, reduction) -> (C dtype, C reduction, the descriptor's dtype and op words)
+        self._codes = {
+            (dtype, op): (code, c_op, _CODE[dtype], _OP_CODE[op])
+            for dtype, code in _C_DTYPE.items()
+            for op, c_op in _C_OPS[dtype.is_floating_point].items()
+        }
+        # (dtype, reduction, elements) -> what all_reduce passes to C, or () if not served.
+        self._calls: dict[tuple[torch.dtype, str, int], tuple[bytes, int, int, int, int] | tuple[()]] = {}
+        self._barrier = struct.pack("<6q", _BARRIER, 0, 0, 0, 0, 0)
+
+    def all_reduce(self, t: torch.Tensor, op: str) -> Iterator[None] | bool | None:
+        """``t`` (contiguous, CPU) = the reduction of every rank's ``t``, in rank order."""
+        call = self._calls.get((t.dtype, op, t.numel()))
+        if call is None:
+            call = self._calls[(t.dtype, op, t.numel())] = self._plan(t.dtype, op, t.numel())
+        if not call:
+            return None
+        desc, nbytes, count, code, c_op = call
+        seg = self._seg
+        s = seg.step + 1
+        seg.step = s
+        at = t.data_ptr()
+        r = self._call(seg.base, self._size, self._rank, s, desc, at, nbytes, self._slots[s & 1],
+                       seg.spin_ns, self._phases[s & 1], seg.slot_bytes, count, code, c_op)
+        if r == _DONE:
+            return True
+        if r >= 0:
+            return self._rest(s, lambda: self._reduce(at, s, count, code, c_op))
+        return self._failed(s, r)
+
+    def _plan(self, dtype: torch.dtype, op: str, count: int) -> tuple[bytes, int, int, int, int] | tuple[()]:
+        """What :meth:`all_reduce` passes to C for this dtype, reduction and size; ``()``
+        when it does not serve them (another dtype or reduction, empty, too big)."""
+        codes = self._codes.get((dtype, op))
+        nbytes = count * dtype.itemsize
+        if codes is None or not 0 < nbytes <= self._limit:
+            return ()
+        code, c_op, dtype_word, op_word = codes
+        # As LocalCollectives._desc: (kind, dtype, elements, root, reduction, 0).
+        desc = struct.pack("<6q", _ALL_REDUCE, dtype_word, count, 0, op_word, 0)
+        return desc, nbytes, count, code, c_op
+
+    def barrier(self) -> Iterator[None] | bool:
+        """Return once every rank of the segment has called it."""
+        seg = self._seg
+        s = seg.step + 1
+        seg.step = s
+        r = self._call(seg.base, self._size, self._rank, s, self._barrier, 0, 0, 0, seg.spin_ns,
+                       0, 0, 0, 0, -1)
+        if r == _DONE:
+            return True
+        if r >= 0:
+            return self._rest(s, None)
+        return self._failed(s, r)
+
+    def _rest(self, s: int, then: Callable[[], None] | None) -> Iterator[None]:
+        yield
+        self._seg.fast_finish(s)
+        self._local._check_desc(s)
+        if then is not None:
+            then()
+
+    def _reduce(self, at: int, s: int, count: int, code: int, c_op: int) -> None:
+        lib = self._seg.lib
+        assert lib is not None
+        done = lib.smp_reduce(at, self._phases[s & 1], self._seg.slot_bytes, self._size, count,
+                              code, c_op)
+        assert done == 0, (code, c_op)
+
+    def _failed(self, s: int, r: int) -> bool:
+        if r == _MISMATCH:
+            self._local._check_desc(s)  # raises, naming every rank's description
+        raise AssertionError(f"smp backend: express step {s} returned {r}")
