@@ -56,3 +56,13 @@ def test_absent_peer_and_abort_name_the_rank(mpi_job, assert_case, case: str) ->
     # peer's job-wide rank; abort() on one rank ends its peers' waits at once.
     job = mpi_job("absent_peer.py", n=3, timeout=180)
     assert_case(job, case, range(3))
+
+
+@pytest.mark.parametrize("case", ["p2p-ring", "p2p-anysource", "p2p-subgroup", "p2p-size", "p2p-absent"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_point_to_point_over_mpi(mpi_job, assert_case, n: int, case: str) -> None:
+    # Under MPI an smp group's send/recv go between the callers' tensors over MPI: every
+    # dtype, strided, any source, subgroups; sizes that disagree and an absent sender raise
+    # naming the peer.
+    job = mpi_job("torch_p2p.py", n=n, timeout=180)
+    assert_case(job, case, range(n))

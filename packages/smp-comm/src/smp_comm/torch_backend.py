@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup, ProcessGroupGloo, ReduceOp, Work
 from torch.futures import Future
 
-from smp_comm import shutdown
+from smp_comm import shutdown, torch_p2p
 from smp_comm.collectives import express
 from smp_comm.collectives.hierarchy import DEFAULT_HOST_CHUNK_BYTES, build_collectives
 from smp_comm.collectives.local import (
@@ -207,11 +207,14 @@ class SmpProcessGroup(ProcessGroup):
         # never "No backend type associated with device type cpu".
         self._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, self._gloo)
         self._nccl: Any = None
+        labels = [f"rank {g}" if g == r else f"rank {g} (group rank {r})" for r, g in enumerate(ranks)]
         self._coll = build_collectives(
             store, rank, size, _node_id(rank), _slot_bytes(), timeout.total_seconds(),
-            _host_chunk_bytes(),
-            [f"rank {g}" if g == r else f"rank {g} (group rank {r})" for r, g in enumerate(ranks)],
+            _host_chunk_bytes(), labels,
         )
+        # Point to point straight between the callers' tensors over MPI, where the job runs
+        # under MPI; None: gloo's.
+        self._p2p = torch_p2p.build(store, rank, size, timeout, labels)
         self._broken: BaseException | None = None
         # Collectives run one at a time in call order: on the thread while any is queued,
         # else a small one starts on the caller's thread (no hand-off: its latency is the
@@ -626,16 +629,29 @@ class SmpProcessGroup(ProcessGroup):
         """``scatter``, by gloo or NCCL."""
         return self._other(outputs).scatter(outputs, inputs, *args)
 
+    def _mpi(self, tensors: Sequence[torch.Tensor]) -> torch_p2p.MpiPointToPoint | None:
+        """The MPI point to point for a single CPU tensor, if the group has one."""
+        p2p = self._p2p
+        return p2p if p2p is not None and len(tensors) == 1 and tensors[0].is_cpu else None
+
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Work:
-        """Point-to-point send, by gloo or NCCL."""
+        """Point-to-point send: over MPI from the tensor's memory (a job under MPI), else
+        by gloo; CUDA tensors by NCCL."""
+        if (p2p := self._mpi(tensors)) is not None:
+            return p2p.send(tensors[0], dst, tag)
         return self._other(tensors).send(tensors, dst, tag)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Work:
-        """Point-to-point receive, by gloo or NCCL."""
+        """Point-to-point receive: over MPI into the caller's tensor (a job under MPI), else
+        by gloo; CUDA tensors by NCCL."""
+        if (p2p := self._mpi(tensors)) is not None:
+            return p2p.recv(tensors[0], src, tag)
         return self._other(tensors).recv(tensors, src, tag)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Work:
-        """Receive from any rank, by gloo."""
+        """Receive from any rank: over MPI (a job under MPI), else by gloo."""
+        if (p2p := self._mpi(tensors)) is not None:
+            return p2p.recv(tensors[0], -1, tag)
         return self._gloo.recv_anysource(tensors, tag)  # type: ignore[attr-defined]
 
     # -- helpers -------------------------------------------------------------------------
