@@ -36,13 +36,12 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup, ProcessGroupGloo, ReduceOp, Work
-from torch.futures import Future
 
 from smp_comm import shutdown, torch_p2p
 from smp_comm.collectives import express
@@ -56,6 +55,7 @@ from smp_comm.collectives.local import (
     flat,
 )
 from smp_comm.collectives.shm import PeerFailedError
+from smp_comm.torch_work import SmpWork
 
 __all__ = ["BACKEND_NAME", "SmpProcessGroup", "SmpWork", "create_backend"]
 
@@ -77,82 +77,6 @@ _RED_OP_VALUES = {k.value: v for k, v in _RED_OPS.items()}
 # LocalCollectives._quick) that yields while it waits for peers.
 _Run = Callable[[], "Iterator[None] | None"]
 _DONE = object()
-
-
-_ALREADY_DONE = threading.Event()  # shared by every handle made complete
-_ALREADY_DONE.set()
-_DONE_FUTURE_LOCK = threading.Lock()  # for finished handles' futures, made rarely
-
-
-class SmpWork(Work):
-    """The handle of one collective of an :class:`SmpProcessGroup` (completed by its thread,
-    or already complete when the collective ran on the caller's thread)."""
-
-    def __init__(self, result: list[torch.Tensor]) -> None:
-        super().__init__()
-        self._result = result
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-        # Made on first use: most handles are only waited on, and a Future costs microseconds.
-        self._future: Future[list[torch.Tensor]] | None = None
-        self._future_lock = threading.Lock()
-
-    @classmethod
-    def finished(cls, result: list[torch.Tensor], error: BaseException | None) -> SmpWork:
-        """A handle of a collective that already ran (on the caller's thread)."""
-        work = cls.__new__(cls)
-        Work.__init__(work)
-        work._result, work._error, work._done = result, error, _ALREADY_DONE
-        work._future, work._future_lock = None, _DONE_FUTURE_LOCK
-        return work
-
-    def _finish(self, error: BaseException | None) -> None:
-        with self._future_lock:
-            self._error = error
-            self._done.set()
-            if self._future is not None:
-                self._complete(self._future)
-
-    def _complete(self, future: Future[list[torch.Tensor]]) -> None:
-        if self._error is None:
-            future.set_result(self._result)
-        else:
-            future.set_exception(self._error)  # type: ignore[arg-type]
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        """Block until the collective finished; raise its error if it failed."""
-        if not self._done.is_set():
-            seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-            if not self._done.wait(seconds if seconds else None):
-                raise TimeoutError(f"smp backend: collective not done after {seconds} s")
-        if self._error is not None:
-            raise self._error
-        return True
-
-    def is_completed(self) -> bool:
-        """Whether the collective finished (successfully or not)."""
-        return self._done.is_set()
-
-    def is_success(self) -> bool:
-        """Whether the collective finished without error."""
-        return self._done.is_set() and self._error is None
-
-    def exception(self) -> BaseException | None:
-        """The collective's error, if it failed."""
-        return self._error
-
-    def get_future(self) -> Future[list[torch.Tensor]]:
-        """A future completed with the output tensors (DDP's communication hooks use it)."""
-        with self._future_lock:
-            if self._future is None:
-                self._future = Future()
-                if self._done.is_set():
-                    self._complete(self._future)
-            return self._future
-
-    def result(self) -> list[torch.Tensor]:
-        """The output tensors."""
-        return self._result
 
 
 def _node_id(rank: int) -> str:
@@ -341,9 +265,7 @@ class SmpProcessGroup(ProcessGroup):
                         self._enqueue((run, work), first=True)
                         return work
                     if next(steps, _DONE) is not _DONE:
-                        work = SmpWork(result)
-                        self._enqueue((lambda: steps, work), first=True)
-                        return work
+                        return self._hand_over(steps, result)
             except BaseException as exc:
                 error = self._failed(exc)
             finally:
@@ -351,6 +273,14 @@ class SmpProcessGroup(ProcessGroup):
             return SmpWork.finished(result, error)
         work = SmpWork(result)
         self._enqueue((run, work))
+        return work
+
+    def _hand_over(self, rest: Iterator[None], result: list[torch.Tensor]) -> SmpWork:
+        """A pending handle of a collective started on the caller's thread whose peers were
+        late: the group's thread finishes ``rest``, first in line (call with ``_running``
+        held, so the thread cannot pop anything before it)."""
+        work = SmpWork(result)
+        self._enqueue((lambda: rest, work), first=True)
         return work
 
     def shutdown(self) -> None:
@@ -375,7 +305,7 @@ class SmpProcessGroup(ProcessGroup):
 
     # -- the collectives it implements ---------------------------------------------------
     def _try_express(
-        self, start: Callable[..., Iterator[None] | bool | None], result: list[torch.Tensor],
+        self, start: Callable[..., Iterator[None] | Literal[True] | None], result: list[torch.Tensor],
         *args: Any,
     ) -> SmpWork | None:
         """Start a collective on the express path (nothing queued: the caller's thread, one C
@@ -390,9 +320,7 @@ class SmpProcessGroup(ProcessGroup):
                 if rest is None:
                     return None
                 if rest is not True:
-                    work = SmpWork(result)
-                    self._enqueue((lambda: rest, work), first=True)  # type: ignore[arg-type,return-value]
-                    return work
+                    return self._hand_over(rest, result)
         except BaseException as exc:
             error = self._failed(exc)
         finally:

@@ -25,6 +25,7 @@ import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Literal, NoReturn
 
 import torch
 
@@ -83,7 +84,7 @@ class Express:
         self._calls: dict[tuple[torch.dtype, str, int], tuple[bytes, int, int, int, int] | tuple[()]] = {}
         self._barrier = struct.pack("<6q", _BARRIER, 0, 0, 0, 0, 0)
 
-    def all_reduce(self, t: torch.Tensor, op: str) -> Iterator[None] | bool | None:
+    def all_reduce(self, t: torch.Tensor, op: str) -> Iterator[None] | Literal[True] | None:
         """``t`` (contiguous, CPU) = the reduction of every rank's ``t``, in rank order."""
         call = self._calls.get((t.dtype, op, t.numel()))
         if call is None:
@@ -115,7 +116,7 @@ class Express:
         desc = struct.pack("<6q", _ALL_REDUCE, dtype_word, count, 0, op_word, 0)
         return desc, nbytes, count, code, c_op
 
-    def barrier(self) -> Iterator[None] | bool:
+    def barrier(self) -> Iterator[None] | Literal[True]:
         """Return once every rank of the segment has called it."""
         seg = self._seg
         s = seg.step + 1
@@ -142,7 +143,7 @@ class Express:
                               code, c_op)
         assert done == 0, (code, c_op)
 
-    def _failed(self, s: int, r: int) -> bool:
+    def _failed(self, s: int, r: int) -> NoReturn:
         if r == _MISMATCH:
             self._local._check_desc(s)  # raises, naming every rank's description
         raise AssertionError(f"smp backend: express step {s} returned {r}")
