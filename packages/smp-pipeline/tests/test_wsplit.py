@@ -100,6 +100,7 @@ def _grads(
     inputs: list[torch.Tensor],
     split: bool,
     runner: Callable[[WeightGradQueue], object] = lambda q: q.run(),
+    defer_norms: bool = False,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], WeightGradQueue | None]:
     """Accumulate every microbatch's ``loss / m`` backward; split: run W tasks afterwards."""
     torch.manual_seed(0)
@@ -112,7 +113,7 @@ def _grads(
             (model(x).square().mean() / len(xs)).backward()
 
     if split:
-        with deferred_weight_grads(model) as q:
+        with deferred_weight_grads(model, defer_norms=defer_norms) as q:
             backwards()
         runner(q)
         assert len(q) == 0
@@ -139,11 +140,12 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("defer_norms", [False, True], ids=["norms_in_i", "norms_deferred"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_split_backward_is_bitwise_plain(case: str) -> None:
+def test_split_backward_is_bitwise_plain(case: str, defer_norms: bool) -> None:
     make, kind = CASES[case]
     plain = _grads(make, _inputs(kind), split=False)
-    split = _grads(make, _inputs(kind), split=True)
+    split = _grads(make, _inputs(kind), split=True, defer_norms=defer_norms)
     _assert_bitwise(plain, split)
     q = split[2]
     assert q is not None and not q.not_deferred_ops and not q.immediate_params

@@ -3,30 +3,37 @@
 Zero-bubble pipelining runs the part of a stage's backward that the previous stage waits for
 (the gradient with respect to the stage's inputs, "I") at once, and the part nobody waits for
 (the weight gradients, "W") later, in the pipeline's idle time. Under
-:func:`deferred_weight_grads` a backward pass does exactly the I part for the operators it
-knows, and queues, per operator application, a small W task that holds only what that weight
-gradient needs:
+:func:`deferred_weight_grads` a backward pass does the I part for the layers it knows, and
+queues, per layer application, a small W task that holds only what that weight gradient needs:
 
-========================  ============================================  ==================
-operator                  the W task holds                              weight gradient
-========================  ============================================  ==================
-``F.linear``              the input and grad_output                     ``g^T x``, ``sum g``
-``F.layer_norm``          the input, its mean and rstd, grad_output     aten's norm backward
-``F.rms_norm``            the normalised input and grad_output          ``sum g * x_hat``
-``F.embedding``           the indices and grad_output                   aten's embedding backward
-========================  ============================================  ==================
+==================  ===============================================  =========================
+layer               the W task holds                                 weight gradient
+==================  ===============================================  =========================
+``nn.Linear``       the input and grad_output                        ``g^T x``, ``sum g``
+``nn.Embedding``    the indices and grad_output                      aten's embedding backward
+``nn.LayerNorm``    the finished weight/bias gradients (vectors);    aten's layer-norm backward
+                    ``defer_norms``: input, mean, rstd, grad_output
+``nn.RMSNorm``      the finished weight gradient (a vector);         ``sum g * x_hat``
+                    ``defer_norms``: normalised input, grad_output
+==================  ===============================================  =========================
+
+A norm's weight gradient is memory-bound and costs nearly as much as its input gradient when
+computed apart (a second pass over the same rows), so by default the I pass computes it with
+the input gradient (one kernel, as a plain backward does) and the W task only folds the
+vector into ``.grad`` at its turn: less to hold, and I + W costs a plain backward.
 
 The autograd graph is not kept alive from I to W: the I pass is an ordinary backward (its
-graph freed as it goes), and each W task owns its few tensors until it runs. Any other
-operator that uses a parameter (a convolution, ``x * self.scale``, a linear layer on a
-non-contiguous input) keeps torch's own backward, so its gradient is computed in the I pass:
-counted in :attr:`WeightGradQueue.not_deferred_ops` and :attr:`WeightGradQueue.immediate_params`.
+graph freed as it goes), and each W task owns its few tensors until it runs. Every other
+parameter (a convolution, ``x * self.scale``, a custom module's ``F.linear``, a linear layer on
+a non-contiguous input) keeps torch's own backward, so its gradient is accumulated in the I
+pass: named in :attr:`WeightGradQueue.immediate_params` (and a known layer that could not be
+split counted in :attr:`WeightGradQueue.not_deferred_ops`).
 
-Interception is a :class:`~torch.overrides.TorchFunctionMode` active for the context's
-duration, including the backward: activation checkpointing's recomputation
-(``torch.utils.checkpoint``, non-reentrant) runs inside the backward and goes through the same
-split, and each split operator saves its tensors with ``save_for_backward``, so checkpointing
-discards and recomputes them like any other saved tensor.
+Interception: for the context's duration the known layers' ``forward`` is replaced by a split
+one. Activation checkpointing's recomputation (``torch.utils.checkpoint``, non-reentrant) calls
+the same forwards inside the backward, so it goes through the split too, and each split layer
+saves its tensors with ``save_for_backward``: checkpointing discards and recomputes them like
+any other saved tensor.
 
 Bitwise accumulation. A plain backward sums the contributions of one microbatch to one
 parameter (a tied weight has several) in the order they arrive, then adds that sum into
@@ -97,6 +104,10 @@ class WeightGradQueue:
     immediate_params: set[str] = field(default_factory=set)
     _pending: dict[int, torch.Tensor] = field(default_factory=dict)
     _remaining: dict[tuple[int, int], int] = field(default_factory=dict)
+    #: False (default): a norm's weight gradient (a vector, memory-bound to compute) is
+    #: computed in the I pass and only folded into ``.grad`` by its W task; True: computed by
+    #: the W task from the held input and grad_output (see the module docstring)
+    defer_norms: bool = False
     #: an empty tensor requiring grad, passed to every split operator (see ``_detach``)
     anchor: torch.Tensor = field(default_factory=lambda: torch.empty(0, requires_grad=True))
     _group: int = -1
@@ -242,20 +253,34 @@ class _LayerNorm(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, w, b, mean, rstd = ctx.saved_tensors
         shape, wp, bp = ctx.shape, ctx.w_param, ctx.b_param
+        queue: WeightGradQueue = ctx.queue
+        need_x, has_b = bool(ctx.needs_input_grad[0]), bp is not None
+        params = (wp,) if bp is None else (wp, bp)
+
+        def pairs(gw: torch.Tensor, gb: torch.Tensor | None) -> GradPairs:
+            return [(wp, gw)] if gb is None else [(wp, gw), (bp, gb)]
+
+        if not queue.defer_norms:
+            # One kernel for all three (plain backward's cost); W only folds the two vectors.
+            gx, gw, gb = torch.ops.aten.native_layer_norm_backward(
+                g, x, shape, mean, rstd, w, b, [need_x, True, has_b]
+            )
+            done = pairs(gw, gb)
+            queue._enqueue(WTask("layer_norm", queue._group_for_current_backward(), params,
+                                 tuple(t for _, t in done), lambda: done))  # fmt: skip
+            return gx, None, None, None, None, None, None, None, None
         gx = None
-        if ctx.needs_input_grad[0]:
+        if need_x:
             gx = torch.ops.aten.native_layer_norm_backward(
                 g, x, shape, mean, rstd, w, b, [True, False, False]
             )[0]
-        queue: WeightGradQueue = ctx.queue
 
         def compute() -> GradPairs:
             _, gw, gb = torch.ops.aten.native_layer_norm_backward(
-                g, x, shape, mean, rstd, w, b, [False, True, bp is not None]
+                g, x, shape, mean, rstd, w, b, [False, True, has_b]
             )
-            return [(wp, gw)] if bp is None else [(wp, gw), (bp, gb)]
+            return pairs(gw, gb)
 
-        params = (wp,) if bp is None else (wp, bp)
         queue._enqueue(WTask("layer_norm", queue._group_for_current_backward(), params,
                              (x, mean, rstd, g), compute))  # fmt: skip
         return gx, None, None, None, None, None, None, None, None
@@ -281,8 +306,13 @@ class _Scale(torch.autograd.Function):
         def compute() -> GradPairs:
             return [(wp, (g * x_hat).sum_to_size(wp.shape))]
 
-        queue._enqueue(WTask("rms_norm", queue._group_for_current_backward(), (wp,),
-                             (x_hat, g), compute))  # fmt: skip
+        if not queue.defer_norms:
+            done = compute()  # a vector: hold it instead of the normalised input and g
+            queue._enqueue(WTask("rms_norm", queue._group_for_current_backward(), (wp,),
+                                 (done[0][1],), lambda: done))  # fmt: skip
+        else:
+            queue._enqueue(WTask("rms_norm", queue._group_for_current_backward(), (wp,),
+                                 (x_hat, g), compute))  # fmt: skip
         return gx, None, None, None, None
 
 
@@ -391,7 +421,7 @@ _SPLITS: dict[type[nn.Module], Callable[[Any, WeightGradQueue], Callable[..., to
 
 @contextlib.contextmanager
 def deferred_weight_grads(
-    module: nn.Module, queue: WeightGradQueue | None = None
+    module: nn.Module, queue: WeightGradQueue | None = None, defer_norms: bool = False
 ) -> Iterator[WeightGradQueue]:
     """Split the backwards run inside this context into input-grad now and queued W tasks.
 
@@ -400,9 +430,11 @@ def deferred_weight_grads(
     ``queue.immediate_params`` when it receives a gradient in the I pass). The context must
     enclose the forward and the backward (checkpointing recomputes inside the backward). W
     tasks stay queued when the context ends; run them with the queue's ``run*`` methods. Pass
-    ``queue`` to keep queuing into an existing one.
+    ``queue`` to keep queuing into an existing one. ``defer_norms``: see
+    :attr:`WeightGradQueue.defer_norms`.
     """
     q = WeightGradQueue() if queue is None else queue
+    q.defer_norms = defer_norms
     patched: list[nn.Module] = []
     hooks = []
     try:
