@@ -1,6 +1,7 @@
 """The cost of splitting a backward into input-grad (I) and weight-grad (W) tasks.
 
-Run: python benchmarks/bench_wsplit.py   (one process; ~2 minutes on a quiet 2-core machine)
+Run: python benchmarks/bench_wsplit.py   (one process; 8 minutes on a 2-core machine at load
+average 15, estimated 1-2 minutes quiet)
 Smoke: BENCH_WSPLIT_REPS=3 BENCH_WSPLIT_SCALE=0.25 python benchmarks/bench_wsplit.py
 
 For each case, a forward (untimed) then its backward, timed, ``REPS`` times, the two
@@ -19,7 +20,7 @@ attention, LayerNorm, GELU MLP of 4x; width 512, 2 x 512 tokens).
 Printed per case: the median and best plain backward, I, W and I + W in milliseconds, and
 the ratio (I + W) / plain, median over median and best over best, against the target of
 <= 1.05x a plain backward (a benchmark target, never asserted). Then the bytes autograd saves
-for backward in the forward (distinct storages, parameters and the input excluded) — what a
+for backward in the forward (distinct storages, the input included, parameters excluded) — what a
 1F1B stage keeps per microbatch in flight from F to B — against what the queued W tasks hold
 after the I pass — what a zero-bubble stage keeps per microbatch from I to W.
 """
@@ -78,9 +79,8 @@ CASES: dict[str, Callable[[], tuple[nn.Module, torch.Tensor]]] = {
 
 
 def _saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
-    """Distinct storages autograd saves in one forward, parameters and the input excluded."""
+    """Distinct storages autograd saves in one forward, parameters excluded."""
     skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    skip.add(x.untyped_storage().data_ptr())
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -144,7 +144,7 @@ def _case(name: str) -> None:
           f"{best['I+W'] / best['plain']:.3f}x   (target <= {TARGET:.2f}x)")  # fmt: skip
     fwd = _saved_bytes(model, x)
     print(f"{'':10s} saved for backward after F: {fwd / 2**20:7.2f} MiB; held by W tasks after "
-          f"I: {held[0] / 2**20:7.2f} MiB ({held[0] / max(fwd, 1):.2f}x)")  # fmt: skip
+          f"I: {held[0] / 2**20:7.2f} MiB ({held[0] / fwd:.2f}x)")  # fmt: skip
 
 
 def main() -> None:
