@@ -204,6 +204,25 @@ def test_unsplit_parameters_get_their_gradient_now_and_are_counted() -> None:
     assert q.not_deferred_ops == {"linear": 3}
 
 
+class HalfTied(nn.Module):
+    """The head reuses the embedding's weight through ``F.linear`` (not a split layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, D)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.linear(torch.tanh(self.emb(ids)), self.emb.weight)
+
+
+def test_a_parameter_both_split_and_not_is_reported() -> None:
+    plain = _grads(HalfTied, _inputs("ids"), split=False)
+    split = _grads(HalfTied, _inputs("ids"), split=True)
+    q = split[2]
+    assert q is not None and q.mixed_params == {"emb.weight"}
+    torch.testing.assert_close(plain[0][0], split[0][0])  # equal values, not promised bits
+
+
 def test_graph_is_freed_after_the_i_pass_only_w_inputs_remain() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(D, 128), nn.GELU(), nn.Linear(128, 128), nn.Tanh(),

@@ -102,6 +102,11 @@ class WeightGradQueue:
     not_deferred_ops: dict[str, int] = field(default_factory=dict)
     #: names of tracked parameters whose gradient was accumulated in the I pass
     immediate_params: set[str] = field(default_factory=set)
+    #: names of parameters that received both: a gradient in the I pass (an operator the
+    #: split does not know) and W tasks. Their ``.grad`` is right but its rounding is not a
+    #: plain backward's (which sums a microbatch's contributions before accumulating them).
+    mixed_params: set[str] = field(default_factory=set)
+    _immediate_ids: dict[int, str] = field(default_factory=dict)
     _pending: dict[int, torch.Tensor] = field(default_factory=dict)
     _remaining: dict[tuple[int, int], int] = field(default_factory=dict)
     #: False (default): a norm's weight gradient (a vector, memory-bound to compute) is
@@ -132,6 +137,10 @@ class WeightGradQueue:
             self._last_task_id = task_id
         return self._group
 
+    def _note_immediate(self, p: torch.Tensor, name: str) -> None:
+        self.immediate_params.add(name)
+        self._immediate_ids[id(p)] = name
+
     def _count_not_deferred(self, op: str) -> None:
         if torch.is_grad_enabled():
             self.not_deferred_ops[op] = self.not_deferred_ops.get(op, 0) + 1
@@ -160,6 +169,8 @@ class WeightGradQueue:
                     self._pending[id(p)] = total
                     continue
                 del self._remaining[key]
+                if id(p) in self._immediate_ids:
+                    self.mixed_params.add(self._immediate_ids[id(p)])
                 _fold_into_grad(p, total)
         return True
 
@@ -447,7 +458,7 @@ def deferred_weight_grads(
         for n, p in module.named_parameters():
             if p.requires_grad:
                 hooks.append(p.register_post_accumulate_grad_hook(
-                    lambda _p, n=n: q.immediate_params.add(n)))  # fmt: skip
+                    lambda p, n=n: q._note_immediate(p, n)))  # fmt: skip
         yield q
     finally:
         for h in hooks:
