@@ -11,6 +11,9 @@ contenders alternating (which goes first alternates too), gradients reset before
 - ``split``: the same backward under ``smp_pipeline.wsplit.deferred_weight_grads`` (the I
   pass: input gradients, W tasks queued), then ``queue.run()`` (the W pass).
 
+One intra-op thread by default (``BENCH_WSPLIT_THREADS``): on a shared machine two OpenMP
+threads wait at every barrier for whichever was preempted, which swamps a 5% difference.
+
 Cases, fp32 on CPU (``SCALE`` multiplies the token count): ``linear`` (one ``nn.Linear``
 1024 -> 1024 on 1024 tokens), ``attention`` (qkv projection, ``F.scaled_dot_product_attention``
 with 8 heads, output projection; width 512, 2 x 512 tokens), ``layernorm`` / ``rmsnorm`` (one
@@ -40,6 +43,7 @@ from torch import nn
 
 REPS = int(os.environ.get("BENCH_WSPLIT_REPS", "15"))
 SCALE = float(os.environ.get("BENCH_WSPLIT_SCALE", "1"))
+THREADS = int(os.environ.get("BENCH_WSPLIT_THREADS", "1"))
 TARGET = 1.05
 
 
@@ -154,6 +158,7 @@ def _case(name: str) -> None:
 
 
 def main() -> None:
+    torch.set_num_threads(THREADS)
     print(f"bench_wsplit: torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"REPS={REPS}, SCALE={SCALE}, load average {os.getloadavg()}")  # fmt: skip
     for name in CASES:

@@ -195,7 +195,9 @@ class WeightGradQueue:
 def _fold_into_grad(p: nn.Parameter, g: torch.Tensor) -> None:
     """``p.grad += g`` the way AccumulateGrad does it (the first gradient is stored as is)."""
     if p.grad is None:
-        p.grad = g if g.stride() == p.stride() else torch.empty_like(p).copy_(g)
+        # A view (a one-row bias sum) would alias a held tensor: store a copy, as for strides.
+        stealable = g._base is None and g.stride() == p.stride()
+        p.grad = g if stealable else torch.empty_like(p).copy_(g)
     else:
         p.grad += g
 
