@@ -1,7 +1,7 @@
 """The cost of splitting a backward into input-grad (I) and weight-grad (W) tasks.
 
-Run: python benchmarks/bench_wsplit.py   (one process; 8 minutes on a 2-core machine at load
-average 15, estimated 1-2 minutes quiet)
+Run: python benchmarks/bench_wsplit.py   (one process; 5-6 minutes on a 2-core machine at
+load average 12-21, estimated 1-2 minutes quiet)
 Smoke: BENCH_WSPLIT_REPS=3 BENCH_WSPLIT_SCALE=0.25 python benchmarks/bench_wsplit.py
 
 For each case, a forward (untimed) then its backward, timed, ``REPS`` times, the two
