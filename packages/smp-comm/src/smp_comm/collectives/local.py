@@ -9,8 +9,9 @@ the group stays usable.
 Floating-point reductions add in rank order, ``((x0 + x1) + x2) + ...``, whichever rank
 computes them, so results are identical on every rank and from run to run, within
 ``(n - 1) * eps * sum |x_i|`` of the exact sum. Integer and bitwise reductions are exact.
-Large all-reduces are two steps per chunk (each rank reduces one n-th, then all copy the
-parts out); small ones are one step (every rank reduces the whole, in the same order).
+Large all-reduces are two steps per chunk (each rank reduces one n-th, reading its own
+terms from its own tensor, then copies the peers' parts out); small ones are one step (every
+rank reduces the whole, in the same order).
 """
 
 from __future__ import annotations
@@ -337,7 +338,13 @@ class LocalCollectives:
                 part[a:z].copy_(done)
             s2 = self._step(None)
             for r in range(n):
-                if r != rank:
+                if r == rank or b[r] == b[r + 1]:
+                    continue
+                if lib is not None:  # streaming stores: ``t`` is not read back here
+                    lib.smp_copy_out(part.data_ptr() + b[r] * size,
+                                     self._addr(self.seg.slot_offset(s2, r)) + b[r] * size,
+                                     (b[r + 1] - b[r]) * size)
+                else:
                     part[b[r] : b[r + 1]].copy_(self._slot(s2, r, dtype)[b[r] : b[r + 1]])
             lo += m
 
