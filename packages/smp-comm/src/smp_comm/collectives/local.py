@@ -304,9 +304,9 @@ class LocalCollectives:
         elements. Rank ``r`` reduces elements ``[b[r], b[r + 1])`` of the chunk; every rank
         puts into its slot only the parts its peers reduce (its own part it reads from ``t``:
         the same values, so the rank-order sum is unchanged), reduces its part into ``t`` and
-        its slot of the next phase at once, then copies the peers' finished parts out. Each
-        element thus crosses the segment twice, against four times for copying whole chunks
-        in and out."""
+        its slot of the next phase at once, then copies the peers' finished parts out (in C
+        with streaming stores). Each element thus crosses the segment twice, against four
+        times for copying whole chunks in and out."""
         n, rank, total, dtype = self.size, self.rank, t.numel(), t.dtype
         lib, code = self.seg.lib, _C_DTYPE.get(dtype)
         c_op = None if code is None else _C_OPS[dtype.is_floating_point].get(op)
