@@ -66,3 +66,14 @@ def test_point_to_point_over_mpi(mpi_job, assert_case, n: int, case: str) -> Non
     # naming the peer.
     job = mpi_job("torch_p2p.py", n=n, timeout=180)
     assert_case(job, case, range(n))
+
+
+@pytest.mark.parametrize(("n", "compiled"), [(2, "1"), (3, "1"), (4, "1"), (3, "0")])
+def test_large_all_reduce_is_rank_order_bit_for_bit(mpi_job, assert_case, n: int,
+                                                    compiled: str) -> None:
+    # The two-step all-reduce, with its C kernel and without (SMP_COMM_COMPILED=0): byte for
+    # byte the left-to-right rank-order reduction, on every rank. 3 ranks: a rank's own part
+    # read from its tensor, not its slot, lands mid-sum on rank 1.
+    env = {**ENV, "SMP_COMM_COMPILED": compiled}
+    job = mpi_job("large_all_reduce.py", n=n, timeout=300, env=env)
+    assert_case(job, "large-all-reduce", range(n))

@@ -123,3 +123,86 @@ int smp_reduce(char *out, const char *phase, int64_t stride, int64_t n, int64_t 
     default: return -1;
     }
 }
+
+/* The large all-reduce's fused reduction (see LocalCollectives.all_reduce): this rank's part
+ * of a chunk, v[i] = src_0[i] (op) src_1[i] (op) ... in rank order, where src_rank = own
+ * (this rank's own tensor: its values never went through the segment) and src_r = phase +
+ * r * stride bytes for every peer r; avg divides by n at the end. One pass writes v to both
+ * out_a (may be own: each block is read before it is written) and out_b (this rank's slot
+ * of the next phase, where the peers copy it from). Blocks of SMP_BLOCK elements stay in
+ * L1 between the ranks' terms, so memory sees each source read once and each output written
+ * once, against n + 2 passes for the same sum from separate binary kernels. Returns 0, or
+ * -1 for a (dtype, op) not handled here (like smp_reduce). Same operations, same order,
+ * same rounding as smp_reduce and torch's kernels: only the traversal differs. */
+#define SMP_BLOCK 1024
+#if defined(__GNUC__) && !defined(__clang__)
+#define SMP_VECTORIZE __attribute__((optimize("O3")))
+#else
+#define SMP_VECTORIZE
+#endif
+
+#define REDUCE2(T)                                                                     \
+    {                                                                                  \
+        T acc[SMP_BLOCK];                                                              \
+        for (int64_t lo = 0; lo < count; lo += SMP_BLOCK) {                            \
+            int64_t m = count - lo < SMP_BLOCK ? count - lo : SMP_BLOCK;               \
+            for (int64_t r = 0; r < n; r++) {                                          \
+                const T *restrict b = r == rank ? (const T *)own + lo                  \
+                                                : (const T *)(phase + r * stride) + lo; \
+                if (r == 0) { for (int64_t i = 0; i < m; i++) acc[i] = b[i]; continue; } \
+                switch (op) {                                                          \
+                case 0: case 1: for (int64_t i = 0; i < m; i++) acc[i] = acc[i] + b[i]; break; \
+                case 2: for (int64_t i = 0; i < m; i++) acc[i] = acc[i] * b[i]; break;  \
+                case 3: for (int64_t i = 0; i < m; i++) acc[i] = b[i] < acc[i] ? b[i] : acc[i]; break; \
+                case 4: for (int64_t i = 0; i < m; i++) acc[i] = b[i] > acc[i] ? b[i] : acc[i]; break; \
+                default: return -1;                                                    \
+                }                                                                      \
+            }                                                                          \
+            if (op == 1) for (int64_t i = 0; i < m; i++) acc[i] = acc[i] / (T)n;       \
+            T *restrict oa = (T *)out_a + lo;                                          \
+            T *restrict ob = (T *)out_b + lo;                                          \
+            for (int64_t i = 0; i < m; i++) { oa[i] = acc[i]; ob[i] = acc[i]; }        \
+        }                                                                              \
+        return 0;                                                                      \
+    }
+
+SMP_VECTORIZE
+int smp_reduce2(char *out_a, char *out_b, const char *own, const char *phase, int64_t stride,
+                int64_t n, int64_t rank, int64_t count, int64_t dtype, int64_t op) {
+    if (op < 0 || op > 4) return -1;
+    switch (dtype) {
+    case 0: REDUCE2(float)
+    case 1: REDUCE2(double)
+    case 2: if (op == 1) return -1; REDUCE2(int32_t)
+    case 3: if (op == 1) return -1; REDUCE2(int64_t)
+    default: return -1;
+    }
+}
+
+/* memcpy for the large all-reduce's copy out of the segment, into memory the caller does not
+ * read back soon: on x86-64, streaming stores skip reading each destination line before
+ * overwriting it (a third of the traffic of a plain copy into a tensor that is not cached).
+ * The fence makes the bytes visible before a later publish. */
+#if defined(__x86_64__)
+#include <emmintrin.h>
+void smp_copy_out(char *dst, const char *src, int64_t nbytes) {
+    int64_t i = 0;
+    for (; i < nbytes && ((uintptr_t)(dst + i) & 15); i++) dst[i] = src[i];
+    for (; i + 64 <= nbytes; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+        _mm_stream_si128((__m128i *)(dst + i), a);
+        _mm_stream_si128((__m128i *)(dst + i + 16), b);
+        _mm_stream_si128((__m128i *)(dst + i + 32), c);
+        _mm_stream_si128((__m128i *)(dst + i + 48), d);
+    }
+    for (; i < nbytes; i++) dst[i] = src[i];
+    _mm_sfence();
+}
+#else
+void smp_copy_out(char *dst, const char *src, int64_t nbytes) {
+    if (nbytes > 0) memcpy(dst, src, (size_t)nbytes);
+}
+#endif

@@ -9,8 +9,9 @@ the group stays usable.
 Floating-point reductions add in rank order, ``((x0 + x1) + x2) + ...``, whichever rank
 computes them, so results are identical on every rank and from run to run, within
 ``(n - 1) * eps * sum |x_i|`` of the exact sum. Integer and bitwise reductions are exact.
-Large all-reduces are two steps per chunk (each rank reduces one n-th, then all copy the
-parts out); small ones are one step (every rank reduces the whole, in the same order).
+Large all-reduces are two steps per chunk (each rank reduces one n-th, reading its own
+terms from its own tensor, then copies the peers' parts out); small ones are one step (every
+rank reduces the whole, in the same order).
 """
 
 from __future__ import annotations
@@ -282,7 +283,9 @@ class LocalCollectives:
         n, total = self.size, t.numel()
         cap = self.seg.slot_bytes // t.element_size()
         t = flat(t)
-        one_shot = total * t.element_size() <= _ONE_SHOT_BYTES
+        if n > 1 and total * t.element_size() > _ONE_SHOT_BYTES:
+            self._two_shot(t, op, desc, cap)
+            return
         lo = 0
         while True:
             m = min(cap, total - lo)
@@ -290,21 +293,60 @@ class LocalCollectives:
             if m:
                 self._slot(self.seg.next_step(), self.rank, t.dtype)[:m].copy_(part)
             s = self._step(desc if lo == 0 else None)
-            if m and (one_shot or n == 1):
+            if m:
                 reduce_into(part, [self._slot(s, r, t.dtype)[:m] for r in range(n)], op, n)
-            elif m:
-                # Two-shot: this rank reduces elements [b[rank], b[rank + 1]) of the chunk
-                # into its slot of the next step's phase, then every rank copies all parts.
-                b = [r * m // n for r in range(n + 1)]
-                a, z = b[self.rank], b[self.rank + 1]
-                mine = self._slot(s + 1, self.rank, t.dtype)[a:z]
-                reduce_into(mine, [self._slot(s, r, t.dtype)[a:z] for r in range(n)], op, n)
-                s2 = self._step(None)
-                for r in range(n):
-                    part[b[r] : b[r + 1]].copy_(self._slot(s2, r, t.dtype)[b[r] : b[r + 1]])
             lo += m
             if lo >= total:
                 return
+
+    def _two_shot(self, t: torch.Tensor, op: str, desc: Sequence[int], cap: int) -> None:
+        """:meth:`all_reduce` of a large flat ``t``: two steps per chunk of up to ``cap``
+        elements. Rank ``r`` reduces elements ``[b[r], b[r + 1])`` of the chunk; every rank
+        puts into its slot only the parts its peers reduce (its own part it reads from ``t``:
+        the same values, so the rank-order sum is unchanged), reduces its part into ``t`` and
+        its slot of the next phase at once, then copies the peers' finished parts out (in C
+        with streaming stores). Each element thus crosses the segment twice, against four
+        times for copying whole chunks in and out."""
+        n, rank, total, dtype = self.size, self.rank, t.numel(), t.dtype
+        lib, code = self.seg.lib, _C_DTYPE.get(dtype)
+        c_op = None if code is None else _C_OPS[dtype.is_floating_point].get(op)
+        fused = lib is not None and c_op is not None
+        size, stride = t.element_size(), self.seg.slot_bytes
+        lo = 0
+        while lo < total:
+            m = min(cap, total - lo)
+            part = t[lo : lo + m]
+            b = [r * m // n for r in range(n + 1)]
+            a, z = b[rank], b[rank + 1]
+            mine = self._slot(self.seg.next_step(), rank, dtype)
+            for r in range(n):
+                if r != rank:
+                    mine[b[r] : b[r + 1]].copy_(part[b[r] : b[r + 1]])
+            s = self._step(desc if lo == 0 else None)
+            done = self._slot(s + 1, rank, dtype)[a:z]
+            if fused:
+                assert lib is not None and code is not None
+                phase = self._addr(self.seg.phase_offset(s)) + a * size
+                got = lib.smp_reduce2(part.data_ptr() + a * size, done.data_ptr(),
+                                      part.data_ptr() + a * size, phase, stride, n, rank,
+                                      z - a, code, c_op)
+                assert got == 0, (dtype, op)
+            else:
+                srcs = [part[a:z] if r == rank else self._slot(s, r, dtype)[a:z]
+                        for r in range(n)]
+                reduce_into(done, srcs, op, n)
+                part[a:z].copy_(done)
+            s2 = self._step(None)
+            for r in range(n):
+                if r == rank or b[r] == b[r + 1]:
+                    continue
+                if lib is not None:  # streaming stores: ``t`` is not read back here
+                    lib.smp_copy_out(part.data_ptr() + b[r] * size,
+                                     self._addr(self.seg.slot_offset(s2, r)) + b[r] * size,
+                                     (b[r + 1] - b[r]) * size)
+                else:
+                    part[b[r] : b[r + 1]].copy_(self._slot(s2, r, dtype)[b[r] : b[r + 1]])
+            lo += m
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str) -> None:
         """``out`` = the reduction over ranks of block ``rank`` of ``inp`` (``size`` blocks)."""

@@ -106,6 +106,10 @@ def step_library() -> ctypes.CDLL | None:
         lib.smp_step.restype = i64
         lib.smp_reduce.argtypes = [ptr, ptr, i64, i64, i64, i64, i64]
         lib.smp_reduce.restype = ctypes.c_int
+        lib.smp_reduce2.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
+        lib.smp_reduce2.restype = ctypes.c_int
+        lib.smp_copy_out.argtypes = [ptr, ptr, i64]
+        lib.smp_copy_out.restype = None
         _TYPED.append(lib)
     return lib
 
