@@ -35,6 +35,7 @@ def counting(read_from):
 
 
 smp_comm.cma.read_from = counting(smp_comm.cma.read_from)
+smp_comm.cma.SPLIT_MIN_BYTES = 1 << 20  # every read here in two halves, two threads
 
 
 def payload(k: int) -> torch.Tensor:
