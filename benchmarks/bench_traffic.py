@@ -247,7 +247,7 @@ def main() -> None:
     print(f"(load average before: {os.getloadavg()[0]:.1f})", flush=True)
     for n in (2,) if os.environ.get("SMP_COMM_BENCH_ONLY") else (2, 4):
         cmd = [mpiexec, "-n", str(n), sys.executable, os.path.abspath(__file__)]
-        subprocess.run(cmd, env=env, check=True, timeout=300)
+        subprocess.run(cmd, env=env, check=True, timeout=900)
 
 
 if __name__ == "__main__":
