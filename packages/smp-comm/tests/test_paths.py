@@ -48,3 +48,10 @@ def test_receive_into_the_callers_tensor(mpi_job, assert_case, case: str) -> Non
     # irecv(out=...) on every path; posted first, the bytes land in place (no new buffer).
     job = mpi_job("recv_out.py", n=2, timeout=180)
     assert_case(job, case, range(2))
+
+
+@pytest.mark.parametrize("case", ["pulled-into-out", "refused-at-start", "refused-later"])
+def test_receive_into_the_callers_tensor_by_pulling(mpi_job, assert_case, case: str) -> None:
+    # The pull path (smp_comm.cma): one copy, the send open until read, both fallbacks.
+    job = mpi_job("recv_pull.py", n=2, timeout=180)
+    assert_case(job, case, range(2))

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from smp_comm import cma
 from smp_comm.alloc import RangeAllocator
 from smp_comm.errors import CommError
 from smp_comm.serialize import Packed, TensorStub, new_buffers, torch
@@ -176,6 +177,15 @@ class DirectPaths:
                     base, n = _slice_of(rank, dest, peers(dest, True), actual[dest])
                     self._alloc[("shm", dest)] = RangeAllocator(base, n)
 
+        # pull: which node peers may read this rank's memory and whose this rank may read
+        # (process_vm_readv; smp_comm.cma), tried once per pair now.
+        self.single_copy_min_bytes = settings.single_copy_min_bytes
+        pull_on = self.single_copy_min_bytes > 0 and "shm" in enabled
+        pids, can_read, read_by = cma.probe(self.node, pull_on)
+        self._pids = {r: pids[self._node_rank[r]] for r in local}
+        self._pull_from = {r for r in local if can_read[self._node_rank[r]]}
+        self._pulled_by = {r for r in local if read_by[self._node_rank[r]]}
+
         # rma: one window over the whole communicator.
         self._rma_win: MPI.Win | None = None
         self._rma_own: np.ndarray | None = None
@@ -274,6 +284,23 @@ class DirectPaths:
             if dest in self._usable[path]:
                 out.append(path)  # GPU tensors are staged through host memory
         return out
+
+    def pulls_to(self, dest: int) -> bool:
+        """Whether ``dest`` can read this rank's memory (the pull path, :mod:`smp_comm.cma`)."""
+        return dest in self._pulled_by
+
+    def pulls_from(self, source: int) -> bool:
+        """Whether this rank can read ``source``'s memory."""
+        return source in self._pull_from
+
+    def pull(self, source: int, address: int, dst: np.ndarray) -> None:
+        """Read ``dst.nbytes`` bytes at ``address`` of ``source``'s memory into ``dst``."""
+        cma.read_from(self._pids[source], address, dst)
+
+    def stop_pulls(self, peer: int) -> None:
+        """A read between this rank and ``peer`` failed: neither pulls from the other again."""
+        self._pull_from.discard(peer)
+        self._pulled_by.discard(peer)
 
     def reserve(self, path: str, dest: int, nbytes: int) -> int | None:
         """Offset of a region of ``dest``'s ``path`` buffer now owned by this rank, or None."""

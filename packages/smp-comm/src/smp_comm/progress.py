@@ -19,6 +19,7 @@ from typing import Any
 from mpi4py import MPI
 
 from smp_comm import fastpath
+from smp_comm.cma import REPLIES
 from smp_comm.doorbell import MAX_SLEEP_S, Doorbells
 from smp_comm.errors import CommError
 from smp_comm.handles import Handle
@@ -110,6 +111,8 @@ class Progress:
             _unattached
         )
         self._on_chunk: Callable[[int, Any], None] = _unattached
+        # Set by the sender: a receiver's reply about a pulled payload (smp_comm.cma).
+        self.on_pull_reply: Callable[[str, int, int], None] = _unattached
 
     def attach(
         self,
@@ -271,7 +274,10 @@ class Progress:
             self._in_order(source, body, T_BYE, None)
         elif tag == T_FREE:
             path, region = body
-            self._paths.release(path, source, region)
+            if path in REPLIES:  # a pull path reply (smp_comm.cma), not a region
+                self.on_pull_reply(path, source, region)
+            else:
+                self._paths.release(path, source, region)
         elif tag == T_CHUNK:
             self._on_chunk(source, body)
         elif tag == T_DRAINED:

@@ -6,7 +6,9 @@ and posts the payload ``Irecv``\\ s of an MPI-path message; the ``postproc`` thr
 views of it), has the region freed (a ``FREE`` message back to the sender) and rebuilds
 the object. Small payloads are rebuilt on the polling thread itself. A streamed payload
 (:mod:`smp_comm.stream`) gets its tensors when its header arrives; the postproc thread
-copies each chunk in as it lands and frees its region at once.
+copies each chunk in as it lands and frees its region at once. A pulled payload
+(:mod:`smp_comm.cma`) gets its tensor on the header's turn; postproc reads the sender's
+bytes into it and replies.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from smp_comm.cma import PULLED, PULLED_NEW, REFUSED, WANT_PULL
 from smp_comm.errors import CommError
 from smp_comm.matching import Incoming, MatchingTable
 from smp_comm.paths import DirectPaths
@@ -66,6 +69,9 @@ class Receiver:
         # single dict operations only, atomic under the GIL.
         self._streams: dict[tuple[int, int], tuple[Incoming, Assembly]] = {}
         self._early: dict[tuple[int, int], list[ChunkBody]] = {}
+        # Senders told that this rank takes their large messages by pulling (WANT_PULL),
+        # since their last pulled message did not go to an out= receive.
+        self._told: set[int] = set()
         progress.attach(self.on_header, self._post_queued_free, self.on_chunk)
 
     def start(self) -> None:
@@ -89,7 +95,11 @@ class Receiver:
         self._table.on_header(inc)
         if inc.handle is not None and inc.handle.out is not None and inc.inline is None:
             inc.into = out_buffers(inc.stubs, inc.handle.out)
-        if inc.path == "stream":
+            if inc.into is not None and inc.path != "pull":
+                self._offer_pull(inc)
+        if inc.path == "pull":
+            self._open_pull(inc)
+        elif inc.path == "stream":
             self._open_stream(inc)
         elif inc.path == "mpi" and inc.inline is None:
             try:
@@ -144,8 +154,56 @@ class Receiver:
         """Whether streamed messages are being assembled here now (any thread)."""
         return bool(self._streams)
 
-    def _to_postproc(self, inc: Incoming | _Landed) -> None:
+    def _to_postproc(self, inc: Incoming | _Landed | _Pull) -> None:
         self._backlog.put(Backlog.POSTPROC, self._post_q, inc)
+
+    def _offer_pull(self, inc: Incoming) -> None:
+        """A large message landed in an out= tensor by two copies: tell its sender that
+        this rank would read such messages itself (once, until a pull goes elsewhere)."""
+        source, limit = inc.source, self._paths.single_copy_min_bytes
+        if source in self._told or not self._paths.pulls_from(source):
+            return
+        if limit and inc.stubs[0].nbytes >= limit:
+            self._told.add(source)
+            self._send_free((WANT_PULL, source, 0))
+
+    def _open_pull(self, inc: Incoming) -> None:
+        """A pulled message's turn (polling thread): its tensor now, the read on postproc."""
+        address, inc.region = inc.region, -1
+        keep = inc.into is not None or inc.handle is None  # (unexpected: nobody said no)
+        if not keep:
+            self._told.discard(inc.source)  # the sender goes back to the buffer
+        try:
+            inc.finals, inc.views = inc.into or new_buffers(inc.stubs, self.rank)
+        except Exception as exc:  # noqa: BLE001 - still replied to, then reported
+            inc.finals, inc.views = [], []
+            inc.error = CommError(str(exc))
+        self._to_postproc(_Pull(inc, address, PULLED if keep else PULLED_NEW))
+
+    def _pull(self, job: _Pull) -> None:
+        """Postproc: read the sender's bytes, reply, finish. If the kernel refuses the
+        read, the bytes come over MPI instead (and this pair stops pulling)."""
+        inc = job.inc
+        if inc.error is None:
+            try:
+                self._paths.pull(inc.source, job.address, inc.views[0])
+            except OSError:
+                self._paths.stop_pulls(inc.source)
+                self._told.discard(inc.source)
+                inc.path = "mpi"
+                data_tag = inc.msg_id % (self._tag_ub + 1)
+                req = self._dc.Irecv([inc.views[0], MPI.BYTE], source=inc.source, tag=data_tag)
+                self._progress.track([req], lambda: self._to_postproc(inc))
+                self._reply(REFUSED, inc)
+                return
+        inc.path = "shm"  # (counted as a message of the node's direct path)
+        self._reply(job.reply, inc)
+        self._finish(inc)
+
+    def _reply(self, reply: str, inc: Incoming) -> None:
+        """Answer a pulled message's sender, and wake it: its send waits on this."""
+        self._send_free((reply, inc.source, inc.msg_id))
+        self._progress.ring(inc.source)
 
     def _open_stream(self, inc: Incoming) -> None:
         try:
@@ -186,9 +244,12 @@ class Receiver:
             inc.path = asm.via  # (counted as a message of its direct path)
             self._finish(inc)
 
-    def _finish(self, inc: Incoming | _Landed) -> None:
+    def _finish(self, inc: Incoming | _Landed | _Pull) -> None:
         if isinstance(inc, _Landed):
             self._land(inc)
+            return
+        if isinstance(inc, _Pull):
+            self._pull(inc)
             return
         try:
             if inc.error is None:
@@ -271,6 +332,16 @@ class _Landed:
     nbytes: int
     path: str
     region: int
+
+
+@dataclass
+class _Pull:
+    """A pulled message waiting for postproc to read its bytes at the sender's
+    ``address``, and the reply it gets once read."""
+
+    inc: Incoming
+    address: int
+    reply: str  # PULLED, or PULLED_NEW: a receive without out= took it
 
 
 class _Once:

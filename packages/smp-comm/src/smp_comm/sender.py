@@ -8,6 +8,9 @@
 ``requester``  (CommPreprocessing + CommRequester) stages GPU tensors to host and posts the
                header and payload ``Isend``\\ s of the MPI path.
 
+A lone large CPU tensor to a node peer that receives into ``irecv(out=...)`` takes the pull
+path instead (:mod:`smp_comm.cma`): only a header goes, and the receiver reads the bytes.
+
 A moderate CPU payload skips the hand-offs: the sending thread routes and copies it itself
 (``route(op, inline=True)``).
 """
@@ -24,12 +27,13 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from smp_comm.cma import PULLED_NEW, REFUSED, WANT_PULL
 from smp_comm.handles import SendHandle
 from smp_comm.matching import MatchingTable
 from smp_comm.paths import DirectPaths
 from smp_comm.progress import Progress
 from smp_comm.serialize import Packed
-from smp_comm.state import STOP, Backlog, PathStats, start_thread
+from smp_comm.state import STOP, Backlog, PathStats, nothing, start_thread
 from smp_comm.stream import (
     CHUNK_BYTES,
     ROOM_WAIT_S,
@@ -90,6 +94,12 @@ class Sender:
         # Whether this rank is itself receiving streamed messages (set by the communicator
         # from its receiver): see route().
         self.receiving_streams: Callable[[], bool] = lambda: False
+        # The pull path (smp_comm.cma): sends waiting for their receiver's reply, by
+        # (dest, msg_id), and the node peers whose last word was that they receive into
+        # their own tensors. Single dict/set operations (router or caller, and tracker).
+        self._pulls: dict[tuple[int, int], Outgoing] = {}
+        self._wants_pull: set[int] = set()
+        progress.on_pull_reply = self._on_pull_reply
 
     def start(self) -> None:
         """Start the three threads."""
@@ -121,6 +131,15 @@ class Sender:
         assert packed is not None
         gpu = packed.on_gpu()
         candidates = self._paths.candidates(op.dest, all_gpu=all(gpu), any_gpu=any(gpu))
+        if (
+            op.dest in self._wants_pull
+            and len(packed.stubs) == 1
+            and not gpu[0]
+            and packed.nbytes >= self._paths.single_copy_min_bytes
+            and self._paths.pulls_to(op.dest)
+        ):
+            self._pull_send(op)
+            return
         host = [p for p in candidates if p in ("shm", "rma")] if not any(gpu) else []
         big = 0 < self._paths.stream_min_bytes <= packed.nbytes
         if big and host and packed.nbytes >= 2 * CHUNK_BYTES:
@@ -169,6 +188,43 @@ class Sender:
     def _sent(self, op: Outgoing, nbytes: int) -> None:
         self._stats.count(op.path, "sent", nbytes)
         self._table.send_done(op.handle)
+
+    def _pull_send(self, op: Outgoing) -> None:
+        """Post a header carrying the address of the tensor's bytes; the send stays open
+        until the receiver read them and replied (:meth:`_on_pull_reply`)."""
+        p = op.packed
+        assert p is not None
+        op.path = "shm"  # (counted as a message of the node's direct path)
+        self._pulls[(op.dest, op.msg_id)] = op  # keeps the bytes alive until the reply
+        address = source_bytes(p.sources[0]).ctypes.data
+        header: WireHeader = (op.msg_id, op.tag, "pull", address, p.skeleton, p.stubs, None)
+        req = self._cc.isend(header, dest=op.dest, tag=T_HEADER)
+        if op.wake:
+            self._progress.ring(op.dest)
+        if not req.Test():
+            self._progress.track([req], nothing)
+
+    def _on_pull_reply(self, reply: str, dest: int, msg_id: int) -> None:
+        """The receiver's word on the pull path (tracker thread): see :mod:`smp_comm.cma`."""
+        if reply == WANT_PULL:
+            if self._paths.pulls_to(dest):
+                self._wants_pull.add(dest)
+            return
+        op = self._pulls.pop((dest, msg_id), None)
+        if op is None or op.packed is None:  # pragma: no cover - one reply per message
+            return
+        nbytes = op.packed.nbytes
+        if reply == REFUSED:  # the receiver posted an Irecv for the bytes instead
+            self._paths.stop_pulls(dest)
+            self._wants_pull.discard(dest)
+            op.path = "mpi"
+            src = source_bytes(op.packed.sources[0])
+            req = self._dc.Isend([src, MPI.BYTE], dest=dest, tag=op.msg_id % (self._tag_ub + 1))
+            self._progress.track([req], lambda: self._sent(op, nbytes))
+            return
+        if reply == PULLED_NEW:  # no out= receive took it: back to the zero-copy buffer
+            self._wants_pull.discard(dest)
+        self._sent(op, nbytes)
 
     def _fall_back_to_mpi(self, op: Outgoing, inline: bool, counted: bool = True) -> None:
         """Send ``op`` over MPI: from this thread when ``inline``, else via the requester

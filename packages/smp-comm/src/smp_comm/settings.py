@@ -26,6 +26,14 @@ setting (kwarg)                environment variable                default
                                                                    through it in chunks
                                                                    (:mod:`smp_comm.stream`);
                                                                    0: never (the MPI fallback)
+``single_copy_min_bytes``      ``SMP_COMM_SINGLE_COPY_MIN_BYTES``  4 MiB: a lone CPU tensor at
+                                                                   least this large, sent to a
+                                                                   node peer that receives into
+                                                                   ``irecv(out=...)``, is read by
+                                                                   the receiver straight from
+                                                                   the sender's memory (one
+                                                                   copy; :mod:`smp_comm.cma`);
+                                                                   0: never
 ``disable``                    ``SMP_COMM_DISABLE``                none; e.g. ``"shm,rma"``
 ``node_id``                    ``SMP_COMM_NODE_ID``                real node (shared-memory
                                                                    domain); ``"{rank}"`` is
@@ -100,6 +108,7 @@ class CommSettings:
     small_message_bytes: int = 192 << 10
     caller_copy_bytes: int = 1 << 20
     stream_min_bytes: int = 0
+    single_copy_min_bytes: int = 4 << 20
     disable: frozenset[str] = field(default_factory=frozenset)
     node_id: str | None = None
     shm_zero_copy: bool = True
@@ -118,6 +127,7 @@ class CommSettings:
         small_message_bytes: int | str | None = None,
         caller_copy_bytes: int | str | None = None,
         stream_min_bytes: int | str | None = None,
+        single_copy_min_bytes: int | str | None = None,
         disable: str | set[str] | frozenset[str] | list[str] | tuple[str, ...] | None = None,
         node_id: str | int | None = None,
         shm_zero_copy: bool | None = None,
@@ -175,6 +185,11 @@ class CommSettings:
             ),
             stream_min_bytes=size(
                 stream_min_bytes, "SMP_COMM_STREAM_MIN_BYTES", cls.stream_min_bytes
+            ),
+            single_copy_min_bytes=size(
+                single_copy_min_bytes,
+                "SMP_COMM_SINGLE_COPY_MIN_BYTES",
+                cls.single_copy_min_bytes,
             ),
             disable=frozenset(names),
             node_id=node,

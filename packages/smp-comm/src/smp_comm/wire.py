@@ -35,6 +35,7 @@ ANY_TAG: int = MPI.ANY_TAG
 # Control-message tags on the private control communicator.
 T_HEADER = 1  # body: a WireHeader
 T_FREE = 2  # body: (path, region): the receiver copied the region out; it is free again
+# (or (reply, msg_id): a reply on the pull path, smp_comm.cma)
 T_BYE = 3  # body: the sender's next sequence number; it sends nothing after this
 T_DRAINED = 4  # body: None; the sender will post no more FREEs
 T_CHUNK = 5  # body: a smp_comm.stream.ChunkBody: one chunk of a streamed payload landed
@@ -49,8 +50,12 @@ class Header(NamedTuple):
 
     msg_id: int  # the sender's per-destination sequence number (also the payload MPI tag)
     tag: int  # the user's tag
-    path: str  # "mpi", "shm", "rma", "cuda_ipc", or "stream" (chunks follow: T_CHUNK)
-    region: int  # offset of the reserved region in the receiver's buffer (-1 on mpi)
+    # "mpi", "shm", "rma", "cuda_ipc", "stream" (chunks follow: T_CHUNK), or "pull" (the
+    # receiver reads the bytes from the sender's memory: smp_comm.cma)
+    path: str
+    # offset of the reserved region in the receiver's buffer (-1 on mpi); on "pull", the
+    # address of the payload's bytes in the sender
+    region: int
     skeleton: bytes  # the pickled object with tensors replaced by stubs
     stubs: list[TensorStub]
     inline: list[bytes] | None  # the payload itself when it rides in the header
