@@ -176,8 +176,8 @@ def format_program(program: Iterable[Action]) -> str:
 
 
 def parse_program(text: str) -> tuple[Action, ...]:
-    """The program :func:`format_program` printed (blank lines ignored)."""
-    return tuple(Action.parse(line) for line in text.splitlines() if line.strip())
+    """The program :func:`format_program` printed (blank lines and indentation ignored)."""
+    return tuple(Action.parse(line.lstrip()) for line in text.splitlines() if line.strip())
 
 
 class ProgramRecorder:
@@ -271,6 +271,8 @@ def validate_programs(programs: Sequence[Sequence[Action]], driver: int = 0) -> 
         x.mb for x in programs[driver] if x.kind is ActionKind.FORWARD and x.module == "<step>"
     ]
     m = len(steps)
+    if not m:
+        return [*problems, "driver: the step function ran forward for no microbatch"]
     if sorted(steps) != list(range(m)):
         problems.append(f"driver: step-function forwards of microbatches {steps}, not 0..{m - 1}")
     started = {
