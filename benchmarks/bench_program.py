@@ -30,10 +30,15 @@ ROUNDS = int(os.environ.get("BENCH_PROGRAM_ROUNDS", "5"))
 STEPS = int(os.environ.get("BENCH_PROGRAM_STEPS", "10"))
 
 
-def recorder_cost() -> tuple[float, float]:
-    """Microseconds per recorded task start and per recorded message (one tensor)."""
+def recorder_cost() -> tuple[float, float, float]:
+    """Microseconds per recorded task start, per recorded message (one tensor), and per
+    forward request through the transport's whole recording path (kind lookup, module
+    label, shapes)."""
     import torch
     from smp_pipeline.actions import ActionKind, ProgramRecorder
+    from smp_pipeline.messages import pack
+    from smp_pipeline.protocol import FwdReq
+    from smp_pipeline.transport import Transport
 
     rec = ProgramRecorder()
     tensors = [torch.zeros(ROWS, WIDTH)]
@@ -48,7 +53,17 @@ def recorder_cost() -> tuple[float, float]:
     t_task = min(timeit.repeat(task, number=n, repeat=3)) / n
     rec = ProgramRecorder()
     t_msg = min(timeit.repeat(message, number=n, repeat=3)) / n
-    return t_task * 1e6, t_msg * 1e6
+    # (the transport only keeps the communicator: nothing is sent here)
+    transport = Transport(object(), 0, [0, 1], 1, 1.0, [], lambda: None, recorder=ProgramRecorder())
+    req = FwdReq(
+        0, (0, 1), "blocks.3", 1, 0, True, [], False, None, (), (), pack(((tensors[0],), {}), True)
+    )
+
+    def note() -> None:
+        transport._note(ActionKind.SEND, 1, req)
+
+    t_note = min(timeit.repeat(note, number=n, repeat=3)) / n
+    return t_task * 1e6, t_msg * 1e6, t_note * 1e6
 
 
 def worker() -> None:
@@ -126,8 +141,11 @@ def main() -> None:
     if "--worker" in sys.argv:
         worker()
         return
-    task_us, msg_us = recorder_cost()
-    print(f"recorder: {task_us:.2f} us per task start, {msg_us:.2f} us per message recorded")
+    task_us, msg_us, note_us = recorder_cost()
+    print(
+        f"recorder: {task_us:.2f} us per task start, {msg_us:.2f} us per message recorded, "
+        f"{note_us:.2f} us per forward request through the transport's recording path"
+    )
     print(f"load average before the step loop: {os.getloadavg()}")
     print(workers.run_self(__file__, 2, [], timeout=900), end="")
 

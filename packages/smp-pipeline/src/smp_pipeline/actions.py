@@ -214,7 +214,7 @@ class ProgramRecorder:
     ) -> None:
         """A tensor-carrying message was sent to / taken from ``peer``."""
         if self.enabled:
-            shapes = tuple(t.shape for t in tensors)  # (torch.Size: made plain in program())
+            shapes = tuple([t.shape for t in tensors])  # (torch.Size: made plain in program())
             self._steps.setdefault(step, []).append((kind, mb, module, peer, msg, shapes))
 
     def program(self, step: int) -> tuple[Action, ...]:

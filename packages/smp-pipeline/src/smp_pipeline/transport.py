@@ -52,13 +52,6 @@ _FLUSH_SLICE_S = 0.1
 # Idle main loop: drive the communicator for at most this long before sleeping on the
 # receive (see docs/perf-notes.md, "Idle wait").
 _SPIN_S = 2e-4
-# The messages a rank's program records (those that carry tensors): short name, payload field.
-_PROGRAM_MESSAGES: dict[type, tuple[str, str]] = {
-    FwdReq: ("fq", "inputs"),
-    FwdResp: ("fr", "outputs"),
-    BwdReq: ("bq", "grads"),
-    BwdResp: ("br", "grads"),
-}
 
 
 class Transport:
@@ -247,17 +240,23 @@ class Transport:
             self._sends = [h for h in self._sends if not h.test()]
 
     def _note(self, kind: ActionKind, peer: int, msg: Message) -> None:
-        """Record a sent or received message in the program, if it carries tensors."""
-        what = _PROGRAM_MESSAGES.get(type(msg))
-        if what is not None:
-            name, payload = what
-            m = cast(FwdReq, msg)  # (each of the four has step and mb; requests a path)
-            tensors = getattr(msg, payload).tensors
+        """Record a sent or received message in the program, if it carries tensors (one
+        branch per kind: this runs for every message)."""
+        tp = type(msg)
+        if tp is FwdReq:
+            req = cast(FwdReq, msg)
             # A request names its module as the task serving it will (a run: first..last).
-            module = span_label(m.path, m.modules()) if type(msg) is FwdReq else ""
-            if type(msg) is BwdReq:
-                module = cast(BwdReq, msg).path
-            self.recorder.message(m.step, kind, peer, name, m.mb, module, tensors)
+            module = span_label(req.path, req.modules()) if req.span or req.chain else req.path
+            self.recorder.message(req.step, kind, peer, "fq", req.mb, module, req.inputs.tensors)
+        elif tp is FwdResp:
+            resp = cast(FwdResp, msg)
+            self.recorder.message(resp.step, kind, peer, "fr", resp.mb, "", resp.outputs.tensors)
+        elif tp is BwdReq:
+            breq = cast(BwdReq, msg)
+            self.recorder.message(breq.step, kind, peer, "bq", breq.mb, breq.path, breq.grads.tensors)
+        elif tp is BwdResp:
+            bresp = cast(BwdResp, msg)
+            self.recorder.message(bresp.step, kind, peer, "br", bresp.mb, "", bresp.grads.tensors)
 
     def send_note(self, pp_dest: int, msg: Message) -> Any:
         """Send ``msg`` to pipeline rank ``pp_dest`` from any thread, outside :meth:`flush`'s
