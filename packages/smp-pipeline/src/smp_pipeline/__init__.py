@@ -1,6 +1,14 @@
 """Module-server pipeline runtime for arbitrary PyTorch module hierarchies."""
 
 from smp_pipeline.__about__ import __version__
+from smp_pipeline.actions import (
+    Action,
+    ActionKind,
+    Phase,
+    format_program,
+    parse_program,
+    validate_programs,
+)
 from smp_pipeline.checkpointing import add_checkpoint_context
 from smp_pipeline.errors import (
     PipelineConfigError,
@@ -19,6 +27,9 @@ from smp_pipeline.schedule import Scheduler
 from smp_pipeline.timeline import plot_timeline, to_chrome_trace, write_chrome_trace
 
 __all__ = [
+    "Action",
+    "ActionKind",
+    "Phase",
     "ActivationOffloader",
     "OffloadStats",
     "OrderChannel",
@@ -32,6 +43,8 @@ __all__ = [
     "__version__",
     "add_checkpoint_context",
     "device_work",
+    "format_program",
+    "parse_program",
     "plot_timeline",
     "shutdown_runtimes",
     "split_microbatches",
@@ -39,5 +52,6 @@ __all__ = [
     "to_chrome_trace",
     "trace",
     "trace_dict",
+    "validate_programs",
     "write_chrome_trace",
 ]

@@ -21,6 +21,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn, Protocol
 
+from smp_pipeline.actions import BACKWARD, FORWARD, Phase, ProgramRecorder
 from smp_pipeline.offload import ActivationOffloader, Key
 from smp_pipeline.offload import offloading as _offloading
 from smp_pipeline.order import OrderChannel
@@ -36,7 +37,7 @@ from smp_pipeline.worker import (
 )
 
 # (pp rank, microbatch, module, phase, start, end): one EXECUTING span of a task.
-TimelineEvent = tuple[int, int, str, str, float, float]
+TimelineEvent = tuple[int, int, str, Phase, float, float]
 
 
 class Aborts(Protocol):
@@ -68,6 +69,8 @@ class Executor:
             first does not run straight through (static mode).
         offload_horizon: activation offloading with this loading horizon (None: off; see
             :class:`~smp_pipeline.offload.ActivationOffloader`).
+        recorder: notes every task's start (its phase, microbatch and module) in this
+            rank's program (see :mod:`smp_pipeline.actions`); None: a disabled one.
     """
 
     def __init__(
@@ -82,8 +85,10 @@ class Executor:
         inline_max_s: float = 0.0,
         on_diverged: Callable[[Task[Any]], None] | None = None,
         offload_horizon: int | None = None,
+        recorder: ProgramRecorder | None = None,
     ) -> None:
         self.pp_rank = pp_rank
+        self.recorder = recorder if recorder is not None else ProgramRecorder(enabled=False)
         self._aborts = aborts
         self._wakeup = wake
         self._order = order if order is not None and order.is_leader else None
@@ -123,7 +128,7 @@ class Executor:
         # Static mode (run_inline): the served tasks (phase, module) that ran straight through,
         # within inline_max_s, the last time they ran.
         self.inline_max_s = inline_max_s  # 0: static mode off (tests raise it to force inlining)
-        self._straight: set[tuple[str, str]] = set()
+        self._straight: set[tuple[Phase, str]] = set()
         self.inlined = 0  # tasks run on the main loop's thread
         self.diverged = 0  # recorded straight-through tasks that did not run straight through
         # called once, with the task, at the first divergence
@@ -133,7 +138,7 @@ class Executor:
         """The offloader's owner of saved tensors: the microbatch of the forward task holding
         the token; outside a forward (a backward recomputing) none move."""
         task = self.current
-        if task is None or task.phase != "forward":
+        if task is None or task.phase != FORWARD:
             return None
         return task.step, task.mb
 
@@ -165,6 +170,7 @@ class Executor:
     def start(self, task: Task[Any], kind: str = "task") -> None:
         """Run ``task`` on an idle (or new) worker until it gives the token back.
         ``kind``: how the grant is announced to tensor-parallel followers."""
+        self.recorder.task(task.step, task.phase, task.mb, task.module)
         worker = self.idle.pop() if self.idle else self._new_worker()
         worker.task = task
         task.worker = worker
@@ -216,7 +222,7 @@ class Executor:
         self.grants[key] = index + 1
         if self._order is not None:
             self._order.publish((task.step, task.mb, kind, index))
-        if self.offloader is not None and task.phase == "backward":
+        if self.offloader is not None and task.phase == BACKWARD:
             self.offloader.backward_started(task.step, task.mb)
         self.current = task
         self.current_since = time.time()
@@ -254,7 +260,7 @@ class Executor:
                 if self.diverged == 1 and self.on_diverged is not None:
                     self.on_diverged(task)
 
-    def may_inline(self, phase: str, module: str) -> bool:
+    def may_inline(self, phase: Phase, module: str) -> bool:
         """Whether a task of this kind ran straight through, briefly, the last time (static
         mode): it may then run on the main loop's thread (:meth:`run_inline`)."""
         return bool(self.inline_max_s) and (phase, module) in self._straight
@@ -267,6 +273,7 @@ class Executor:
         meanwhile: device work runs synchronously, yield points do nothing, and the main
         loop notices an abort only when the task ends."""
         self.inlined += 1
+        self.recorder.task(task.step, task.phase, task.mb, task.module)
         start = self._grant(task, "task")
         set_inline_task(task)
         try:
@@ -282,7 +289,7 @@ class Executor:
     def running_forward(self) -> bool:
         """Whether a forward task holds the token and preemption is on (any thread)."""
         task = self.current
-        return self.preemption and task is not None and task.phase == "forward"
+        return self.preemption and task is not None and task.phase == FORWARD
 
     def request_preemption(self) -> None:
         """Work another rank waits for arrived: the running forward yields at its next
@@ -305,7 +312,7 @@ class Executor:
             or worker.host is not self
             or task is None
             or task.worker is not worker
-            or task.phase != "forward"
+            or task.phase != FORWARD
             or task.in_segment
         ):
             return

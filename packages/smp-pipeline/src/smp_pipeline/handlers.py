@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 
 from smp_pipeline.accumulation import GradAccumulator
+from smp_pipeline.actions import BACKWARD, FORWARD
 from smp_pipeline.autograd import CallRecords, IncomingCall, OutgoingCall
 from smp_pipeline.errors import PipelineError
 from smp_pipeline.executor import Executor
@@ -88,9 +89,9 @@ class MessageHandlers:
         self.requests_served += 1
         modules = msg.modules()
         label = span_label(msg.path, modules)
-        task = Task(self.remote.run_forward_request, msg.mb, label, "forward", None, msg.step, msg)
+        task = Task(self.remote.run_forward_request, msg.mb, label, FORWARD, None, msg.step, msg)
         ex = self.executor
-        if ex.may_inline("forward", label) and self.remote.runs_locally(msg.path, modules):
+        if ex.may_inline(FORWARD, label) and self.remote.runs_locally(msg.path, modules):
             ex.run_inline(task)  # static mode: it cannot wait, and ran straight through before
         else:
             ex.start(task)
@@ -114,8 +115,8 @@ class MessageHandlers:
         rec.joined = msg.joined
         if msg.once:
             rec.once = True
-        task = Task(self.remote.run_callee_segment, rec.mb, rec.path, "backward", rec, rec.step, msg)
-        if rec.local and self.executor.may_inline("backward", rec.path):
+        task = Task(self.remote.run_callee_segment, rec.mb, rec.path, BACKWARD, rec, rec.step, msg)
+        if rec.local and self.executor.may_inline(BACKWARD, rec.path):
             self.executor.run_inline(task)
         else:
             self.executor.start(task)
@@ -130,5 +131,5 @@ class MessageHandlers:
         label = call.parent.path if isinstance(call.parent, IncomingCall) else "<step>"
         payload: tuple[OutgoingCall, BwdResp] = (call, msg)
         run = self.remote.run_caller_segment
-        task = Task(run, call.mb, label, "backward", call.parent, call.step, payload)
+        task = Task(run, call.mb, label, BACKWARD, call.parent, call.step, payload)
         self.executor.start(task)

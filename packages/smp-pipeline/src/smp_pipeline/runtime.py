@@ -19,6 +19,7 @@ import torch
 from smp_comm.shutdown import wait_for_threads_at_exit
 from torch import nn
 
+from smp_pipeline.actions import Action
 from smp_pipeline.checkpointing import (
     CheckpointPlan,
     plan_checkpointing,
@@ -32,7 +33,7 @@ from smp_pipeline.order import OrderChannel
 from smp_pipeline.ownership import Ownership, merge_state_dicts
 from smp_pipeline.partition import COSTS, partition_model, resolve_assignment
 from smp_pipeline.schedule import Scheduler, ScheduleSpec
-from smp_pipeline.server import ExecutionServer
+from smp_pipeline.server import ExecutionServer, TimelineEvent
 from smp_pipeline.setup_channel import SetupChannel
 from smp_pipeline.timeline import plot_timeline, write_chrome_trace
 
@@ -97,6 +98,9 @@ class PipelineRuntime:
         partition_costs: how the partitioning trace measures forward costs
             (:data:`smp_pipeline.partition.COSTS`): ``"flops"`` (counted: the same partition
             for the same model and inputs on every run) or ``"measured"`` (timed).
+        record_program: record, on every rank, the ordered actions of each step (tasks
+            started, tensor messages sent and received): :meth:`program`. Cheap (a tuple
+            appended per task and per message); False turns it off.
     """
 
     def __init__(
@@ -125,6 +129,7 @@ class PipelineRuntime:
         activation_loading_horizon: int = 4,
         static_mode: bool = False,
         partition_costs: str = "flops",
+        record_program: bool = True,
     ) -> None:
         if not 0 <= pp_rank < pp_size:
             raise PipelineConfigError(f"pp_rank {pp_rank} outside 0..{pp_size - 1}")
@@ -179,6 +184,7 @@ class PipelineRuntime:
             runs_locally=self._dispatch.runs_locally,
             call_params=self._dispatch.call_params,
             offload_horizon=activation_loading_horizon if offload_activations else None,
+            record_program=record_program,
         )
         self.server.diagnosis.name_modules(module)
         self.order_channel = order_channel
@@ -429,7 +435,7 @@ class PipelineRuntime:
         return None if parts is None else merge_state_dicts(self.module, parts)
 
     # ------------------------------------------------------------------ timeline
-    def timeline_events(self) -> list[tuple[int, int, str, str, float, float]]:
+    def timeline_events(self) -> list[TimelineEvent]:
         """This rank's recorded spans ``(rank, mb, module, phase, start, end)``."""
         return list(self.server.events)
 
@@ -446,6 +452,15 @@ class PipelineRuntime:
         if png_path:
             plot_timeline(events, png_path)
         return events
+
+    def program(self, step: int | None = None) -> tuple[Action, ...]:
+        """This rank's recorded program of its last step (or of ``step``, counted from 1;
+        only the last two are kept): the forward and backward tasks it started and the
+        tensor-carrying messages it sent and took, in order, as
+        :class:`~smp_pipeline.actions.Action` records. Gather every rank's and check them
+        with :func:`~smp_pipeline.actions.validate_programs`. Empty with
+        ``record_program=False``."""
+        return self.server.program(step)
 
     @property
     def requests_served(self) -> int:

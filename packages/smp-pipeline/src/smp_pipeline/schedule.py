@@ -3,7 +3,9 @@
 A schedule only decides the *start* of the two top-level tasks of each microbatch (the step
 function's forward part, and its backward after ``backward(loss)``); everything else is driven
 by requests. Schedules are data: a built-in policy name or a sequence of
-``(microbatch, "forward" | "backward")`` pairs.
+``(microbatch, phase)`` pairs, the phase an :class:`~smp_pipeline.actions.ActionKind`
+(``FORWARD``/``BACKWARD``) or its old string ``"forward"``/``"backward"``; decisions come out as
+the enum members.
 
 - ``interleaved``: a microbatch ready for backward starts first; otherwise the next forward
   starts if fewer than ``active_microbatches`` are in flight (1F1B-like, adapts to timing).
@@ -18,12 +20,13 @@ by requests. Schedules are data: a built-in policy name or a sequence of
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
 
+from smp_pipeline.actions import BACKWARD, FORWARD, Phase, as_phase
 from smp_pipeline.errors import PipelineConfigError
 
-Phase = Literal["forward", "backward"]
-ScheduleSpec = str | Sequence[tuple[int, str]]
+__all__ = ["Phase", "ScheduleSpec", "Scheduler", "validate_custom"]
+
+ScheduleSpec = str | Sequence[tuple[int, str]]  # (an ActionKind phase is a str too)
 
 
 class Scheduler:
@@ -63,9 +66,9 @@ class Scheduler:
         self.in_flight.discard(mb)
         self.completed.add(mb)
 
-    def take(self, mb: int, phase: Phase) -> None:
+    def take(self, mb: int, phase: str) -> None:
         """Record an action decided elsewhere (a tensor-parallel leader's choice)."""
-        if phase == "forward":
+        if as_phase(phase) is FORWARD:
             self.next_forward = max(self.next_forward, mb + 1)
             self.in_flight.add(mb)
             self.running_forward.add(mb)
@@ -110,23 +113,23 @@ class Scheduler:
         self.next_forward += 1
         self.in_flight.add(mb)
         self.running_forward.add(mb)
-        return mb, "forward"
+        return mb, FORWARD
 
     def _start_backward(self, mb: int) -> tuple[int, Phase]:
         self.ready.remove(mb)
         self.backward_started.add(mb)
-        return mb, "backward"
+        return mb, BACKWARD
 
     def _next_custom(self) -> tuple[int, Phase] | None:
         assert self.custom is not None
         while self.pos < len(self.custom):
             mb, phase = self.custom[self.pos]
-            if phase == "forward":
+            if phase is FORWARD:
                 self.pos += 1
                 self.next_forward = max(self.next_forward, mb + 1)
                 self.in_flight.add(mb)
                 self.running_forward.add(mb)
-                return mb, "forward"
+                return mb, FORWARD
             if mb in self.completed:  # finished without calling backward: skip its entry
                 self.pos += 1
                 continue
@@ -138,9 +141,10 @@ class Scheduler:
 
 
 def validate_custom(spec: Sequence[tuple[int, str]], m: int) -> list[tuple[int, Phase]]:
-    """Check a custom schedule: each microbatch once forward, then once backward."""
+    """Check a custom schedule: each microbatch once forward, then once backward. Phases
+    may be the enum members or their strings; the result holds the members."""
     out: list[tuple[int, Phase]] = []
-    seen: dict[tuple[int, str], int] = {}
+    seen: dict[tuple[int, Phase], int] = {}
     for i, item in enumerate(spec):
         try:
             mb, phase = item
@@ -149,18 +153,20 @@ def validate_custom(spec: Sequence[tuple[int, str]], m: int) -> list[tuple[int, 
             raise PipelineConfigError(
                 f"schedule entry {i} is {item!r}: expected (microbatch, 'forward'|'backward')"
             ) from None
-        if phase not in ("forward", "backward"):
-            raise PipelineConfigError(f"schedule entry {i}: unknown phase {phase!r}")
+        try:
+            phase = as_phase(phase)
+        except (TypeError, ValueError):
+            raise PipelineConfigError(f"schedule entry {i}: unknown phase {phase!r}") from None
         if not 0 <= mb < m:
             raise PipelineConfigError(f"schedule entry {i}: microbatch {mb} outside 0..{m - 1}")
         if (mb, phase) in seen:
-            raise PipelineConfigError(f"schedule entry {i}: ({mb}, {phase!r}) appears twice")
-        if phase == "backward" and (mb, "forward") not in seen:
+            raise PipelineConfigError(f"schedule entry {i}: ({mb}, '{phase}') appears twice")
+        if phase is BACKWARD and (mb, FORWARD) not in seen:
             raise PipelineConfigError(f"schedule entry {i}: backward of {mb} before its forward")
         seen[(mb, phase)] = i
-        out.append((mb, phase))  # type: ignore[arg-type]
+        out.append((mb, phase))
     for mb in range(m):
-        for phase in ("forward", "backward"):
-            if (mb, phase) not in seen:
-                raise PipelineConfigError(f"schedule lacks ({mb}, {phase!r})")
+        for want in (FORWARD, BACKWARD):
+            if (mb, want) not in seen:
+                raise PipelineConfigError(f"schedule lacks ({mb}, '{want}')")
     return out

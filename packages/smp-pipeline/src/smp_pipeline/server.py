@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from smp_pipeline.accumulation import GradAccumulator
+from smp_pipeline.actions import BACKWARD, FORWARD, Action, Phase, ProgramRecorder
 from smp_pipeline.autograd import BACKWARD_MODES, CallRecords, Context, RootContext
 from smp_pipeline.diagnosis import StallDiagnosis
 from smp_pipeline.errors import PipelineError
@@ -79,6 +80,7 @@ class ExecutionServer:
             :class:`~smp_pipeline.remote.RemoteCalls`).
         offload_horizon: offload checkpointed activations with this loading horizon (None:
             no offloading; see :class:`~smp_pipeline.offload.ActivationOffloader`).
+        record_program: record this rank's program of each step (:meth:`program`).
     """
 
     def __init__(
@@ -99,6 +101,7 @@ class ExecutionServer:
         runs_locally: RunsLocally | None = None,
         call_params: CallParams | None = None,
         offload_horizon: int | None = None,
+        record_program: bool = True,
     ) -> None:
         if backward_mode not in BACKWARD_MODES:
             raise PipelineError(
@@ -113,9 +116,12 @@ class ExecutionServer:
         # Preemption at yield points: off under tensor-parallel ordering (followers could
         # not yield at the same points), and on a single stage (no other rank waits).
         preemption = order is None and pp_size > 1
+        # Each step's actions of this rank, in order (tasks started, tensor messages).
+        self.recorder = ProgramRecorder(record_program)
         self.transport = Transport(
             comm, pp_rank, comm_ranks, tag, timeout_s, abort_ranks or [], self._wakeup.release,
             on_arrival=self._on_arrival if preemption else None,
+            recorder=self.recorder,
         )
         static = static_mode and order is None  # off under tensor-parallel ordering, as preemption
         self.executor = Executor(
@@ -128,6 +134,7 @@ class ExecutionServer:
             inline_max_s=STATIC_INLINE_MAX_S if static else 0.0,
             on_diverged=self._diverged if static else None,
             offload_horizon=offload_horizon,
+            recorder=self.recorder,
         )
         self.records = CallRecords(pp_rank)
         # Gradients of this rank's parameters, summed in microbatch order (see accumulation).
@@ -157,7 +164,7 @@ class ExecutionServer:
         self.step = 0
         self.scheduler: Scheduler | None = None
         self._next_timeout_check = time.monotonic() + 0.2
-        self.follower_start: Callable[[int, str], None] | None = None
+        self.follower_start: Callable[[int, Phase], None] | None = None
 
     @property
     def preemption(self) -> bool:
@@ -346,12 +353,12 @@ class ExecutionServer:
         if kind == "start":
             if self.follower_start is None:
                 return False
-            self.follower_start(mb, "forward")
+            self.follower_start(mb, FORWARD)
             return True
         if kind == "admit":
             if ("admit", step, mb) not in self.executor.waiting or self.follower_start is None:
                 return False
-            self.follower_start(mb, "backward")  # wakes the microbatch's step task
+            self.follower_start(mb, BACKWARD)  # wakes the microbatch's step task
         if self.executor.resume_ready_of(step, mb):
             return True
         inbox = self.transport.inbox
@@ -405,6 +412,7 @@ class ExecutionServer:
         """Run a step on the driver: start tasks as the schedule says, serve until done."""
         self.step += 1
         step = self.step
+        self.recorder.begin(step)
         self.scheduler = scheduler
         outputs: list[Any] = [None] * len(microbatches)
         executor, transport = self.executor, self.transport
@@ -422,16 +430,18 @@ class ExecutionServer:
             transport.send_all(MbDone(self.pp_rank, step, task.mb), wake=False)
             self.drop_microbatch(step, task.mb)
 
-        def start(mb: int, phase: str) -> None:
-            if phase == "forward":
+        def start(mb: int, phase: Phase) -> None:
+            if phase == FORWARD:
                 root = self.records.new_root(step, mb)
-                task = Task(run_microbatch, mb, "<step>", "forward", root, step, None)
+                task = Task(run_microbatch, mb, "<step>", FORWARD, root, step, None)
                 executor.start(task, "start")
             else:
+                # The step task goes on into its backward: one more action of the program.
+                self.recorder.task(step, BACKWARD, mb, "<step>")
                 self.records.roots[(step, mb)].admitted = True
                 worker = executor.waiting[("admit", step, mb)]
                 assert worker.task is not None
-                worker.task.phase = "backward"
+                worker.task.phase = BACKWARD
                 worker.grant_kind = "admit"
                 executor.wake(("admit", step, mb), None)
 
@@ -442,8 +452,8 @@ class ExecutionServer:
             start(*action)
             return True
 
-        def follower_start(mb: int, phase: str) -> None:
-            scheduler.take(mb, "forward" if phase == "forward" else "backward")
+        def follower_start(mb: int, phase: Phase) -> None:
+            scheduler.take(mb, phase)
             start(mb, phase)
 
         self.follower_start = follower_start
@@ -476,6 +486,7 @@ class ExecutionServer:
         """Serve requests until the driver says the step ended; returns the step's outputs."""
         self.step += 1
         step = self.step
+        self.recorder.begin(step)
         step_ends = self.handlers.step_ends
         self.grads.begin(step)
         try:
@@ -488,6 +499,13 @@ class ExecutionServer:
             self.order.flush(self.timeout_s, self.transport.raise_if_aborted)
         self.transport.flush()
         return list(msg.outputs.unpack())
+
+    def program(self, step: int | None = None) -> tuple[Action, ...]:
+        """This rank's recorded program of ``step`` (default: the last one run): the tasks
+        it started and the tensor messages it sent and took, in order (see
+        :mod:`smp_pipeline.actions`). Empty when recording is off or the step is forgotten
+        (only the last two steps are kept)."""
+        return self.recorder.program(self.step if step is None else step)
 
     def interrupt(self, reason: str) -> None:
         """From any thread: raise :class:`~smp_pipeline.errors.PipelineInterruptedError` on

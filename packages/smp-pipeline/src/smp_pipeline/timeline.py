@@ -1,7 +1,8 @@
 """The execution timeline: Chrome-trace JSON and a PNG like the paper's Figure 5.
 
 Every EXECUTING span of a task is one event ``(pp rank, microbatch, module, phase, start,
-end)`` (wall-clock seconds). ``to_chrome_trace`` gives a ``chrome://tracing`` / Perfetto file
+end)`` (wall-clock seconds; the phase an :class:`~smp_pipeline.actions.ActionKind` member, or
+its old string: they compare equal). ``to_chrome_trace`` gives a ``chrome://tracing`` / Perfetto file
 with one row per rank; ``plot_timeline`` draws the same with matplotlib (the ``[plot]``
 extra), forward spans light and backward spans dark, coloured by microbatch.
 """

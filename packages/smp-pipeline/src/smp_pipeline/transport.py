@@ -25,6 +25,7 @@ from typing import Any, NoReturn, cast
 from smp_comm import ANY_SOURCE, CommTimeoutError
 from smp_comm.shutdown import note_failed_step
 
+from smp_pipeline.actions import ActionKind, ProgramRecorder
 from smp_pipeline.errors import (
     PipelineError,
     PipelineInterruptedError,
@@ -32,7 +33,18 @@ from smp_pipeline.errors import (
     PipelineTimeoutError,
 )
 from smp_pipeline.frames import DEFAULT_LIMIT, decode, encode, wire_code
-from smp_pipeline.protocol import Abort, Message, StallQuery, StallReport, priority
+from smp_pipeline.protocol import (
+    Abort,
+    BwdReq,
+    BwdResp,
+    FwdReq,
+    FwdResp,
+    Message,
+    StallQuery,
+    StallReport,
+    priority,
+)
+from smp_pipeline.seqruns import span_label
 from smp_pipeline.stall import request_text
 
 # Seconds between abort checks while waiting for sends to leave (:meth:`Transport.flush`).
@@ -58,6 +70,9 @@ class Transport:
         on_arrival: called with each completed receive handle, on the communicator's
             thread (the server's preemption; it reads the message with
             :meth:`arrived_message`); None: nothing more than ``wake``.
+        recorder: notes every tensor-carrying message sent, and every one taken off the
+            wire (in arrival order: per peer, the order it was sent in), in this rank's
+            program (see :mod:`smp_pipeline.actions`); None: a disabled one.
     """
 
     def __init__(
@@ -70,8 +85,10 @@ class Transport:
         abort_ranks: Sequence[int],
         wake: Callable[[], None],
         on_arrival: Callable[[Any], None] | None = None,
+        recorder: ProgramRecorder | None = None,
     ) -> None:
         self.comm = comm
+        self.recorder = recorder if recorder is not None else ProgramRecorder(enabled=False)
         self.pp_rank = pp_rank
         self.pp_size = len(comm_ranks)
         self.comm_ranks = list(comm_ranks)
@@ -140,6 +157,8 @@ class Transport:
         self._recv = None
         msg = decode(obj)
         kind = type(msg)
+        if self.recorder.enabled:
+            self._note(ActionKind.RECV, msg.src, msg)
         if kind is Abort:
             if self.abort_msg is None:
                 self.abort_msg = cast(Abort, msg)
@@ -209,6 +228,8 @@ class Transport:
         """Send ``msg`` to pipeline rank ``pp_dest``. ``wake=False`` for a note nobody waits
         on (see smp-comm's ``isend``): it does not interrupt the receiver's compute."""
         dest = self.comm_ranks[pp_dest]
+        if self.recorder.enabled:
+            self._note(ActionKind.SEND, pp_dest, msg)
         wire = encode(msg, self.frame_limit)
         if wake:  # (the keyword only when needed: any communicator with isend() works)
             handle = self.comm.isend(wire, dest=dest, tag=self.tag)
@@ -217,6 +238,25 @@ class Transport:
         self._sends.append(handle)
         if len(self._sends) > 512:  # long steps: forget completed sends as we go
             self._sends = [h for h in self._sends if not h.test()]
+
+    def _note(self, kind: ActionKind, peer: int, msg: Message) -> None:
+        """Record a sent or received message in the program, if it carries tensors (one
+        branch per kind: this runs for every message)."""
+        tp = type(msg)
+        if tp is FwdReq:
+            req = cast(FwdReq, msg)
+            # A request names its module as the task serving it will (a run: first..last).
+            module = span_label(req.path, req.modules()) if req.span or req.chain else req.path
+            self.recorder.message(req.step, kind, peer, "fq", req.mb, module, req.inputs.tensors)
+        elif tp is FwdResp:
+            resp = cast(FwdResp, msg)
+            self.recorder.message(resp.step, kind, peer, "fr", resp.mb, "", resp.outputs.tensors)
+        elif tp is BwdReq:
+            breq = cast(BwdReq, msg)
+            self.recorder.message(breq.step, kind, peer, "bq", breq.mb, breq.path, breq.grads.tensors)
+        elif tp is BwdResp:
+            bresp = cast(BwdResp, msg)
+            self.recorder.message(bresp.step, kind, peer, "br", bresp.mb, "", bresp.grads.tensors)
 
     def send_note(self, pp_dest: int, msg: Message) -> Any:
         """Send ``msg`` to pipeline rank ``pp_dest`` from any thread, outside :meth:`flush`'s

@@ -22,6 +22,8 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
+from smp_pipeline.actions import Phase
+
 if TYPE_CHECKING:  # pragma: no cover
     from smp_pipeline.autograd import Context
 
@@ -137,7 +139,7 @@ class Task(Generic[P]):
         fn: Callable[[Task[P]], None],
         mb: int,
         module: str,
-        phase: str,
+        phase: Phase,
         context: Context | None,
         step: int,
         payload: P,
