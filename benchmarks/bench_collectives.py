@@ -9,7 +9,8 @@ prints one line per measurement, each with both backends' figures and the ratio:
   bus bandwidth (output bytes / time), best of 3 per backend, the backends interleaved;
 - ``all_reduce`` latency at 64 B, 4 KiB and 64 KiB, and ``barrier``, beside mpi4py's
   ``Allreduce`` / ``Barrier`` (MPICH's shared memory) and gloo: median of 200, in
-  interleaved blocks of 20 (targets: <= 1.5x mpi4py, <= 0.1x gloo);
+  interleaved blocks of 20 (targets: <= 1.5x mpi4py, <= 0.1x gloo), and the floor: the same
+  torch call on a Python group that does nothing (what torch's wrapper costs alone);
 - ``send``/``recv`` of 10 x 64 MiB from rank 0 to rank 1 into a reused tensor, beside mpi4py
   ``Send``/``Recv`` into a reused buffer and gloo: best of 3;
 - one FSDP2 (``fully_shard``) training step of a small transformer: median of 5;
@@ -39,6 +40,35 @@ def launch() -> None:
     sys.exit(subprocess.call([mpiexec, "-n", str(RANKS), sys.executable, __file__], env=env))
 
 
+def _register_noop() -> str:
+    """Register a ``torch.distributed`` backend whose Python group does nothing (every
+    all-reduce and barrier returns a finished handle): what torch's own call costs around a
+    Python group, the floor under the smp backend's latency."""
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import ProcessGroup, Work
+
+    class Done(Work):
+        def wait(self, timeout=None) -> bool:
+            return True
+
+    done = Done()
+
+    class NoOp(ProcessGroup):
+        def allreduce(self, tensors, opts=None):  # noqa: ANN001, ANN201
+            return done
+
+        def barrier(self, opts=None):  # noqa: ANN001, ANN201
+            return done
+
+        def getBackendName(self) -> str:  # noqa: N802
+            return "noop"
+
+    dist.Backend.register_backend(
+        "noop", lambda store, rank, size, timeout: NoOp(rank, size), devices=["cpu"]
+    )
+    return "noop"
+
+
 def main() -> None:
     import warnings
 
@@ -55,6 +85,7 @@ def main() -> None:
     dist.init_process_group("smp", store=store, rank=rank, world_size=size,
                             timeout=timedelta(seconds=300))
     groups = {"smp": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+    noop = dist.new_group(backend=_register_noop())  # the latency rows' floor
 
     def timed(fn, group) -> float:
         dist.barrier(group=groups["gloo"])
@@ -100,8 +131,9 @@ def main() -> None:
                 f"smp/{k} {med['smp'] / med[k]:.2f}x (target <= {v})" for k, v in targets.items()
             )
             print(f"{what + ' latency (median)':<34} smp {med['smp'] * 1e6:8.1f} us  mpi4py "
-                  f"{med['mpi4py'] * 1e6:8.1f} us  gloo {med['gloo'] * 1e6:8.1f} us  {ratios}",
-                  flush=True)
+                  f"{med['mpi4py'] * 1e6:8.1f} us  gloo {med['gloo'] * 1e6:8.1f} us  {ratios}  "
+                  f"[floor: torch's call on a no-op Python group {med['noop'] * 1e6:.1f} us = "
+                  f"{med['noop'] / med['mpi4py']:.2f}x mpi4py]", flush=True)
 
     out = torch.empty(64 * MIB // 4)
     part = torch.full((64 * MIB // 4 // size,), float(rank))
@@ -123,11 +155,12 @@ def main() -> None:
         runs = {
             "mpi4py": lambda a=a, b=b: world.Allreduce(a, b),
             **{name: (lambda g=g, t=small: dist.all_reduce(t, group=g))
-               for name, g in groups.items()},
+               for name, g in (*groups.items(), ("noop", noop))},
         }
         show_latency(f"all_reduce {nbytes} B", runs, {"mpi4py": 1.5, "gloo": 0.1})
     runs = {"mpi4py": world.Barrier,
-            **{name: (lambda g=g: dist.barrier(group=g)) for name, g in groups.items()}}
+            **{name: (lambda g=g: dist.barrier(group=g))
+               for name, g in (*groups.items(), ("noop", noop))}}
     show_latency("barrier", runs, {"mpi4py": 1.5, "gloo": 0.1})
 
     # Point to point: rank 0 streams 10 x 64 MiB to rank 1, which receives into one tensor

@@ -42,6 +42,11 @@ class SmpWork(Work):
         work._future, work._future_lock = None, _DONE_FUTURE_LOCK
         return work
 
+    def reuse(self, result: list[torch.Tensor]) -> None:
+        """Make this finished, successful handle that of another finished collective
+        (for a handle no one holds any more)."""
+        self._result, self._future = result, None
+
     def _finish(self, error: BaseException | None) -> None:
         with self._future_lock:
             self._error = error
