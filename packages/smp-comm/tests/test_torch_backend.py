@@ -58,7 +58,9 @@ def test_absent_peer_and_abort_name_the_rank(mpi_job, assert_case, case: str) ->
     assert_case(job, case, range(3))
 
 
-@pytest.mark.parametrize("case", ["p2p-ring", "p2p-anysource", "p2p-subgroup", "p2p-size", "p2p-absent"])
+@pytest.mark.parametrize(
+    "case", ["p2p-ring", "p2p-anysource", "p2p-batch", "p2p-subgroup", "p2p-size", "p2p-absent"]
+)
 @pytest.mark.parametrize("n", [2, 3])
 def test_point_to_point_over_mpi(mpi_job, assert_case, n: int, case: str) -> None:
     # Under MPI an smp group's send/recv go between the callers' tensors over MPI: every

@@ -1,6 +1,7 @@
 """Point to point on ``smp`` groups under MPI (smp_comm.torch_p2p): sends from and receives
 into the callers' tensors, every dtype's bytes, strided tensors, any-source receives,
-subgroups, size mismatches and a sender that never comes. 2 or more ranks."""
+``batch_isend_irecv``, subgroups, size mismatches and a sender that never comes. 2 or more
+ranks."""
 
 from __future__ import annotations
 
@@ -68,6 +69,16 @@ def main() -> None:
     else:
         dist.send(torch.full((3,), float(RANK)), dst=0, tag=5)
     case_ok("p2p-anysource")
+
+    # batch_isend_irecv (what torch.distributed.pipelining's schedules call): a ring.
+    nxt, prv = (RANK + 1) % SIZE, (RANK - 1) % SIZE
+    got = torch.empty(5, dtype=torch.bfloat16)
+    ops = [dist.P2POp(dist.isend, value(RANK, nxt, 5, torch.bfloat16), nxt),
+           dist.P2POp(dist.irecv, got, prv)]
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+    assert torch.equal(got, value(prv, RANK, 5, torch.bfloat16)), got
+    case_ok("p2p-batch")
 
     # A subgroup of the first and last rank: dst/src are job-wide ranks, translated by torch.
     sub = dist.new_group([0, SIZE - 1], backend="smp")
