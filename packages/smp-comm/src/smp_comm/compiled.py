@@ -147,6 +147,11 @@ def _cached(source: Path, name: str, *inputs: bytes | str) -> Path:
     return _cache_dir() / key.hexdigest()[:20] / name
 
 
+def _allowed() -> bool:
+    """Whether plain C files may be built here (Linux, and not ``SMP_COMM_COMPILED=0``)."""
+    return os.environ.get("SMP_COMM_COMPILED", "1") != "0" and sys.platform.startswith("linux")
+
+
 _libraries: dict[Path, ctypes.CDLL | None] = {}
 
 
@@ -157,7 +162,7 @@ def load_library(source: Path) -> ctypes.CDLL | None:
     with _lock:
         if source not in _libraries:
             _libraries[source] = None
-            if os.environ.get("SMP_COMM_COMPILED", "1") != "0" and sys.platform.startswith("linux"):
+            if _allowed():
                 try:
                     cc = _compiler()
                     target = _cached(source, source.stem + ".so", " ".join(cc))
@@ -220,7 +225,7 @@ def load_extension(source: Path, name: str, *includes: Path) -> ModuleType | Non
     with _lock:
         if source not in _extensions:
             _extensions[source] = None
-            if os.environ.get("SMP_COMM_COMPILED", "1") != "0" and sys.platform.startswith("linux"):
+            if _allowed():
                 try:
                     _extensions[source] = _build_extension(source, name, includes)
                 except (_Unavailable, OSError, ImportError):

@@ -33,11 +33,12 @@ from smp_comm import compiled
 from smp_comm.collectives.local import (
     _ALL_REDUCE,
     _BARRIER,
-    _C_DTYPE,
-    _C_OPS,
     _CODE,
     _OP_CODE,
+    DTYPES,
+    REDUCE_OPS,
     LocalCollectives,
+    c_codes,
 )
 
 __all__ = ["Express", "build"]
@@ -76,9 +77,10 @@ class Express:
         self._phases = tuple(seg.base + seg.phase_offset(p) for p in (0, 1))
         # (dtype, reduction) -> (C dtype, C reduction, the descriptor's dtype and op words)
         self._codes = {
-            (dtype, op): (code, c_op, _CODE[dtype], _OP_CODE[op])
-            for dtype, code in _C_DTYPE.items()
-            for op, c_op in _C_OPS[dtype.is_floating_point].items()
+            (dtype, op): (*codes, _CODE[dtype], _OP_CODE[op])
+            for dtype in DTYPES
+            for op in REDUCE_OPS
+            if (codes := c_codes(dtype, op)) is not None
         }
         # (dtype, reduction, elements) -> what all_reduce passes to C, or () if not served.
         self._calls: dict[tuple[torch.dtype, str, int], tuple[bytes, int, int, int, int] | tuple[()]] = {}
@@ -101,7 +103,7 @@ class Express:
         if r == _DONE:
             return True
         if r >= 0:
-            return self._rest(s, lambda: self._reduce(at, s, count, code, c_op))
+            return self._rest(s, lambda s: self._local.c_reduce(at, s, count, code, c_op))
         return self._failed(s, r)
 
     def _plan(self, dtype: torch.dtype, op: str, count: int) -> tuple[bytes, int, int, int, int] | tuple[()]:
@@ -129,21 +131,14 @@ class Express:
             return self._rest(s, None)
         return self._failed(s, r)
 
-    def _rest(self, s: int, then: Callable[[], None] | None) -> Iterator[None]:
+    def _rest(self, s: int, then: Callable[[int], None] | None) -> Iterator[None]:
+        """The rest of step ``s`` once the peers were late: as the ordinary one-step path."""
         yield
         self._seg.fast_finish(s)
-        self._local._check_desc(s)
-        if then is not None:
-            then()
-
-    def _reduce(self, at: int, s: int, count: int, code: int, c_op: int) -> None:
-        lib = self._seg.lib
-        assert lib is not None
-        done = lib.smp_reduce(at, self._phases[s & 1], self._seg.slot_bytes, self._size, count,
-                              code, c_op)
-        assert done == 0, (code, c_op)
+        self._local.end_quick(s, then)
 
     def _failed(self, s: int, r: int) -> NoReturn:
         if r == _MISMATCH:
-            self._local._check_desc(s)  # raises, naming every rank's description
-        raise AssertionError(f"smp backend: express step {s} returned {r}")
+            self._local.end_quick(s)  # raises, naming every rank's description
+        why = "no C kernel for it" if r == _NO_KERNEL else f"result {r}"
+        raise AssertionError(f"smp backend: express step {s}: {why}")

@@ -24,8 +24,8 @@ import torch
 from smp_comm.collectives.shm import Segment
 
 __all__ = [
-    "DTYPES", "REDUCE_OPS", "CollectiveMismatchError", "LocalCollectives", "check_reduce", "exhaust",
-    "flat",
+    "DTYPES", "REDUCE_OPS", "CollectiveMismatchError", "LocalCollectives", "c_codes",
+    "check_reduce", "exhaust", "flat",
 ]
 
 # Codes for descriptors: the position in this tuple (the same on every rank of one install).
@@ -60,6 +60,14 @@ _C_OPS = {
     True: {"sum": 0, "avg": 1, "product": 2},
     False: {"sum": 0, "product": 2, "min": 3, "max": 4},
 }
+
+
+def c_codes(dtype: torch.dtype, op: str) -> tuple[int, int] | None:
+    """``_shmstep.c``'s (dtype code, reduction code) for reducing ``dtype`` with ``op``, or
+    None where its kernels do not (then torch's do)."""
+    code = _C_DTYPE.get(dtype)
+    c_op = None if code is None else _C_OPS[dtype.is_floating_point].get(op)
+    return None if code is None or c_op is None else (code, c_op)
 
 
 class CollectiveMismatchError(ValueError):
@@ -154,9 +162,23 @@ class LocalCollectives:
         if not done:
             yield
             self.seg.fast_finish(s)
+        self.end_quick(s, then)
+
+    def end_quick(self, s: int, then: Callable[[int], None] | None = None) -> None:
+        """The end of a one-step collective whose step ``s`` every rank has taken: the
+        descriptor check (raises :class:`CollectiveMismatchError`), then ``then(s)``."""
         self._check_desc(s)
         if then is not None:
             then(s)
+
+    def c_reduce(self, at: int, s: int, count: int, code: int, c_op: int) -> None:
+        """The memory at address ``at`` = the rank-order reduction, in C, of the ``count``
+        elements in every rank's slot of step ``s`` (codes from :func:`c_codes`)."""
+        lib = self.seg.lib
+        assert lib is not None
+        done = lib.smp_reduce(at, self._addr(self.seg.phase_offset(s)), self.seg.slot_bytes,
+                              self.size, count, code, c_op)
+        assert done == 0, (code, c_op)
 
     def _check_desc(self, s: int) -> None:
         if self.seg.mismatch(s):
@@ -260,17 +282,14 @@ class LocalCollectives:
     def quick_all_reduce(self, t: torch.Tensor, op: str) -> Iterator[None] | None:
         """:meth:`all_reduce` (contiguous ``t``) as a :meth:`_quick` generator, or None
         unless ``t`` fits a slot and C is built and reduces its dtype with ``op``."""
-        lib, code = self.seg.lib, _C_DTYPE.get(t.dtype)
-        c_op = None if code is None else _C_OPS[t.dtype.is_floating_point].get(op)
+        codes = c_codes(t.dtype, op)
         nbytes, count = t.numel() * t.element_size(), t.numel()
-        if lib is None or c_op is None or not 0 < nbytes <= self.seg.slot_bytes:
+        if self.seg.lib is None or codes is None or not 0 < nbytes <= self.seg.slot_bytes:
             return None
-        at, n, stride = t.data_ptr(), self.size, self.seg.slot_bytes
+        at = t.data_ptr()
 
         def reduce(s: int) -> None:
-            done = lib.smp_reduce(at, self._addr(self.seg.phase_offset(s)), stride, n, count,
-                                  code, c_op)
-            assert done == 0, (t.dtype, op)
+            self.c_reduce(at, s, count, *codes)
 
         dst = self._addr(self.seg.slot_offset(self.seg.next_step(), self.rank))
         return self._quick(self._desc(_ALL_REDUCE, t, op=op), at, nbytes, dst, reduce)
@@ -308,9 +327,8 @@ class LocalCollectives:
         with streaming stores). Each element thus crosses the segment twice, against four
         times for copying whole chunks in and out."""
         n, rank, total, dtype = self.size, self.rank, t.numel(), t.dtype
-        lib, code = self.seg.lib, _C_DTYPE.get(dtype)
-        c_op = None if code is None else _C_OPS[dtype.is_floating_point].get(op)
-        fused = lib is not None and c_op is not None
+        lib, codes = self.seg.lib, c_codes(dtype, op)
+        fused = lib is not None and codes is not None
         size, stride = t.element_size(), self.seg.slot_bytes
         lo = 0
         while lo < total:
@@ -325,11 +343,11 @@ class LocalCollectives:
             s = self._step(desc if lo == 0 else None)
             done = self._slot(s + 1, rank, dtype)[a:z]
             if fused:
-                assert lib is not None and code is not None
+                assert lib is not None and codes is not None
                 phase = self._addr(self.seg.phase_offset(s)) + a * size
                 got = lib.smp_reduce2(part.data_ptr() + a * size, done.data_ptr(),
                                       part.data_ptr() + a * size, phase, stride, n, rank,
-                                      z - a, code, c_op)
+                                      z - a, *codes)
                 assert got == 0, (dtype, op)
             else:
                 srcs = [part[a:z] if r == rank else self._slot(s, r, dtype)[a:z]
