@@ -92,6 +92,20 @@ int64_t smp_step(char *base, int64_t size, int64_t rank, int64_t s, const int64_
     return r;
 }
 
+/* o[i] = o[i] (op) b[i] for i < m: the one binary step of every reduction here, so all of
+ * them round alike (the callers fix the rank order); an unknown op returns -1 from the
+ * calling function. AVERAGE ends an avg: o[i] / n. */
+#define FOLD(o, b, m)                                                                  \
+    switch (op) {                                                                      \
+    case 0: case 1: for (int64_t i = 0; i < (m); i++) (o)[i] = (o)[i] + (b)[i]; break; \
+    case 2: for (int64_t i = 0; i < (m); i++) (o)[i] = (o)[i] * (b)[i]; break;         \
+    case 3: for (int64_t i = 0; i < (m); i++) (o)[i] = (b)[i] < (o)[i] ? (b)[i] : (o)[i]; break; \
+    case 4: for (int64_t i = 0; i < (m); i++) (o)[i] = (b)[i] > (o)[i] ? (b)[i] : (o)[i]; break; \
+    default: return -1;                                                                \
+    }
+#define AVERAGE(T, o, m)                                                               \
+    if (op == 1) for (int64_t i = 0; i < (m); i++) (o)[i] = (o)[i] / (T)n;
+
 /* out[i] = src_0[i] (op) src_1[i] (op) ... left to right, src_r = phase + r * stride bytes;
  * avg divides by n at the end. Returns 0, or -1 for a (dtype, op) not handled here. */
 #define REDUCE(T)                                                                      \
@@ -101,15 +115,9 @@ int64_t smp_step(char *base, int64_t size, int64_t rank, int64_t s, const int64_
         for (int64_t i = 0; i < count; i++) o[i] = a[i];                               \
         for (int64_t r = 1; r < n; r++) {                                              \
             const T *b = (const T *)(phase + r * stride);                              \
-            switch (op) {                                                              \
-            case 0: case 1: for (int64_t i = 0; i < count; i++) o[i] = o[i] + b[i]; break; \
-            case 2: for (int64_t i = 0; i < count; i++) o[i] = o[i] * b[i]; break;     \
-            case 3: for (int64_t i = 0; i < count; i++) o[i] = b[i] < o[i] ? b[i] : o[i]; break; \
-            case 4: for (int64_t i = 0; i < count; i++) o[i] = b[i] > o[i] ? b[i] : o[i]; break; \
-            default: return -1;                                                        \
-            }                                                                          \
+            FOLD(o, b, count)                                                          \
         }                                                                              \
-        if (op == 1) for (int64_t i = 0; i < count; i++) o[i] = o[i] / (T)n;          \
+        AVERAGE(T, o, count)                                                           \
         return 0;                                                                      \
     }
 
@@ -150,15 +158,9 @@ int smp_reduce(char *out, const char *phase, int64_t stride, int64_t n, int64_t 
                 const T *restrict b = r == rank ? (const T *)own + lo                  \
                                                 : (const T *)(phase + r * stride) + lo; \
                 if (r == 0) { for (int64_t i = 0; i < m; i++) acc[i] = b[i]; continue; } \
-                switch (op) {                                                          \
-                case 0: case 1: for (int64_t i = 0; i < m; i++) acc[i] = acc[i] + b[i]; break; \
-                case 2: for (int64_t i = 0; i < m; i++) acc[i] = acc[i] * b[i]; break;  \
-                case 3: for (int64_t i = 0; i < m; i++) acc[i] = b[i] < acc[i] ? b[i] : acc[i]; break; \
-                case 4: for (int64_t i = 0; i < m; i++) acc[i] = b[i] > acc[i] ? b[i] : acc[i]; break; \
-                default: return -1;                                                    \
-                }                                                                      \
+                FOLD(acc, b, m)                                                        \
             }                                                                          \
-            if (op == 1) for (int64_t i = 0; i < m; i++) acc[i] = acc[i] / (T)n;       \
+            AVERAGE(T, acc, m)                                                         \
             T *restrict oa = (T *)out_a + lo;                                          \
             T *restrict ob = (T *)out_b + lo;                                          \
             for (int64_t i = 0; i < m; i++) { oa[i] = acc[i]; ob[i] = acc[i]; }        \
