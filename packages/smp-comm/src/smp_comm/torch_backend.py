@@ -72,6 +72,7 @@ _RED_OPS = {
 assert set(_RED_OPS.values()) == set(REDUCE_OPS)
 # Keyed by the enum's integer: hashing the enum itself costs microseconds per collective.
 _RED_OP_VALUES = {k.value: v for k, v in _RED_OPS.items()}
+_SUM = ReduceOp.SUM
 
 
 # A collective: runs to its end, or returns the rest of itself as a generator (see
@@ -347,7 +348,10 @@ class SmpProcessGroup(ProcessGroup):
         if fast is not None and opts is not None and len(tensors) == 1:
             t = tensors[0]
             if t.is_cpu and t.is_contiguous():
-                name = _RED_OP_VALUES.get(opts.reduceOp.op.value)
+                # Sum, the common reduction, by one comparison (0.25 us); others by their
+                # enum's integer (reading it costs 0.7 us).
+                red = opts.reduceOp
+                name = "sum" if red == _SUM else _RED_OP_VALUES.get(red.op.value)
                 if name is not None and (
                     work := self._try_express(fast.all_reduce, tensors, t, name)
                 ) is not None:
