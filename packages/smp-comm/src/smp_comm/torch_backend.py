@@ -17,7 +17,7 @@ to a Python group (``all_gather_single_coalesced``, ``reduce_scatter_single_coal
 C++ callers that ask for the group's per-device backend instead get the gloo group, which
 is registered as its CPU backend: slower, never missing.
 
-Each group runs its collectives in call order on a thread of its own, so ``async_op=True``
+Each group runs its collectives in call order (:mod:`smp_comm.torch_calls`), so ``async_op=True``
 returns at once and the caller computes meanwhile; ``Work.wait()`` raises what the collective
 raised. Ranks on one host are grouped by hostname, or by ``SMP_COMM_NODE_ID`` when set
 (``{rank}`` in it is replaced by the group rank; tests use it to force the cross-host path).
@@ -29,15 +29,12 @@ overlap.
 
 from __future__ import annotations
 
-import collections
 import os
 import socket
-import sys
-import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch._C._distributed_c10d as c10d
@@ -49,13 +46,12 @@ from smp_comm.collectives import express
 from smp_comm.collectives.hierarchy import DEFAULT_HOST_CHUNK_BYTES, build_collectives
 from smp_comm.collectives.local import (
     REDUCE_OPS,
-    CollectiveMismatchError,
     LocalCollectives,
     check_reduce,
-    exhaust,
     flat,
 )
 from smp_comm.collectives.shm import PeerFailedError
+from smp_comm.torch_calls import CallOrder
 from smp_comm.torch_work import SmpWork
 
 __all__ = ["BACKEND_NAME", "SmpProcessGroup", "SmpWork", "create_backend"]
@@ -73,12 +69,6 @@ assert set(_RED_OPS.values()) == set(REDUCE_OPS)
 # Keyed by the enum's integer: hashing the enum itself costs microseconds per collective.
 _RED_OP_VALUES = {k.value: v for k, v in _RED_OPS.items()}
 _SUM = ReduceOp.SUM
-
-
-# A collective: runs to its end, or returns the rest of itself as a generator (see
-# LocalCollectives._quick) that yields while it waits for peers.
-_Run = Callable[[], "Iterator[None] | None"]
-_DONE = object()
 
 
 def _node_id(rank: int) -> str:
@@ -141,21 +131,11 @@ class SmpProcessGroup(ProcessGroup):
         # Point to point straight between the callers' tensors over MPI, where the job runs
         # under MPI; None: gloo's.
         self._p2p = torch_p2p.build(store, rank, size, timeout, labels)
-        self._broken: BaseException | None = None
-        # Collectives run one at a time in call order: on the thread while any is queued,
-        # else a small one starts on the caller's thread (no hand-off: its latency is the
-        # segment's) and, if the peers are not all there yet, the thread finishes it.
-        self._items: collections.deque[tuple[_Run, SmpWork] | None] = collections.deque()
-        self._arrived = threading.Condition()  # guards _items and _queued
-        self._queued = 0  # items queued or running on the thread
-        self._running = threading.Lock()  # held while a collective runs; taken before a pop
         self._quick = self._coll if isinstance(self._coll, LocalCollectives) else None
         self.inline_bytes = _inline_bytes()
         # All-reduce and barrier up to inline_bytes in one C call (None: not built here).
         self._express = express.build(self._quick, self.inline_bytes) if self._quick else None
-        self._spare: SmpWork | None = None  # the express path's last finished handle
-        self._thread = threading.Thread(target=self._serve, name="smp-collectives", daemon=True)
-        self._thread.start()
+        self._calls = CallOrder(self._coll.fail, self.inline_bytes)
         # A failed step here must not leave peers waiting in this group's collectives (a
         # fresh-clone run: a peer's exit waited 18 s on an all-reduce this rank never joined).
         ref = weakref.ref(self)
@@ -176,9 +156,7 @@ class SmpProcessGroup(ProcessGroup):
     def abandon(self, reason: str) -> None:
         """Mark the group failed: peers waiting in its collectives raise ``PeerFailedError``
         within a wait's check interval, and later collectives here are refused."""
-        if self._broken is None:
-            self._broken = PeerFailedError(f"smp backend: rank {self.rank()}: {reason}")
-        self._coll.fail()
+        self._calls.abandon(PeerFailedError(f"smp backend: rank {self.rank()}: {reason}"))
 
     # c10d keeps a group's name on its backend objects, and this group has none, so the
     # name torch gives it is kept here (DeviceMesh, hence FSDP2, reads it).
@@ -195,101 +173,9 @@ class SmpProcessGroup(ProcessGroup):
         """The backend's name, ``"smp"``."""
         return BACKEND_NAME
 
-    # -- the collective thread -----------------------------------------------------------
-    def _serve(self) -> None:
-        while True:
-            with self._arrived:
-                while not self._items:
-                    self._arrived.wait()
-            # Popped only with _running held: a collective the caller started (holding it)
-            # and left for this thread to finish goes to the front first.
-            with self._running:
-                with self._arrived:
-                    item = self._items.popleft()
-                if item is None:
-                    return
-                run, work = item
-                work._finish(self._execute(run))
-            with self._arrived:
-                self._queued -= 1
-
-    def _execute(self, run: _Run) -> BaseException | None:
-        """Run one collective to its end; its error (for the waiter), or None."""
-        if (refused := self._refusal()) is not None:
-            return refused
-        try:
-            exhaust(run())
-        except BaseException as exc:  # handed to the waiter, never lost
-            return self._failed(exc)
-        return None
-
-    def _refusal(self) -> PeerFailedError | None:
-        """Why a collective is refused here: the group failed before it; None otherwise."""
-        if self._broken is None:
-            return None
-        return PeerFailedError(f"smp backend: group unusable: {self._broken}")
-
-    def _failed(self, exc: BaseException) -> BaseException:
-        if not isinstance(exc, CollectiveMismatchError):
-            # The ranks are out of step now: tell them, and refuse later calls.
-            self._broken = exc
-            self._coll.fail()
-        return exc
-
-    def _enqueue(self, item: tuple[_Run, SmpWork] | None, first: bool = False) -> None:
-        with self._arrived:
-            if first:
-                self._items.appendleft(item)
-            else:
-                self._items.append(item)
-            self._queued += 1
-            self._arrived.notify()
-
-    def _submit(
-        self, run: _Run, result: list[torch.Tensor], nbytes: int = -1,
-        quick: Callable[[], Iterator[None] | None] | None = None,
-    ) -> SmpWork:
-        """Run ``run`` in call order on the group's thread; or, when ``quick`` is given, the
-        collective moves at most ``inline_bytes`` and nothing is queued, start ``quick()``'s
-        one-step version here and now. If its peers have not all arrived after a short
-        spin, the thread finishes it, first in line, and the caller gets a pending handle at
-        once, as ``async_op=True`` promises (never a wait here on a peer)."""
-        # No lock around the test: a collective queued by another thread after _queued was
-        # read here comes after this one in call order, and cannot start before we release.
-        if quick is not None and 0 <= nbytes <= self.inline_bytes and not self._queued and (
-            self._running.acquire(blocking=False)
-        ):
-            try:
-                error: BaseException | None = self._refusal()
-                if error is None:
-                    steps = quick()
-                    if steps is None:  # no one-step version of this call: the thread runs it
-                        work = SmpWork(result)
-                        self._enqueue((run, work), first=True)
-                        return work
-                    if next(steps, _DONE) is not _DONE:
-                        return self._hand_over(steps, result)
-            except BaseException as exc:
-                error = self._failed(exc)
-            finally:
-                self._running.release()
-            return SmpWork.finished(result, error)
-        work = SmpWork(result)
-        self._enqueue((run, work))
-        return work
-
-    def _hand_over(self, rest: Iterator[None], result: list[torch.Tensor]) -> SmpWork:
-        """A pending handle of a collective started on the caller's thread whose peers were
-        late: the group's thread finishes ``rest``, first in line (call with ``_running``
-        held, so the thread cannot pop anything before it)."""
-        work = SmpWork(result)
-        self._enqueue((lambda: rest, work), first=True)
-        return work
-
     def shutdown(self) -> None:
         """Stop the collective thread once queued collectives are done."""
-        self._enqueue(None)
-        self._thread.join()
+        self._calls.shutdown()
 
     def _nccl_group(self) -> Any:
         if self._nccl is None:
@@ -307,39 +193,6 @@ class SmpProcessGroup(ProcessGroup):
         return None
 
     # -- the collectives it implements ---------------------------------------------------
-    def _try_express(
-        self, start: Callable[..., Iterator[None] | Literal[True] | None], result: list[torch.Tensor],
-        *args: Any,
-    ) -> SmpWork | None:
-        """Start a collective on the express path (nothing queued: the caller's thread, one C
-        call); ``None`` if ``start`` does not serve it. As in :meth:`_submit`, a collective
-        whose peers are late is finished by the group's thread, first in line."""
-        if self._queued or not self._running.acquire(blocking=False):
-            return None
-        try:
-            error: BaseException | None = self._refusal()
-            if error is None:
-                rest = start(*args)
-                if rest is None:
-                    return None
-                if rest is not True:
-                    return self._hand_over(rest, result)
-        except BaseException as exc:
-            error = self._failed(exc)
-        finally:
-            self._running.release()
-        if error is not None:
-            return SmpWork.finished(result, error)
-        # A finished handle that nobody else holds any more (the caller waited and dropped
-        # it, as dist.all_reduce does) is reused: making one costs about as much as the
-        # whole express step. (References: this group's, the local name, the argument.)
-        spare = self._spare
-        if spare is None or sys.getrefcount(spare) != 3:
-            spare = self._spare = SmpWork.finished(result, None)
-        else:
-            spare.reuse(result)
-        return spare
-
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:  # type: ignore[override]
         """In-place all-reduce of each tensor (one per device; here one CPU tensor)."""
         # The express path first: what a small all-reduce costs is mostly this method's own
@@ -353,7 +206,7 @@ class SmpProcessGroup(ProcessGroup):
                 red = opts.reduceOp
                 name = "sum" if red == _SUM else _RED_OP_VALUES.get(red.op.value)
                 if name is not None and (
-                    work := self._try_express(fast.all_reduce, tensors, t, name)
+                    work := self._calls.express(fast.all_reduce, tensors, t, name)
                 ) is not None:
                     return work
         opts = opts if opts is not None else c10d.AllreduceOptions()
@@ -366,7 +219,7 @@ class SmpProcessGroup(ProcessGroup):
         if self._quick is not None and len(tensors) == 1 and tensors[0].is_contiguous():
             t = tensors[0]
             quick = self._quick
-            return self._submit(
+            return self._calls.submit(
                 lambda: quick.all_reduce(t, op), tensors, _nbytes(tensors),
                 lambda: quick.quick_all_reduce(t, op),
             )
@@ -380,7 +233,7 @@ class SmpProcessGroup(ProcessGroup):
                     self._coll.all_reduce(buf, op)
                     t.copy_(buf.view(t.shape))
 
-        return self._submit(run, tensors, _nbytes(tensors))
+        return self._calls.submit(run, tensors, _nbytes(tensors))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         """All-reduce of several tensors of one dtype as one flat buffer."""
@@ -401,7 +254,7 @@ class SmpProcessGroup(ProcessGroup):
                 t.copy_(buf[at : at + t.numel()].view(t.shape))
                 at += t.numel()
 
-        return self._submit(run, tensors)
+        return self._calls.submit(run, tensors)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:  # type: ignore[override]
         """Every rank's tensor = the root's."""
@@ -411,7 +264,7 @@ class SmpProcessGroup(ProcessGroup):
         root = opts.rootRank
         if self._quick is not None and len(tensors) == 1 and tensors[0].is_contiguous():
             t, quick = tensors[0], self._quick
-            return self._submit(
+            return self._calls.submit(
                 lambda: quick.broadcast(flat(t), root), tensors, _nbytes(tensors),
                 lambda: quick.quick_broadcast(t, root),
             )
@@ -423,15 +276,15 @@ class SmpProcessGroup(ProcessGroup):
                 if not t.is_contiguous():
                     t.copy_(buf.view(t.shape))
 
-        return self._submit(run, tensors, _nbytes(tensors))
+        return self._calls.submit(run, tensors, _nbytes(tensors))
 
     def barrier(self, opts: Any = None) -> Work:
         """Completes once every rank of the group has called it."""
         fast = self._express
-        if fast is not None and (work := self._try_express(fast.barrier, [])) is not None:
+        if fast is not None and (work := self._calls.express(fast.barrier, [])) is not None:
             return work
         quick = self._quick
-        return self._submit(self._coll.barrier, [], 0, quick.quick_barrier if quick else None)
+        return self._calls.submit(self._coll.barrier, [], 0, quick.quick_barrier if quick else None)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:  # noqa: A002
         """``all_gather_into_tensor``: ``output`` = every rank's ``input``, in rank order."""
@@ -440,7 +293,7 @@ class SmpProcessGroup(ProcessGroup):
         self._check_sizes(output, input, self.size(), "all_gather_into_tensor")
         if self._quick is not None and output.is_contiguous() and input.is_contiguous():
             quick = self._quick
-            return self._submit(
+            return self._calls.submit(
                 lambda: quick.all_gather(flat(output), flat(input)), [output],
                 _nbytes([output]), lambda: quick.quick_all_gather(output, input),
             )
@@ -451,7 +304,7 @@ class SmpProcessGroup(ProcessGroup):
             if not output.is_contiguous():
                 output.copy_(out.view(output.shape))
 
-        return self._submit(run, [output], _nbytes([output]))
+        return self._calls.submit(run, [output], _nbytes([output]))
 
     _allgather_base = all_gather_single  # the name torch used before 2.13
 
@@ -485,7 +338,7 @@ class SmpProcessGroup(ProcessGroup):
             for o, row in zip(outs, gathered):
                 o.copy_(row.view(o.shape))
 
-        return self._submit(run, outs)
+        return self._calls.submit(run, outs)
 
     def reduce_scatter_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None  # noqa: A002
@@ -505,7 +358,7 @@ class SmpProcessGroup(ProcessGroup):
             if not output.is_contiguous():
                 output.copy_(out.view(output.shape))
 
-        return self._submit(run, [output], _nbytes([input]))
+        return self._calls.submit(run, [output], _nbytes([input]))
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]  # pre-2.13 name
 
@@ -543,7 +396,7 @@ class SmpProcessGroup(ProcessGroup):
             self._coll.reduce_scatter(buf, stacked, op)
             out.copy_(buf.view(out.shape))
 
-        return self._submit(run, [out])
+        return self._calls.submit(run, [out])
 
     # -- everything else: gloo (CPU) or NCCL (CUDA) ---------------------------------------
     def _other(self, tensors: Sequence[torch.Tensor]) -> Any:
@@ -616,7 +469,7 @@ class SmpProcessGroup(ProcessGroup):
             for w in works:
                 w.wait()
 
-        return self._submit(run, outputs)
+        return self._calls.submit(run, outputs)
 
     @staticmethod
     def _reduce_op(op: Any) -> str:
