@@ -11,6 +11,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import smp_tp
 import torch.distributed as dist
 from mpi4py import MPI
 from smp_pipeline import shutdown_runtimes
@@ -77,6 +78,10 @@ def state() -> SMPContext:
     return _STATE
 
 
+# smp_tp's process-wide defaults before any init (restored when a context closes).
+_TP_DEFAULTS = {"tp_group": None, "prescaled_batch": False, "optimize": "speed"}
+
+
 def _close_previous(world: Any) -> None:
     """Collective over ``world``: close the previous context; after a failure anywhere under
     it, no rank reuses its process groups (:mod:`smp_torch.group_cache`)."""
@@ -87,6 +92,7 @@ def _close_previous(world: Any) -> None:
     _STATE.close()
     _STATE.release(failed)
     _STATE = None
+    smp_tp.set_default_config(**_TP_DEFAULTS)
 
 
 _EXIT_REGISTERED = False
@@ -140,6 +146,13 @@ def init(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> SM
     if init_torch_distributed(world, cfg.timeout_s) and not _EXIT_REGISTERED:
         _register_exit()
     _STATE = create_context(cfg)
+    # smp.nn layers the user builds outside smp.tensor_parallelism() (the SageMaker way:
+    # smp.nn.DistributedLinear(...) in the model's own __init__) split over this job's
+    # tensor-parallel group with its settings; smp_tp's own default is the world group.
+    smp_tp.set_default_config(
+        tp_group=_STATE.process_groups["tp"], prescaled_batch=cfg.prescaled_batch,
+        optimize=cfg.optimize,
+    )
     return cfg
 
 

@@ -43,6 +43,12 @@ def check(config: dict) -> None:
         # Object collectives agree with the rank lists.
         group = getattr(smp, f"{kind.upper()}_GROUP")
         assert smp.allgather(r, group) == members, (kind, members)
+    # An smp.nn layer built directly, outside smp.tensor_parallelism(), splits over this
+    # job's tensor-parallel group, not the world (it took the world group before).
+    linear = smp.nn.DistributedLinear(8, 12)
+    assert dist.get_process_group_ranks(linear.tp_group) == smp.get_tp_group(), (
+        config, dist.get_process_group_ranks(linear.tp_group), smp.get_tp_group())
+    assert linear.weight.numel() * smp.tp_size() == 8 * 12, (config, tuple(linear.weight.shape))
     # Every rank's coordinate is unique: (pp_rank, tp_rank, rdp_rank) identifies the rank.
     coords = smp.allgather((smp.pp_rank(), smp.tp_rank(), smp.rdp_rank()))
     assert len(set(coords)) == 4
