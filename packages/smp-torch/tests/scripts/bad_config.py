@@ -7,6 +7,7 @@ instead (the job must then fail quickly with the error in every rank's output).
 from __future__ import annotations
 
 import sys
+import time
 
 import smp_torch as smp
 
@@ -30,6 +31,9 @@ def main() -> None:
     rank = MPI.COMM_WORLD.Get_rank()
     for i, (config, key) in enumerate(CASES):
         if i == uncaught:
+            # When the error starts (wall clock): the test bounds the time from here to the
+            # end of the job, not the imports before it, which a busy machine stretches.
+            print(f"RANK {rank} RAISING AT {time.time():.3f}", flush=True)
             smp.init(config)
         try:
             smp.init(config)
