@@ -206,7 +206,7 @@ class SmpProcessGroup(ProcessGroup):
                 red = opts.reduceOp
                 name = "sum" if red == _SUM else _RED_OP_VALUES.get(red.op.value)
                 if name is not None and (
-                    work := self._calls.express(fast.all_reduce, tensors, t, name)
+                    work := self._calls.express(fast.all_reduce, tensors, opts, t, name)
                 ) is not None:
                     return work
         opts = opts if opts is not None else c10d.AllreduceOptions()
@@ -281,7 +281,7 @@ class SmpProcessGroup(ProcessGroup):
     def barrier(self, opts: Any = None) -> Work:
         """Completes once every rank of the group has called it."""
         fast = self._express
-        if fast is not None and (work := self._calls.express(fast.barrier, [])) is not None:
+        if fast is not None and (work := self._calls.express(fast.barrier, [], opts)) is not None:
             return work
         quick = self._quick
         return self._calls.submit(self._coll.barrier, [], 0, quick.quick_barrier if quick else None)

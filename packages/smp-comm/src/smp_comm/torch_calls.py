@@ -159,11 +159,14 @@ class CallOrder:
 
     def express(
         self, start: Callable[..., Iterator[None] | Literal[True] | None],
-        result: list[torch.Tensor], *args: Any,
+        result: list[torch.Tensor], opts: Any, *args: Any,
     ) -> SmpWork | None:
         """Start a collective on the express path (nothing queued: the caller's thread, one C
-        call, ``start(*args)``); ``None`` if ``start`` does not serve it. As in
-        :meth:`submit`, one whose peers are late is finished by the thread, first in line."""
+        call, ``start(*args)``); ``None`` if ``start`` does not serve it. One whose peers are
+        late is finished by the thread, first in line, as in :meth:`submit`; unless the
+        caller waits for it at once (``opts.asyncOp`` false, as ``dist.all_reduce`` and
+        ``dist.barrier`` set it by default): then it is finished here, sparing the two
+        hand-offs between threads that the wait would cost."""
         if self.queued or not self._running.acquire(blocking=False):
             return None
         try:
@@ -173,7 +176,9 @@ class CallOrder:
                 if rest is None:
                     return None
                 if rest is not True:
-                    return self._hand_over(rest, result)
+                    if getattr(opts, "asyncOp", True):
+                        return self._hand_over(rest, result)
+                    exhaust(rest)
         except BaseException as exc:
             error = self._failed(exc)
         finally:
