@@ -5,8 +5,10 @@ must see them. A collective runs on the group's own thread while any is queued t
 ``async_op=True`` returns at once and the caller computes meanwhile. When nothing is queued,
 a small one starts on the caller's thread instead (no hand-off between threads: its latency
 is the shared-memory segment's), and, if its peers have not all arrived after a short spin,
-the group's thread finishes it, first in line, while the caller gets a pending handle: a
-caller never waits on a peer inside the call.
+the group's thread finishes it, first in line, while the caller gets a pending handle: an
+``async_op=True`` caller never waits on a peer inside the call. (A small all-reduce or
+barrier called synchronously is finished on the caller's thread, which would only wait for
+the group's thread otherwise.)
 
 A collective that fails out of step (a peer died, a timeout) marks the order broken: the
 segment is told (``fail``), and every later collective is refused with the first error.
