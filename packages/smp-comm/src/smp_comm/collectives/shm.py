@@ -56,7 +56,6 @@ _SLEEP_NS = int(_SLEEP_S * 1e9)
 # The C step spins (yielding the core to anyone who wants it) this long before it sleeps:
 # a peer a few tens of microseconds behind costs no wake-up.
 _SPIN_NS = int(float(os.environ.get("SMP_COMM_COLL_SPIN_US", "200")) * 1000)
-_SPIN_SET = "SMP_COMM_COLL_SPIN_US" in os.environ  # then it applies oversubscribed too
 _STEP_SOURCE = Path(__file__).with_name("_shmstep.c")
 
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
@@ -163,7 +162,7 @@ class Segment:
         self.lib = step_library()
         # Spinning only pays when every rank of the segment has a core: oversubscribed (4
         # ranks on 2 cores in tests), a spinning rank takes the core its peer needs.
-        self.spin_ns = _SPIN_NS if (_SPIN_SET or size <= len(os.sched_getaffinity(0))) else 0
+        self.spin_ns = _SPIN_NS if size <= len(os.sched_getaffinity(0)) else 0
         self._desc_buf = (ctypes.c_int64 * DESC_LEN)()
         self.step = int(self._lines[rank, _SEQ])  # 0 in a new segment
         self._lines[rank, _PID] = os.getpid()
