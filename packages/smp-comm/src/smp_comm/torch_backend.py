@@ -221,7 +221,7 @@ class SmpProcessGroup(ProcessGroup):
             quick = self._quick
             return self._calls.submit(
                 lambda: quick.all_reduce(t, op), tensors, _nbytes(tensors),
-                lambda: quick.quick_all_reduce(t, op),
+                lambda: quick.quick_all_reduce(t, op), opts,
             )
 
         def run() -> None:
@@ -266,7 +266,7 @@ class SmpProcessGroup(ProcessGroup):
             t, quick = tensors[0], self._quick
             return self._calls.submit(
                 lambda: quick.broadcast(flat(t), root), tensors, _nbytes(tensors),
-                lambda: quick.quick_broadcast(t, root),
+                lambda: quick.quick_broadcast(t, root), opts,
             )
 
         def run() -> None:
@@ -284,7 +284,9 @@ class SmpProcessGroup(ProcessGroup):
         if fast is not None and (work := self._calls.express(fast.barrier, [], opts)) is not None:
             return work
         quick = self._quick
-        return self._calls.submit(self._coll.barrier, [], 0, quick.quick_barrier if quick else None)
+        return self._calls.submit(
+            self._coll.barrier, [], 0, quick.quick_barrier if quick else None, opts
+        )
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:  # noqa: A002
         """``all_gather_into_tensor``: ``output`` = every rank's ``input``, in rank order."""
@@ -295,7 +297,7 @@ class SmpProcessGroup(ProcessGroup):
             quick = self._quick
             return self._calls.submit(
                 lambda: quick.all_gather(flat(output), flat(input)), [output],
-                _nbytes([output]), lambda: quick.quick_all_gather(output, input),
+                _nbytes([output]), lambda: quick.quick_all_gather(output, input), opts,
             )
 
         def run() -> None:

@@ -130,11 +130,12 @@ class CallOrder:
     # -- what the group calls ------------------------------------------------------------
     def submit(
         self, run: Run, result: list[torch.Tensor], nbytes: int = -1,
-        quick: Callable[[], Iterator[None] | None] | None = None,
+        quick: Callable[[], Iterator[None] | None] | None = None, opts: Any = None,
     ) -> SmpWork:
         """Run ``run`` in call order on the thread; or, when ``quick`` is given, the
         collective moves at most ``inline_bytes`` and nothing is queued, start ``quick()``'s
-        one-step version here and now (the thread finishes it if the peers are late)."""
+        one-step version here and now (if the peers are late, the thread finishes it, or
+        this thread when the caller waits at once: ``opts.asyncOp`` false)."""
         # No lock around the test: a collective queued by another thread after `queued` was
         # read here comes after this one in call order, and cannot start before we release.
         if quick is not None and 0 <= nbytes <= self.inline_bytes and not self.queued and (
@@ -149,7 +150,9 @@ class CallOrder:
                         self._enqueue((run, work), first=True)
                         return work
                     if next(steps, _DONE) is not _DONE:
-                        return self._hand_over(steps, result)
+                        if opts is None or getattr(opts, "asyncOp", True):
+                            return self._hand_over(steps, result)
+                        exhaust(steps)
             except BaseException as exc:
                 error = self._failed(exc)
             finally:
