@@ -1,0 +1,174 @@
+"""Zero-bubble baselines: torch's own schedules against smp_pipeline on real compute, p = 2.
+
+Run: python benchmarks/bench_zero_bubble.py   (spawns `mpiexec -n 2` of itself)
+
+What issue 43's zero-bubble targets are measured against, side by side in one run: torch's
+``Schedule1F1B`` (one stage per rank), ``ScheduleInterleavedZeroBubble`` (two stages per
+rank, looped: rank r holds stages r and r + 2) and ``ScheduleZBVZeroBubble`` (two stages per
+rank in a V: rank 0 holds stages 0 and 3), all on gloo, and smp_pipeline's runtime on the
+one-stage-per-rank split (dynamic, and ``static_mode``). m = 8 microbatches of real compute:
+each stage is a stack of ``Linear(D, D)`` + GELU layers, a microbatch of B rows, one thread
+per rank, so a stage's forward takes about 5-15 ms here. Two models:
+
+  balanced:    both ranks hold the same number of layers;
+  imbalanced:  rank 1 holds 1.5x rank 0's layers (its stages are 1.5x slower).
+
+Printed per schedule: the median step time of STEPS, its ratio to the best of torch's three,
+and each rank's bubble fraction 1 - busy / step, where busy is m times the rank's forward +
+backward time of one microbatch measured alone (all its layers, before the schedules run).
+The **ceiling** line is the busiest rank's busy time: no schedule's step can be shorter.
+Schedules alternate step by step so that all see the same machine load.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+P = 2
+M = 8
+D = int(os.environ.get("BENCH_ZB_D", "512"))
+B = int(os.environ.get("BENCH_ZB_B", "64"))
+LAYERS = int(os.environ.get("BENCH_ZB_LAYERS", "8"))  # rank 0's layers (balanced: each rank's)
+STEPS = int(os.environ.get("BENCH_ZB_STEPS", "5"))
+
+
+def _worker() -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from mpi4py import MPI
+    from smp_comm import Communicator
+    from smp_pipeline import PipelineRuntime
+    from torch import nn
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
+    )
+
+    torch.set_num_threads(1)
+    world = MPI.COMM_WORLD
+    rank = world.rank
+    comm = Communicator(world)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", os.environ.get("BENCH_ZB_PORT", "29533"))
+    dist.init_process_group("gloo", rank=rank, world_size=P)
+
+    def layers(n: int) -> nn.Sequential:
+        torch.manual_seed(n)
+        return nn.Sequential(*(m for _ in range(n) for m in (nn.Linear(D, D), nn.GELU())))
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(out, target)
+
+    def rank_layers(r: int, imbalanced: bool) -> int:
+        return LAYERS * 3 // 2 if imbalanced and r == 1 else LAYERS
+
+    def busy_alone(n: int) -> float:
+        """Forward + backward of one microbatch through n layers, alone (median of 5)."""
+        mod, x = layers(n), torch.randn(B, D, requires_grad=True)
+        times = []
+        for _ in range(6):
+            t0 = time.perf_counter()
+            mod(x).pow(2).mean().backward()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
+
+    x_all, y_all = torch.randn(M * B, D), torch.zeros(M * B, D)
+
+    def torch_schedules(imbalanced: bool) -> dict:
+        mine = rank_layers(rank, imbalanced)
+        one = PipelineStage(layers(mine), rank, P, torch.device("cpu"))
+        out = {"torch Schedule1F1B": (Schedule1F1B(one, n_microbatches=M, loss_fn=loss_fn),
+                                      rank == 0, rank == P - 1)}
+        # Two stages per rank, each with half the rank's layers.
+        for name, cls, stage_ids in (
+            ("torch ScheduleInterleavedZeroBubble", ScheduleInterleavedZeroBubble,
+             (rank, rank + P)),
+            ("torch ScheduleZBVZeroBubble", ScheduleZBVZeroBubble, (rank, 2 * P - 1 - rank)),
+        ):  # fmt: skip
+            stages = [PipelineStage(layers(mine // 2), s, 2 * P, torch.device("cpu"))
+                      for s in stage_ids]
+            out[name] = (cls(stages, n_microbatches=M, loss_fn=loss_fn),
+                         0 in stage_ids, 2 * P - 1 in stage_ids)
+        return out
+
+    def run_torch(entry) -> None:
+        schedule, first, last = entry
+        kwargs = {"target": y_all, "losses": []} if last else {}
+        if first:
+            schedule.step(x_all, **kwargs)
+        else:
+            schedule.step(**kwargs)
+
+    def smp_runtimes(imbalanced: bool, tag: int) -> dict:
+        out = {}
+        for name, static in (("smp dynamic", False), ("smp static_mode", True)):
+            model = nn.Sequential(layers(rank_layers(0, imbalanced)),
+                                  layers(rank_layers(1, imbalanced)))
+            rt = PipelineRuntime(model, comm, rank, P, assignment={"1": 1}, tag=tag,
+                                 timeout_s=300, static_mode=static)
+            tag += 10
+
+            def step(x, model=model, rt=rt):
+                loss = loss_fn(model(x), torch.zeros_like(x))
+                rt.backward(loss)
+                return loss
+
+            out[name] = (rt, step)
+        return out
+
+    def timed(fn) -> float:
+        world.Barrier()
+        t0 = time.perf_counter()
+        fn()
+        return world.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+
+    for k, imbalanced in enumerate((False, True)):
+        busy = world.allgather(M * busy_alone(rank_layers(rank, imbalanced)))
+        theirs = torch_schedules(imbalanced)
+        ours = smp_runtimes(imbalanced, 7800 + 100 * k)
+        runs = {**{n: (lambda e=e: run_torch(e)) for n, e in theirs.items()},
+                **{n: (lambda rt=rt, step=step: rt.run_step(step, (x_all,), num_microbatches=M))
+                   for n, (rt, step) in ours.items()}}  # fmt: skip
+        for fn in runs.values():  # warm-up: shape inference, thread pools, recordings
+            fn()
+            fn()
+        times: dict[str, list[float]] = {n: [] for n in runs}
+        for _ in range(STEPS):
+            for n, fn in runs.items():
+                times[n].append(timed(fn))
+        for rt, _ in ours.values():
+            rt.close()
+        if rank == 0:
+            med = {n: statistics.median(v) for n, v in times.items()}
+            best = min(v for n, v in med.items() if n.startswith("torch"))
+            what = "imbalanced (rank 1 1.5x)" if imbalanced else "balanced"
+            print(f"\n{what}: p={P}, m={M}, D={D}, B={B}, layers per rank {LAYERS}"
+                  f"/{rank_layers(1, imbalanced)}; load {os.getloadavg()[0]:.1f}")
+            print(f"  ceiling (busiest rank's compute, m x its F+B alone): {max(busy) * 1e3:.1f} ms")
+            for n, v in med.items():
+                bubbles = " ".join(f"{1 - b / v:5.2f}" for b in busy)
+                print(f"  {n:<38} {v * 1e3:8.1f} ms  / best torch {v / best:5.3f}x  "
+                      f"/ ceiling {v / max(busy):5.3f}x  bubble per rank {bubbles}", flush=True)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        _worker()
+        return
+    from smp_comm.testing import mpiexec_path
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [mpiexec_path(), "-n", str(P), sys.executable, os.path.abspath(__file__), "--worker"]
+    sys.exit(subprocess.run(cmd, env=env, timeout=900).returncode)
+
+
+if __name__ == "__main__":
+    main()
