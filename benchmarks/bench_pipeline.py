@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import os
 import statistics
-import subprocess
-import sys
 import time
+
+import workers  # (this folder)
 
 P = 4
 T = float(os.environ.get("BENCH_PIPELINE_T", "0.02"))  # forward seconds per stage
@@ -271,15 +271,7 @@ def _worker() -> None:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        _worker()
-        return
-    from smp_comm.testing import mpiexec_path
-
-    mpiexec = mpiexec_path()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [mpiexec, "-n", str(P), sys.executable, os.path.abspath(__file__), "--worker"]
-    sys.exit(subprocess.run(cmd, env=env, timeout=600).returncode)
+    workers.main_as_job(__file__, P, _worker, timeout=600)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ under ``mpiexec``, each bound to a core unless told otherwise) that prints one `
 
 Used by ``bench_sequential.py``, ``bench_gpt.py``, ``bench_hf.py`` and ``bench_moe.py``; :func:`run_self` and
 :func:`peak_rss` (a job whose workers print their own lines) by ``bench_sdp.py`` and
-``bench_moe.py``.
+``bench_moe.py``; :func:`main_as_job` (a benchmark that is one job printing its own table)
+by ``bench_pipeline.py`` and ``bench_zero_bubble.py``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,21 @@ def serve_worker(kinds: Mapping[str, Callable[[], dict]]) -> bool:
     if result.get("rank", 0) == 0:
         print("RESULT " + json.dumps(result), flush=True)
     return True
+
+
+def main_as_job(script: str, nprocs: int, worker: Callable[[], None], timeout: float = 600) -> None:
+    """The ``main`` of a benchmark that is one MPI job printing its own lines: with
+    ``--worker`` on the command line run ``worker`` (a rank of the job); else run
+    ``mpiexec -n nprocs python script --worker`` (one thread per rank) and exit with its
+    status."""
+    if "--worker" in sys.argv:
+        worker()
+        return
+    from smp_comm.testing import mpiexec_path
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [mpiexec_path(), "-n", str(nprocs), sys.executable, os.path.abspath(script), "--worker"]
+    sys.exit(subprocess.run(cmd, env=env, timeout=timeout).returncode)
 
 
 def launch(
