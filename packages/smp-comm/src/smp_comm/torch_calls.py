@@ -175,7 +175,7 @@ class CallOrder:
         if self.queued or not self._running.acquire(blocking=False):
             return None
         try:
-            error: BaseException | None = self._refusal()
+            error: BaseException | None = None if self.broken is None else self._refusal()
             if error is None:
                 rest = start(*args)
                 if rest is None:
