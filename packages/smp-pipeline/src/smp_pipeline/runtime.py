@@ -32,6 +32,7 @@ from smp_pipeline.offload import ActivationOffloader, OffloadStats
 from smp_pipeline.order import OrderChannel
 from smp_pipeline.ownership import Ownership, merge_state_dicts
 from smp_pipeline.partition import COSTS, partition_model, resolve_assignment
+from smp_pipeline.replay import ReplayStats
 from smp_pipeline.schedule import Scheduler, ScheduleSpec
 from smp_pipeline.server import ExecutionServer, TimelineEvent
 from smp_pipeline.setup_channel import SetupChannel
@@ -461,6 +462,13 @@ class PipelineRuntime:
         with :func:`~smp_pipeline.actions.validate_programs`. Empty with
         ``record_program=False``."""
         return self.server.program(step)
+
+    @property
+    def replay_stats(self) -> ReplayStats | None:
+        """With ``static_mode`` on a serving rank: how its steps ran (replayed, fell back to
+        dynamic mode and why, recorded; see :mod:`smp_pipeline.replay`). None elsewhere."""
+        replay = self.server.replay
+        return None if replay is None else replay.stats
 
     @property
     def requests_served(self) -> int:
