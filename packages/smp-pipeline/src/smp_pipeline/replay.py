@@ -17,12 +17,15 @@ mode, so the results are bit for bit the same (gradients still fold in microbatc
 Anything else — a request whose signature differs from the recording (another module,
 another shape or dtype, another branch of a data-dependent model), one that would call a
 module of another rank, a response (this rank waiting on another), a worker left waiting —
+a request whose kind ran device work the last time (on a worker it overlaps the device
+work with other requests' CPU work; inline it would run synchronously) —
 is met *before* it is served: the message goes back to the front of the inbox, the step
 goes on in dynamic mode from there (what was replayed is exactly what dynamic mode would
 have done, so nothing is lost or done twice), the fallback is counted with its reason
 (:class:`ReplayStats`, and a zero-length ``replay fallback`` span in the timeline) and that
-step becomes the new recording. A rank whose last step could not be recorded whole (it
-was not replayable) runs dynamically, records again, and counts nothing.
+step becomes the new recording. A rank whose last step could not be recorded whole (a
+request ran modules of other ranks, or device work ran) runs dynamically, records again,
+and counts nothing.
 
 The driver (pp rank 0) runs the step function, whose microbatches overlap by the schedule:
 it stays in dynamic mode (its step tasks are worker threads).
@@ -35,9 +38,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from smp_pipeline.actions import FORWARD
+from smp_pipeline.actions import BACKWARD, FORWARD
 from smp_pipeline.messages import Packed
 from smp_pipeline.protocol import Abort, BwdReq, FwdReq, MbDone, Message, StepEnd
+from smp_pipeline.seqruns import span_label
 
 if TYPE_CHECKING:  # pragma: no cover
     from smp_pipeline.server import ExecutionServer
@@ -167,6 +171,8 @@ class StepReplay:
         seen = self._seen.pop(step, {})
         self._counts.pop(step, None)
         reason = self._unreplayable.pop(step, None)
+        if self.server.executor.device_kinds:
+            reason = "device work"
         if replayed:
             self.stats.replayed += 1
         else:
@@ -232,8 +238,13 @@ class StepReplay:
                 if tp is FwdReq:
                     if not self.runs_locally(req.path, req.modules()):
                         return self._fallback(step, f"'{req.path}' runs modules of other ranks", msg)
-                elif not handlers.can_inline_backward(req):
-                    return self._fallback(step, f"no local record of the call {req.key}", msg)
+                    kind = (FORWARD, span_label(req.path, req.modules()))
+                else:
+                    if not handlers.can_inline_backward(req):
+                        return self._fallback(step, f"no local record of the call {req.key}", msg)
+                    kind = (BACKWARD, req.path)
+                if kind in executor.device_kinds:  # on a worker it overlaps the device work
+                    return self._fallback(step, f"the {kind[0]} of '{kind[1]}' ran device work", msg)
                 self.stats.requests += 1
                 handlers.serve_request(req, inline=True)
             elif tp is MbDone or tp is StepEnd or tp is Abort:
