@@ -122,6 +122,11 @@ def run(comm: Communicator, name: str, build, assignment, batches, m: int, *, ex
         raise AssertionError(f"{name}: a serving rank has no replay: {stats}")
     if any(rt.replay_stats is not None for rt in runtimes[1:]):
         raise AssertionError(f"{name}: dynamic mode has replay stats")
+    mine = runtimes[0].replay_stats
+    if kw.get("timeline") and mine is not None:  # each fallback is a span in the timeline
+        spans = [e for e in runtimes[0].timeline_events() if "replay fallback" in e[2]]
+        if len(spans) != mine.fallbacks:
+            raise AssertionError(f"{name}: {mine.fallbacks} fallbacks, timeline spans {spans}")
     problem = expect(stats)
     if problem:
         raise AssertionError(f"{name}: {problem}; replay stats by pp rank: {stats}")
@@ -173,7 +178,8 @@ def main() -> None:
     else:
         branch = {"pre": 1, "left": 2, "right.0": 3, "right.1": 2}
     batches = [branch_data(0), branch_data(1), branch_data(2, True), branch_data(3, True)]
-    run(comm, f"branch-pp{pp}", models.Branch, branch, batches, 4, expect=branch_flip)
+    run(comm, f"branch-pp{pp}", models.Branch, branch, batches, 4, expect=branch_flip,
+        timeline=True)
     if comm.rank == 0:
         print(f"SUITE-OK replay pp{pp}", flush=True)
     comm.close()
