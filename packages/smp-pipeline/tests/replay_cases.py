@@ -152,6 +152,14 @@ def all_replayed(steps: int):  # noqa: ANN201
     return check
 
 
+def every_rank_falls_back_once(stats) -> str:  # noqa: ANN001
+    """Four steps, the third differs for every serving rank (a new microbatch size)."""
+    for r, st in enumerate(stats[1:], 1):
+        if (st.replayed, st.fallbacks, st.recorded) != (2, 1, 2):
+            return f"pp rank {r}: wanted steps 1 and 3 replayed, step 2 fallen back"
+    return ""
+
+
 def branch_flip(stats) -> str:  # noqa: ANN001
     """Steps: recorded, replayed, the branches flip (fallback where a rank serves a branch's
     module; replayed where the flip changes nothing here), replayed again."""
@@ -173,6 +181,14 @@ def main() -> None:
         expect=all_replayed(steps))
     run(comm, f"mlp-pp{pp}-fast-off", mlp, contiguous(pp), mlp_batches[:3], 4, fast_mode=False,
         expect=all_replayed(3))
+    # Another shape: step 2's batch is half the size (microbatches of 2 rows, not 4).
+    halved = [*mlp_batches[:2], *(tuple(t[:8] for t in b) for b in mlp_batches[2:])]
+    run(comm, f"mlp-pp{pp}-new-shape", mlp, contiguous(pp), halved, 4,
+        expect=every_rank_falls_back_once)
+    # Activation checkpointing: a checkpointed block on every stage (recomputed in backward).
+    ckpt = {str(i): None for i in range(1, 8, 2)}
+    run(comm, f"mlp-pp{pp}-checkpointing", mlp, contiguous(pp), mlp_batches[:3], 4,
+        checkpointing=ckpt, expect=all_replayed(3))
     if pp == 2:
         branch = {"left": 1, "right.1": 1, "out": 1}
     else:

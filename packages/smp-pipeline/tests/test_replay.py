@@ -46,13 +46,18 @@ def test_a_request_signature_ignores_the_step_and_call_but_not_what_runs() -> No
 @pytest.mark.parametrize("pp", [2, 4])
 def test_static_mode_replays_bitwise_and_falls_back_on_a_changed_branch(pp: int) -> None:
     """An MLP nn.Sequential over contiguous stages (fast_mode on and off, interleaved and
-    simple schedules): every step after the first is replayed on every serving rank, results
-    bitwise equal to dynamic mode; the Branch model whose branches flip between steps falls
-    back (counted, with its reason) where a rank serves a branch's module, still bitwise."""
+    simple schedules, checkpointed blocks): every step after the first is replayed on every
+    serving rank, results bitwise equal to dynamic mode; a step with a new microbatch size
+    falls back on every serving rank, and the Branch model whose branches flip between steps
+    where a rank serves a branch's module (counted, with the reason, and drawn in the
+    timeline), still bitwise."""
     pytest.importorskip("mpi4py")
     from smp_comm.testing import run_mpi
 
     out = run_mpi([os.path.join(HERE, "replay_cases.py")], pp, timeout=240,
                   env={"OMP_NUM_THREADS": "1"})  # fmt: skip
     assert f"SUITE-OK replay pp{pp}" in out, out
-    assert "fell back: " in out, out  # the branch case's reason is printed
+    # Each fallback's reason names what differed.
+    assert "arguments '2x16 float32', recorded '4x16 float32'" in out, out
+    if pp == 2:
+        assert "module 'right.1', recorded 'left'" in out, out

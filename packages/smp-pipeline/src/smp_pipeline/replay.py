@@ -254,12 +254,26 @@ class StepReplay:
         return True
 
 
+_FIELDS = {
+    "fq": ("kind", "module", "grad mode", "autocast", "checkpointing", "run", "relay", "chain",
+           "arguments"),
+    "bq": ("kind", "module", "joined", "last request", "gradients"),
+}  # fmt: skip
+
+
 def _difference(key: SignatureKey, recorded: tuple[Any, ...] | None, got: tuple[Any, ...]) -> str:
+    """Why a request is not the recorded one, worded (the first field that differs)."""
     src, mb, kind, n = key
-    what = "forward" if kind == "fq" else "backward"
+    what = f"{'forward' if kind == 'fq' else 'backward'} request {n} of microbatch {mb} from pp rank {src}"
     if recorded is None:
-        return f"{what} request {n} of microbatch {mb} from pp rank {src} was not recorded"
-    return (
-        f"{what} request {n} of microbatch {mb} from pp rank {src} differs from the recording "
-        f"(module '{got[1]}', recorded '{recorded[1]}')"
-    )
+        return f"{what} was not recorded"
+    for name, a, b in zip(_FIELDS[kind], recorded, got):
+        if not _same(a, b):
+            if name in ("arguments", "gradients"):
+                a, b = _shapes(a), _shapes(b)
+            return f"{what}: {name} {b!r}, recorded {a!r}"
+    return f"{what} differs from the recording"
+
+
+def _shapes(sig: tuple[Any, ...]) -> str:
+    return ", ".join(f"{'x'.join(map(str, s)) or '()'} {str(d).replace('torch.', '')}" for s, d, _ in sig[1])
