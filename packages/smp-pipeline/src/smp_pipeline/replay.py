@@ -91,6 +91,7 @@ class ReplayStats:
         recorded: steps run (entirely or from a fallback on) in dynamic mode and recorded.
         requests: requests served by the replay.
         reasons: the reason of each fallback, in order (the last 16 kept).
+        not_replayable: why the last recorded step cannot be replayed ("" if it can).
     """
 
     replayed: int = 0
@@ -98,6 +99,7 @@ class ReplayStats:
     recorded: int = 0
     requests: int = 0
     reasons: list[str] = field(default_factory=list)
+    not_replayable: str = ""
 
 
 class StepReplay:
@@ -172,12 +174,14 @@ class StepReplay:
         self._counts.pop(step, None)
         reason = self._unreplayable.pop(step, None)
         if self.server.executor.device_kinds:
-            reason = "device work"
+            kinds = sorted(self.server.executor.device_kinds)
+            reason = f"device work in {', '.join(f'the {p} of {m!r}' for p, m in kinds)}"
         if replayed:
             self.stats.replayed += 1
         else:
             self.stats.recorded += 1
             self._recording = seen if reason is None else None
+            self.stats.not_replayable = reason or ""
         for old in [s for s in self._seen if s < step]:  # (an aborted step's leftovers)
             del self._seen[old]
             self._counts.pop(old, None)
