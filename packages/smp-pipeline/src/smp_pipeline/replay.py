@@ -143,11 +143,12 @@ class StepReplay:
         def note_and_handle(msg: Message) -> None:
             tp = type(msg)
             if tp is FwdReq or tp is BwdReq:
-                self._note(msg)  # type: ignore[arg-type]
-                if tp is FwdReq and not self.runs_locally(msg.path, msg.modules()):  # type: ignore[union-attr]
+                req: Any = msg
+                self._note(req)
+                if tp is FwdReq and not self.runs_locally(req.path, req.modules()):
+                    label = span_label(req.path, req.modules())
                     self._unreplayable.setdefault(
-                        msg.step,  # type: ignore[union-attr]
-                        f"module '{msg.path}' calls modules of other ranks",  # type: ignore[union-attr]
+                        req.step, f"'{label}' calls modules of other ranks"
                     )
             handle(msg)
 
@@ -240,9 +241,9 @@ class StepReplay:
                 if not _same(recording.get(key), sig):
                     return self._fallback(step, _difference(key, recording.get(key), sig), msg)
                 if tp is FwdReq:
-                    if not self.runs_locally(req.path, req.modules()):
-                        return self._fallback(step, f"'{req.path}' runs modules of other ranks", msg)
                     kind = (FORWARD, span_label(req.path, req.modules()))
+                    if not self.runs_locally(req.path, req.modules()):
+                        return self._fallback(step, f"'{kind[1]}' calls modules of other ranks", msg)
                 else:
                     if not handlers.can_inline_backward(req):
                         return self._fallback(step, f"no local record of the call {req.key}", msg)
