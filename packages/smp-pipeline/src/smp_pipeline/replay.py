@@ -55,7 +55,7 @@ SignatureKey = tuple[int, int, str, int]
 def _tensor_signature(packed: Packed) -> tuple[Any, ...]:
     return (
         packed.skeleton,
-        tuple((tuple(t.shape), t.dtype, t.device.type) for t in packed.tensors),
+        tuple((t.shape, t.dtype, t.device) for t in packed.tensors),
         tuple(packed.flags),
     )
 
