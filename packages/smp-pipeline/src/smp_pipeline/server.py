@@ -77,7 +77,8 @@ class ExecutionServer:
             :mod:`smp_pipeline.autograd`).
         static_mode: serve a request that runs only modules owned here, and ran straight
             through in under :data:`STATIC_INLINE_MAX_S` the last time, on the main loop's
-            thread (:meth:`Executor.run_inline`).
+            thread (:meth:`Executor.run_inline`); on a serving rank, replay the recorded
+            step (:mod:`smp_pipeline.replay`).
         runs_locally, call_params: what the runtime's placement says of a request (see
             :class:`~smp_pipeline.remote.RemoteCalls`).
         offload_horizon: offload checkpointed activations with this loading horizon (None:
