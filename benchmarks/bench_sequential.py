@@ -16,8 +16,9 @@ of these kinds alternate (best of ``BENCH_SEQ_ROUNDS`` runs, each the median of 
 - smp, ``pipeline_parallel_degree=2``, automatic partition, ``fast_mode`` on (the default:
   a stage's run of blocks is one request per microbatch, forward and backward) and off (one
   request per block);
-- smp with ``static_mode`` too (a request that ran straight through before is served on
-  the stage's main loop, not handed to a worker thread);
+- smp with ``static_mode`` too (from the second step stage 1 replays its recorded step on
+  its main thread: no worker thread or token hand-off; the run prints how many steps it
+  replayed and the step times of static mode, dynamic smp and torch's 1F1B side by side);
 - smp with the same blocks in an ``nn.ModuleList`` the model's forward loops over (the
   Hugging Face decoder shape): ``fast_mode`` chains a stage's blocks into one request per
   microbatch once the first step saw the loop follow the chaining rule;
@@ -183,6 +184,10 @@ def smp_pp2(fast: bool, static: bool = False, loop: bool = False) -> dict:
     served = smp.allgather(rt.requests_served, smp.PP_GROUP)[1]
     per_mb = served / ((WARMUP + STEPS) * MB)
     inlined = smp.allgather(rt.server.executor.inlined, smp.PP_GROUP)[1]
+    # static_mode: the steps stage 1 replayed (its recorded program, on its main thread) and
+    # the replays that fell back to dynamic mode.
+    stats = smp.allgather(rt.replay_stats, smp.PP_GROUP)[1]
+    replay = None if stats is None else (stats.replayed, stats.fallbacks, WARMUP + STEPS)
     # Deterministic accumulation's per-microbatch gradient buffers on stage 1 (most alive at
     # once, in microbatches; 0: every contribution streamed into .grad), and their size.
     buffers = smp.allgather(rt.server.grads.peak_buffers, smp.PP_GROUP)[1]
@@ -193,7 +198,7 @@ def smp_pp2(fast: bool, static: bool = False, loop: bool = False) -> dict:
     return {
         "rate": _rate(timed.times), "rank": smp.rank(), "cut": cut, "requests_per_mb": per_mb,
         "inlined_per_mb": inlined / ((WARMUP + STEPS) * MB), "buffers": buffers,
-        "stage_mib": stage_mb, "cpu": cpu,
+        "stage_mib": stage_mb, "cpu": cpu, "replay": replay,
     }  # fmt: skip
 
 
@@ -278,6 +283,21 @@ def _compare(shape: str) -> None:
         f"forward (fast_mode's chains) {loop / one:.2f}x one process, {loop / tpp:.2f}x torch, "
         f"{loop / slow:.2f}x one request per block ({info['smp_list']['requests_per_mb']:.1f} "
         f"requests/microbatch, cut {info['smp_list']['cut']}|{BLOCKS - info['smp_list']['cut']})",
+        flush=True,
+    )
+    # Step times side by side (ms, the best run's median step): static_mode's replay against
+    # dynamic smp and torch's 1F1B on the same split.
+    replayed, fell_back, steps = info["smp_static"]["replay"]
+
+    def step_ms(kind: str) -> float:
+        return 1e3 * rows * MB / best[kind]
+
+    print(
+        f"  step time (load avg {load:.1f}): static_mode {step_ms('smp_static'):.1f} ms "
+        f"(stage 1 replayed {replayed} of {steps} steps, {fell_back} fell back), dynamic smp "
+        f"{step_ms('smp_fast'):.1f} ms, torch 1F1B {step_ms('torchpp'):.1f} ms: static/torch "
+        f"{step_ms('smp_static') / step_ms('torchpp'):.2f}x, static/dynamic "
+        f"{step_ms('smp_static') / step_ms('smp_fast'):.2f}x (step-time ratios: lower is faster)",
         flush=True,
     )
     # Where a stage's time goes: CPU per microbatch of each rank (all its threads, inside the

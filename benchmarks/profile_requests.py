@@ -21,7 +21,8 @@ figures are reported for each (the per-thread and profile figures cover both).
 
 ``PROFILE_REQ_STATIC=1`` builds the runtimes with ``static_mode=True`` (with
 ``PROFILE_REQ_AB=static`` the second one serves every request on a worker: static mode's
-inlining undone).
+replay and inlining undone; ``PROFILE_REQ_AB=replay``: only the replay undone, recorded
+requests still served inline).
 
 ``PROFILE_REQ_CPROFILE=DIR`` also runs every thread of every rank under ``cProfile``, timed
 by the thread's CPU clock (its overhead inflates the totals; read it for the shares) and writes ``DIR/rank<r>.pstats``
@@ -64,10 +65,16 @@ def _spin(seconds: float) -> Callable[[Any], None]:
 
 def _static_off(rt: Any) -> None:
     rt.server.executor.inline_max_s = 0.0  # every request on a worker (dynamic mode)
+    rt.server.replay = None
+
+
+def _replay_off(rt: Any) -> None:
+    rt.server.replay = None  # static mode without the replay: recorded requests served inline
 
 
 _KNOBS: dict[str, Callable[[Any], None]] = {
     "static": _static_off,
+    "replay": _replay_off,
     "frames": _frames_off,
     "spin0": _spin(0.0),
     "spin50us": _spin(5e-5),

@@ -21,7 +21,7 @@ def _case(name: str, **config: object) -> dict:
         k: config.pop(k)
         for k in (
             "optimizer", "checkpoint_blocks", "tied", "steps", "batch", "manual", "model",
-            "served_per_mb", "relayed", "layers", "chained",
+            "served_per_mb", "relayed", "layers", "chained", "replayed",
         )  # fmt: skip
         if k in config
     }
@@ -56,7 +56,7 @@ PP2_CASES = [
     # static_mode: stage 1's recorded straight-through requests are served on its main loop
     # (counted), bitwise like dynamic mode.
     _case("pp2-seq-static", pipeline_parallel_degree=2, microbatches=4, auto_partition=False,
-          model="seq", manual=True, served_per_mb=2, static_mode=True),
+          model="seq", manual=True, served_per_mb=2, static_mode=True, replayed=True),
     _case("pp2-seq-auto-checkpointing", pipeline_parallel_degree=2, microbatches=4, model="seq",
           checkpoint_blocks=True),
     # Activation offloading: the checkpointed blocks' inputs wait on the host (counters
@@ -89,6 +89,10 @@ PP4_CASES = [
     _case("pp4-mb4", pipeline_parallel_degree=4, microbatches=4, tied=False, **BY_SIZE),
     # fast_mode relays the Sequential's runs on stages 1-3 straight from stage to stage.
     _case("pp4-seq-fast", pipeline_parallel_degree=4, microbatches=4, model="seq", relayed=True, **BY_SIZE),
+    # static_mode through the umbrella at pp=4 (the automatic partition splits blocks across
+    # stages: such a stage's requests call others, so it says why it does not replay).
+    _case("pp4-seq-static", pipeline_parallel_degree=4, microbatches=4, model="seq",
+          static_mode=True, **BY_SIZE),
     _case("pp4-seq-fast-off", pipeline_parallel_degree=4, microbatches=4, model="seq", fast_mode=False,
           relayed=False, **BY_SIZE),
     _case("pp2-dp2-gloo-backend", pipeline_parallel_degree=2, microbatches=2, collective_backend="gloo"),

@@ -129,6 +129,8 @@ class Executor:
         # within inline_max_s, the last time they ran.
         self.inline_max_s = inline_max_s  # 0: static mode off (tests raise it to force inlining)
         self._straight: set[tuple[Phase, str]] = set()
+        # The tasks (phase, module) that ran device work the last time they ran.
+        self.device_kinds: set[tuple[Phase, str]] = set()
         self.inlined = 0  # tasks run on the main loop's thread
         self.diverged = 0  # recorded straight-through tasks that did not run straight through
         # called once, with the task, at the first divergence
@@ -249,6 +251,10 @@ class Executor:
     def _record(self, task: Task[Any], held: float) -> None:
         """Note how ``task`` ran, for the next task of its kind (see :meth:`may_inline`)."""
         key = (task.phase, task.module)
+        if task.device:
+            self.device_kinds.add(key)
+        else:
+            self.device_kinds.discard(key)
         if not task.gave_back and held <= self.inline_max_s:
             self._straight.add(key)
         elif key in self._straight:
@@ -336,7 +342,7 @@ class Executor:
             _mark_inline_device_work()
             yield
             return
-        task.gave_back = True
+        task.gave_back = task.device = True
         worker.state = DEVICE
         start = end = time.time()
         self.device_active += 1
@@ -427,4 +433,4 @@ def _mark_inline_device_work() -> None:
     task's kind goes back to a worker (where it overlaps) from its next request on."""
     task = inline_task()
     if task is not None:
-        task.gave_back = True
+        task.gave_back = task.device = True

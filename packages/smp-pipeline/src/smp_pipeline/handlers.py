@@ -85,13 +85,26 @@ class MessageHandlers:
             return msg.wait_key not in self.executor.waiting
         return isinstance(msg, (FwdReq, BwdReq))
 
-    def _on_forward_request(self, msg: FwdReq) -> None:
+    def serve_request(self, msg: FwdReq | BwdReq, inline: bool = False) -> None:
+        """Serve a forward or backward request; ``inline``: on this thread, whatever the last
+        run of its kind did (static mode's replay, which checked that it may)."""
+        if type(msg) is FwdReq:
+            self._on_forward_request(msg, inline)
+        else:
+            self._on_backward_request(msg, inline)  # type: ignore[arg-type]
+
+    def can_inline_backward(self, msg: BwdReq) -> bool:
+        """Whether the call ``msg`` asks the backward of ran only modules owned here."""
+        rec = self.records.incoming.get(msg.key)
+        return rec is not None and rec.local
+
+    def _on_forward_request(self, msg: FwdReq, inline: bool = False) -> None:
         self.requests_served += 1
         modules = msg.modules()
         label = span_label(msg.path, modules)
         task = Task(self.remote.run_forward_request, msg.mb, label, FORWARD, None, msg.step, msg)
         ex = self.executor
-        if ex.may_inline(FORWARD, label) and self.remote.runs_locally(msg.path, modules):
+        if inline or (ex.may_inline(FORWARD, label) and self.remote.runs_locally(msg.path, modules)):
             ex.run_inline(task)  # static mode: it cannot wait, and ran straight through before
         else:
             ex.start(task)
@@ -101,7 +114,7 @@ class MessageHandlers:
         self.transport.answered(key)
         self.executor.wake(key, msg)
 
-    def _on_backward_request(self, msg: BwdReq) -> None:
+    def _on_backward_request(self, msg: BwdReq, inline: bool = False) -> None:
         self.requests_served += 1
         rec = self.records.incoming.get(msg.key)
         if rec is None:
@@ -116,7 +129,7 @@ class MessageHandlers:
         if msg.once:
             rec.once = True
         task = Task(self.remote.run_callee_segment, rec.mb, rec.path, BACKWARD, rec, rec.step, msg)
-        if rec.local and self.executor.may_inline(BACKWARD, rec.path):
+        if rec.local and (inline or self.executor.may_inline(BACKWARD, rec.path)):
             self.executor.run_inline(task)
         else:
             self.executor.start(task)

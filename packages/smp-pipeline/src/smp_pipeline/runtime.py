@@ -32,6 +32,7 @@ from smp_pipeline.offload import ActivationOffloader, OffloadStats
 from smp_pipeline.order import OrderChannel
 from smp_pipeline.ownership import Ownership, merge_state_dicts
 from smp_pipeline.partition import COSTS, partition_model, resolve_assignment
+from smp_pipeline.replay import ReplayStats
 from smp_pipeline.schedule import Scheduler, ScheduleSpec
 from smp_pipeline.server import ExecutionServer, TimelineEvent
 from smp_pipeline.setup_channel import SetupChannel
@@ -89,12 +90,15 @@ class PipelineRuntime:
             ``checkpointing`` to do anything; results are unchanged bit for bit.
         activation_loading_horizon: with offloading, at most this many microbatches' saved
             tensors are loaded ahead of their backward (>= 1).
-        static_mode: replay what earlier steps recorded: a forward or backward request that
-            runs only modules owned by the serving rank, and ran straight through (no device
-            work, no yield, under 2 ms) the last time, is served on that rank's main loop
-            instead of being handed to a worker thread and back. Exact (the same code in the
-            same order); a task that diverges from its record goes back to a worker (logged
-            once). Not with tensor-parallel ordering (no effect there).
+        static_mode: on a serving rank, record each step's requests (module, arguments'
+            structure, shapes, dtypes) and replay the next step on the main thread: a request
+            that repeats the recording and runs only modules owned here is served at once,
+            with no worker thread or hand-off; the first that differs (or would wait on
+            another rank, or whose kind ran device work) sends the rest of the step back to
+            dynamic mode, exactly, counted in :attr:`replay_stats`, and is recorded anew
+            (:mod:`smp_pipeline.replay`). During recorded steps, a request that ran straight
+            through before (no device work, no yield, under 2 ms) is served on the main loop.
+            Bitwise equal to dynamic mode. Not with tensor-parallel ordering (no effect).
         partition_costs: how the partitioning trace measures forward costs
             (:data:`smp_pipeline.partition.COSTS`): ``"flops"`` (counted: the same partition
             for the same model and inputs on every run) or ``"measured"`` (timed).
@@ -461,6 +465,13 @@ class PipelineRuntime:
         with :func:`~smp_pipeline.actions.validate_programs`. Empty with
         ``record_program=False``."""
         return self.server.program(step)
+
+    @property
+    def replay_stats(self) -> ReplayStats | None:
+        """With ``static_mode`` on a serving rank: how its steps ran (replayed, fell back to
+        dynamic mode and why, recorded; see :mod:`smp_pipeline.replay`). None elsewhere."""
+        replay = self.server.replay
+        return None if replay is None else replay.stats
 
     @property
     def requests_served(self) -> int:

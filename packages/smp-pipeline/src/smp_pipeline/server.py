@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Container
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -45,6 +45,7 @@ from smp_pipeline.messages import detach_all, pack
 from smp_pipeline.order import OrderChannel
 from smp_pipeline.protocol import PREEMPTING, PREEMPTING_CODES, MbDone, Message, StepEnd
 from smp_pipeline.remote import CallParams, Execute, RemoteCalls, RunsLocally
+from smp_pipeline.replay import StepReplay
 from smp_pipeline.schedule import Scheduler
 from smp_pipeline.transport import Transport
 from smp_pipeline.worker import Baton, Task
@@ -56,6 +57,7 @@ _log = logging.getLogger("smp_pipeline")
 # Static mode serves a task on the main loop only if it last held the token this briefly: a
 # longer one stays on a worker, where it can yield to work other ranks wait for.
 STATIC_INLINE_MAX_S = 0.002
+_R = TypeVar("_R")
 
 
 class ExecutionServer:
@@ -75,7 +77,8 @@ class ExecutionServer:
             :mod:`smp_pipeline.autograd`).
         static_mode: serve a request that runs only modules owned here, and ran straight
             through in under :data:`STATIC_INLINE_MAX_S` the last time, on the main loop's
-            thread (:meth:`Executor.run_inline`).
+            thread (:meth:`Executor.run_inline`); on a serving rank, replay the recorded
+            step (:mod:`smp_pipeline.replay`).
         runs_locally, call_params: what the runtime's placement says of a request (see
             :class:`~smp_pipeline.remote.RemoteCalls`).
         offload_horizon: offload checkpointed activations with this loading horizon (None:
@@ -148,7 +151,8 @@ class ExecutionServer:
         self.handlers = MessageHandlers(
             pp_rank, self.transport, self.executor, self.records, self.remote, self.grads
         )
-        self._handle = self.handlers.handle  # once per served message: bound once
+        # once per served message: bound once (static mode records through a wrapper)
+        self._handle: Callable[[Message], None] = self.handlers.handle
         # Answers other ranks' stall queries; asks them all when a wait here times out.
         self.diagnosis = StallDiagnosis(
             pp_rank, pp_size, self.transport, self.executor, lambda: self.step
@@ -165,6 +169,10 @@ class ExecutionServer:
         self.scheduler: Scheduler | None = None
         self._next_timeout_check = time.monotonic() + 0.2
         self.follower_start: Callable[[int, Phase], None] | None = None
+        # Static mode on a serving rank: later steps replay the recorded one (replay.py).
+        self.replay: StepReplay | None = None
+        if static and pp_rank != 0:
+            self.replay = StepReplay(self, self.remote.runs_locally)
 
     @property
     def preemption(self) -> bool:
@@ -230,8 +238,12 @@ class ExecutionServer:
         Any unexpected error of the loop itself is broadcast as an abort, so the other ranks
         raise too instead of waiting for this one.
         """
+        self.guarded(lambda: self._serve(until, hook))
+
+    def guarded(self, run: Callable[[], _R]) -> _R:
+        """``run()``, an unexpected error broadcast as an abort (see :meth:`serve`)."""
         try:
-            self._serve(until, hook)
+            return run()
         except PipelineError:
             raise
         except BaseException as exc:
@@ -490,7 +502,10 @@ class ExecutionServer:
         step_ends = self.handlers.step_ends
         self.grads.begin(step)
         try:
-            self.serve(lambda: step in step_ends)
+            if self.replay is not None:
+                self.replay.follow(step, lambda: step in step_ends)
+            else:
+                self.serve(lambda: step in step_ends)
         finally:
             self.grads.end()  # every microbatch's backward is complete once the step ended
         msg = step_ends.pop(step)

@@ -130,8 +130,8 @@ class Task(Generic[P]):
     """
 
     __slots__ = (
-        "context", "fn", "gave_back", "in_segment", "mb", "module", "payload", "phase", "step",
-        "worker",
+        "context", "device", "fn", "gave_back", "in_segment", "mb", "module", "payload", "phase",
+        "step", "worker",
     )  # fmt: skip
 
     def __init__(
@@ -156,6 +156,7 @@ class Task(Generic[P]):
         # It gave the token back before finishing (a wait, a yield, device work): such a task
         # is not served inline by static mode next time (see Executor.run_inline).
         self.gave_back = False
+        self.device = False  # it ran device work (static mode's replay leaves it to a worker)
 
     def describe(self) -> str:
         return f"{self.phase} of module '{self.module or '<root>'}' (microbatch {self.mb})"

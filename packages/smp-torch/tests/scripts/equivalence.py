@@ -196,6 +196,17 @@ def run_case(case: dict) -> None:
     if cfg.static_mode and cfg.pp > 1 and cfg.tp == 1 and smp.pp_rank() == 1:
         inlined = dmodel.engine.runtime.server.executor.inlined
         assert inlined > 0, f"[{name}] static mode served nothing on stage 1's main loop"
+    if cfg.static_mode and cfg.pp > 1 and cfg.tp == 1 and smp.pp_rank() > 0:
+        # The same model and shapes every step: no fallback; each step after the first is
+        # replayed ("replayed": every module a stage's requests run lives there), or the
+        # stage says why it cannot be (a request whose module has a child on another stage).
+        stats = dmodel.engine.runtime.replay_stats
+        steps = case.get("steps", 3)
+        assert stats is not None and stats.fallbacks == 0, f"[{name}] {stats}"
+        if case.get("replayed"):
+            assert stats.replayed == steps - 1, f"[{name}] stage {smp.pp_rank()}: {stats}"
+        else:
+            assert stats.replayed == steps - 1 or stats.not_replayable, f"[{name}] {stats}"
     if cfg.offload_activations:
         check_offloading(dmodel, cfg, case)
     if cfg.pp > 1:

@@ -1,0 +1,284 @@
+"""Static mode's replay on a serving rank: later steps follow the recorded one on one thread.
+
+A serving (non-driver) rank in ``static_mode`` records, during a step run in dynamic mode,
+the *signature* of every request it was sent: per sender and microbatch, the n-th forward
+or backward request's module (path, ``fast_mode`` span, relay and chain), grad and autocast
+modes, checkpointing, the structure of its arguments with every non-tensor value, and each
+tensor's shape, dtype, device and ``requires_grad`` flag. Keyed by (sender, microbatch, kind,
+n), the signature does not depend on how the microbatches of a step interleave.
+
+The next step is *replayed*: one loop on the rank's main thread takes each arrived message
+and, if its signature is the recorded one and every module it runs lives here, runs it at
+once on that thread (forward, or backward through the call's saved graph) and sends the
+answer: no worker thread, no token hand-off, no serve-order decision beyond taking
+backward work before new forward work. The same code runs in the same order as in dynamic
+mode, so the results are bit for bit the same (gradients still fold in microbatch order).
+
+Anything else — a request whose signature differs from the recording (another module,
+another shape or dtype, another branch of a data-dependent model), one that would call a
+module of another rank, a response (this rank waiting on another), a worker left waiting —
+a request whose kind ran device work the last time (on a worker it overlaps the device
+work with other requests' CPU work; inline it would run synchronously) —
+is met *before* it is served: the message goes back to the front of the inbox, the step
+goes on in dynamic mode from there (what was replayed is exactly what dynamic mode would
+have done, so nothing is lost or done twice), the fallback is counted with its reason
+(:class:`ReplayStats`, and a zero-length ``replay fallback`` span in the timeline) and that
+step becomes the new recording. A rank whose last step could not be recorded whole (a
+request ran modules of other ranks, or device work ran) runs dynamically, records again,
+and counts nothing.
+
+The driver (pp rank 0) runs the step function, whose microbatches overlap by the schedule:
+it stays in dynamic mode (its step tasks are worker threads).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from smp_pipeline.actions import BACKWARD, FORWARD
+from smp_pipeline.messages import Packed
+from smp_pipeline.protocol import Abort, BwdReq, FwdReq, MbDone, Message, StepEnd
+from smp_pipeline.seqruns import span_label
+
+if TYPE_CHECKING:  # pragma: no cover
+    from smp_pipeline.server import ExecutionServer
+
+__all__ = ["ReplayStats", "StepReplay", "request_signature"]
+
+# (sender pp rank, microbatch, "fq" / "bq", n-th of those): the signature of that request.
+SignatureKey = tuple[int, int, str, int]
+
+
+def _tensor_signature(packed: Packed) -> tuple[Any, ...]:
+    return (
+        packed.skeleton,
+        tuple((t.shape, t.dtype, t.device) for t in packed.tensors),
+        tuple(packed.flags),
+    )
+
+
+def request_signature(msg: FwdReq | BwdReq) -> tuple[Any, ...]:
+    """What a replayed request must repeat of the recorded one (everything but the step, the
+    call's key and the sender's request number)."""
+    if type(msg) is FwdReq:
+        return (
+            "fq", msg.path, msg.grad, tuple(map(tuple, msg.autocast)), msg.checkpoint,
+            msg.span, msg.then, msg.chain, _tensor_signature(msg.inputs),
+        )  # fmt: skip
+    assert type(msg) is BwdReq
+    return ("bq", msg.path, msg.joined, msg.once, _tensor_signature(msg.grads))
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Signature equality; a non-tensor argument that cannot be compared counts as different."""
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - e.g. an array's ambiguous truth value
+        return False
+
+
+@dataclass
+class ReplayStats:
+    """How a serving rank ran its steps in static mode.
+
+    Attributes:
+        replayed: steps run entirely by the replay.
+        fallbacks: replays that met something other than the recording and finished the
+            step in dynamic mode.
+        recorded: steps run (entirely or from a fallback on) in dynamic mode and recorded.
+        requests: requests served by the replay.
+        reasons: the reason of each fallback, in order (the last 16 kept).
+        not_replayable: why the last recorded step cannot be replayed ("" if it can).
+    """
+
+    replayed: int = 0
+    fallbacks: int = 0
+    recorded: int = 0
+    requests: int = 0
+    reasons: list[str] = field(default_factory=list)
+    not_replayable: str = ""
+
+
+class StepReplay:
+    """Records and replays one serving rank's steps (see the module doc).
+
+    Args:
+        server: the rank's execution server (its transport, handlers, executor, records).
+        runs_locally: ``(path, span) -> bool``: whether a request runs only modules owned
+            here (what the runtime's placement says).
+    """
+
+    def __init__(self, server: ExecutionServer, runs_locally: Callable[..., bool]) -> None:
+        self.server = server
+        self.runs_locally = runs_locally
+        self.stats = ReplayStats()
+        # The recording: the signatures of the last step run whole (replayed or recorded).
+        self._recording: dict[SignatureKey, tuple[Any, ...]] | None = None
+        # Per step: the signatures of the requests taken so far (a request of the next step
+        # may arrive, and be served, before this rank saw the current step end).
+        self._seen: dict[int, dict[SignatureKey, tuple[Any, ...]]] = {}
+        self._counts: dict[int, dict[tuple[int, int, str], int]] = {}
+        # Why the step being recorded cannot be replayed next time (None: it can so far).
+        self._unreplayable: dict[int, str] = {}
+
+    # ------------------------------------------------------------------ signatures
+    def _note(self, msg: FwdReq | BwdReq) -> tuple[SignatureKey, tuple[Any, ...]]:
+        """File ``msg``'s signature under its step; returns its key and signature."""
+        kind = "fq" if type(msg) is FwdReq else "bq"
+        counts = self._counts.setdefault(msg.step, {})
+        base = (msg.src, msg.mb, kind)
+        n = counts.get(base, 0)
+        counts[base] = n + 1
+        key = (msg.src, msg.mb, kind, n)
+        sig = request_signature(msg)
+        self._seen.setdefault(msg.step, {})[key] = sig
+        return key, sig
+
+    def recording_handler(self, handle: Callable[[Message], None]) -> Callable[[Message], None]:
+        """``handle`` (the dynamic main loop's), noting each request's signature first."""
+
+        def note_and_handle(msg: Message) -> None:
+            tp = type(msg)
+            if tp is FwdReq or tp is BwdReq:
+                req: Any = msg
+                self._note(req)
+                if tp is FwdReq and not self.runs_locally(req.path, req.modules()):
+                    label = span_label(req.path, req.modules())
+                    self._unreplayable.setdefault(
+                        req.step, f"'{label}' calls modules of other ranks"
+                    )
+            handle(msg)
+
+        return note_and_handle
+
+    # ------------------------------------------------------------------ a step
+    def follow(self, step: int, until: Callable[[], bool]) -> None:
+        """Serve ``step`` on this rank: replay it if the last step was recorded whole, and
+        finish it in dynamic mode (recording it) if the replay cannot or meets a difference."""
+        server = self.server
+        replayed = False
+        if self._recording is not None:
+            replayed = server.guarded(lambda: self._replay(step, until))
+        if not replayed:
+            server._handle = self.recording_handler(server.handlers.handle)
+            try:
+                server.serve(until)
+            finally:
+                server._handle = server.handlers.handle
+        self._end(step, replayed)
+
+    def _end(self, step: int, replayed: bool) -> None:
+        seen = self._seen.pop(step, {})
+        self._counts.pop(step, None)
+        reason = self._unreplayable.pop(step, None)
+        if self.server.executor.device_kinds:
+            kinds = sorted(self.server.executor.device_kinds)
+            reason = f"device work in {', '.join(f'the {p} of {m!r}' for p, m in kinds)}"
+        if replayed:
+            self.stats.replayed += 1
+        else:
+            self.stats.recorded += 1
+            self._recording = seen if reason is None else None
+            self.stats.not_replayable = reason or ""
+        for old in [s for s in self._seen if s < step]:  # (an aborted step's leftovers)
+            del self._seen[old]
+            self._counts.pop(old, None)
+
+    def _fallback(self, step: int, reason: str, msg: Message | None = None) -> bool:
+        """Hand the rest of ``step`` to dynamic mode (``msg``, not served, goes first)."""
+        server = self.server
+        if msg is not None:
+            server.transport.inbox.appendleft(msg)
+            if type(msg) is FwdReq or type(msg) is BwdReq:  # noted again when served
+                req: Any = msg
+                kind = "fq" if type(msg) is FwdReq else "bq"
+                base = (req.src, req.mb, kind)
+                counts = self._counts[req.step]
+                counts[base] -= 1
+                del self._seen[req.step][(*base, counts[base])]
+        stats = self.stats
+        stats.fallbacks += 1
+        stats.reasons = [*stats.reasons[-15:], reason]
+        ex = server.executor
+        if ex.record_timeline:
+            now = time.time()
+            mb = getattr(msg, "mb", 0)
+            ex.events.append((server.pp_rank, mb, f"replay fallback: {reason}", FORWARD, now, now))
+        self._recording = None
+        return False
+
+    def _replay(self, step: int, until: Callable[[], bool]) -> bool:
+        """The replay loop of ``step``; True if it ran the whole step, False after handing
+        the rest to dynamic mode."""
+        server, recording = self.server, self._recording
+        assert recording is not None
+        transport, executor, handlers = server.transport, server.executor, server.handlers
+        # Requests of this step taken (and served dynamically) while the last one ended.
+        for key, sig in self._seen.get(step, {}).items():
+            if not _same(recording.get(key), sig):
+                return self._fallback(step, f"request {key} differs from the recording")
+        server._start_loop()
+        while not until():
+            server._loop_housekeeping()
+            if executor.ready or executor.yielded:
+                return self._fallback(step, "a worker waits (a request served dynamically)")
+            msg = transport.pick()
+            if msg is None:
+                msg = server._wait_message()
+                if msg is None:
+                    continue
+            tp = type(msg)
+            if tp is FwdReq or tp is BwdReq:
+                req: Any = msg
+                if req.step != step:  # the next step's, early: as dynamic mode would
+                    self._note(req)
+                    handlers.handle(req)
+                    continue
+                key, sig = self._note(req)
+                if not _same(recording.get(key), sig):
+                    return self._fallback(step, _difference(key, recording.get(key), sig), msg)
+                if tp is FwdReq:
+                    kind = (FORWARD, span_label(req.path, req.modules()))
+                    if not self.runs_locally(req.path, req.modules()):
+                        return self._fallback(step, f"'{kind[1]}' calls modules of other ranks", msg)
+                else:
+                    if not handlers.can_inline_backward(req):
+                        return self._fallback(step, f"no local record of the call {req.key}", msg)
+                    kind = (BACKWARD, req.path)
+                if kind in executor.device_kinds:  # on a worker it overlaps the device work
+                    return self._fallback(step, f"the {kind[0]} of '{kind[1]}' ran device work", msg)
+                self.stats.requests += 1
+                handlers.serve_request(req, inline=True)
+            elif tp is MbDone or tp is StepEnd or tp is Abort:
+                handlers.handle(msg)
+            else:  # a response: this rank waits on another one (not recorded as replayable)
+                return self._fallback(step, f"a {tp.__name__} arrived", msg)
+        return True
+
+
+_FIELDS = {
+    "fq": ("kind", "module", "grad mode", "autocast", "checkpointing", "run", "relay", "chain",
+           "arguments"),
+    "bq": ("kind", "module", "joined", "last request", "gradients"),
+}  # fmt: skip
+
+
+def _difference(key: SignatureKey, recorded: tuple[Any, ...] | None, got: tuple[Any, ...]) -> str:
+    """Why a request is not the recorded one, worded (the first field that differs)."""
+    src, mb, kind, n = key
+    what = f"{'forward' if kind == 'fq' else 'backward'} request {n} of microbatch {mb} from pp rank {src}"
+    if recorded is None:
+        return f"{what} was not recorded"
+    for name, a, b in zip(_FIELDS[kind], recorded, got):
+        if not _same(a, b):
+            if name in ("arguments", "gradients"):
+                a, b = _shapes(a), _shapes(b)
+            return f"{what}: {name} {b!r}, recorded {a!r}"
+    return f"{what} differs from the recording"
+
+
+def _shapes(sig: tuple[Any, ...]) -> str:
+    return ", ".join(f"{'x'.join(map(str, s)) or '()'} {str(d).replace('torch.', '')}" for s, d, _ in sig[1])
