@@ -36,7 +36,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from smp_pipeline.actions import BACKWARD, FORWARD
 from smp_pipeline.messages import Packed
@@ -44,7 +44,26 @@ from smp_pipeline.protocol import Abort, BwdReq, FwdReq, MbDone, Message, StepEn
 from smp_pipeline.seqruns import span_label
 
 if TYPE_CHECKING:  # pragma: no cover
-    from smp_pipeline.server import ExecutionServer
+    from smp_pipeline.executor import Executor
+    from smp_pipeline.handlers import MessageHandlers
+    from smp_pipeline.transport import Transport
+
+
+class ServingRank(Protocol):
+    """What the replay uses of the rank's execution server (the server passes itself; this
+    module does not import it: the server owns the replay)."""
+
+    pp_rank: int
+    transport: Transport
+    executor: Executor
+    handlers: MessageHandlers
+    _handle: Callable[[Message], None]  # the server loop's message handler, swapped to record
+
+    def serve(self, until: Callable[[], bool]) -> None: ...
+    def guarded(self, run: Callable[[], bool]) -> bool: ...
+    def _start_loop(self) -> None: ...
+    def _loop_housekeeping(self) -> None: ...
+    def _wait_message(self) -> Message | None: ...
 
 __all__ = ["ReplayStats", "StepReplay", "request_signature"]
 
@@ -111,7 +130,7 @@ class StepReplay:
             here (what the runtime's placement says).
     """
 
-    def __init__(self, server: ExecutionServer, runs_locally: Callable[..., bool]) -> None:
+    def __init__(self, server: ServingRank, runs_locally: Callable[..., bool]) -> None:
         self.server = server
         self.runs_locally = runs_locally
         self.stats = ReplayStats()
