@@ -71,6 +71,11 @@ class Estimate:
         return self.reason is None
 
     @property
+    def config(self) -> dict[str, int]:
+        """The ``smp.init`` keys of this candidate (see :meth:`Candidate.config`)."""
+        return self.candidate.config()
+
+    @property
     def peak_bytes(self) -> float:
         """The largest predicted peak over the stages (every rank of a stage is alike)."""
         return max(self.stage_peak_bytes) if self.stage_peak_bytes else 0.0

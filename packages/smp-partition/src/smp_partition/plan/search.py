@@ -76,6 +76,11 @@ class Plan:
     _planner: _Planner
 
     @property
+    def profile(self) -> Profile:
+        """The profile the candidates were predicted from."""
+        return self._planner.profile
+
+    @property
     def feasible(self) -> list[Estimate]:
         return [e for e in self.estimates if e.fits]
 
