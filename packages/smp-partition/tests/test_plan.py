@@ -54,9 +54,14 @@ def test_memory_prediction_is_the_documented_sum() -> None:
     acts = in_flight(1, 2) * 16000 / 2  # two microbatches in flight, each half the batch
     assert peaks == (100_000 + state + acts,)
     assert bubble == 0.0
-    # tp=2 halves the parameters and saved bytes of the tensor-parallel blocks.
+    # tp=2 halves the parameters of the tensor-parallel blocks; their saved bytes are those
+    # of the samples gathered from the tp group (this rank's half and its peer's).
     c2 = Candidate(pp=1, tp=2, dp=1, sdp=1, microbatches=2, checkpointing=False)
-    assert estimate(p, stages, c2)[2] == (100_000 + state / 2 + acts / 2,)
+    assert estimate(p, stages, c2)[2] == (100_000 + state / 2 + acts,)
+    # a whole (not tensor-parallel) module's saved bytes are those of this rank's samples
+    q = two_block_profile(tp_divisors={"b0": 4})
+    q_stages = stage_sums(q, module_facts(q), 1)[0]
+    assert estimate(q, q_stages, c2)[2] == (100_000 + (1000 + 500) * 16 + acts / 2 + acts / 4,)
     # sdp=2 shards the state; one block is gathered in full with its gradient.
     c3 = Candidate(pp=1, tp=1, dp=2, sdp=2, microbatches=1, checkpointing=False)
     assert estimate(p, stages, c3)[2] == (100_000 + state / 2 + 1000 * 8 + 16000 / 2,)
@@ -93,9 +98,11 @@ def test_rejections_name_the_binding_reason() -> None:
     plan = search(p, 4, 1 << 40)
     reasons = {e.candidate.label(): e.reason for e in plan.estimates}
     assert reasons["pp=1 tp=4 dp=1 sdp=1 mb=1 -"] == "tp=4 does not divide 6 of module 'blocks.0.attn'"
-    assert reasons["pp=1 tp=1 dp=4 sdp=1 mb=1 -"] == "dp=4 does not divide the batch of 6 samples"
-    assert reasons["pp=1 tp=2 dp=2 sdp=1 mb=2 -"] == "microbatches=2 does not divide the 3 samples per replica"
-    tight = search(p, 4, p.base_bytes + 1)
+    assert reasons["pp=1 tp=1 dp=4 sdp=1 mb=1 -"] == "tp*dp=4 ranks do not divide the batch of 6 samples"
+    assert reasons["pp=1 tp=2 dp=2 sdp=1 mb=1 -"] == "tp*dp=4 ranks do not divide the batch of 6 samples"
+    assert reasons["pp=2 tp=1 dp=2 sdp=1 mb=2 -"] == "microbatches=2 does not divide the 3 samples per rank"
+    p8 = synthetic_profile(4, width=96, heads=6, seq=16, batch_size=8, vocab=100)
+    tight = search(p8, 4, p8.base_bytes + 1)
     with pytest.raises(PartitionError, match="no configuration fits"):
         _ = tight.best
     mem = [e.reason for e in tight.estimates if e.reason and "budget" in e.reason]

@@ -2,9 +2,11 @@
 
 The model (docs/design.md, "Planner"):
 
-* every time scales with the samples a rank processes: a microbatch of ``mb`` samples on a
-  stage costs ``(forward + backward + recompute) * mb / batch_size`` of the profile's
-  measured times, the tensor-parallel share divided by tp, plus the fixed per-microbatch
+* every time scales with the samples a rank processes (smp's default, ``prescaled_batch``
+  off: each of the ``tp * dp`` ranks of a stage keeps its own ``batch / (tp * dp)``
+  samples, and a split module runs its tp peers' samples on 1/tp of the weights, the same
+  work): a microbatch on a stage costs ``(forward + backward + recompute)`` of the
+  profile's measured times scaled by its samples, plus the fixed per-microbatch
   overhead, tp's two all-reduces per tensor-parallel module (three with checkpointing,
   whose recompute repeats the forward one) and the point-to-point messages of the stage's
   pipeline cuts;
@@ -94,30 +96,38 @@ def stage_memory(profile: Profile, st: StageSums, c: Candidate) -> float:
     state = params * (profile.param_bytes + profile.grad_bytes + profile.optimizer_bytes) / sdp
     if sdp > 1:  # one unit gathered in full, with its full gradient before the reduce-scatter
         state += st.largest_unit_params * (profile.param_bytes + profile.grad_bytes)
-    scale = c.microbatches * c.dp
+    # smp's default (prescaled_batch off): tensor-parallel peers keep their own samples, so
+    # a rank runs 1/(tp*dp) of the batch through the modules tp leaves whole; a split module
+    # sees its tp peers' samples gathered (a column-parallel linear keeps that whole input),
+    # so its saved bytes are counted at 1/dp of the batch, not divided by tp: safe.
+    own = c.microbatches * c.tp * c.dp
+    gathered = c.microbatches * c.dp
     live = in_flight(c.pp, c.microbatches)
     if c.checkpointing and st.unit_saved:
-        per_mb = st.saved_outside_units.at(tp) + st.unit_inputs
-        recompute = max(u.at(tp) for u in st.unit_saved)
-        acts = (live * per_mb + recompute) / scale
+        per_mb = st.saved_outside_units.whole / own + st.saved_outside_units.split / gathered
+        per_mb += st.unit_inputs / own
+        recompute = max(u.whole / own + u.split / gathered for u in st.unit_saved)
+        acts = live * per_mb + recompute
     else:
-        acts = live * st.saved.at(tp) / scale
+        acts = live * (st.saved.whole / own + st.saved.split / gathered)
     return profile.base_bytes + state + acts
 
 
 def stage_microbatch_s(profile: Profile, st: StageSums, c: Candidate) -> float:
     """Seconds one microbatch spends on one stage (forward, backward, recompute, comm)."""
-    tp = c.tp
-    frac = 1.0 / (c.microbatches * c.dp)  # of the profiled batch
-    fwd = st.forward.at(tp) * profile.forward_s * frac
-    bwd = st.forward.at(tp) * profile.backward_s * frac
-    recompute = st.unit_forward.at(tp) * profile.forward_s * frac if c.checkpointing else 0.0
+    frac = 1.0 / (c.microbatches * c.tp * c.dp)  # of the profiled batch, per rank
+    # Whole modules run this rank's samples; split ones tp times the samples on 1/tp of the
+    # weights: the same share of the work either way.
+    fwd = st.forward.at(1) * profile.forward_s * frac
+    bwd = st.forward.at(1) * profile.backward_s * frac
+    recompute = st.unit_forward.at(1) * profile.forward_s * frac if c.checkpointing else 0.0
     comm = profile.comm
     t = fwd + bwd + recompute + profile.microbatch_overhead_s
-    if tp > 1 and st.tp_modules:
-        per_module = st.tp_output_bytes * frac / st.tp_modules
+    if c.tp > 1 and st.tp_modules:
+        # each split module exchanges its tp group's activations forward and backward
+        per_module = st.tp_output_bytes * frac * c.tp / st.tp_modules
         rounds = 3 if c.checkpointing else 2
-        t += rounds * st.tp_modules * comm.allreduce_s(per_module, tp)
+        t += rounds * st.tp_modules * comm.allreduce_s(per_module, c.tp)
     if c.pp > 1 and st.cuts:
         per_cut = st.boundary_bytes * frac / st.cuts
         t += 4 * st.cuts * comm.message_s(per_cut)  # forward there and back, backward alike
@@ -134,7 +144,10 @@ def stage_after_s(profile: Profile, st: StageSums, c: Candidate) -> float:
         t = comm.gather_s(grad_bytes, c.sdp) + comm.allreduce_s(grad_bytes / c.sdp, replicas)
         t += 2 * c.microbatches * comm.gather_s(params * profile.param_bytes, c.sdp)
     else:
-        t = comm.allreduce_s(grad_bytes, c.dp)
+        # whole parameters are averaged over every rank sharing the batch (tp peers
+        # included), split ones over the replicas of their slice
+        t = comm.allreduce_s(st.params.whole * profile.grad_bytes, c.tp * c.dp)
+        t += comm.allreduce_s(st.params.split / c.tp * profile.grad_bytes, c.dp)
     return t + params / c.sdp * profile.optimizer_s_per_param
 
 

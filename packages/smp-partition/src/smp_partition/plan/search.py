@@ -192,17 +192,18 @@ class _Planner:
         p = self.profile
         if c.dp % c.sdp:
             return f"sdp={c.sdp} does not divide dp={c.dp}"
-        if p.batch_size % c.dp:
-            return f"dp={c.dp} does not divide the batch of {p.batch_size} samples"
-        per_replica = p.batch_size // c.dp
-        if per_replica % c.microbatches:
-            return f"microbatches={c.microbatches} does not divide the {per_replica} samples per replica"
         if c.tp > 1:
             if not p.tp_divisors:
                 return f"tp={c.tp}: no module of the model is tensor-parallel"
             for name, d in p.tp_divisors.items():
                 if d % c.tp:
                     return f"tp={c.tp} does not divide {d} of module {name!r}"
+        ranks = c.tp * c.dp  # ranks of a stage, each with its own samples
+        if p.batch_size % ranks:
+            return f"tp*dp={ranks} ranks do not divide the batch of {p.batch_size} samples"
+        per_rank = p.batch_size // ranks
+        if per_rank % c.microbatches:
+            return f"microbatches={c.microbatches} does not divide the {per_rank} samples per rank"
         if c.checkpointing and not p.checkpoint_units:
             return "activation checkpointing: the profile names no checkpoint units"
         if c.pp > 1:
