@@ -229,6 +229,7 @@ def calibrate() -> dict[str, Any]:
     latency = small / (2 * (WORLD - 1))
     bandwidth = 2 * (WORLD - 1) / WORLD * (1 << 20) / max(large - small, 1e-9)
     return {
+        "rank_peak_bytes": max(r["peak_bytes"] for r in rows),
         "runtime_bytes": max(0, max(r["peak_bytes"] for r in rows) - plain),
         "plain_peak_bytes": plain,
         "latency_s": latency,
@@ -301,8 +302,6 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def compare(name: str) -> None:
-    import dataclasses
-
     from smp_partition.plan import Candidate, CommModel
     from smp_partition.plan.search import _Planner
     from smp_torch.plan import profile_model
@@ -312,9 +311,11 @@ def compare(name: str) -> None:
     machine = data["machine"]
     model_fn, batch, step_fn = build(name)
     t0 = time.perf_counter()
-    prof = profile_model(model_fn, batch, step_fn, comm=CommModel(machine["latency_s"], machine["bandwidth"]))
+    prof = profile_model(
+        model_fn, batch, step_fn, comm=CommModel(machine["latency_s"], machine["bandwidth"]),
+        runtime_bytes=machine["rank_peak_bytes"],
+    )  # fmt: skip
     profile_s = time.perf_counter() - t0
-    prof = dataclasses.replace(prof, base_bytes=prof.base_bytes + machine["runtime_bytes"])
     planner = _Planner(prof)
     points = [p for p in data["points"] if "step_s" in p]
     failed = [p for p in data["points"] if "error" in p]

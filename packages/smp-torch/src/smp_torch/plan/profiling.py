@@ -168,6 +168,7 @@ def profile_model(
     tp_divisors: Mapping[str, int] | None = None,
     comm: CommModel | None = None,
     base_bytes: int | None = None,
+    runtime_bytes: int | None = None,
     repeats: int = 3,
 ) -> Profile:
     """Profile ``model_fn()`` on ``sample_batch`` (the global batch of one step) here.
@@ -227,7 +228,7 @@ def profile_model(
         peak = _peak_rss_since_reset()
         explained = numel * (2 * param_bytes) + state_bytes + sum(saved.values())
         unexplained = max(0, (peak or 0) - rss0 - explained)
-        base_bytes = rss0 + unexplained
+        base_bytes = (rss0 if runtime_bytes is None else runtime_bytes) + unexplained
     return Profile(
         graph=graph,
         batch_size=size,
