@@ -98,6 +98,18 @@ def grid() -> list[dict[str, Any]]:
     return out
 
 
+def _matmul_s() -> float:
+    """Seconds of a fixed compute kernel (the calibration's measure of a core's speed)."""
+    import torch
+
+    a = torch.randn(256, 256)
+    a @ a
+    t0 = time.perf_counter()
+    for _ in range(200):
+        a @ a
+    return time.perf_counter() - t0
+
+
 def _peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -171,6 +183,8 @@ def worker_calibrate() -> None:
         train_step(torch.ones(4, 8))
         opt.step()
     group = smp.get_world_process_group()
+    smp.barrier()
+    kernel = _matmul_s()  # all ranks at once, as in a job
     res = {}
     for n in (1, 1 << 20):
         t = torch.ones(n // 4)
@@ -181,12 +195,13 @@ def worker_calibrate() -> None:
         for _ in range(10):
             dist.all_reduce(t, group=group)
         res[n] = (time.perf_counter() - t0) / 10
-    row = {"rank": smp.rank(), "peak_bytes": _peak_bytes(), "allreduce_s": {str(k): v for k, v in res.items()}}
+    row = {"rank": smp.rank(), "peak_bytes": _peak_bytes(), "kernel_s": kernel,
+           "allreduce_s": {str(k): v for k, v in res.items()}}  # fmt: skip
     print("RANK " + json.dumps(row), flush=True)
 
 
-def _plain_peak() -> int:
-    """Peak RSS of a plain process training the calibration model (printed)."""
+def _plain_peak() -> str:
+    """Peak RSS of a plain process training the calibration model, and the kernel's time."""
     import torch
 
     torch.set_num_threads(1)
@@ -196,7 +211,7 @@ def _plain_peak() -> int:
         opt.zero_grad()
         model(torch.ones(4, 8)).sum().backward()
         opt.step()
-    return _peak_bytes()
+    return f"{_matmul_s()} {_peak_bytes()}"
 
 
 # --------------------------------------------------------------------------- launching
@@ -218,11 +233,10 @@ def _launch(args: list[str], timeout: float = 600) -> list[dict[str, Any]]:
 def calibrate() -> dict[str, Any]:
     """Machine constants: smp runtime bytes per rank and collective latency/bandwidth."""
     rows = _launch(["calibrate"])
-    plain = int(
-        subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "plain"],
-                       capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                       ).stdout.split()[-1]
-    )  # fmt: skip
+    kernel, plain = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--worker", "plain"],
+        capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    ).stdout.split()[-2:]  # fmt: skip
     small = max(r["allreduce_s"]["1"] for r in rows)
     large = max(r["allreduce_s"][str(1 << 20)] for r in rows)
     # ring all-reduce: 2(n-1) latency steps; 2(n-1)/n of the bytes through each rank
@@ -230,8 +244,9 @@ def calibrate() -> dict[str, Any]:
     bandwidth = 2 * (WORLD - 1) / WORLD * (1 << 20) / max(large - small, 1e-9)
     return {
         "rank_peak_bytes": max(r["peak_bytes"] for r in rows),
-        "runtime_bytes": max(0, max(r["peak_bytes"] for r in rows) - plain),
-        "plain_peak_bytes": plain,
+        "runtime_bytes": max(0, max(r["peak_bytes"] for r in rows) - int(plain)),
+        "plain_peak_bytes": int(plain),
+        "compute_scale": statistics.median(r["kernel_s"] for r in rows) / float(kernel),
         "latency_s": latency,
         "bandwidth": bandwidth,
         "load": load(),
@@ -313,7 +328,7 @@ def compare(name: str) -> None:
     t0 = time.perf_counter()
     prof = profile_model(
         model_fn, batch, step_fn, comm=CommModel(machine["latency_s"], machine["bandwidth"]),
-        runtime_bytes=machine["rank_peak_bytes"],
+        runtime_bytes=machine["rank_peak_bytes"], compute_scale=machine["compute_scale"],
     )  # fmt: skip
     profile_s = time.perf_counter() - t0
     planner = _Planner(prof)

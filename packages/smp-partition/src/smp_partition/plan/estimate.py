@@ -122,7 +122,7 @@ def stage_microbatch_s(profile: Profile, st: StageSums, c: Candidate) -> float:
     bwd = st.forward.at(1) * profile.backward_s * frac
     recompute = st.unit_forward.at(1) * profile.forward_s * frac if c.checkpointing else 0.0
     comm = profile.comm
-    t = fwd + bwd + recompute + profile.microbatch_overhead_s
+    t = (fwd + bwd + recompute + profile.microbatch_overhead_s) * profile.compute_scale
     if c.tp > 1 and st.tp_modules:
         # each split module exchanges its tp group's activations forward and backward
         per_module = st.tp_output_bytes * frac * c.tp / st.tp_modules
@@ -148,7 +148,7 @@ def stage_after_s(profile: Profile, st: StageSums, c: Candidate) -> float:
         # included), split ones over the replicas of their slice
         t = comm.allreduce_s(st.params.whole * profile.grad_bytes, c.tp * c.dp)
         t += comm.allreduce_s(st.params.split / c.tp * profile.grad_bytes, c.dp)
-    return t + params / c.sdp * profile.optimizer_s_per_param
+    return t + params / c.sdp * profile.optimizer_s_per_param * profile.compute_scale
 
 
 def estimate(profile: Profile, stages: list[StageSums], c: Candidate) -> tuple[float, float, tuple[float, ...]]:

@@ -82,6 +82,9 @@ class Profile:
     microbatch_overhead_s: float = 0.0
     """Fixed seconds per microbatch per stage (a pipeline request round, small-op overhead)."""
     comm: CommModel = field(default_factory=CommModel)
+    compute_scale: float = 1.0
+    """How much slower a rank computes in the job than the profiling process did (more
+    ranks than cores: measured once per machine); multiplies every compute time."""
     memory_weight: float = 0.8
     """``alpha`` of smp's automatic partition (the ``memory_weight`` key)."""
     balance_slack: float = 0.15
@@ -93,7 +96,7 @@ class Profile:
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise PartitionError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
         for key in ("forward_s", "backward_s", "optimizer_s_per_param", "step_overhead_s",
-                    "microbatch_overhead_s", "memory_weight", "balance_slack"):  # fmt: skip
+                    "microbatch_overhead_s", "memory_weight", "balance_slack", "compute_scale"):  # fmt: skip
             v = getattr(self, key)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise PartitionError(f"{key} must be a finite number >= 0, got {v!r}")

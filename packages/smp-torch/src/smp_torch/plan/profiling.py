@@ -169,6 +169,7 @@ def profile_model(
     comm: CommModel | None = None,
     base_bytes: int | None = None,
     runtime_bytes: int | None = None,
+    compute_scale: float = 1.0,
     repeats: int = 3,
 ) -> Profile:
     """Profile ``model_fn()`` on ``sample_batch`` (the global batch of one step) here.
@@ -244,4 +245,5 @@ def profile_model(
         base_bytes=int(base_bytes),
         microbatch_overhead_s=overhead,
         comm=comm or CommModel(),
+        compute_scale=compute_scale,
     )
