@@ -117,8 +117,16 @@ def _peak_bytes() -> int:
 # --------------------------------------------------------------------------- workers
 
 
+def _print_rows(smp: Any, row: dict[str, Any]) -> None:
+    """Rank 0 prints every rank's row as one ``ROWS [json]`` line (ranks' own lines could
+    interleave)."""
+    rows = smp.allgather(row)
+    if smp.rank() == 0:
+        print("ROWS " + json.dumps(rows), flush=True)
+
+
 def worker_run(name: str, cfg: dict[str, Any]) -> None:
-    """One configuration on this job's ranks: prints one ``RANK {json}`` line per rank."""
+    """One configuration on this job's ranks: rank 0 prints every rank's row."""
     import smp_torch as smp
     import torch
 
@@ -156,7 +164,7 @@ def worker_run(name: str, cfg: dict[str, Any]) -> None:
         if i >= WARMUP:
             times.append(time.perf_counter() - t0)
     row = {"rank": smp.rank(), "pp_rank": smp.pp_rank(), "peak_bytes": _peak_bytes(), "times": times}
-    print("RANK " + json.dumps(row), flush=True)
+    _print_rows(smp, row)
 
 
 def worker_calibrate() -> None:
@@ -197,7 +205,7 @@ def worker_calibrate() -> None:
         res[n] = (time.perf_counter() - t0) / 10
     row = {"rank": smp.rank(), "peak_bytes": _peak_bytes(), "kernel_s": kernel,
            "allreduce_s": {str(k): v for k, v in res.items()}}  # fmt: skip
-    print("RANK " + json.dumps(row), flush=True)
+    _print_rows(smp, row)
 
 
 def _plain_peak() -> str:
@@ -223,7 +231,8 @@ def _launch(args: list[str], timeout: float = 600) -> list[dict[str, Any]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SMP_CONFIG": "", "PYTHONWARNINGS": "ignore"}
     cmd = [mpiexec_path(), "-n", str(WORLD), sys.executable, os.path.abspath(__file__), "--worker", *args]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    rows = [json.loads(line[5:]) for line in out.stdout.splitlines() if line.startswith("RANK ")]
+    found = [json.loads(line[5:]) for line in out.stdout.splitlines() if line.startswith("ROWS ")]
+    rows = found[0] if found else []
     if out.returncode != 0 or len(rows) != WORLD:
         tail = (out.stdout + out.stderr).strip().splitlines()[-6:]
         raise RuntimeError(f"{' '.join(args)} failed (exit {out.returncode}): " + " | ".join(tail))
