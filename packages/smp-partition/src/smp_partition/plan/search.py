@@ -40,6 +40,12 @@ def divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]))
 
 
+def _bar(share: float, width: int = 10) -> str:
+    """``share`` of the budget as a bar and a percentage (the table's picture)."""
+    full = min(width, round(share * width))
+    return f"{'#' * full}{'.' * (width - full)} {share:>4.0%}"
+
+
 def _check_pins(pinned: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in pinned.items():
@@ -131,7 +137,8 @@ class Plan:
 
     def table(self, limit: int | None = 10, rejected: int = 5) -> str:
         """The ranked table as text: the first ``limit`` that fit, ``rejected`` rejected ones."""
-        head = f"{'#':>3}  {'candidate':<40} {'step s':>9} {'bubble':>6} {'peak/rank':>11}  stage peaks / reason"
+        head = (f"{'#':>3}  {'candidate':<40} {'step s':>9} {'bubble':>6} {'peak/rank':>11}  "
+                f"{'peak vs budget':<16} stage peaks")  # fmt: skip
         lines = [
             f"smp.plan: {self.world_size} ranks, budget {format_bytes(self.memory_per_rank)} per rank; "
             f"{len(self.feasible)} of {len(self.estimates)} candidates fit"
@@ -145,9 +152,11 @@ class Plan:
                 stages += ", ..."
             lines.append(
                 f"{i:>3}  {e.candidate.label():<40} {e.step_s:>9.4g} {e.bubble:>6.0%} "
-                f"{format_bytes(e.peak_bytes):>11}  {stages}"
+                f"{format_bytes(e.peak_bytes):>11}  {_bar(e.peak_bytes / self.memory_per_rank)} {stages}"
             )
-        bad = [e for e in self.estimates if not e.fits][:rejected]
+        # Those over the budget first (closest to fitting first): the informative rejections.
+        bad = sorted((e for e in self.estimates if not e.fits),
+                     key=lambda e: (not e.stage_peak_bytes, e.peak_bytes))[:rejected]  # fmt: skip
         if bad:
             lines.append("rejected (first few):")
             lines += [f"  -  {e.candidate.label():<40} {e.reason}" for e in bad]
