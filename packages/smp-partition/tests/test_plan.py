@@ -62,9 +62,11 @@ def test_memory_prediction_is_the_documented_sum() -> None:
     q = two_block_profile(tp_divisors={"b0": 4})
     q_stages = stage_sums(q, module_facts(q), 1)[0]
     assert estimate(q, q_stages, c2)[2] == (100_000 + (1000 + 500) * 16 + acts / 2 + acts / 4,)
-    # sdp=2 shards the state; one block is gathered in full with its gradient.
+    # sdp=2 shards the state, and counts the stage's parameters and gradients unsharded.
     c3 = Candidate(pp=1, tp=1, dp=2, sdp=2, microbatches=1, checkpointing=False)
-    assert estimate(p, stages, c3)[2] == (100_000 + state / 2 + 1000 * 8 + 16000 / 2,)
+    assert estimate(p, stages, c3)[2] == (100_000 + state / 2 + 2000 * 8 + 16000 / 2,)
+    # a pipeline keeps at most pp + 2 microbatches in flight; pp = 1 keeps all of them
+    assert in_flight(1, 8) == 8 and in_flight(2, 8) == 4 and in_flight(4, 2) == 2
 
 
 def test_checkpointing_trades_time_for_memory() -> None:

@@ -19,7 +19,8 @@ The model (docs/design.md, "Planner"):
   optimizer state (divided by sdp, plus the largest unit gathered in full), and the saved
   activations of the microbatches in flight (``min(microbatches, active_microbatches)``);
   with checkpointing only each unit's input stays per microbatch, plus one unit's saved
-  bytes while it is recomputed.
+  bytes while it is recomputed; plus one microbatch's backward temporaries (the measured
+  peak allocation of a step beyond its saved bytes, the stage's share).
 
 Everything errs on the side of more memory: a configuration it says fits must fit.
 """
@@ -84,9 +85,10 @@ class Estimate:
 
 
 def in_flight(pp: int, microbatches: int) -> int:
-    """Microbatches whose activations a stage may hold at once (smp's default
-    ``active_microbatches`` is pp + 2)."""
-    return min(microbatches, pp + 2)
+    """Microbatches whose activations a stage may hold at once: with a pipeline, smp's
+    default ``active_microbatches`` (pp + 2); without one, every microbatch (measured: a
+    rank's peak barely moves with the microbatches at pp = 1, bench_plan's grid)."""
+    return microbatches if pp == 1 else min(microbatches, pp + 2)
 
 
 def stage_memory(profile: Profile, st: StageSums, c: Candidate) -> float:
@@ -94,8 +96,11 @@ def stage_memory(profile: Profile, st: StageSums, c: Candidate) -> float:
     tp, sdp = c.tp, c.sdp
     params = st.params.at(tp)
     state = params * (profile.param_bytes + profile.grad_bytes + profile.optimizer_bytes) / sdp
-    if sdp > 1:  # one unit gathered in full, with its full gradient before the reduce-scatter
-        state += st.largest_unit_params * (profile.param_bytes + profile.grad_bytes)
+    if sdp > 1:
+        # FSDP2 unshards units for forward and backward and reduce-scatters full gradients;
+        # counted as if every unit of the stage were unsharded at once (safe; measured: sdp
+        # saves no memory on a small model, bench_plan's grid).
+        state += params * (profile.param_bytes + profile.grad_bytes)
     # smp's default (prescaled_batch off): tensor-parallel peers keep their own samples, so
     # a rank runs 1/(tp*dp) of the batch through the modules tp leaves whole; a split module
     # sees its tp peers' samples gathered (a column-parallel linear keeps that whole input),
@@ -110,6 +115,10 @@ def stage_memory(profile: Profile, st: StageSums, c: Candidate) -> float:
         acts = live * per_mb + recompute
     else:
         acts = live * (st.saved.whole / own + st.saved.split / gathered)
+    # One microbatch's backward temporaries on top (the stage's share, by saved bytes).
+    total = sum(profile.saved_bytes.values())
+    share = (st.saved.whole + st.saved.split) / total if total else 1.0 / c.pp
+    acts += profile.step_transient_bytes * share / gathered + profile.step_transient_fixed_bytes
     return profile.base_bytes + state + acts
 
 

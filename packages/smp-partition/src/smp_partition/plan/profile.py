@@ -75,6 +75,12 @@ class Profile:
     """Optimizer state bytes per parameter element (Adam: two fp32 moments)."""
     optimizer_s_per_param: float = 0.0
     """Seconds of the optimizer step per parameter element a rank holds."""
+    step_transient_bytes: float = 0.0
+    """Peak bytes a forward+backward of ``batch_size`` samples allocates beyond the saved
+    ones (gradients of activations, temporaries), in the part growing with the samples;
+    spread over the modules like the saved bytes."""
+    step_transient_fixed_bytes: float = 0.0
+    """The part of that peak that does not grow with the samples (per microbatch)."""
     base_bytes: int = 0
     """Memory a rank uses whatever the model (interpreter, libraries, runtime buffers)."""
     step_overhead_s: float = 0.0
@@ -96,7 +102,8 @@ class Profile:
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise PartitionError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
         for key in ("forward_s", "backward_s", "optimizer_s_per_param", "step_overhead_s",
-                    "microbatch_overhead_s", "memory_weight", "balance_slack", "compute_scale"):  # fmt: skip
+                    "microbatch_overhead_s", "memory_weight", "balance_slack", "compute_scale",
+                    "step_transient_bytes", "step_transient_fixed_bytes"):  # fmt: skip
             v = getattr(self, key)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise PartitionError(f"{key} must be a finite number >= 0, got {v!r}")

@@ -54,9 +54,6 @@ class StageSums:
     """Saved bytes of each checkpoint unit of the stage (one is live during its recompute)."""
     unit_forward: Split = field(default_factory=Split)
     """Share of the forward time inside checkpoint units (what checkpointing recomputes)."""
-    largest_unit_params: float = 0.0
-    """Parameter elements of the largest checkpoint unit or module (what sharded data
-    parallelism gathers at once)."""
     tp_modules: int = 0
     tp_output_bytes: float = 0.0
     """Output bytes of the tensor-parallel modules (each all-reduced in forward and backward)."""
@@ -133,7 +130,6 @@ def stage_sums(profile: Profile, facts: ModuleFacts, pp: int) -> tuple[list[Stag
         stage_of = [result.assignment[m.name] for m in mods]
     stages = [StageSums() for _ in range(pp)]
     units: list[dict[int, Split]] = [{} for _ in range(pp)]
-    unit_params: list[dict[int, float]] = [{} for _ in range(pp)]
     tp_names = profile.tp_divisors
     saved = profile.saved_bytes
     for i, m in enumerate(mods):
@@ -147,10 +143,8 @@ def stage_sums(profile: Profile, facts: ModuleFacts, pp: int) -> tuple[list[Stag
         k = facts.unit[i]
         if k < 0:
             st.saved_outside_units.add(b, split)
-            st.largest_unit_params = max(st.largest_unit_params, facts.params[i])
         else:
             units[stage_of[i]].setdefault(k, Split()).add(b, split)
-            unit_params[stage_of[i]][k] = unit_params[stage_of[i]].get(k, 0.0) + facts.params[i]
             st.unit_forward.add(facts.forward_share[i], split)
             if m.name == profile.checkpoint_units[k]:
                 st.unit_inputs += m.activation_bytes
@@ -163,6 +157,4 @@ def stage_sums(profile: Profile, facts: ModuleFacts, pp: int) -> tuple[list[Stag
             st.boundary_bytes += m.activation_bytes
     for s, st in enumerate(stages):
         st.unit_saved = list(units[s].values())
-        if unit_params[s]:
-            st.largest_unit_params = max(st.largest_unit_params, max(unit_params[s].values()))
     return stages, stage_of

@@ -88,6 +88,21 @@ def _reset_peak() -> bool:
         return False
 
 
+def peak_step_allocation(run: Callable[[], Any]) -> int:
+    """Peak bytes torch allocates during ``run()`` above what it held before (the CPU
+    allocations torch's profiler records, replayed in order)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events = sorted((e for e in prof.events() if e.cpu_memory_usage), key=lambda e: e.time_range.start)
+    now = peak = 0
+    for e in events:
+        now += e.cpu_memory_usage
+        peak = max(peak, now)
+    return peak
+
+
 def saved_bytes_per_module(model: nn.Module, run: Callable[[], Any]) -> dict[str, int]:
     """Bytes of the distinct tensors autograd saves during ``run()``, each counted once, on
     the innermost module running when it was saved; parameters' storages left out."""
@@ -197,18 +212,23 @@ def profile_model(
         model.zero_grad(set_to_none=False)
         step(model, b).backward()
 
-    fwd_bwd()  # warm-up; grads now exist, so later steps allocate nothing new for them
+    one = slice_batch(batch, 1)
+    # The first step, on one sample, in a fresh process: what the resident set grows by
+    # beyond the tensors (kernel caches, allocator arenas) is a fixed cost of the model.
+    _reset_peak()
+    fwd_bwd(one)  # grads now exist, so later steps allocate nothing new for them
     opt.step()
+    first_peak = _peak_rss_since_reset()
     state_bytes = sum(
         t.untyped_storage().nbytes() for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim()
     )
     numel = sum(p.numel() for p in model.parameters())
+    fwd_bwd()  # warm-up at the full batch before timing
     opt_s = _median_s(opt.step, repeats)
     with torch.no_grad():
         fwd_s = _median_s(fwd, repeats)
     # backward = (forward with graph + backward) - forward without graph
     both_s = _median_s(fwd_bwd, repeats)
-    one = slice_batch(batch, 1)
     one_s = _median_s(lambda: fwd_bwd(one), repeats) if size > 1 else both_s
     # t(b) = overhead + b * per_sample: the overhead is what a microbatch costs regardless
     per_sample = (both_s - one_s) / (size - 1) if size > 1 else both_s
@@ -222,13 +242,17 @@ def profile_model(
     graph = smp_partition.ModuleGraph.from_dict(trace_dict(model, run=fwd, costs="flops"))
     saved = {k: v for k, v in saved.items() if k in graph}
     param_bytes = max((p.element_size() for p in model.parameters()), default=4)
+    # Peak tensor bytes of a forward+backward beyond what persists, at one sample and at the
+    # whole batch: a fixed part and a part growing with the samples (the saved activations
+    # and the backward's temporaries, which the profile spreads like the saved bytes).
+    alloc_one = peak_step_allocation(lambda: fwd_bwd(one))
+    alloc_all = peak_step_allocation(fwd_bwd) if size > 1 else alloc_one
+    grow = (alloc_all - alloc_one) / (size - 1) if size > 1 else alloc_all
+    transient_fixed = max(0.0, alloc_one - grow)
+    transient = max(0.0, grow * size - sum(saved.values()))
     if base_bytes is None:
-        _reset_peak()
-        fwd_bwd()
-        opt.step()
-        peak = _peak_rss_since_reset()
-        explained = numel * (2 * param_bytes) + state_bytes + sum(saved.values())
-        unexplained = max(0, (peak or 0) - rss0 - explained)
+        explained = numel * (2 * param_bytes) + state_bytes + alloc_one
+        unexplained = max(0, (first_peak or 0) - rss0 - explained)
         base_bytes = (rss0 if runtime_bytes is None else runtime_bytes) + unexplained
     return Profile(
         graph=graph,
@@ -246,4 +270,6 @@ def profile_model(
         microbatch_overhead_s=overhead,
         comm=comm or CommModel(),
         compute_scale=compute_scale,
+        step_transient_bytes=transient,
+        step_transient_fixed_bytes=transient_fixed,
     )
