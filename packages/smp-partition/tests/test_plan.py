@@ -174,3 +174,16 @@ def test_large_synthetic_search_finishes() -> None:
     plan = search(synthetic_profile(128), 1024, 80 << 30, microbatch_options=range(1, 65))
     assert len(plan.estimates) > 1000 and plan.best.fits
     assert _Planner  # (the planner caches one partition per pp)
+
+
+def test_the_search_imports_neither_torch_nor_numpy() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, smp_partition.plan as p; "
+        "p.search(p.synthetic_profile(2, width=8, heads=2, seq=4, batch_size=2, vocab=8), 2, 1 << 40); "
+        "bad = {'torch', 'numpy'} & set(sys.modules); assert not bad, bad"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
