@@ -54,14 +54,18 @@ def test_memory_prediction_is_the_documented_sum() -> None:
     acts = in_flight(1, 2) * 16000 / 2  # two microbatches in flight, each half the batch
     assert peaks == (100_000 + state + acts,)
     assert bubble == 0.0
-    # tp=2 halves the parameters of the tensor-parallel blocks; their saved bytes are those
-    # of the samples gathered from the tp group (this rank's half and its peer's).
+    # tp=2 halves the parameters of the tensor-parallel blocks; each rank keeps its own
+    # half of the samples (smp's default), so the saved bytes halve too.
     c2 = Candidate(pp=1, tp=2, dp=1, sdp=1, microbatches=2, checkpointing=False)
-    assert estimate(p, stages, c2)[2] == (100_000 + state / 2 + acts,)
-    # a whole (not tensor-parallel) module's saved bytes are those of this rank's samples
+    assert estimate(p, stages, c2)[2] == (100_000 + state / 2 + acts / 2,)
+    # a whole (not tensor-parallel) module keeps its parameters in full
     q = two_block_profile(tp_divisors={"b0": 4})
     q_stages = stage_sums(q, module_facts(q), 1)[0]
-    assert estimate(q, q_stages, c2)[2] == (100_000 + (1000 + 500) * 16 + acts / 2 + acts / 4,)
+    assert estimate(q, q_stages, c2)[2] == (100_000 + (1000 + 500) * 16 + acts / 2,)
+    # the step's temporaries: one microbatch's share of the per-sample part, plus the fixed
+    r = two_block_profile(step_transient_bytes=4000.0, step_transient_fixed_bytes=50.0)
+    r_stages = stage_sums(r, module_facts(r), 1)[0]
+    assert estimate(r, r_stages, c2)[2] == (100_000 + state / 2 + acts / 2 + 4000 / 4 + 50,)
     # sdp=2 shards the state, and counts the stage's parameters and gradients unsharded.
     c3 = Candidate(pp=1, tp=1, dp=2, sdp=2, microbatches=1, checkpointing=False)
     assert estimate(p, stages, c3)[2] == (100_000 + state / 2 + 2000 * 8 + 16000 / 2,)

@@ -102,23 +102,21 @@ def stage_memory(profile: Profile, st: StageSums, c: Candidate) -> float:
         # saves no memory on a small model, bench_plan's grid).
         state += params * (profile.param_bytes + profile.grad_bytes)
     # smp's default (prescaled_batch off): tensor-parallel peers keep their own samples, so
-    # a rank runs 1/(tp*dp) of the batch through the modules tp leaves whole; a split module
-    # sees its tp peers' samples gathered (a column-parallel linear keeps that whole input),
-    # so its saved bytes are counted at 1/dp of the batch, not divided by tp: safe.
+    # a rank's saved activations are those of its batch / (tp * dp) samples, in the modules
+    # tp splits too (measured: at the same samples per rank, tp = 2 and 4 hold less than
+    # dp = 4, bench_plan's grid).
     own = c.microbatches * c.tp * c.dp
-    gathered = c.microbatches * c.dp
     live = in_flight(c.pp, c.microbatches)
     if c.checkpointing and st.unit_saved:
-        per_mb = st.saved_outside_units.whole / own + st.saved_outside_units.split / gathered
-        per_mb += st.unit_inputs / own
-        recompute = max(u.whole / own + u.split / gathered for u in st.unit_saved)
-        acts = live * per_mb + recompute
+        per_mb = st.saved_outside_units.at(1) + st.unit_inputs
+        recompute = max(u.at(1) for u in st.unit_saved)
+        acts = (live * per_mb + recompute) / own
     else:
-        acts = live * (st.saved.whole / own + st.saved.split / gathered)
+        acts = live * st.saved.at(1) / own
     # One microbatch's backward temporaries on top (the stage's share, by saved bytes).
     total = sum(profile.saved_bytes.values())
-    share = (st.saved.whole + st.saved.split) / total if total else 1.0 / c.pp
-    acts += profile.step_transient_bytes * share / gathered + profile.step_transient_fixed_bytes
+    share = st.saved.at(1) / total if total else 1.0 / c.pp
+    acts += profile.step_transient_bytes * share / own + profile.step_transient_fixed_bytes
     return profile.base_bytes + state + acts
 
 
