@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import resource
 import statistics
 import subprocess
@@ -277,13 +278,22 @@ def measure(name: str, resume: bool, any_load: bool = False) -> None:
             quiet_machine()
         data["machine"] = calibrate()
         print(f"calibration (load {data['machine']['load']:.2f}): {data['machine']}", flush=True)
-    # A gated pass re-measures the points an --any-load pass took above load 1.5.
-    keep = [p for p in data["points"] if any_load or "step_s" not in p or p["load"][0] < 1.5]
-    data["points"] = keep
-    done = {json.dumps(p["config"], sort_keys=True) for p in keep}
-    for cfg in grid():
-        if json.dumps(cfg, sort_keys=True) in done:
+    # A gated pass re-measures the points an --any-load pass took above load 1.5, each
+    # replacing its old entry when done (so a pass cut short loses nothing); in a fixed
+    # shuffled order, so a partial pass still covers every kind of configuration.
+    def key(cfg: dict[str, Any]) -> str:
+        return json.dumps(cfg, sort_keys=True)
+
+    done = {key(p["config"]) for p in data["points"] if any_load or "step_s" not in p or p["load"][0] < 1.5}
+    order = grid()
+    random.Random(0).shuffle(order)
+    deadline = float(os.environ.get("BENCH_PLAN_UNTIL", "inf"))  # a time.time() to stop at
+    for cfg in order:
+        if key(cfg) in done:
             continue
+        if time.time() > deadline:
+            print("deadline reached: stopping", flush=True)
+            break
         before = load() if any_load else quiet_machine()
         try:
             rows = _launch(["run", name, json.dumps(cfg)])
@@ -295,7 +305,7 @@ def measure(name: str, resume: bool, any_load: bool = False) -> None:
             }
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             point = {"config": cfg, "error": str(e)[-400:], "load": [before, load()]}
-        data["points"].append(point)
+        data["points"] = [p for p in data["points"] if key(p["config"]) != key(cfg)] + [point]
         with open(path, "w") as f:
             json.dump(data, f, indent=1)
         shown = f"{point['step_s']:.3f} s" if "step_s" in point else point["error"][:120]
