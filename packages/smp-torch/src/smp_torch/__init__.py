@@ -25,6 +25,7 @@ from smp_torch.errors import ConfigError, NotInitializedError, PeerFailedError, 
 from smp_torch.inert import InertSettingWarning
 from smp_torch.model import DistributedModel
 from smp_torch.optimizer import DistributedOptimizer
+from smp_torch.plan import plan
 from smp_torch.report import ModelReport, ModuleReport, TPFallbackWarning
 from smp_torch.state import (
     cp_rank,
@@ -106,6 +107,7 @@ __all__ = [
     "ModuleReport",
     "DistributedModel",
     "DistributedOptimizer",
+    "plan",
     "step",
     "StepOutput",
     "nn",

@@ -1,0 +1,474 @@
+"""The planner (``smp.plan``) against the truth: a measured grid of every configuration.
+
+Run: python benchmarks/bench_plan.py            (speed figures; then the stored grids in
+                                                 benchmarks/data/plan/ against a fresh profile)
+     python benchmarks/bench_plan.py --measure gpt2-small [--resume]
+                                                (measure that model's grid, one `mpiexec -n 4`
+                                                 job per configuration; ~30-60 minutes)
+
+Ground truth (``--measure``): for one model and world size 4, every (pp, tp, dp) with
+pp*tp*dp = 4, sharded data parallelism off and on (sdp = dp) where dp > 1, microbatches
+1, 2, 4, 8, activation checkpointing off and on (each block) — 72 configurations, each its
+own job (peak RSS only grows, so each needs fresh processes): the median step time of the
+timed steps (slowest rank) and every rank's peak RSS (``ru_maxrss``), stored with the load
+average as JSON under benchmarks/data/plan/MODEL.json (committed: later changes compare
+against the same truth). A machine calibration job first (a one-layer model, the same
+runtime) gives the memory an smp rank holds beyond what one plain process does, and the
+collective latency and bandwidth; both are machine constants, not the model's.
+
+Comparison (every run): the model is profiled on this process (``smp_torch.plan``), every
+grid point predicted, and printed: median and p90 |step-time error|, Spearman rank
+correlation of predicted and measured step times, the share of ranks whose predicted peak
+lies in [measured, 1.10 x measured], and for three budgets (tight, medium, loose, set from
+the measured peaks) whether the planner's top pick is within 5% / 10% of the best measured
+feasible point, whether that point is in its top 3, and how many configurations it said fit
+exceed the budget when run.
+
+Speed: the search alone over >= 1,000 candidates (the measured model's profile, 64 ranks,
+microbatches 1..64), and a synthetic 1,024-rank, 128-layer profile; and the profile time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(ROOT, "benchmarks", "data", "plan")
+sys.path.insert(0, os.path.join(ROOT, "examples", "gpt"))
+
+# name: (vocab, seq, dim, heads, layers, global batch). gpt2-small: GPT-2's shape, scaled to
+# fit 4 processes on 2 cores; wide-vocab: an embedding (tied head) that dominates the model.
+MODELS = {
+    "gpt2-small": (65, 32, 128, 4, 6, 32),
+    "wide-vocab": (8192, 16, 64, 4, 2, 32),
+}
+WORLD = 4
+MICROBATCHES = (1, 2, 4, 8)
+WARMUP, STEPS = 2, 3
+
+
+def load() -> float:
+    return os.getloadavg()[0]
+
+
+def quiet_machine(limit: float = 1.5) -> float:
+    """Wait until the 1-minute load average is below ``limit`` (timings are only meaningful
+    then); the load it started at."""
+    while load() >= limit:
+        time.sleep(5)
+    return load()
+
+
+def build(name: str) -> tuple[Any, Any, Any]:
+    """(model_fn, global batch (x, y), step_fn) of a model of :data:`MODELS`."""
+    import torch
+    from model import build_gpt, lm_loss
+
+    vocab, seq, dim, heads, layers, batch = MODELS[name]
+
+    def model_fn() -> Any:
+        torch.manual_seed(0)
+        return build_gpt(vocab, seq, dim, heads, layers, True)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, vocab, (batch, seq), generator=g)
+    y = torch.randint(0, vocab, (batch, seq), generator=g)
+    return model_fn, (x, y), lambda m, b: lm_loss(m(b[0]), b[1])
+
+
+def grid() -> list[dict[str, Any]]:
+    """Every configuration of the measured grid (smp.init keys plus checkpointing)."""
+    out = []
+    for pp in (1, 2, 4):
+        for tp in (1, 2, 4):
+            if WORLD % (pp * tp):
+                continue
+            dp = WORLD // (pp * tp)
+            for sdp in sorted({1, dp}):
+                for mb in MICROBATCHES:
+                    for ck in (False, True):
+                        out.append({"pp": pp, "tp": tp, "dp": dp, "sdp": sdp, "mb": mb, "ckpt": ck})
+    return out
+
+
+def _matmul_s() -> float:
+    """Seconds of a fixed compute kernel (the calibration's measure of a core's speed)."""
+    import torch
+
+    a = torch.randn(256, 256)
+    a @ a
+    t0 = time.perf_counter()
+    for _ in range(200):
+        a @ a
+    return time.perf_counter() - t0
+
+
+def _peak_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# --------------------------------------------------------------------------- workers
+
+
+def _print_rows(smp: Any, row: dict[str, Any]) -> None:
+    """Rank 0 prints every rank's row as one ``ROWS [json]`` line (ranks' own lines could
+    interleave)."""
+    rows = smp.allgather(row)
+    if smp.rank() == 0:
+        print("ROWS " + json.dumps(rows), flush=True)
+
+
+def worker_run(name: str, cfg: dict[str, Any]) -> None:
+    """One configuration on this job's ranks: rank 0 prints every rank's row."""
+    import smp_torch as smp
+    import torch
+
+    torch.set_num_threads(1)
+    model_fn, (x, y), step_fn = build(name)
+    smp.init({
+        "pipeline_parallel_degree": cfg["pp"],
+        "tensor_parallel_degree": cfg["tp"],
+        "sharded_data_parallel_degree": cfg["sdp"],
+        "microbatches": cfg["mb"],
+    })  # fmt: skip
+    net = model_fn()
+    if cfg["ckpt"]:
+        for block in net.blocks:
+            smp.set_activation_checkpointing(block)
+    model = smp.DistributedModel(net)
+    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-4))
+    share = x.shape[0] // smp.dp_size()
+    lo = smp.dp_rank() * share
+    xs, ys = x[lo : lo + share], y[lo : lo + share]
+
+    @smp.step
+    def train_step(a: Any, b: Any) -> Any:
+        loss = step_fn(model, (a, b))
+        model.backward(loss)
+        return loss
+
+    times = []
+    for i in range(WARMUP + STEPS):
+        smp.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        train_step(xs, ys)
+        opt.step()
+        if i >= WARMUP:
+            times.append(time.perf_counter() - t0)
+    row = {"rank": smp.rank(), "pp_rank": smp.pp_rank(), "peak_bytes": _peak_bytes(), "times": times}
+    _print_rows(smp, row)
+
+
+def worker_calibrate() -> None:
+    """The machine's constants for an smp job: each rank's peak RSS running a one-layer
+    model (against the same model in a plain process, what the runtime adds), and the
+    all-reduce time of a small and a large tensor over the world."""
+    import smp_torch as smp
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    smp.init({})
+    model = smp.DistributedModel(torch.nn.Linear(8, 8))
+    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-4))
+
+    @smp.step
+    def train_step(a: Any) -> Any:
+        loss = model(a).sum()
+        model.backward(loss)
+        return loss
+
+    for _ in range(3):
+        opt.zero_grad()
+        train_step(torch.ones(4, 8))
+        opt.step()
+    group = smp.get_world_process_group()
+    smp.barrier()
+    kernel = _matmul_s()  # all ranks at once, as in a job
+    res = {}
+    for n in (1, 1 << 20):
+        t = torch.ones(n // 4)
+        for _ in range(3):
+            dist.all_reduce(t, group=group)
+        smp.barrier()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            dist.all_reduce(t, group=group)
+        res[n] = (time.perf_counter() - t0) / 10
+    row = {"rank": smp.rank(), "peak_bytes": _peak_bytes(), "kernel_s": kernel,
+           "allreduce_s": {str(k): v for k, v in res.items()}}  # fmt: skip
+    _print_rows(smp, row)
+
+
+def _plain_peak() -> str:
+    """Peak RSS of a plain process training the calibration model, and the kernel's time."""
+    import torch
+
+    torch.set_num_threads(1)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.ones(4, 8)).sum().backward()
+        opt.step()
+    return f"{_matmul_s()} {_peak_bytes()}"
+
+
+# --------------------------------------------------------------------------- launching
+
+
+def _launch(args: list[str], timeout: float = 600) -> list[dict[str, Any]]:
+    from smp_comm.testing import mpiexec_path
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SMP_CONFIG": "", "PYTHONWARNINGS": "ignore"}
+    cmd = [mpiexec_path(), "-n", str(WORLD), sys.executable, os.path.abspath(__file__), "--worker", *args]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    found = [json.loads(line[5:]) for line in out.stdout.splitlines() if line.startswith("ROWS ")]
+    rows = found[0] if found else []
+    if out.returncode != 0 or len(rows) != WORLD:
+        tail = (out.stdout + out.stderr).strip().splitlines()[-6:]
+        raise RuntimeError(f"{' '.join(args)} failed (exit {out.returncode}): " + " | ".join(tail))
+    return sorted(rows, key=lambda r: r["rank"])
+
+
+def calibrate() -> dict[str, Any]:
+    """Machine constants: smp runtime bytes per rank and collective latency/bandwidth."""
+    rows = _launch(["calibrate"])
+    kernel, plain = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--worker", "plain"],
+        capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    ).stdout.split()[-2:]  # fmt: skip
+    small = max(r["allreduce_s"]["1"] for r in rows)
+    large = max(r["allreduce_s"][str(1 << 20)] for r in rows)
+    # ring all-reduce: 2(n-1) latency steps; 2(n-1)/n of the bytes through each rank
+    latency = small / (2 * (WORLD - 1))
+    bandwidth = 2 * (WORLD - 1) / WORLD * (1 << 20) / max(large - small, 1e-9)
+    return {
+        "rank_peak_bytes": max(r["peak_bytes"] for r in rows),
+        "runtime_bytes": max(0, max(r["peak_bytes"] for r in rows) - int(plain)),
+        "plain_peak_bytes": int(plain),
+        "compute_scale": statistics.median(r["kernel_s"] for r in rows) / float(kernel),
+        "latency_s": latency,
+        "bandwidth": bandwidth,
+        "load": load(),
+    }
+
+
+def measure(name: str, resume: bool, any_load: bool = False) -> None:
+    """Measure ``name``'s grid into DATA/name.json (``resume``: keep the points already
+    there). Each job waits for a load average below 1.5 unless ``any_load`` (then only its
+    peak memory is trusted: the comparison leaves loaded points out of the timing figures)."""
+    os.makedirs(DATA, exist_ok=True)
+    path = os.path.join(DATA, f"{name}.json")
+    data: dict[str, Any] = {"model": name, "shape": MODELS[name], "world": WORLD, "points": []}
+    if resume and os.path.exists(path):
+        with open(path) as f:
+            data = json.load(f)
+    if "machine" not in data or (not any_load and data["machine"]["load"] >= 1.5):
+        if not any_load:
+            quiet_machine()
+        data["machine"] = calibrate()
+        print(f"calibration (load {data['machine']['load']:.2f}): {data['machine']}", flush=True)
+    # A gated pass re-measures the points an --any-load pass took above load 1.5, each
+    # replacing its old entry when done (so a pass cut short loses nothing); in a fixed
+    # shuffled order, so a partial pass still covers every kind of configuration.
+    def key(cfg: dict[str, Any]) -> str:
+        return json.dumps(cfg, sort_keys=True)
+
+    done = {key(p["config"]) for p in data["points"] if any_load or "step_s" not in p or p["load"][0] < 1.5}
+    order = grid()
+    random.Random(0).shuffle(order)
+    deadline = float(os.environ.get("BENCH_PLAN_UNTIL", "inf"))  # a time.time() to stop at
+    for cfg in order:
+        if key(cfg) in done:
+            continue
+        if time.time() > deadline:
+            print("deadline reached: stopping", flush=True)
+            break
+        before = load() if any_load else quiet_machine()
+        try:
+            rows = _launch(["run", name, json.dumps(cfg)])
+            point = {
+                "config": cfg,
+                "step_s": max(statistics.median(r["times"]) for r in rows),
+                "ranks": [{"pp_rank": r["pp_rank"], "peak_bytes": r["peak_bytes"]} for r in rows],
+                "load": [before, load()],
+            }
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            point = {"config": cfg, "error": str(e)[-400:], "load": [before, load()]}
+        data["points"] = [p for p in data["points"] if key(p["config"]) != key(cfg)] + [point]
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1)
+        shown = f"{point['step_s']:.3f} s" if "step_s" in point else point["error"][:120]
+        print(f"{name} {cfg}: {shown} (load {before:.2f} -> {load():.2f})", flush=True)
+
+
+# --------------------------------------------------------------------------- comparison
+
+
+def _ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2
+        i = j + 1
+    return ranks
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    ra, rb = _ranks(a), _ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / var if var else float("nan")
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def compare(name: str) -> None:
+    from smp_partition.plan import Candidate, CommModel
+    from smp_partition.plan.search import _Planner
+    from smp_torch.plan import profile_model
+
+    with open(os.path.join(DATA, f"{name}.json")) as f:
+        data = json.load(f)
+    machine = data["machine"]
+    model_fn, batch, step_fn = build(name)
+    t0 = time.perf_counter()
+    prof = profile_model(
+        model_fn, batch, step_fn, comm=CommModel(machine["latency_s"], machine["bandwidth"]),
+        runtime_bytes=machine["rank_peak_bytes"], compute_scale=machine["compute_scale"],
+    )  # fmt: skip
+    profile_s = time.perf_counter() - t0
+    planner = _Planner(prof)
+    points = [p for p in data["points"] if "step_s" in p]
+    failed = [p for p in data["points"] if "error" in p]
+    preds = []
+    for p in points:
+        c = p["config"]
+        e = planner.evaluate(Candidate(c["pp"], c["tp"], c["dp"], c["sdp"], c["mb"], c["ckpt"]), float("inf"))
+        preds.append(e)
+    quiet = [p["load"][0] < 1.5 for p in points]
+    timed = [(e, p) for e, p, q in zip(preds, points, quiet) if q and e.stage_peak_bytes]
+    errs = [abs(e.step_s / p["step_s"] - 1) for e, p in timed] or [float("nan")]
+    mem_ok = mem_n = under = 0
+    for e, p in zip(preds, points):
+        for r in p["ranks"]:
+            if not e.stage_peak_bytes:
+                continue
+            pred, meas = e.stage_peak_bytes[r["pp_rank"]], r["peak_bytes"]
+            mem_n += 1
+            mem_ok += meas <= pred <= 1.10 * meas
+            under += pred < meas
+    rho = spearman([e.step_s for e, _ in timed], [p["step_s"] for _, p in timed]) if timed else float("nan")
+    print(
+        f"bench_plan {name} (grid measured at load {statistics.fmean(p['load'][0] for p in points):.2f}; "
+        f"compared now at load {load():.2f}): {len(points)} points ({len(failed)} failed to run); "
+        f"profile {profile_s:.1f} s; timings from the {len(timed)} points measured below load 1.5: "
+        f"step-time |error| median {statistics.median(errs):.1%}, "
+        f"p90 {_pct(errs, 0.9):.1%} (targets 5%, 10%); Spearman {rho:.3f} (target 0.9); "
+        f"predicted peak in [measured, 1.10x]: {mem_ok}/{mem_n} ranks ({mem_ok / max(mem_n, 1):.0%}, "
+        f"target 95%), under-predicted {under}",
+        flush=True,
+    )
+    if len(timed) < len(points):
+        print(f"  ({len(points) - len(timed)} points were measured above load 1.5: their memory "
+              "counts, their times do not; the picks below are among the "
+              f"{len(timed) if timed else len(points)} points "
+              f"{'measured below load 1.5' if timed else 'measured (all loaded)'})")  # fmt: skip
+    for e, p in timed:
+        c = p["config"]
+        print(f"    pp={c['pp']} tp={c['tp']} dp={c['dp']} sdp={c['sdp']} mb={c['mb']} "
+              f"{'ckpt' if c['ckpt'] else '-'}: predicted {e.step_s:.3f} s, measured {p['step_s']:.3f} s")  # fmt: skip
+    peaks = sorted(max(r["peak_bytes"] for r in p["ranks"]) for p in points)
+    budgets = {"tight": peaks[len(peaks) // 4], "medium": peaks[len(peaks) // 2], "loose": peaks[-1] * 1.05}
+    pool = timed or [(e, p) for e, p in zip(preds, points) if e.stage_peak_bytes]
+    for label, budget in budgets.items():
+        # safety over every point; the pick among the points whose times count
+        unsafe = sum(
+            1 for e, p in zip(preds, points)
+            if e.stage_peak_bytes and e.peak_bytes <= budget and max(r["peak_bytes"] for r in p["ranks"]) > budget
+        )  # fmt: skip
+        feasible = [p for _, p in pool if max(r["peak_bytes"] for r in p["ranks"]) <= budget]
+        said = sorted(((e, p) for e, p in pool if e.peak_bytes <= budget), key=lambda ep: ep[0].step_s)
+        if not feasible:
+            print(f"  {label} budget {budget / 2**20:.0f} MiB: no measured point fits")
+            continue
+        best = min(feasible, key=lambda p: p["step_s"])
+        if not said:
+            print(f"  {label} budget {budget / 2**20:.0f} MiB: the planner says nothing fits "
+                  f"({len(feasible)} measured feasible)")  # fmt: skip
+            continue
+        pick = said[0][1]
+        top3 = [p is best for _, p in said[:3]]
+        print(
+            f"  {label} budget {budget / 2**20:.0f} MiB: pick {pick['config']} measured "
+            f"{pick['step_s']:.3f} s vs best feasible {best['config']} {best['step_s']:.3f} s "
+            f"({pick['step_s'] / best['step_s'] - 1:+.1%}; within 5%: {pick['step_s'] <= 1.05 * best['step_s']}, "
+            f"10%: {pick['step_s'] <= 1.10 * best['step_s']}); best in top 3: {any(top3)}; "
+            f"said fit but exceeded (all {len(points)} points): {unsafe}",
+            flush=True,
+        )
+
+
+def speed() -> None:
+    from smp_partition.plan import search, synthetic_profile
+
+    prof = synthetic_profile(24, width=512, heads=8, seq=256, batch_size=512)
+    t0 = time.perf_counter()
+    plan = search(prof, 64, 16 << 30, microbatch_options=range(1, 65))
+    small = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    big = search(synthetic_profile(128), 1024, 80 << 30, microbatch_options=range(1, 65))
+    large = time.perf_counter() - t0
+    print(
+        f"bench_plan search (load {load():.2f} on {os.cpu_count()} cores): {len(plan.estimates):,} "
+        f"candidates (64 ranks, 24 layers) in {small:.2f} s (target <= 5 s over >= 1,000); "
+        f"synthetic 1,024 ranks x 128 layers: {len(big.estimates):,} candidates in {large:.2f} s "
+        f"(target <= 60 s)",
+        flush=True,
+    )
+
+
+def main() -> None:
+    if "--worker" in sys.argv:
+        kind = sys.argv[sys.argv.index("--worker") + 1]
+        rest = sys.argv[sys.argv.index("--worker") + 2 :]
+        if kind == "run":
+            worker_run(rest[0], json.loads(rest[1]))
+        elif kind == "calibrate":
+            worker_calibrate()
+        else:
+            print(_plain_peak())
+        return
+    if "--measure" in sys.argv:
+        name = sys.argv[sys.argv.index("--measure") + 1]
+        print(f"measuring {name} at load {load():.2f}", flush=True)
+        measure(name, "--resume" in sys.argv, "--any-load" in sys.argv)
+        compare(name)
+        return
+    speed()
+    for fname in sorted(os.listdir(DATA)) if os.path.isdir(DATA) else []:
+        if fname.endswith(".json"):
+            compare(fname[:-5])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""Predicted step time and peak memory of one candidate configuration.
+
+The model (docs/design.md, "Planner"):
+
+* every time scales with the samples a rank processes (smp's default, ``prescaled_batch``
+  off: each of the ``tp * dp`` ranks of a stage keeps its own ``batch / (tp * dp)``
+  samples, and a split module runs its tp peers' samples on 1/tp of the weights, the same
+  work): a microbatch on a stage costs ``(forward + backward + recompute)`` of the
+  profile's measured times scaled by its samples, plus the fixed per-microbatch
+  overhead, tp's two all-reduces per tensor-parallel module (three with checkpointing,
+  whose recompute repeats the forward one) and the point-to-point messages of the stage's
+  pipeline cuts;
+* the pipeline runs ``microbatches + pp - 1`` slots of the slowest stage (the bubble is
+  ``(pp - 1) / (microbatches + pp - 1)``);
+* after the pipeline: the data-parallel gradient all-reduce (sharded: reduce-scatter over
+  the sdp group, all-reduce over the replicas, plus two all-gathers of the parameters per
+  microbatch) and the optimizer step;
+* peak memory of a stage's rank: the runtime's fixed bytes, parameters, gradients and
+  optimizer state (divided by sdp, plus the largest unit gathered in full), and the saved
+  activations of the microbatches in flight (``min(microbatches, active_microbatches)``);
+  with checkpointing only each unit's input stays per microbatch, plus one unit's saved
+  bytes while it is recomputed; plus one microbatch's backward temporaries (the measured
+  peak allocation of a step beyond its saved bytes, the stage's share).
+
+Everything errs on the side of more memory: a configuration it says fits must fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from smp_partition.plan.profile import Profile
+from smp_partition.plan.stages import StageSums
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration: degrees, microbatches and checkpointing."""
+
+    pp: int
+    tp: int
+    dp: int
+    sdp: int
+    microbatches: int
+    checkpointing: bool
+
+    def config(self) -> dict[str, int]:
+        """The keys ``smp.init`` takes for this candidate (dp follows from the world size;
+        checkpointing is applied with ``smp.set_activation_checkpointing``, not a key)."""
+        return {
+            "pipeline_parallel_degree": self.pp,
+            "tensor_parallel_degree": self.tp,
+            "sharded_data_parallel_degree": self.sdp,
+            "microbatches": self.microbatches,
+        }
+
+    def label(self) -> str:
+        ck = "ckpt" if self.checkpointing else "-"
+        return f"pp={self.pp} tp={self.tp} dp={self.dp} sdp={self.sdp} mb={self.microbatches} {ck}"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The planner's prediction for one candidate; ``reason`` is None when it fits."""
+
+    candidate: Candidate
+    step_s: float
+    bubble: float
+    stage_peak_bytes: tuple[float, ...]
+    reason: str | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.reason is None
+
+    @property
+    def config(self) -> dict[str, int]:
+        """The ``smp.init`` keys of this candidate (see :meth:`Candidate.config`)."""
+        return self.candidate.config()
+
+    @property
+    def peak_bytes(self) -> float:
+        """The largest predicted peak over the stages (every rank of a stage is alike)."""
+        return max(self.stage_peak_bytes) if self.stage_peak_bytes else 0.0
+
+
+def in_flight(pp: int, microbatches: int) -> int:
+    """Microbatches whose activations a stage may hold at once: with a pipeline, smp's
+    default ``active_microbatches`` (pp + 2); without one, every microbatch (measured: a
+    rank's peak barely moves with the microbatches at pp = 1, bench_plan's grid)."""
+    return microbatches if pp == 1 else min(microbatches, pp + 2)
+
+
+def stage_memory(profile: Profile, st: StageSums, c: Candidate) -> float:
+    """Predicted peak bytes of one rank of stage ``st`` under ``c``."""
+    tp, sdp = c.tp, c.sdp
+    params = st.params.at(tp)
+    state = params * (profile.param_bytes + profile.grad_bytes + profile.optimizer_bytes) / sdp
+    if sdp > 1:
+        # FSDP2 unshards units for forward and backward and reduce-scatters full gradients;
+        # counted as if every unit of the stage were unsharded at once (safe; measured: sdp
+        # saves no memory on a small model, bench_plan's grid).
+        state += params * (profile.param_bytes + profile.grad_bytes)
+    # smp's default (prescaled_batch off): tensor-parallel peers keep their own samples, so
+    # a rank's saved activations are those of its batch / (tp * dp) samples, in the modules
+    # tp splits too (measured: at the same samples per rank, tp = 2 and 4 hold less than
+    # dp = 4, bench_plan's grid).
+    own = c.microbatches * c.tp * c.dp
+    live = in_flight(c.pp, c.microbatches)
+    if c.checkpointing and st.unit_saved:
+        per_mb = st.saved_outside_units.at(1) + st.unit_inputs
+        recompute = max(u.at(1) for u in st.unit_saved)
+        acts = (live * per_mb + recompute) / own
+    else:
+        acts = live * st.saved.at(1) / own
+    # One microbatch's backward temporaries on top (the stage's share, by saved bytes).
+    total = sum(profile.saved_bytes.values())
+    share = st.saved.at(1) / total if total else 1.0 / c.pp
+    acts += profile.step_transient_bytes * share / own + profile.step_transient_fixed_bytes
+    return profile.base_bytes + state + acts
+
+
+def stage_microbatch_s(profile: Profile, st: StageSums, c: Candidate) -> float:
+    """Seconds one microbatch spends on one stage (forward, backward, recompute, comm)."""
+    frac = 1.0 / (c.microbatches * c.tp * c.dp)  # of the profiled batch, per rank
+    # Whole modules run this rank's samples; split ones tp times the samples on 1/tp of the
+    # weights: the same share of the work either way.
+    fwd = st.forward.at(1) * profile.forward_s * frac
+    bwd = st.forward.at(1) * profile.backward_s * frac
+    recompute = st.unit_forward.at(1) * profile.forward_s * frac if c.checkpointing else 0.0
+    comm = profile.comm
+    t = (fwd + bwd + recompute + profile.microbatch_overhead_s) * profile.compute_scale
+    if c.tp > 1 and st.tp_modules:
+        # each split module exchanges its tp group's activations forward and backward
+        per_module = st.tp_output_bytes * frac * c.tp / st.tp_modules
+        rounds = 3 if c.checkpointing else 2
+        t += rounds * st.tp_modules * comm.allreduce_s(per_module, c.tp)
+    if c.pp > 1 and st.cuts:
+        per_cut = st.boundary_bytes * frac / st.cuts
+        t += 4 * st.cuts * comm.message_s(per_cut)  # forward there and back, backward alike
+    return t
+
+
+def stage_after_s(profile: Profile, st: StageSums, c: Candidate) -> float:
+    """Seconds after the pipeline: gradient synchronisation and the optimizer step."""
+    params = st.params.at(c.tp)
+    grad_bytes = params * profile.grad_bytes
+    comm = profile.comm
+    if c.sdp > 1:
+        replicas = c.dp // c.sdp
+        t = comm.gather_s(grad_bytes, c.sdp) + comm.allreduce_s(grad_bytes / c.sdp, replicas)
+        t += 2 * c.microbatches * comm.gather_s(params * profile.param_bytes, c.sdp)
+    else:
+        # whole parameters are averaged over every rank sharing the batch (tp peers
+        # included), split ones over the replicas of their slice
+        t = comm.allreduce_s(st.params.whole * profile.grad_bytes, c.tp * c.dp)
+        t += comm.allreduce_s(st.params.split / c.tp * profile.grad_bytes, c.dp)
+    return t + params / c.sdp * profile.optimizer_s_per_param * profile.compute_scale
+
+
+def estimate(profile: Profile, stages: list[StageSums], c: Candidate) -> tuple[float, float, tuple[float, ...]]:
+    """(step seconds, bubble fraction, peak bytes per stage) of ``c`` on its stages."""
+    slot = max(stage_microbatch_s(profile, st, c) for st in stages)
+    after = max(stage_after_s(profile, st, c) for st in stages)
+    slots = c.microbatches + c.pp - 1
+    step = slots * slot + after + profile.step_overhead_s
+    bubble = (c.pp - 1) / slots
+    peaks = tuple(stage_memory(profile, st, c) for st in stages)
+    return step, bubble, peaks

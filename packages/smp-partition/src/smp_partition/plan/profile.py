@@ -1,0 +1,172 @@
+"""What the planner knows about a model and a machine: a :class:`Profile`.
+
+A profile is measured once, on one process (``smp_torch.plan`` does it with torch), and
+holds everything the search needs, in plain numbers, so the search itself runs anywhere
+(no torch): the module graph smp's automatic partition sees, each module's share of the
+forward time, the bytes each module saves for backward, which modules tensor parallelism
+splits, which ones activation checkpointing wraps, and the machine's communication constants.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from smp_partition.errors import PartitionError
+from smp_partition.graph import Module, ModuleGraph
+
+
+@dataclass(frozen=True)
+class CommModel:
+    """Measured (or assumed) costs of moving bytes between ranks.
+
+    A collective over ``n`` ranks of ``b`` bytes costs ``latency_s * steps + volume /
+    bandwidth`` with the ring algorithm's steps and volume (all-reduce: ``2(n-1)`` steps,
+    ``2(n-1)/n * b``); a point-to-point message ``latency_s + b / bandwidth``.
+    """
+
+    latency_s: float = 50e-6
+    bandwidth: float = 2e9
+    """Bytes per second one rank sends or receives in a collective or a message."""
+
+    def allreduce_s(self, nbytes: float, ranks: int) -> float:
+        """Seconds of one ring all-reduce of ``nbytes`` over ``ranks`` ranks (0 for one)."""
+        if ranks <= 1:
+            return 0.0
+        return 2 * (ranks - 1) * self.latency_s + 2 * (ranks - 1) / ranks * nbytes / self.bandwidth
+
+    def gather_s(self, nbytes: float, ranks: int) -> float:
+        """Seconds of one all-gather (or reduce-scatter) producing ``nbytes`` in total."""
+        if ranks <= 1:
+            return 0.0
+        return (ranks - 1) * self.latency_s + (ranks - 1) / ranks * nbytes / self.bandwidth
+
+    def message_s(self, nbytes: float) -> float:
+        """Seconds of one point-to-point message of ``nbytes``."""
+        return self.latency_s + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One model's measured costs at global batch ``batch_size`` (all ranks together).
+
+    Times and activation bytes scale linearly with the samples a rank processes; parameter
+    bytes do not. ``graph`` is the module graph smp's own automatic partition would see
+    (``smp_pipeline.trace``), so the planner's stages are the ones smp will build.
+    """
+
+    graph: ModuleGraph
+    batch_size: int
+    forward_s: float
+    """Forward time of the whole model on ``batch_size`` samples, on one process."""
+    backward_s: float
+    """Backward time of the whole model on ``batch_size`` samples, on one process."""
+    saved_bytes: Mapping[str, int] = field(default_factory=dict)
+    """Bytes each module itself (children excluded) keeps for backward at ``batch_size``."""
+    tp_divisors: Mapping[str, int] = field(default_factory=dict)
+    """Modules tensor parallelism splits, each with the number the degree must divide
+    (attention heads, features); their parameters, time and saved bytes split by tp."""
+    checkpoint_units: tuple[str, ...] = ()
+    """Modules activation checkpointing wraps (e.g. the transformer blocks)."""
+    param_bytes: int = 4
+    grad_bytes: int = 4
+    optimizer_bytes: int = 8
+    """Optimizer state bytes per parameter element (Adam: two fp32 moments)."""
+    optimizer_s_per_param: float = 0.0
+    """Seconds of the optimizer step per parameter element a rank holds."""
+    step_transient_bytes: float = 0.0
+    """Peak bytes a forward+backward of ``batch_size`` samples allocates beyond the saved
+    ones (gradients of activations, temporaries), in the part growing with the samples;
+    spread over the modules like the saved bytes."""
+    step_transient_fixed_bytes: float = 0.0
+    """The part of that peak that does not grow with the samples (per microbatch)."""
+    base_bytes: int = 0
+    """Memory a rank uses whatever the model (interpreter, libraries, runtime buffers)."""
+    step_overhead_s: float = 0.0
+    """Fixed seconds per step (synchronisation, bookkeeping)."""
+    microbatch_overhead_s: float = 0.0
+    """Fixed seconds per microbatch per stage (a pipeline request round, small-op overhead)."""
+    comm: CommModel = field(default_factory=CommModel)
+    compute_scale: float = 1.0
+    """How much slower a rank computes in the job than the profiling process did (more
+    ranks than cores: measured once per machine); multiplies every compute time."""
+    memory_weight: float = 0.8
+    """``alpha`` of smp's automatic partition (the ``memory_weight`` key)."""
+    balance_slack: float = 0.15
+    """smp's ``balance_slack`` for the automatic partition (smp_pipeline.partition)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.graph, ModuleGraph):
+            raise PartitionError(f"graph must be a ModuleGraph, got {type(self.graph).__name__}")
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise PartitionError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
+        for key in ("forward_s", "backward_s", "optimizer_s_per_param", "step_overhead_s",
+                    "microbatch_overhead_s", "memory_weight", "balance_slack", "compute_scale",
+                    "step_transient_bytes", "step_transient_fixed_bytes"):  # fmt: skip
+            v = getattr(self, key)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise PartitionError(f"{key} must be a finite number >= 0, got {v!r}")
+        for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "base_bytes"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or v < 0:
+                raise PartitionError(f"{key} must be an integer >= 0, got {v!r}")
+        for what, table in (("saved_bytes", self.saved_bytes), ("tp_divisors", self.tp_divisors)):
+            for name, v in table.items():
+                if name not in self.graph:
+                    raise PartitionError(f"{what}: {name!r} is not a module of the graph")
+                if not isinstance(v, int) or v < (1 if what == "tp_divisors" else 0):
+                    raise PartitionError(f"{what}[{name!r}] must be a non-negative integer, got {v!r}")
+        for name in self.checkpoint_units:
+            if name not in self.graph:
+                raise PartitionError(f"checkpoint_units: {name!r} is not a module of the graph")
+
+
+def synthetic_profile(
+    layers: int,
+    width: int = 1024,
+    heads: int = 16,
+    seq: int = 1024,
+    batch_size: int = 64,
+    vocab: int = 50257,
+    layer_forward_s: float = 0.02,
+) -> Profile:
+    """A GPT-like profile on paper (no measurement): embedding, ``layers`` blocks of
+    attention + MLP, head. For tests and the planner's speed benchmark."""
+    w = width
+    act_block = batch_size * seq * w * 4  # one (batch, seq, width) fp32 tensor
+    mods = [Module("", children=("wte", "blocks", "ln_f", "head"))]
+    mods.append(Module("wte", params={"wte.weight": vocab * w}, activation_bytes=act_block, forward_ms=1.0))
+    names = [f"blocks.{i}" for i in range(layers)]
+    mods.append(Module("blocks", children=tuple(names), forward_ms=layer_forward_s * 1e3 * layers))
+    saved: dict[str, int] = {}
+    tp: dict[str, int] = {}
+    for n in names:
+        mods.append(Module(n, children=(f"{n}.attn", f"{n}.mlp"), activation_bytes=act_block,
+                           forward_ms=layer_forward_s * 1e3))  # fmt: skip
+        mods.append(Module(f"{n}.attn", params={f"{n}.attn.w": 4 * w * w}, activation_bytes=act_block,
+                           forward_ms=layer_forward_s * 1e3 / 3))  # fmt: skip
+        mods.append(Module(f"{n}.mlp", params={f"{n}.mlp.w": 8 * w * w}, activation_bytes=act_block,
+                           forward_ms=layer_forward_s * 2e3 / 3))  # fmt: skip
+        saved[f"{n}.attn"] = 6 * act_block
+        saved[f"{n}.mlp"] = 9 * act_block
+        tp[f"{n}.attn"] = heads
+        tp[f"{n}.mlp"] = 4 * w
+    mods.append(Module("ln_f", params={"ln_f.weight": w}, activation_bytes=act_block, forward_ms=0.5))
+    mods.append(Module("head", params={"wte.weight": vocab * w}, activation_bytes=act_block * vocab // w,
+                       forward_ms=layer_forward_s * 1e3))  # fmt: skip
+    total_ms = 1.0 + layer_forward_s * 1e3 * layers + 0.5 + layer_forward_s * 1e3
+    mods[0] = Module("", children=("wte", "blocks", "ln_f", "head"), forward_ms=total_ms)
+    saved["head"] = act_block * vocab // w
+    return Profile(
+        graph=ModuleGraph(mods),
+        batch_size=batch_size,
+        forward_s=total_ms / 1e3,
+        backward_s=2 * total_ms / 1e3,
+        saved_bytes=saved,
+        tp_divisors=tp,
+        checkpoint_units=tuple(names),
+        optimizer_s_per_param=1e-9,
+        base_bytes=500 << 20,
+        microbatch_overhead_s=1e-3,
+    )

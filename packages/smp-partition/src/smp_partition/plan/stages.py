@@ -1,0 +1,160 @@
+"""Per-stage sums of a :class:`~smp_partition.plan.profile.Profile` for one pipeline degree.
+
+The stages are those smp's automatic partition builds (``smp_partition.partition`` with the
+profile's ``memory_weight`` and ``balance_slack``). Every quantity is kept in two parts:
+the part tensor parallelism splits (divided by tp later) and the part it does not, so one
+partition serves every tensor-parallel degree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from smp_partition.api import partition
+from smp_partition.costs import compute_costs
+from smp_partition.plan.profile import Profile
+from smp_partition.tree import build_tree
+
+
+@dataclass
+class Split:
+    """A quantity as (part tensor parallelism does not split, part it splits)."""
+
+    whole: float = 0.0
+    split: float = 0.0
+
+    def at(self, tp: int) -> float:
+        """The per-rank value at tensor-parallel degree ``tp``."""
+        return self.whole + self.split / tp
+
+    def add(self, value: float, is_split: bool) -> None:
+        if is_split:
+            self.split += value
+        else:
+            self.whole += value
+
+
+@dataclass
+class StageSums:
+    """One pipeline stage's costs at the profile's batch (times as fractions of the
+    model's forward time, bytes at ``batch_size`` samples)."""
+
+    modules: int = 0
+    forward: Split = field(default_factory=Split)
+    """Share of the model's forward time (recomputation excluded)."""
+    params: Split = field(default_factory=Split)
+    """Parameter elements (shared ones counted once, on the stage smp gives them)."""
+    saved: Split = field(default_factory=Split)
+    """Bytes saved for backward without checkpointing."""
+    saved_outside_units: Split = field(default_factory=Split)
+    """Bytes saved for backward by modules outside every checkpoint unit."""
+    unit_inputs: float = 0.0
+    """Bytes checkpointing keeps per unit (its input, taken as its output's size)."""
+    unit_saved: list[Split] = field(default_factory=list)
+    """Saved bytes of each checkpoint unit of the stage (one is live during its recompute)."""
+    unit_forward: Split = field(default_factory=Split)
+    """Share of the forward time inside checkpoint units (what checkpointing recomputes)."""
+    tp_modules: int = 0
+    tp_output_bytes: float = 0.0
+    """Output bytes of the tensor-parallel modules (each all-reduced in forward and backward)."""
+    boundary_bytes: float = 0.0
+    """Bytes this stage sends across pipeline cuts per step (outputs to other stages)."""
+    cuts: int = 0
+
+
+def _first_parent(profile: Profile) -> list[int]:
+    graph = profile.graph
+    parent = [-1] * len(graph)
+    seen = [False] * len(graph)
+    seen[0] = True
+    queue = [0]
+    for i in queue:  # BFS: the first parent found wins (module reuse keeps a tree)
+        for c in graph.child_indices(i):
+            if not seen[c]:
+                seen[c] = True
+                parent[c] = i
+                queue.append(c)
+    return parent
+
+
+@dataclass(frozen=True)
+class ModuleFacts:
+    """Per-module facts that do not depend on the pipeline degree."""
+
+    forward_share: list[float]
+    params: list[int]
+    tp_split: list[bool]
+    unit: list[int]
+    """Index of the checkpoint unit a module belongs to, or -1."""
+    parent: list[int]
+
+
+def module_facts(profile: Profile) -> ModuleFacts:
+    """Exclusive forward share, parameters, tensor-parallel split and checkpoint unit per module."""
+    graph = profile.graph
+    mods = graph.modules
+    n = len(mods)
+    params = compute_costs(graph, build_tree(graph), profile.memory_weight).module_params
+    if any(m.forward_ms is not None for m in mods):
+        incl = [float(m.forward_ms or 0.0) for m in mods]
+        excl = [max(0.0, incl[i] - sum(incl[c] for c in graph.child_indices(i))) for i in range(n)]
+    else:
+        excl = [0.0] * n
+    total = sum(excl)
+    share = [x / total for x in excl] if total > 0 else [1.0 / n] * n
+    parent = _first_parent(profile)
+    tp_split = [False] * n
+    unit = [-1] * n
+    unit_of = {graph.index_of(u): k for k, u in enumerate(profile.checkpoint_units)}
+    tp_roots = {graph.index_of(name) for name in profile.tp_divisors}
+    order = [0]
+    for i in order:  # BFS from the root: a parent's flags reach its subtree
+        for c in graph.child_indices(i):
+            if parent[c] == i:
+                order.append(c)
+    for i in order:
+        p = parent[i]
+        tp_split[i] = i in tp_roots or (p >= 0 and tp_split[p])
+        unit[i] = unit_of.get(i, unit[p] if p >= 0 else -1)
+    return ModuleFacts(share, params, tp_split, unit, parent)
+
+
+def stage_sums(profile: Profile, facts: ModuleFacts, pp: int) -> tuple[list[StageSums], list[int]]:
+    """The stages of smp's automatic partition into ``pp`` stages, and each module's stage."""
+    graph = profile.graph
+    mods = graph.modules
+    if pp == 1:
+        stage_of = [0] * len(mods)
+    else:
+        result = partition(graph, pp, profile.memory_weight, "default", profile.balance_slack)
+        stage_of = [result.assignment[m.name] for m in mods]
+    stages = [StageSums() for _ in range(pp)]
+    units: list[dict[int, Split]] = [{} for _ in range(pp)]
+    tp_names = profile.tp_divisors
+    saved = profile.saved_bytes
+    for i, m in enumerate(mods):
+        st = stages[stage_of[i]]
+        split = facts.tp_split[i]
+        st.modules += 1
+        st.forward.add(facts.forward_share[i], split)
+        st.params.add(facts.params[i], split)
+        b = saved.get(m.name, 0)
+        st.saved.add(b, split)
+        k = facts.unit[i]
+        if k < 0:
+            st.saved_outside_units.add(b, split)
+        else:
+            units[stage_of[i]].setdefault(k, Split()).add(b, split)
+            st.unit_forward.add(facts.forward_share[i], split)
+            if m.name == profile.checkpoint_units[k]:
+                st.unit_inputs += m.activation_bytes
+        if m.name in tp_names:
+            st.tp_modules += 1
+            st.tp_output_bytes += m.activation_bytes
+        p = facts.parent[i]
+        if p >= 0 and stage_of[p] != stage_of[i]:
+            st.cuts += 1
+            st.boundary_bytes += m.activation_bytes
+    for s, st in enumerate(stages):
+        st.unit_saved = list(units[s].values())
+    return stages, stage_of

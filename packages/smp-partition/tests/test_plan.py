@@ -1,0 +1,193 @@
+"""The planner's search (smp_partition.plan): candidates, predictions, reasons, pins."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from smp_partition import Module, ModuleGraph, PartitionError, partition
+from smp_partition.plan import Candidate, Profile, search, synthetic_profile
+from smp_partition.plan.estimate import estimate, in_flight
+from smp_partition.plan.search import _Planner, candidates, divisors
+from smp_partition.plan.stages import module_facts, stage_sums
+
+MiB = 1 << 20
+
+
+def two_block_profile(**overrides: object) -> Profile:
+    """Two equal blocks, each one tensor-parallel linear with 4 heads, numbers easy to add."""
+    mods = [
+        Module("", children=("b0", "b1"), forward_ms=2.0),
+        Module("b0", params={"b0.w": 1000}, activation_bytes=400, forward_ms=1.0),
+        Module("b1", params={"b1.w": 1000}, activation_bytes=400, forward_ms=1.0),
+    ]
+    kw: dict[str, object] = dict(
+        graph=ModuleGraph(mods),
+        batch_size=8,
+        forward_s=1.0,
+        backward_s=2.0,
+        saved_bytes={"b0": 8000, "b1": 8000},
+        tp_divisors={"b0": 4, "b1": 4},
+        checkpoint_units=("b0", "b1"),
+        base_bytes=100_000,
+    )
+    kw.update(overrides)
+    return Profile(**kw)  # type: ignore[arg-type]
+
+
+def test_candidates_cover_every_degree_split_of_the_world() -> None:
+    cands = candidates(4, [1, 2], True)
+    triples = {(c.pp, c.tp, c.dp) for c in cands}
+    assert triples == {(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1)}
+    assert all(c.pp * c.tp * c.dp == 4 and c.dp % c.sdp == 0 for c in cands)
+    # sdp on/off where dp > 1: dp=4 gives sdp 1, 2, 4; dp=2 gives 1, 2; dp=1 only 1.
+    assert len(cands) == (3 + 2 + 1 + 2 + 1 + 1) * 2 * 2
+    assert divisors(12) == [1, 2, 3, 4, 6, 12]
+
+
+def test_memory_prediction_is_the_documented_sum() -> None:
+    p = two_block_profile()
+    stages = stage_sums(p, module_facts(p), 1)[0]
+    c = Candidate(pp=1, tp=1, dp=1, sdp=1, microbatches=2, checkpointing=False)
+    _, bubble, peaks = estimate(p, stages, c)
+    state = 2000 * (4 + 4 + 8)
+    acts = in_flight(1, 2) * 16000 / 2  # two microbatches in flight, each half the batch
+    assert peaks == (100_000 + state + acts,)
+    assert bubble == 0.0
+    # tp=2 halves the parameters of the tensor-parallel blocks; each rank keeps its own
+    # half of the samples (smp's default), so the saved bytes halve too.
+    c2 = Candidate(pp=1, tp=2, dp=1, sdp=1, microbatches=2, checkpointing=False)
+    assert estimate(p, stages, c2)[2] == (100_000 + state / 2 + acts / 2,)
+    # a whole (not tensor-parallel) module keeps its parameters in full
+    q = two_block_profile(tp_divisors={"b0": 4})
+    q_stages = stage_sums(q, module_facts(q), 1)[0]
+    assert estimate(q, q_stages, c2)[2] == (100_000 + (1000 + 500) * 16 + acts / 2,)
+    # the step's temporaries: one microbatch's share of the per-sample part, plus the fixed
+    r = two_block_profile(step_transient_bytes=4000.0, step_transient_fixed_bytes=50.0)
+    r_stages = stage_sums(r, module_facts(r), 1)[0]
+    assert estimate(r, r_stages, c2)[2] == (100_000 + state / 2 + acts / 2 + 4000 / 4 + 50,)
+    # sdp=2 shards the state, and counts the stage's parameters and gradients unsharded.
+    c3 = Candidate(pp=1, tp=1, dp=2, sdp=2, microbatches=1, checkpointing=False)
+    assert estimate(p, stages, c3)[2] == (100_000 + state / 2 + 2000 * 8 + 16000 / 2,)
+    # a pipeline keeps at most pp + 2 microbatches in flight; pp = 1 keeps all of them
+    assert in_flight(1, 8) == 8 and in_flight(2, 8) == 4 and in_flight(4, 2) == 2
+
+
+def test_checkpointing_trades_time_for_memory() -> None:
+    p = two_block_profile()
+    stages = stage_sums(p, module_facts(p), 1)[0]
+    plain = Candidate(1, 1, 1, 1, 4, False)
+    ck = Candidate(1, 1, 1, 1, 4, True)
+    t0, _, m0 = estimate(p, stages, plain)
+    t1, _, m1 = estimate(p, stages, ck)
+    assert t1 == pytest.approx(t0 + 1.0)  # the whole forward is recomputed once
+    # kept: each unit's input per microbatch in flight, plus one unit's saved bytes
+    assert m1[0] == 100_000 + 2000 * 16 + (in_flight(1, 4) * 800 + 8000) / 4
+    assert m1[0] < m0[0]
+
+
+def test_pipeline_bubble_and_stages_follow_smps_partition() -> None:
+    p = synthetic_profile(8, width=64, heads=4, seq=16, batch_size=8, vocab=100)
+    facts = module_facts(p)
+    stages, stage_of = stage_sums(p, facts, 2)
+    expect = partition(p.graph, 2, p.memory_weight, "default", p.balance_slack).assignment
+    assert stage_of == [expect[m.name] for m in p.graph.modules]
+    assert sum(st.params.at(1) for st in stages) == sum(facts.params)
+    c1 = Candidate(2, 1, 1, 1, 1, False)
+    c8 = Candidate(2, 1, 1, 1, 8, False)
+    assert estimate(p, stages, c1)[1] == pytest.approx(1 / 2)
+    assert estimate(p, stages, c8)[1] == pytest.approx(1 / 9)
+
+
+def test_rejections_name_the_binding_reason() -> None:
+    p = synthetic_profile(4, width=96, heads=6, seq=16, batch_size=6, vocab=100)
+    plan = search(p, 4, 1 << 40)
+    reasons = {e.candidate.label(): e.reason for e in plan.estimates}
+    assert reasons["pp=1 tp=4 dp=1 sdp=1 mb=1 -"] == "tp=4 does not divide 6 of module 'blocks.0.attn'"
+    assert reasons["pp=1 tp=1 dp=4 sdp=1 mb=1 -"] == "tp*dp=4 ranks do not divide the batch of 6 samples"
+    assert reasons["pp=1 tp=2 dp=2 sdp=1 mb=1 -"] == "tp*dp=4 ranks do not divide the batch of 6 samples"
+    assert reasons["pp=2 tp=1 dp=2 sdp=1 mb=2 -"] == "microbatches=2 does not divide the 3 samples per rank"
+    p8 = synthetic_profile(4, width=96, heads=6, seq=16, batch_size=8, vocab=100)
+    tight = search(p8, 4, p8.base_bytes + 1)
+    with pytest.raises(PartitionError, match="no configuration fits"):
+        _ = tight.best
+    mem = [e.reason for e in tight.estimates if e.reason and "budget" in e.reason]
+    assert mem and all("needs" in r and "> budget" in r for r in mem)
+    assert any(re.match(r"stage \d needs", r) for r in mem)
+    assert any(r.startswith("each rank needs") for r in mem)
+
+
+def test_best_is_fastest_that_fits_and_memory_budget_binds() -> None:
+    p = synthetic_profile(8, width=128, heads=4, seq=64, batch_size=16, vocab=1000)
+    loose = search(p, 4, 1 << 40)
+    times = [e.step_s for e in loose.feasible]
+    assert times == sorted(times) and loose.best.step_s == times[0]
+    assert all(e.fits for e in loose.estimates if e.reason is None)
+    budget = sorted(e.peak_bytes for e in loose.feasible)[len(loose.feasible) // 3]
+    tight = search(p, 4, budget)
+    assert tight.best.peak_bytes <= budget
+    assert all(e.peak_bytes <= budget for e in tight.feasible)
+    assert all(e.peak_bytes > budget for e in tight.estimates if e.reason and "budget" in e.reason)
+    assert set(tight.best.candidate.config()) == {
+        "pipeline_parallel_degree", "tensor_parallel_degree", "sharded_data_parallel_degree", "microbatches"
+    }  # fmt: skip
+
+
+def test_pins_and_why_not() -> None:
+    p = synthetic_profile(8, width=128, heads=4, seq=64, batch_size=16, vocab=1000)
+    plan = search(p, 4, 1 << 40, pinned={"pipeline_parallel_degree": 2, "activation_checkpointing": True})
+    assert {(e.candidate.pp, e.candidate.checkpointing) for e in plan.estimates} == {(2, True)}
+    with pytest.raises(PartitionError, match="cannot pin 'data_parallel_degree'"):
+        search(p, 4, 1 << 40, pinned={"data_parallel_degree": 2})
+    with pytest.raises(PartitionError, match="pinned microbatches must be an integer"):
+        search(p, 4, 1 << 40, pinned={"microbatches": 0})
+    full = search(p, 4, 1 << 40)
+    best = full.best.candidate
+    assert "is the best pick" in full.why_not({**best.config(), "activation_checkpointing": best.checkpointing})
+    other = full.why_not({"tensor_parallel_degree": 4, "microbatches": 1})
+    assert "fits, but predicted" in other and "rank" in other
+    assert "does not divide the world size" in full.why_not({"pipeline_parallel_degree": 3})
+    assert "tp=4 does not divide 6" in search(
+        synthetic_profile(2, width=96, heads=6, seq=8, batch_size=4, vocab=50), 4, 1 << 40
+    ).why_not({"tensor_parallel_degree": 4})
+
+
+def test_table_lists_fitting_then_rejected() -> None:
+    p = synthetic_profile(4, width=96, heads=6, seq=16, batch_size=6, vocab=100)
+    text = search(p, 4, 1 << 40).table(limit=3, rejected=2)
+    lines = text.splitlines()
+    assert lines[0].startswith("smp.plan: 4 ranks") and "candidates fit" in lines[0]
+    assert lines[2].lstrip().startswith("1 ") and "rejected" in lines[5]
+    assert len(lines) == 8
+
+
+def test_bad_profile_and_arguments_get_named_errors() -> None:
+    with pytest.raises(PartitionError, match="saved_bytes: 'nope' is not a module"):
+        two_block_profile(saved_bytes={"nope": 1})
+    with pytest.raises(PartitionError, match="batch_size must be"):
+        two_block_profile(batch_size=0)
+    with pytest.raises(PartitionError, match="world_size must be"):
+        search(two_block_profile(), 0, 1.0)
+    with pytest.raises(PartitionError, match="memory_per_rank"):
+        search(two_block_profile(), 2, -1)
+
+
+@pytest.mark.timeout(120)
+def test_large_synthetic_search_finishes() -> None:
+    """1,024 ranks, 128 layers: only bounds a hang (the speed figure is in bench_plan)."""
+    plan = search(synthetic_profile(128), 1024, 80 << 30, microbatch_options=range(1, 65))
+    assert len(plan.estimates) > 1000 and plan.best.fits
+    assert _Planner  # (the planner caches one partition per pp)
+
+
+def test_the_search_imports_neither_torch_nor_numpy() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, smp_partition.plan as p; "
+        "p.search(p.synthetic_profile(2, width=8, heads=2, seq=4, batch_size=2, vocab=8), 2, 1 << 40); "
+        "bad = {'torch', 'numpy'} & set(sys.modules); assert not bad, bad"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr

@@ -1,0 +1,271 @@
+"""Measure a :class:`smp_partition.plan.Profile` on one process, without launching a job.
+
+A few forward/backward passes of the user's step on the sample batch give: the module graph
+smp's automatic partition sees (``smp_pipeline`` trace, FLOP-counted shares), the forward
+and backward wall-clock time (medians), the time of a one-sample slice (what a microbatch
+costs beyond its samples), the bytes each module saves for backward (autograd's saved-tensor
+hooks, attributed to the innermost running module), the optimizer's state bytes and step
+time per parameter, and the process's fixed memory (resident set before the model exists,
+plus what a whole step's peak leaves unexplained).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import smp_partition
+import torch
+from smp_partition.plan import CommModel, Profile
+from smp_pipeline.partition import trace_dict
+from smp_tp.registry import is_tensor_parallel_enabled, lookup
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+from torch.utils._pytree import tree_leaves, tree_map
+
+StepFn = Callable[[nn.Module, Any], torch.Tensor]
+_HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads", "nhead")
+
+
+def default_step(model: nn.Module, batch: Any) -> torch.Tensor:
+    """``model(batch)`` (``model(*batch)`` for a tuple/list), summed to a scalar loss."""
+    out = model(*batch) if isinstance(batch, (tuple, list)) else model(batch)
+    if isinstance(out, torch.Tensor):
+        return out.float().sum() if out.dim() else out
+    if isinstance(out, Mapping) and "loss" in out:
+        return out["loss"]
+    raise TypeError("the model's output is not a tensor: pass step_fn(model, batch) -> loss")
+
+
+def batch_size_of(batch: Any) -> int:
+    """Samples in ``batch``: the first dimension of its first tensor."""
+    leaves = [batch] if isinstance(batch, torch.Tensor) else list(_tensors(batch))
+    if not leaves or leaves[0].dim() == 0:
+        raise TypeError("sample_batch must hold a tensor with a batch dimension")
+    return int(leaves[0].shape[0])
+
+
+def _tensors(obj: Any) -> Sequence[torch.Tensor]:
+    return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
+
+
+def slice_batch(batch: Any, n: int) -> Any:
+    """The first ``n`` samples of every batched tensor of ``batch``."""
+    size = batch_size_of(batch)
+    return tree_map(lambda t: t[:n] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == size else t, batch)
+
+
+def rss_bytes() -> int:
+    """This process's resident set now."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_rss_since_reset() -> int | None:
+    """Peak resident set since :func:`_reset_peak` (Linux's VmHWM), or None."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current resident set
+        return True
+    except OSError:
+        return False
+
+
+def peak_step_allocation(run: Callable[[], Any]) -> int:
+    """Peak bytes torch allocates during ``run()`` above what it held before (the CPU
+    allocations torch's profiler records, replayed in order)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events = sorted((e for e in prof.events() if e.cpu_memory_usage), key=lambda e: e.time_range.start)
+    now = peak = 0
+    for e in events:
+        now += e.cpu_memory_usage
+        peak = max(peak, now)
+    return peak
+
+
+def saved_bytes_per_module(model: nn.Module, run: Callable[[], Any]) -> dict[str, int]:
+    """Bytes of the distinct tensors autograd saves during ``run()``, each counted once, on
+    the innermost module running when it was saved; parameters' storages left out."""
+    names = {id(m): n for n, m in model.named_modules()}
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    stack: list[str] = [""]
+    seen: set[int] = set()
+    out: dict[str, int] = {}
+
+    def pre(mod: nn.Module, _args: Any) -> None:
+        stack.append(names[id(mod)])
+
+    def post(_mod: nn.Module, _args: Any, _out: Any) -> None:
+        stack.pop()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in skip and ptr not in seen:
+            seen.add(ptr)
+            out[stack[-1]] = out.get(stack[-1], 0) + storage.nbytes()
+        return t
+
+    handles = [h for m in model.modules() for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            run()
+    finally:
+        for h in handles:
+            h.remove()
+    return out
+
+
+def tensor_parallel_divisors(model: nn.Module) -> dict[str, int]:
+    """The modules smp-tp would split (marked, with a distributed implementation, not
+    inside another such module), each with the number tp must divide: its head count when
+    it names one, else the greatest common divisor of its parameters' first dimensions."""
+    out: dict[str, int] = {}
+    for name, m in model.named_modules():
+        if any(name.startswith(p + ".") or p == "" for p in out) and name:
+            continue
+        if not is_tensor_parallel_enabled(m) or lookup(m) is None:
+            continue
+        heads = next((getattr(m, a) for a in _HEAD_ATTRS if isinstance(getattr(m, a, None), int)), None)
+        if heads is None:
+            dims = [p.shape[0] for p in m.parameters() if p.dim()]
+            heads = math.gcd(*dims) if dims else 1
+        out[name] = int(heads)
+    return out
+
+
+def default_checkpoint_units(model: nn.Module) -> tuple[str, ...]:
+    """The members of the model's longest ``nn.ModuleList``/``nn.Sequential`` (its layers)."""
+    best: tuple[str, ...] = ()
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > len(best):
+            prefix = f"{name}." if name else ""
+            best = tuple(f"{prefix}{k}" for k, _ in m.named_children())
+    return best
+
+
+def _median_s(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def profile_model(
+    model_fn: Callable[[], nn.Module],
+    sample_batch: Any,
+    step_fn: StepFn | None = None,
+    *,
+    optimizer_fn: Callable[[Any], torch.optim.Optimizer] | None = None,
+    checkpoint_units: Sequence[str] | None = None,
+    tp_divisors: Mapping[str, int] | None = None,
+    comm: CommModel | None = None,
+    base_bytes: int | None = None,
+    runtime_bytes: int | None = None,
+    compute_scale: float = 1.0,
+    repeats: int = 3,
+) -> Profile:
+    """Profile ``model_fn()`` on ``sample_batch`` (the global batch of one step) here.
+
+    ``step_fn(model, batch) -> loss`` defaults to :func:`default_step`; ``optimizer_fn``
+    (parameters → optimizer) to Adam. ``checkpoint_units`` defaults to the longest layer
+    list, ``tp_divisors`` to what :func:`tensor_parallel_divisors` finds (modules marked
+    for tensor parallelism). ``base_bytes`` (fixed memory per rank) defaults to this
+    process's resident set before the model is built plus what the measured peak of a whole
+    step leaves unexplained by parameters, gradients, optimizer state and saved activations.
+    """
+    step = step_fn or default_step
+    rss0 = rss_bytes()
+    model = model_fn()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model_fn must return an nn.Module, got {type(model).__name__}")
+    batch = sample_batch
+    size = batch_size_of(batch)
+    opt = (optimizer_fn or (lambda ps: torch.optim.Adam(ps, lr=1e-4)))(model.parameters())
+
+    def fwd() -> torch.Tensor:
+        return step(model, batch)
+
+    def fwd_bwd(b: Any = batch) -> None:
+        model.zero_grad(set_to_none=False)
+        step(model, b).backward()
+
+    one = slice_batch(batch, 1)
+    # The first step, on one sample, in a fresh process: what the resident set grows by
+    # beyond the tensors (kernel caches, allocator arenas) is a fixed cost of the model.
+    _reset_peak()
+    fwd_bwd(one)  # grads now exist, so later steps allocate nothing new for them
+    opt.step()
+    first_peak = _peak_rss_since_reset()
+    state_bytes = sum(
+        t.untyped_storage().nbytes() for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim()
+    )
+    numel = sum(p.numel() for p in model.parameters())
+    fwd_bwd()  # warm-up at the full batch before timing
+    opt_s = _median_s(opt.step, repeats)
+    with torch.no_grad():
+        fwd_s = _median_s(fwd, repeats)
+    # backward = (forward with graph + backward) - forward without graph
+    both_s = _median_s(fwd_bwd, repeats)
+    one_s = _median_s(lambda: fwd_bwd(one), repeats) if size > 1 else both_s
+    # t(b) = overhead + b * per_sample: the overhead is what a microbatch costs regardless
+    per_sample = (both_s - one_s) / (size - 1) if size > 1 else both_s
+    overhead = max(0.0, one_s - per_sample)
+    compute = max(both_s - overhead, 1e-9)
+    # split the per-sample part as the full batch splits into forward and backward
+    share = min(1.0, fwd_s / both_s) if both_s > 0 else 1 / 3
+    fwd_s, bwd_s = compute * share, compute * (1 - share)
+
+    saved = saved_bytes_per_module(model, fwd)
+    graph = smp_partition.ModuleGraph.from_dict(trace_dict(model, run=fwd, costs="flops"))
+    saved = {k: v for k, v in saved.items() if k in graph}
+    param_bytes = max((p.element_size() for p in model.parameters()), default=4)
+    # Peak tensor bytes of a forward+backward beyond what persists, at one sample and at the
+    # whole batch: a fixed part and a part growing with the samples (the saved activations
+    # and the backward's temporaries, which the profile spreads like the saved bytes).
+    alloc_one = peak_step_allocation(lambda: fwd_bwd(one))
+    alloc_all = peak_step_allocation(fwd_bwd) if size > 1 else alloc_one
+    grow = (alloc_all - alloc_one) / (size - 1) if size > 1 else alloc_all
+    transient_fixed = max(0.0, alloc_one - grow)
+    transient = max(0.0, grow * size - sum(saved.values()))
+    if base_bytes is None:
+        explained = numel * (2 * param_bytes) + state_bytes + alloc_one
+        unexplained = max(0, (first_peak or 0) - rss0 - explained)
+        base_bytes = (rss0 if runtime_bytes is None else runtime_bytes) + unexplained
+    return Profile(
+        graph=graph,
+        batch_size=size,
+        forward_s=fwd_s,
+        backward_s=bwd_s,
+        saved_bytes=saved,
+        tp_divisors=dict(tensor_parallel_divisors(model) if tp_divisors is None else tp_divisors),
+        checkpoint_units=tuple(default_checkpoint_units(model) if checkpoint_units is None else checkpoint_units),
+        param_bytes=param_bytes,
+        grad_bytes=param_bytes,
+        optimizer_bytes=math.ceil(state_bytes / numel) if numel else 0,
+        optimizer_s_per_param=opt_s / numel if numel else 0.0,
+        base_bytes=int(base_bytes),
+        microbatch_overhead_s=overhead,
+        comm=comm or CommModel(),
+        compute_scale=compute_scale,
+        step_transient_bytes=transient,
+        step_transient_fixed_bytes=transient_fixed,
+    )

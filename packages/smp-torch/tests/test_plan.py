@@ -1,0 +1,121 @@
+"""``smp.plan`` on one process: the profile it measures, the plan it returns, the CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import plan_toy
+import pytest
+import smp_torch as smp
+import torch
+from smp_partition.plan import search
+from smp_torch.config import parse_config
+from smp_torch.plan import parse_bytes, profile_model
+from smp_torch.plan.profiling import saved_bytes_per_module, tensor_parallel_divisors
+from torch import nn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def toy_profile():  # type: ignore[no-untyped-def]
+    torch.set_num_threads(1)
+    return profile_model(plan_toy.model_fn, plan_toy.sample_batch(), plan_toy.step_fn, repeats=2)
+
+
+def test_profile_measures_the_model(toy_profile) -> None:  # type: ignore[no-untyped-def]
+    p = toy_profile
+    assert p.batch_size == 8 and p.forward_s > 0 and p.backward_s > 0
+    assert p.checkpoint_units == tuple(f"blocks.{i}" for i in range(plan_toy.LAYERS))
+    # the marked linears, each with the gcd of its parameters' first dimensions
+    assert p.tp_divisors == {f"blocks.{i}.{n}": d for i in range(plan_toy.LAYERS) for n, d in (("fc", 128), ("proj", 32))}
+    assert p.optimizer_bytes == 8  # Adam: two fp32 moments per element
+    assert p.base_bytes > 0
+    # the head saves its input (8 x 16 x 32 fp32) for backward; each block's fc likewise
+    assert p.saved_bytes["head"] >= 8 * 16 * 32 * 4
+    assert p.saved_bytes["blocks.0.fc"] >= 8 * 16 * 32 * 4
+
+
+def test_saved_bytes_attribute_to_the_innermost_module() -> None:
+    lin = nn.Linear(4, 3)
+    model = nn.Sequential(lin, nn.ReLU())
+    x = torch.randn(5, 4, requires_grad=True)  # so autograd also saves the weight (skipped)
+    saved = saved_bytes_per_module(model, lambda: model(x))
+    # Linear saves its input (5x4 floats, weights left out); ReLU its output (5x3 floats)
+    assert saved == {"0": 5 * 4 * 4, "1": 5 * 3 * 4}
+
+
+def test_tensor_parallel_divisors_need_a_mark() -> None:
+    class Attn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.num_heads = 6
+            self.lin = nn.Linear(12, 12)
+
+    plain = nn.Sequential(nn.Linear(4, 8), Attn())
+    assert tensor_parallel_divisors(plain) == {}
+    with smp.tensor_parallelism():
+        marked = nn.Sequential(nn.Linear(4, 8), Attn())
+    assert tensor_parallel_divisors(marked) == {"0": 8, "1.lin": 12}
+
+
+def test_best_config_passes_smp_init_validation(toy_profile) -> None:  # type: ignore[no-untyped-def]
+    plan = smp.plan(plan_toy.model_fn, None, 4, "4GiB", profile=toy_profile)
+    best = plan.best
+    assert best.fits and best.peak_bytes <= 4 << 30
+    cfg = parse_config(best.config, 4)  # what smp.init runs first, before any communication
+    assert (cfg.pp, cfg.tp, cfg.sdp, cfg.microbatches) == (
+        best.candidate.pp, best.candidate.tp, best.candidate.sdp, best.candidate.microbatches
+    )  # fmt: skip
+    assert cfg.rdp == best.candidate.dp
+    for e in plan.feasible:  # every configuration the planner says fits is a valid config
+        parse_config(e.config, 4)
+
+
+def test_plan_pins_and_explains(toy_profile) -> None:  # type: ignore[no-untyped-def]
+    plan = smp.plan(plan_toy.model_fn, None, 4, 4 << 30, profile=toy_profile,
+                    pinned={"pipeline_parallel_degree": 2})  # fmt: skip
+    assert all(e.candidate.pp == 2 for e in plan.estimates)
+    assert plan.best.config["pipeline_parallel_degree"] == 2
+    full = search(toy_profile, 4, 4 << 30)
+    assert "tp=4 does not divide" not in full.why_not({"tensor_parallel_degree": 4})
+    assert "does not divide the world size" in full.why_not({"tensor_parallel_degree": 3})
+    tight = search(toy_profile, 4, toy_profile.base_bytes + 1000)
+    assert "> budget" in tight.why_not({"pipeline_parallel_degree": 1})
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("2GiB") == 2 << 30
+    assert parse_bytes("512 MiB") == 512 << 20
+    assert parse_bytes("1.5G") == 3 << 29
+    assert parse_bytes(1000) == 1000
+    for bad in ("2 parsecs", "-1GiB", "", 0):
+        with pytest.raises(ValueError, match="memory must"):
+            parse_bytes(bad)  # type: ignore[arg-type]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")  # fmt: skip
+    return subprocess.run([sys.executable, "-m", "smp_torch.plan", *args], env=env,
+                          capture_output=True, text=True, timeout=240)  # fmt: skip
+
+
+def test_cli_prints_the_table() -> None:
+    out = _cli("plan_toy:model_fn", "--world-size", "4", "--memory", "4GiB", "--top", "3",
+               "--why-not", "pipeline_parallel_degree=4,microbatches=2")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("smp.plan: 4 ranks, budget 4.0 GiB per rank")
+    assert lines[2].lstrip().startswith("1  pp=")
+    assert lines[-1].startswith("why not: pp=4 tp=1 dp=1 sdp=1 mb=2")
+
+
+def test_cli_bad_input_is_one_line_exit_2() -> None:
+    out = _cli("plan_toy:model_fn", "--world-size", "4", "--memory", "lots")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert "memory must look like" in out.stderr
+    out = _cli("plan_toy:nope", "--world-size", "4", "--memory", "1GiB")
+    assert out.returncode == 2 and "has no attribute 'nope'" in out.stderr
