@@ -36,34 +36,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 from smp_pipeline.actions import BACKWARD, FORWARD
 from smp_pipeline.messages import Packed
 from smp_pipeline.protocol import Abort, BwdReq, FwdReq, MbDone, Message, StepEnd
 from smp_pipeline.seqruns import span_label
-
-if TYPE_CHECKING:  # pragma: no cover
-    from smp_pipeline.executor import Executor
-    from smp_pipeline.handlers import MessageHandlers
-    from smp_pipeline.transport import Transport
-
-
-class ServingRank(Protocol):
-    """What the replay uses of the rank's execution server (the server passes itself; this
-    module does not import it: the server owns the replay)."""
-
-    pp_rank: int
-    transport: Transport
-    executor: Executor
-    handlers: MessageHandlers
-    _handle: Callable[[Message], None]  # the server loop's message handler, swapped to record
-
-    def serve(self, until: Callable[[], bool]) -> None: ...
-    def guarded(self, run: Callable[[], bool]) -> bool: ...
-    def _start_loop(self) -> None: ...
-    def _loop_housekeeping(self) -> None: ...
-    def _wait_message(self) -> Message | None: ...
+from smp_pipeline.serving import ServingLoop
 
 __all__ = ["ReplayStats", "StepReplay", "request_signature"]
 
@@ -125,13 +104,13 @@ class StepReplay:
     """Records and replays one serving rank's steps (see the module doc).
 
     Args:
-        server: the rank's execution server (its transport, handlers, executor, records).
+        loop: the rank's main loop (and through it its transport, handlers and executor).
         runs_locally: ``(path, span) -> bool``: whether a request runs only modules owned
             here (what the runtime's placement says).
     """
 
-    def __init__(self, server: ServingRank, runs_locally: Callable[..., bool]) -> None:
-        self.server = server
+    def __init__(self, loop: ServingLoop, runs_locally: Callable[..., bool]) -> None:
+        self.loop = loop
         self.runs_locally = runs_locally
         self.stats = ReplayStats()
         # The recording: the signatures of the last step run whole (replayed or recorded).
@@ -177,24 +156,24 @@ class StepReplay:
     def follow(self, step: int, until: Callable[[], bool]) -> None:
         """Serve ``step`` on this rank: replay it if the last step was recorded whole, and
         finish it in dynamic mode (recording it) if the replay cannot or meets a difference."""
-        server = self.server
+        loop = self.loop
         replayed = False
         if self._recording is not None:
-            replayed = server.guarded(lambda: self._replay(step, until))
+            replayed = loop.guarded(lambda: self._replay(step, until))
         if not replayed:
-            server._handle = self.recording_handler(server.handlers.handle)
+            loop.handle = self.recording_handler(loop.handlers.handle)
             try:
-                server.serve(until)
+                loop.serve(until)
             finally:
-                server._handle = server.handlers.handle
+                loop.handle = loop.handlers.handle
         self._end(step, replayed)
 
     def _end(self, step: int, replayed: bool) -> None:
         seen = self._seen.pop(step, {})
         self._counts.pop(step, None)
         reason = self._unreplayable.pop(step, None)
-        if self.server.executor.device_kinds:
-            kinds = sorted(self.server.executor.device_kinds)
+        if self.loop.executor.device_kinds:
+            kinds = sorted(self.loop.executor.device_kinds)
             reason = f"device work in {', '.join(f'the {p} of {m!r}' for p, m in kinds)}"
         if replayed:
             self.stats.replayed += 1
@@ -208,9 +187,9 @@ class StepReplay:
 
     def _fallback(self, step: int, reason: str, msg: Message | None = None) -> bool:
         """Hand the rest of ``step`` to dynamic mode (``msg``, not served, goes first)."""
-        server = self.server
+        loop = self.loop
         if msg is not None:
-            server.transport.inbox.appendleft(msg)
+            loop.transport.inbox.appendleft(msg)
             if type(msg) is FwdReq or type(msg) is BwdReq:  # noted again when served
                 req: Any = msg
                 kind = "fq" if type(msg) is FwdReq else "bq"
@@ -221,32 +200,32 @@ class StepReplay:
         stats = self.stats
         stats.fallbacks += 1
         stats.reasons = [*stats.reasons[-15:], reason]
-        ex = server.executor
+        ex = loop.executor
         if ex.record_timeline:
             now = time.time()
             mb = getattr(msg, "mb", 0)
-            ex.events.append((server.pp_rank, mb, f"replay fallback: {reason}", FORWARD, now, now))
+            ex.events.append((loop.pp_rank, mb, f"replay fallback: {reason}", FORWARD, now, now))
         self._recording = None
         return False
 
     def _replay(self, step: int, until: Callable[[], bool]) -> bool:
         """The replay loop of ``step``; True if it ran the whole step, False after handing
         the rest to dynamic mode."""
-        server, recording = self.server, self._recording
+        loop, recording = self.loop, self._recording
         assert recording is not None
-        transport, executor, handlers = server.transport, server.executor, server.handlers
+        transport, executor, handlers = loop.transport, loop.executor, loop.handlers
         # Requests of this step taken (and served dynamically) while the last one ended.
         for key, sig in self._seen.get(step, {}).items():
             if not _same(recording.get(key), sig):
                 return self._fallback(step, f"request {key} differs from the recording")
-        server._start_loop()
+        loop.start()
         while not until():
-            server._loop_housekeeping()
+            loop.housekeeping()
             if executor.ready or executor.yielded:
                 return self._fallback(step, "a worker waits (a request served dynamically)")
             msg = transport.pick()
             if msg is None:
-                msg = server._wait_message()
+                msg = loop.wait_message()
                 if msg is None:
                     continue
             tp = type(msg)

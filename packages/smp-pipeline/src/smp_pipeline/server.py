@@ -1,7 +1,8 @@
-"""The execution server of one pipeline rank (paper §4.2, Figures 3–4): its main loop.
+"""The execution server of one pipeline rank (paper §4.2, Figures 3–4): its steps.
 
-The server owns the objects below it and runs the main loops, which decide when each
-arrived message is served:
+The server owns the objects below it and runs steps through its main loop
+(:class:`~smp_pipeline.serving.ServingLoop`, which decides when each arrived message is
+served):
 
 - :class:`~smp_pipeline.transport.Transport`: the inbox, serve order, sending, aborts and
   request timeouts;
@@ -10,11 +11,6 @@ arrived message is served:
 - :class:`~smp_pipeline.autograd.CallRecords`: the cross-rank autograd records;
 - :class:`~smp_pipeline.remote.RemoteCalls`: both sides of cross-rank calls;
 - :class:`~smp_pipeline.handlers.MessageHandlers`: what serving each kind of message does.
-
-Serving order: workers whose device work ended, then local wake-ups, then the driver's
-schedule (new top-level work, bounded by ``active_microbatches``), then arrived messages by
-kind (responses that resume a caller, then backward work, then new forward requests) and,
-within a kind, older microbatches first.
 
 Failures never hang: an exception in a task, or a request outstanding longer than
 ``timeout_s``, broadcasts an :class:`~smp_pipeline.protocol.Abort` and raises on every
@@ -27,9 +23,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 from collections.abc import Callable, Container
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -43,10 +38,11 @@ from smp_pipeline.executor import Executor, TimelineEvent
 from smp_pipeline.handlers import MessageHandlers
 from smp_pipeline.messages import detach_all, pack
 from smp_pipeline.order import OrderChannel
-from smp_pipeline.protocol import PREEMPTING, PREEMPTING_CODES, MbDone, Message, StepEnd
+from smp_pipeline.protocol import PREEMPTING_CODES, MbDone, StepEnd
 from smp_pipeline.remote import CallParams, Execute, RemoteCalls, RunsLocally
 from smp_pipeline.replay import StepReplay
 from smp_pipeline.schedule import Scheduler
+from smp_pipeline.serving import ServingLoop
 from smp_pipeline.transport import Transport
 from smp_pipeline.worker import Baton, Task
 
@@ -57,7 +53,6 @@ _log = logging.getLogger("smp_pipeline")
 # Static mode serves a task on the main loop only if it last held the token this briefly: a
 # longer one stays on a worker, where it can yield to work other ranks wait for.
 STATIC_INLINE_MAX_S = 0.002
-_R = TypeVar("_R")
 
 
 class ExecutionServer:
@@ -151,8 +146,6 @@ class ExecutionServer:
         self.handlers = MessageHandlers(
             pp_rank, self.transport, self.executor, self.records, self.remote, self.grads
         )
-        # once per served message: bound once (static mode records through a wrapper)
-        self._handle: Callable[[Message], None] = self.handlers.handle
         # Answers other ranks' stall queries; asks them all when a wait here times out.
         self.diagnosis = StallDiagnosis(
             pp_rank, pp_size, self.transport, self.executor, lambda: self.step
@@ -167,12 +160,15 @@ class ExecutionServer:
             order.on_arrival = self._order_arrival
         self.step = 0
         self.scheduler: Scheduler | None = None
-        self._next_timeout_check = time.monotonic() + 0.2
-        self.follower_start: Callable[[int, Phase], None] | None = None
+        # The main loop (serving.py): which arrived message is served when.
+        self.loop = ServingLoop(
+            pp_rank, self.transport, self.executor, self.handlers, order, self._wakeup,
+            lambda: self.step,
+        )
         # Static mode on a serving rank: later steps replay the recorded one (replay.py).
         self.replay: StepReplay | None = None
         if static and pp_rank != 0:
-            self.replay = StepReplay(self, self.remote.runs_locally)
+            self.replay = StepReplay(self.loop, self.remote.runs_locally)
 
     @property
     def preemption(self) -> bool:
@@ -228,162 +224,6 @@ class ExecutionServer:
         rank waits for (``PREEMPTING``)."""
         if self.executor.running_forward() and Transport.arrived_code(handle) in PREEMPTING_CODES:
             self.executor.request_preemption()
-
-    # ------------------------------------------------------------------ serving
-    def serve(self, until: Callable[[], bool], hook: Callable[[bool], bool] | None = None) -> None:
-        """Run the main loop until ``until()``; ``hook(urgent)`` starts scheduled work
-        (driver): True if it started a task. ``urgent``: only a backward, which may go before
-        a preempted forward resumes.
-
-        Any unexpected error of the loop itself is broadcast as an abort, so the other ranks
-        raise too instead of waiting for this one.
-        """
-        self.guarded(lambda: self._serve(until, hook))
-
-    def guarded(self, run: Callable[[], _R]) -> _R:
-        """``run()``, an unexpected error broadcast as an abort (see :meth:`serve`)."""
-        try:
-            return run()
-        except PipelineError:
-            raise
-        except BaseException as exc:
-            if self.transport.abort_msg is None:
-                try:
-                    self.transport.abort(
-                        "error", f"pp rank {self.pp_rank}: internal error: {exc!r}"
-                    )
-                except PipelineError as err:
-                    raise err from exc
-            raise
-
-    def _serve(self, until: Callable[[], bool], hook: Callable[[bool], bool] | None) -> None:
-        if self.order is not None and not self.order.is_leader:
-            self._serve_follower(until)
-            return
-        transport, executor = self.transport, self.executor
-        self._start_loop()
-        while not until():
-            self._loop_housekeeping()
-            if executor.ready:
-                executor.resume_ready()
-                continue
-            if executor.yielded:
-                # A forward gave the token back at a yield point: serve the arrived messages
-                # that unblock work (not new forward requests), then resume it.
-                msg = transport.pick(only=PREEMPTING)
-                if msg is not None:
-                    self._handle(msg)
-                elif hook is None or not hook(True):
-                    # (A backward the schedule would start now goes first too: it sends the
-                    # next stage the backward request it waits for.)
-                    executor.switch(executor.yielded.popleft())
-                continue
-            # Scheduled top-level work before queued requests: the schedule's own bound
-            # (active microbatches) keeps the pipeline full without flooding it. Except the
-            # messages a new forward would yield to at its first block anyway.
-            if executor.preemption and hook is not None:
-                msg = transport.pick(only=PREEMPTING)
-                if msg is not None:
-                    self._handle(msg)
-                    continue
-            if hook is not None and hook(False):
-                continue
-            msg = transport.pick()
-            if msg is not None:
-                self._handle(msg)
-                continue
-            msg = self._wait_message()
-            if msg is not None:
-                self._handle(msg)
-
-    def _wait_message(self) -> Message | None:
-        """Idle: wait for a message, or for device work to end (whichever comes first).
-
-        Without device work under way, one blocking receive (see
-        :meth:`Transport.wait_message`); with device work under way, sleep (up to 50 ms)
-        until a message arrives or the device work ends.
-        """
-        if not self.executor.device_active:
-            return self.transport.wait_message()
-        return self._sleep_for_message(0.05)
-
-    def _sleep_for_message(self, timeout: float) -> Message | None:
-        """Sleep until a message arrives or device work ends (or ``timeout``); the message
-        if one did."""
-        msg = self.transport.next_message(0)
-        if msg is not None or self.executor.device_ended():
-            return msg
-        # Set by an arrival or a device end since the last sleep: then one quick turn more.
-        self._wakeup.acquire(timeout=timeout)  # taking it clears it
-        return self.transport.next_message(0)
-
-    def _start_loop(self) -> None:
-        self.executor.last_progress = time.monotonic()
-        self._next_timeout_check = self.executor.last_progress + 0.2
-
-    def _loop_housekeeping(self) -> None:
-        """Each main-loop turn: fail fast on an abort, check timeouts every 0.2 s, and resume
-        workers whose device work finished."""
-        self.transport.raise_if_aborted()
-        now = time.monotonic()
-        if now > self._next_timeout_check:
-            self.transport.check_timeouts(self.executor.last_progress, self.step)
-            self._next_timeout_check = now + 0.2
-        self.executor.take_returning()
-
-    def _serve_follower(self, until: Callable[[], bool]) -> None:
-        """Main loop of a tensor-parallel follower: start tasks in the leader's order."""
-        assert self.order is not None
-        inbox = self.transport.inbox
-        self._start_loop()
-        while not until():
-            self._loop_housekeeping()
-            self.transport.poll()
-            for msg in [m for m in inbox if not self.handlers.starts_task(m)]:
-                inbox.remove(msg)
-                self._handle(msg)  # responses become ready wake-ups; no grant yet
-            if until():
-                return
-            want = self.order.peek()
-            if want is not None and self._grant_follower(want):
-                self.order.pop()
-                continue
-            arrived = self._sleep_for_message(0.05)
-            if arrived is not None:
-                inbox.append(arrived)
-
-    def _grant_follower(self, want: tuple[int, int, str, int]) -> bool:
-        """Start the task the leader announced, if it is ready here."""
-        step, mb, kind, index = want
-        mine = self.executor.grants.get((step, mb), 0)
-        if index != mine:
-            self.transport.abort(
-                "error",
-                f"pp rank {self.pp_rank}: tensor-parallel order diverged: the leader started "
-                f"task {index} of microbatch {mb} (step {step}), this rank is at task {mine}",
-            )
-        if kind == "start":
-            if self.follower_start is None:
-                return False
-            self.follower_start(mb, FORWARD)
-            return True
-        if kind == "admit":
-            if ("admit", step, mb) not in self.executor.waiting or self.follower_start is None:
-                return False
-            self.follower_start(mb, BACKWARD)  # wakes the microbatch's step task
-        if self.executor.resume_ready_of(step, mb):
-            return True
-        inbox = self.transport.inbox
-        for msg in inbox:
-            if (
-                self.handlers.starts_task(msg)
-                and getattr(msg, "step", None) == step
-                and getattr(msg, "mb", None) == mb
-            ):
-                inbox.remove(msg)
-                self._handle(msg)
-                return True
-        return False
 
     # ------------------------------------------------------------------ records
     def drop_microbatch(self, step: int, mb: int) -> None:
@@ -468,11 +308,11 @@ class ExecutionServer:
             scheduler.take(mb, phase)
             start(mb, phase)
 
-        self.follower_start = follower_start
+        self.loop.follower_start = follower_start
         ok = False
         self.grads.begin(step)
         try:
-            self.serve(scheduler.done, start_next)
+            self.loop.serve(scheduler.done, start_next)
             self.grads.end()
             self.drop_step(step)
             shared = outputs if outputs_to_all else [None] * len(outputs)
@@ -482,7 +322,7 @@ class ExecutionServer:
         finally:
             self.grads.end()  # (a failed step: .grad back, with what was folded)
             self.scheduler = None
-            self.follower_start = None
+            self.loop.follower_start = None
             if self.order is not None and self.order.is_leader:
                 if ok:
                     self.order.flush(self.timeout_s, self.transport.raise_if_aborted)
@@ -505,7 +345,7 @@ class ExecutionServer:
             if self.replay is not None:
                 self.replay.follow(step, lambda: step in step_ends)
             else:
-                self.serve(lambda: step in step_ends)
+                self.loop.serve(lambda: step in step_ends)
         finally:
             self.grads.end()  # every microbatch's backward is complete once the step ended
         msg = step_ends.pop(step)
