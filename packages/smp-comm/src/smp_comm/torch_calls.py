@@ -139,7 +139,7 @@ class CallOrder:
         # No lock around the test: a collective queued by another thread after `queued` was
         # read here comes after this one in call order, and cannot start before we release.
         if quick is not None and 0 <= nbytes <= self.inline_bytes and not self.queued and (
-            self._running.acquire(blocking=False)
+            self._running.acquire(False)
         ):
             try:
                 error: BaseException | None = self._refusal()
@@ -172,7 +172,7 @@ class CallOrder:
         caller waits for it at once (``opts.asyncOp`` false, as ``dist.all_reduce`` and
         ``dist.barrier`` set it by default): then it is finished here, sparing the two
         hand-offs between threads that the wait would cost."""
-        if self.queued or not self._running.acquire(blocking=False):
+        if self.queued or not self._running.acquire(False):
             return None
         try:
             error: BaseException | None = None if self.broken is None else self._refusal()
