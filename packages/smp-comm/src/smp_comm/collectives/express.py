@@ -71,10 +71,13 @@ class Express:
     def __init__(self, local: LocalCollectives, module: ModuleType, max_bytes: int) -> None:
         seg = local.seg
         self._local, self._seg, self._call = local, seg, module.step
-        self._size, self._rank = seg.size, seg.rank
         self._limit = min(max_bytes, seg.slot_bytes)
-        self._slots = tuple(seg.base + seg.slot_offset(p, seg.rank) for p in (0, 1))
-        self._phases = tuple(seg.base + seg.phase_offset(p) for p in (0, 1))
+        # The segment's constants, handed to C as one bytes object (see _shmexpress.c).
+        self._ctx = struct.pack(
+            "<9q", seg.base, seg.size, seg.rank, seg.spin_ns, seg.slot_bytes,
+            *(seg.base + seg.slot_offset(p, seg.rank) for p in (0, 1)),
+            *(seg.base + seg.phase_offset(p) for p in (0, 1)),
+        )
         # (dtype, reduction) -> (C dtype, C reduction, the descriptor's dtype and op words)
         self._codes = {
             (dtype, op): (*codes, _CODE[dtype], _OP_CODE[op])
@@ -98,8 +101,7 @@ class Express:
         s = seg.step + 1
         seg.step = s
         at = t.data_ptr()
-        r = self._call(seg.base, self._size, self._rank, s, desc, at, nbytes, self._slots[s & 1],
-                       seg.spin_ns, self._phases[s & 1], seg.slot_bytes, count, code, c_op)
+        r = self._call(self._ctx, s, desc, at, nbytes, count, code, c_op)
         if r == _DONE:
             return True
         if r >= 0:
@@ -123,8 +125,7 @@ class Express:
         seg = self._seg
         s = seg.step + 1
         seg.step = s
-        r = self._call(seg.base, self._size, self._rank, s, self._barrier, 0, 0, 0, seg.spin_ns,
-                       0, 0, 0, 0, -1)
+        r = self._call(self._ctx, s, self._barrier, 0, 0, 0, 0, -1)
         if r == _DONE:
             return True
         if r >= 0:
