@@ -119,13 +119,19 @@ class CallOrder:
             self.queued += 1
             self._arrived.notify()
 
-    def _hand_over(self, rest: Iterator[None], result: list[torch.Tensor]) -> SmpWork:
-        """A pending handle of a collective started on the caller's thread whose peers were
-        late: the thread finishes ``rest``, first in line (call with ``_running`` held, so
-        the thread cannot pop anything before it)."""
-        work = SmpWork(result)
-        self._enqueue((lambda: rest, work), first=True)
-        return work
+    def _late(self, rest: Iterator[None], result: list[torch.Tensor], opts: Any) -> SmpWork | None:
+        """A collective started on the caller's thread whose peers were late (call with
+        ``_running`` held). If the caller waits for it at once (``opts.asyncOp`` false, as
+        ``dist.all_reduce`` and ``dist.barrier`` set it by default), ``rest`` is finished
+        here and None returned: that spares the two hand-offs between threads the wait would
+        cost. Else a pending handle, whose ``rest`` the thread finishes first in line (it
+        cannot pop anything before we release)."""
+        if getattr(opts, "asyncOp", True):
+            work = SmpWork(result)
+            self._enqueue((lambda: rest, work), first=True)
+            return work
+        exhaust(rest)
+        return None
 
     # -- what the group calls ------------------------------------------------------------
     def submit(
@@ -134,8 +140,7 @@ class CallOrder:
     ) -> SmpWork:
         """Run ``run`` in call order on the thread; or, when ``quick`` is given, the
         collective moves at most ``inline_bytes`` and nothing is queued, start ``quick()``'s
-        one-step version here and now (if the peers are late, the thread finishes it, or
-        this thread when the caller waits at once: ``opts.asyncOp`` false)."""
+        one-step version here and now (if the peers are late: :meth:`_late`)."""
         # No lock around the test: a collective queued by another thread after `queued` was
         # read here comes after this one in call order, and cannot start before we release.
         if quick is not None and 0 <= nbytes <= self.inline_bytes and not self.queued and (
@@ -149,10 +154,10 @@ class CallOrder:
                         work = SmpWork(result)
                         self._enqueue((run, work), first=True)
                         return work
-                    if next(steps, _DONE) is not _DONE:
-                        if opts is None or getattr(opts, "asyncOp", True):
-                            return self._hand_over(steps, result)
-                        exhaust(steps)
+                    if next(steps, _DONE) is not _DONE and (
+                        pending := self._late(steps, result, opts)
+                    ) is not None:
+                        return pending
             except BaseException as exc:
                 error = self._failed(exc)
             finally:
@@ -168,10 +173,7 @@ class CallOrder:
     ) -> SmpWork | None:
         """Start a collective on the express path (nothing queued: the caller's thread, one C
         call, ``start(*args)``); ``None`` if ``start`` does not serve it. One whose peers are
-        late is finished by the thread, first in line, as in :meth:`submit`; unless the
-        caller waits for it at once (``opts.asyncOp`` false, as ``dist.all_reduce`` and
-        ``dist.barrier`` set it by default): then it is finished here, sparing the two
-        hand-offs between threads that the wait would cost."""
+        late is finished as in :meth:`submit` (:meth:`_late`)."""
         if self.queued or not self._running.acquire(False):
             return None
         try:
@@ -180,10 +182,8 @@ class CallOrder:
                 rest = start(*args)
                 if rest is None:
                     return None
-                if rest is not True:
-                    if getattr(opts, "asyncOp", True):
-                        return self._hand_over(rest, result)
-                    exhaust(rest)
+                if rest is not True and (pending := self._late(rest, result, opts)) is not None:
+                    return pending
         except BaseException as exc:
             error = self._failed(exc)
         finally:
