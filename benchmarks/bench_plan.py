@@ -40,6 +40,8 @@ import sys
 import time
 from typing import Any
 
+import workers  # (this folder)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "benchmarks", "data", "plan")
 sys.path.insert(0, os.path.join(ROOT, "examples", "gpt"))
@@ -155,15 +157,12 @@ def worker_run(name: str, cfg: dict[str, Any]) -> None:
         model.backward(loss)
         return loss
 
-    times = []
-    for i in range(WARMUP + STEPS):
-        smp.barrier()
-        t0 = time.perf_counter()
+    def step() -> None:
         opt.zero_grad()
         train_step(xs, ys)
         opt.step()
-        if i >= WARMUP:
-            times.append(time.perf_counter() - t0)
+
+    times = workers.timed_steps(step, WARMUP, STEPS, sync=smp.barrier).times
     row = {"rank": smp.rank(), "pp_rank": smp.pp_rank(), "peak_bytes": _peak_bytes(), "times": times}
     _print_rows(smp, row)
 
