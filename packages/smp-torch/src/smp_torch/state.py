@@ -78,10 +78,6 @@ def state() -> SMPContext:
     return _STATE
 
 
-# smp_tp's process-wide defaults before any init (restored when a context closes).
-_TP_DEFAULTS = {"tp_group": None, "prescaled_batch": False, "optimize": "speed"}
-
-
 def _close_previous(world: Any) -> None:
     """Collective over ``world``: close the previous context; after a failure anywhere under
     it, no rank reuses its process groups (:mod:`smp_torch.group_cache`)."""
@@ -92,7 +88,7 @@ def _close_previous(world: Any) -> None:
     _STATE.close()
     _STATE.release(failed)
     _STATE = None
-    smp_tp.set_default_config(**_TP_DEFAULTS)
+    smp_tp.set_default_config(**vars(smp_tp.TPConfig()))  # smp-tp's own defaults again
 
 
 _EXIT_REGISTERED = False
