@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import os
 import statistics
-import subprocess
-import sys
 from collections.abc import Callable
 from typing import Any
+
+import workers  # (this folder)
 
 P = int(os.environ.get("PROFILE_REQ_P", "2"))
 M = int(os.environ.get("PROFILE_REQ_M", "16"))
@@ -320,14 +320,7 @@ def _worker() -> None:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        _worker()
-        return
-    from smp_comm.testing import mpiexec_path
-
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [mpiexec_path(), "-n", str(P), sys.executable, os.path.abspath(__file__), "--worker"]
-    sys.exit(subprocess.run(cmd, env=env, timeout=600).returncode)
+    workers.main_as_job(__file__, P, _worker, timeout=600)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ under ``mpiexec``, each bound to a core unless told otherwise) that prints one `
 Used by ``bench_sequential.py``, ``bench_gpt.py``, ``bench_hf.py`` and ``bench_moe.py``; :func:`run_self` and
 :func:`peak_rss` (a job whose workers print their own lines) by ``bench_sdp.py`` and
 ``bench_moe.py``; :func:`main_as_job` (a benchmark that is one job printing its own table)
-by ``bench_pipeline.py`` and ``bench_zero_bubble.py``.
+by ``bench_pipeline.py``, ``bench_zero_bubble.py`` and ``profile_requests.py``.
 """
 
 from __future__ import annotations
