@@ -54,6 +54,17 @@ LOCAL_IMPORTS = {
     ("smp-comm/src/smp_comm/shutdown.py", "smp_comm.communicator"): (
         "the communicator needs mpi4py.MPI (initialising MPI); an exit path must not start it"
     ),
+    **{
+        (f"smp-torch/src/smp_torch/{f}", m): (
+            "FSDP2 and DTensor take ~0.6 s to import: only a job that shards pays it"
+        )
+        for f, m in (
+            ("sharded.py", "torch.distributed.fsdp"),
+            ("sharded.py", "torch.distributed.tensor"),
+            ("sharded_agree.py", "torch.distributed.fsdp"),
+            ("sharded_pp.py", "torch.distributed.fsdp"),
+        )
+    },
     ("smp-comm/src/smp_comm/paths.py", "torch.multiprocessing.reductions"): (
         "torch is optional in smp-comm (GPU peers only)"
     ),

@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 from smp_partition.render import svg, table
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from smp_torch import sharded, tp_glue
 from smp_torch.config import TRACE_DEVICES
@@ -481,7 +480,7 @@ class DistributedModel(nn.Module):
             for key, p in self.module.named_parameters(remove_duplicate=False):
                 if p.grad is not None and self.owns_full_key(key):
                     g = p.grad
-                    grads[key] = g.full_tensor() if isinstance(g, DTensor) else g
+                    grads[key] = g.full_tensor() if sharded.is_sharded(g) else g
         if cfg.ep > 1:
             grads = {**grads, **self._full_experts(grads=True)}  # (zeros for none)
         part = {k: g.detach().to("cpu").clone() for k, g in grads.items() if self.owns_full_key(k)}

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+
+from smp_torch.sharded import local_tensor
 
 __all__ = ["autocast_context", "LossScaler"]
 
@@ -64,7 +65,7 @@ class LossScaler:
         # A sharded gradient (DTensor) is checked on this rank's shard; the all-reduce below
         # covers the others.
         grads = [
-            p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            local_tensor(p.grad)
             for p in params
             if p.grad is not None
         ]

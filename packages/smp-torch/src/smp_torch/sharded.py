@@ -49,17 +49,25 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+# FSDP2 and DTensor are imported where sharding starts, not here: ``torch.distributed.tensor``
+# takes about 0.6 s to import (half of what smp adds to ``import torch``), which every process
+# of a job without sharded data parallelism would pay. No DTensor exists before it is imported,
+# so :func:`is_sharded` asks ``sys.modules`` first.
 
 from smp_torch import group_cache
 from smp_torch.sharded_agree import UnitAgreement, guard_units, param_groups
@@ -311,6 +319,8 @@ def shard_module(
     """Collective: apply ``fully_shard`` to ``module``'s units (bottom-up, root last) over
     this rank's sharding mesh, and set the prefetch lists; see the module docstring.
     ``atomic``: modules whose subtree must stay in one unit (see :func:`choose_units`)."""
+    from torch.distributed.fsdp import fully_shard
+
     cfg = ctx.config
     units = choose_units(
         module, cfg.sdp_param_persistence_threshold, cfg.sdp_reduce_bucket_size, atomic
@@ -357,6 +367,8 @@ def shard_module(
 
 
 def _fsdp(m: nn.Module) -> FSDPModule:
+    from torch.distributed.fsdp import FSDPModule
+
     assert isinstance(m, FSDPModule), type(m).__name__
     return m
 
@@ -364,14 +376,16 @@ def _fsdp(m: nn.Module) -> FSDPModule:
 # ---------------------------------------------------------------------------- tensors
 
 
-def is_sharded(t: Any) -> bool:
+def is_sharded(t: Any) -> TypeGuard[DTensor]:
     """Whether ``t`` is a sharded (DTensor) parameter, gradient or state tensor."""
-    return isinstance(t, DTensor)
+    module = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(module, "DTensor", None)
+    return cls is not None and isinstance(t, cls)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (a view that writes through), else ``t`` itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_sharded(t) else t
 
 
 def full_state(module: nn.Module, keep: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
@@ -382,7 +396,7 @@ def full_state(module: nn.Module, keep: Callable[[str], bool] | None = None) -> 
     for k, v in module.state_dict().items():
         if keep is not None and not keep(k):
             continue  # (another stage's entry: an empty or meta stand-in here)
-        full = v.full_tensor() if isinstance(v, DTensor) else v
+        full = v.full_tensor() if is_sharded(v) else v
         out[k] = full.detach().to("cpu").clone()
     return out
 
@@ -390,6 +404,8 @@ def full_state(module: nn.Module, keep: Callable[[str], bool] | None = None) -> 
 def shard_like(value: torch.Tensor, like: DTensor) -> DTensor:
     """The DTensor laid out like ``like`` holding this rank's slice of the full ``value``
     (every rank passes the same ``value``: sliced locally, no communication)."""
+    from torch.distributed.tensor import distribute_tensor
+
     value = value.to(device=like.device, dtype=like.dtype)
     return distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None)
 
@@ -408,7 +424,7 @@ def gathered(module: nn.Module, write_back: bool = False) -> Iterator[None]:
     # modules() / _parameters order is the same on every rank: the gathers match.
     for m in module.modules():
         for name, param in list(m._parameters.items()):
-            if not isinstance(param, DTensor):
+            if not is_sharded(param):
                 continue
             p = param
             if id(p) not in plain:
@@ -448,7 +464,7 @@ def load_full(module: nn.Module, sd: dict[str, torch.Tensor], strict: bool = Tru
                 continue
             if tuple(v.shape) != tuple(t.shape):
                 raise RuntimeError(f"size mismatch for {k}: {tuple(v.shape)} vs {tuple(t.shape)}")
-            if isinstance(t, DTensor):
+            if is_sharded(t):
                 t.to_local().copy_(shard_like(v, t).to_local())
             else:
                 t.copy_(v)
@@ -487,7 +503,7 @@ def grad_norm(
         if g is None:
             continue
         value = local_tensor(g).detach().double().norm(norm_type) ** norm_type
-        if not isinstance(g, DTensor):
+        if not is_sharded(g):
             whole += value  # a plain gradient is whole on every rank: count it once
         elif tp_shard is not None and tp_shard(p):
             sharded_sums[1] += value

@@ -41,7 +41,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import fully_shard
 
 from smp_torch.errors import SMPError
 
@@ -153,6 +152,8 @@ class UnitAgreement:
 def param_groups(unit: nn.Module) -> list[Any]:
     """FSDP2's parameter groups of a ``fully_shard``-ed module (one, without per-parameter
     meshes)."""
+    from torch.distributed.fsdp import fully_shard
+
     return list(fully_shard.state(unit)._fsdp_param_groups)  # type: ignore[attr-defined]
 
 

@@ -50,14 +50,15 @@ tests fail if their behaviour changes.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
 
-from smp_torch.sharded import ShardPlan, carry_marks, param_marks, sharding_mesh
+from smp_torch.sharded import ShardPlan, carry_marks, is_sharded, param_marks, sharding_mesh
 from smp_torch.sharded_agree import REDUCE, UnitAgreement, fill_missing_grads, param_groups
+
+if TYPE_CHECKING:  # (imported where sharding starts: see smp_torch.sharded)
+    from torch.distributed.fsdp import FSDPModule
 
 __all__ = ["StageShards", "stage_tops", "unit_groups"]
 
@@ -127,6 +128,8 @@ class StageShards:
         self, module: nn.Module, owned: list[str], local_params: list[tuple[str, nn.Parameter]], ctx: Any
     ) -> None:
         mesh, shard_group, _ = sharding_mesh(ctx)
+        from torch.distributed.fsdp import fully_shard
+
         modules = dict(module.named_modules())
         local = {id(p) for _, p in local_params}
         self._module = module
@@ -160,7 +163,7 @@ class StageShards:
         # other stages ignored). FSDP2 needs one: a grouped unit cannot be a root. Initialise
         # it now, not at a first forward that a remotely called module never runs through.
         if self.units and "" not in units:
-            foreign = {p for p in module.parameters() if not isinstance(p, DTensor)}
+            foreign = {p for p in module.parameters() if not is_sharded(p)}
             fully_shard(module, mesh=mesh, reshard_after_forward=False, ignored_params=foreign or None)
             state = fully_shard.state(module)  # type: ignore[attr-defined]
             state._pre_forward_hook_handle.remove()
@@ -198,7 +201,7 @@ class StageShards:
         the sums are dropped) and free the gathered parameters."""
         if not reduce:
             for p in self.gathered_parameters():
-                if not isinstance(p, DTensor):
+                if not is_sharded(p):
                     p.grad = None
         for unit in self.units:
             unit.set_requires_gradient_sync(reduce, recurse=False)
@@ -218,5 +221,7 @@ class StageShards:
 
 
 def _fsdp(m: nn.Module) -> FSDPModule:
+    from torch.distributed.fsdp import FSDPModule
+
     assert isinstance(m, FSDPModule), type(m).__name__
     return m
