@@ -154,6 +154,8 @@ def main() -> None:
     pp = comm.size
     mlp_batches = [mlp_data(s) for s in range(3)]
     run(comm, f"mlp-pp{pp}", mlp, contiguous(pp), mlp_batches, 8, want_ops=("linear", "layer_norm"))
+    # Static mode's replay on the serving ranks, in both runtimes (W tasks around replays).
+    run(comm, f"mlp-pp{pp}-static", mlp, contiguous(pp), mlp_batches, 4, static_mode=True)
     ckpt = {str(i): None for i in range(1, 8, 2)}
     run(comm, f"mlp-pp{pp}-checkpointing", mlp, contiguous(pp), mlp_batches[:2], 4,
         checkpointing=ckpt)
