@@ -116,7 +116,13 @@ class ServingLoop:
                 continue
             wg = self.weight_grads
             if wg is not None and wg.over_limit():
-                wg.run_one("eager")
+                # Past zero-bubble's memory bound: W tasks before new forward work, but not
+                # before what unblocks a backward (the critical path) or a waiting caller.
+                msg = transport.pick(only=PREEMPTING)
+                if msg is not None:
+                    self.handle(msg)
+                else:
+                    wg.run_one("eager")
                 continue
             # Scheduled top-level work before queued requests: the schedule's own bound
             # (active microbatches) keeps the pipeline full without flooding it. Except the
