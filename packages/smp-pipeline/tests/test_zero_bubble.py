@@ -46,6 +46,19 @@ def test_tied_pairs_of_split_layers_stay_split_a_weight_shared_with_other_ops_do
     assert chosen == ["embed", "head", "other"]
 
 
+def test_a_layer_with_a_tensor_hook_on_its_weight_stays_unsplit() -> None:
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    grads = GradAccumulator(lambda: 0)
+    grads.track([*a.parameters(), *b.parameters()])  # (the accumulator's own hooks)
+    work = WeightGradWork(0, grads, lambda: 0, max_microbatches=4)
+    work.set_modules(nn.Sequential(a, b), [("0", a), ("1", b)])
+    assert [path for path, _ in work.modules] == ["0", "1"]
+    handle = b.weight.register_hook(lambda g: g * 2)
+    assert [path for path, _ in work.modules] == ["0"]
+    handle.remove()
+    assert [path for path, _ in work.modules] == ["0", "1"]
+
+
 def test_schedule_and_runtime_arguments() -> None:
     s = Scheduler("zero_bubble", 4, 2)
     assert s.kind == "interleaved"  # tasks start as interleaved's do

@@ -125,6 +125,7 @@ class GradAccumulator:
         self._params: list[torch.Tensor] = []  # tracked, in a fixed order (fold order)
         self._tracked: dict[int, torch.Tensor] = {}
         self._handles: list[Any] = []
+        self.own_hook_ids: set[int] = set()  # our tensor hooks' handle ids (not a user's)
         self._fold_hooks: dict[int, list[FoldHook]] = {}
         self._step: int | None = None  # the step being accumulated (None: disarmed)
         self._aside: dict[int, torch.Tensor | None] = {}  # .grad moved aside by the pre-hook
@@ -148,7 +149,9 @@ class GradAccumulator:
                 continue
             self._tracked[id(p)] = p
             self._params.append(p)
-            self._handles.append(p.register_hook(self._make_pre_hook(p)))
+            handle = p.register_hook(self._make_pre_hook(p))
+            self.own_hook_ids.add(handle.id)
+            self._handles.append(handle)
             self._handles.append(p.register_post_accumulate_grad_hook(self._post_hook))
 
     def register_fold_hook(self, param: torch.Tensor, hook: FoldHook) -> _Handle:

@@ -29,7 +29,9 @@ queue and its placement rules:
   one microbatch, which cannot be summed in autograd's order. A parameter shared only by
   split modules (a tied embedding and output head) stays split. A parameter found mixed at
   run time anyway (used functionally elsewhere) is warned about once and its modules are left
-  unsplit from the next step on.
+  unsplit from the next step on. A layer whose parameter has a tensor hook of its own
+  (``p.register_hook``, checked each step) stays unsplit too: the hook would not see the W
+  gradient.
 """
 
 from __future__ import annotations
@@ -102,6 +104,11 @@ def modules_to_split(
     return out
 
 
+def _foreign_hooks(m: nn.Module, own: set[int]) -> bool:
+    """Whether a parameter of ``m`` has a tensor hook other than the accumulator's."""
+    return any(set(p._backward_hooks or {}) - own for p in m.parameters(recurse=False))
+
+
 class WeightGradWork:
     """One rank's deferred weight gradients under zero-bubble (module doc).
 
@@ -139,8 +146,11 @@ class WeightGradWork:
 
     @property
     def modules(self) -> list[tuple[str, nn.Module]]:
-        """The ``(path, module)``s split from now on."""
-        return [(n, m) for n, m in self._modules if id(m) not in self._excluded]
+        """The ``(path, module)``s split from now on: not those whose parameters carry a
+        tensor hook of their own (``p.register_hook``: it would not see W gradients)."""
+        own = self.grads.own_hook_ids
+        return [(n, m) for n, m in self._modules
+                if id(m) not in self._excluded and not _foreign_hooks(m, own)]  # fmt: skip
 
     # ------------------------------------------------------------------ steps
     @contextlib.contextmanager
