@@ -6,7 +6,8 @@ What issue 43's zero-bubble targets are measured against, side by side in one ru
 ``Schedule1F1B`` (one stage per rank), ``ScheduleInterleavedZeroBubble`` (two stages per
 rank, looped: rank r holds stages r and r + 2) and ``ScheduleZBVZeroBubble`` (two stages per
 rank in a V: rank 0 holds stages 0 and 3), all on gloo, and smp_pipeline's runtime on the
-one-stage-per-rank split (dynamic, and ``static_mode``). m = 8 microbatches of real compute:
+one-stage-per-rank split (dynamic, ``static_mode``, and ``schedule="zero_bubble"``: weight
+gradients deferred into each rank's idle time; its W task counts are printed too). m = 8 microbatches of real compute:
 each stage is a stack of ``Linear(D, D)`` + GELU layers, a microbatch of B rows, one thread
 per rank, so a stage's forward takes about 5-15 ms here. Two models:
 
@@ -108,11 +109,13 @@ def _worker() -> None:
 
     def smp_runtimes(imbalanced: bool, tag: int) -> dict:
         out = {}
-        for name, static in (("smp dynamic", False), ("smp static_mode", True)):
+        for name, static, schedule in (("smp dynamic", False, "interleaved"),
+                                       ("smp static_mode", True, "interleaved"),
+                                       ("smp zero_bubble", False, "zero_bubble")):
             model = nn.Sequential(layers(rank_layers(0, imbalanced)),
                                   layers(rank_layers(1, imbalanced)))
             rt = PipelineRuntime(model, comm, rank, P, assignment={"1": 1}, tag=tag,
-                                 timeout_s=300, static_mode=static)
+                                 timeout_s=300, static_mode=static, schedule=schedule)
             tag += 10
 
             def step(x, model=model, rt=rt):
@@ -143,6 +146,8 @@ def _worker() -> None:
         for _ in range(STEPS):
             for n, fn in runs.items():
                 times[n].append(timed(fn))
+        zb = ours["smp zero_bubble"][0].weight_grad_stats
+        w = world.gather((zb.idle, zb.eager, zb.drained, zb.mean_s) if zb else None, root=0)
         for rt, _ in ours.values():
             rt.close()
         if rank == 0:
@@ -156,6 +161,8 @@ def _worker() -> None:
                 bubbles = " ".join(f"{1 - b / v:5.2f}" for b in busy)
                 print(f"  {n:<38} {v * 1e3:8.1f} ms  / best torch {v / best:5.3f}x  "
                       f"/ ceiling {v / max(busy):5.3f}x  bubble per rank {bubbles}", flush=True)
+            print("  smp zero_bubble W tasks per rank (idle, eager, drained; mean ms), all steps: "
+                  + "; ".join(f"{i}, {e}, {d}; {t * 1e3:.2f}" for i, e, d, t in w), flush=True)
     dist.destroy_process_group()
 
 

@@ -79,6 +79,8 @@ def test_alias_partitions_and_derived_degree() -> None:
         ({"placement_strategy": "CDPP"}, "placement_strategy"),
         ({"context_parallel_degree": 2, "context_parallel_attention": "ulysses"}, "context_parallel_attention"),
         ({"context_parallel_attention": "ring"}, "context_parallel_attention"),
+        ({"pipeline": "zero-bubble"}, "pipeline"),
+        ({"pipeline": "zero_bubble", "deterministic_accumulation": False}, "deterministic_accumulation"),
     ],
 )
 def test_bad_values_name_the_key(config: dict, key: str) -> None:
@@ -86,6 +88,10 @@ def test_bad_values_name_the_key(config: dict, key: str) -> None:
         parse_config(config, world_size=4)
     assert info.value.key == key
     assert repr(key) in str(info.value)
+
+
+def test_pipeline_accepts_zero_bubble() -> None:
+    assert parse_config({"pipeline": "zero_bubble"}, world_size=2).pipeline == "zero_bubble"
 
 
 def test_permutations_of_dpt_are_accepted() -> None:

@@ -57,6 +57,9 @@ PP2_CASES = [
     # (counted), bitwise like dynamic mode.
     _case("pp2-seq-static", pipeline_parallel_degree=2, microbatches=4, auto_partition=False,
           model="seq", manual=True, served_per_mb=2, static_mode=True, replayed=True),
+    # zero-bubble: each stage's weight gradients deferred into its idle time (counted).
+    _case("pp2-seq-zero-bubble", pipeline_parallel_degree=2, microbatches=4, auto_partition=False,
+          model="seq", manual=True, served_per_mb=2, pipeline="zero_bubble"),
     _case("pp2-seq-auto-checkpointing", pipeline_parallel_degree=2, microbatches=4, model="seq",
           checkpoint_blocks=True),
     # Activation offloading: the checkpointed blocks' inputs wait on the host (counters

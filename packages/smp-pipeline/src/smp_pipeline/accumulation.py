@@ -125,6 +125,7 @@ class GradAccumulator:
         self._params: list[torch.Tensor] = []  # tracked, in a fixed order (fold order)
         self._tracked: dict[int, torch.Tensor] = {}
         self._handles: list[Any] = []
+        self.own_hook_ids: set[int] = set()  # our tensor hooks' handle ids (not a user's)
         self._fold_hooks: dict[int, list[FoldHook]] = {}
         self._step: int | None = None  # the step being accumulated (None: disarmed)
         self._aside: dict[int, torch.Tensor | None] = {}  # .grad moved aside by the pre-hook
@@ -133,6 +134,9 @@ class GradAccumulator:
         self._complete: set[int] = set()
         self._next = 0  # the next microbatch to fold
         self.peak_buffers = 0  # most microbatch buffers alive at once (for measurements)
+        # Zero-bubble: ``hold(mb)`` is True while microbatch ``mb`` still has deferred weight
+        # gradients to come (add_contribution); its fold, and every later one, waits (release).
+        self.hold: Callable[[int], bool] | None = None
 
     # ------------------------------------------------------------------ set-up
     def track(self, params: Iterable[torch.Tensor]) -> None:
@@ -145,7 +149,9 @@ class GradAccumulator:
                 continue
             self._tracked[id(p)] = p
             self._params.append(p)
-            self._handles.append(p.register_hook(self._make_pre_hook(p)))
+            handle = p.register_hook(self._make_pre_hook(p))
+            self.own_hook_ids.add(handle.id)
+            self._handles.append(handle)
             self._handles.append(p.register_post_accumulate_grad_hook(self._post_hook))
 
     def register_fold_hook(self, param: torch.Tensor, hook: FoldHook) -> _Handle:
@@ -274,11 +280,41 @@ class GradAccumulator:
         if step != self._step or mb < self._next:
             return
         self._complete.add(mb)
-        while self._next in self._complete:
+        self.release()
+
+    def release(self) -> None:
+        """Fold the complete microbatches that may be folded now, in order (after a
+        :attr:`hold` ended; :meth:`complete` calls it)."""
+        hold = self.hold
+        while self._next in self._complete and not (hold is not None and hold(self._next)):
             self._complete.discard(self._next)
             self._fold(self._next)
             self._streamed.pop(self._next, None)
             self._next += 1
+
+    def add_contribution(self, p: torch.Tensor, g: torch.Tensor, mb: int | None) -> None:
+        """A gradient of ``p`` computed outside autograd's ``AccumulateGrad`` (a deferred
+        weight-gradient task of zero-bubble, :mod:`smp_pipeline.wsplit`), for microbatch
+        ``mb``: added to that microbatch's buffer like one autograd gives, so it is folded
+        in microbatch order. ``g`` becomes the buffer's own (a copy if it is a view or laid
+        out unlike ``p``, as ``AccumulateGrad`` would store it)."""
+        if not self.enabled or self._step is None or mb is None or mb < self._next:
+            if mb is not None and self._step is not None and self.enabled:
+                self._late(mb)
+            self._add_to_grad(p, g)
+            return
+        buffers = self._buffers.get(mb)
+        if buffers is None:
+            buffers = self._buffers[mb] = {}
+            self.peak_buffers = max(self.peak_buffers, len(self._buffers))
+        key = id(p)
+        buf = buffers.get(key)
+        if buf is None:
+            if g._base is not None or g.stride() != p.stride():
+                g = torch.empty_like(p).copy_(g)
+            buffers[key] = g
+        else:
+            buf += g
 
     def complete_locally(self, step: int, mb: int) -> None:
         """This rank's backward of microbatch ``mb`` is complete by its own records: fold as

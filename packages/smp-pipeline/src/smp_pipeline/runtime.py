@@ -37,6 +37,7 @@ from smp_pipeline.schedule import Scheduler, ScheduleSpec
 from smp_pipeline.server import ExecutionServer, TimelineEvent
 from smp_pipeline.setup_channel import SetupChannel
 from smp_pipeline.timeline import plot_timeline, write_chrome_trace
+from smp_pipeline.zerobubble import WeightGradStats, WeightGradWork
 
 DEFAULT_TAG = 7301  # the runtime uses this tag and the next one on the communicator
 
@@ -53,7 +54,12 @@ class PipelineRuntime:
         assignment: ``{module path: pp rank}`` (unassigned modules inherit their parent's), or
             None to trace the first step on pp rank 0 and partition with ``smp_partition``.
         alpha: the partitioner's memory weight (auto partition only).
-        schedule: ``"interleaved"``, ``"simple"`` or a sequence of ``(mb, phase)`` pairs.
+        schedule: ``"interleaved"``, ``"simple"``, ``"zero_bubble"`` or a sequence of
+            ``(mb, phase)`` pairs. ``"zero_bubble"`` starts tasks as ``"interleaved"`` and,
+            on every rank, splits the backward of the owned ``nn.Linear``/``LayerNorm``/
+            ``RMSNorm``/``Embedding`` layers into input-grad (now) and weight-grad tasks run
+            in the rank's idle time (:mod:`smp_pipeline.zerobubble`): bitwise equal to
+            ``"interleaved"``; needs ``deterministic_accumulation``. Every rank must agree.
         active_microbatches: at most this many microbatches in flight (default pp_size + 2).
         timeout_s: a request outstanding longer than this raises on every rank.
         checkpointing: ``{module path: strategy}`` (see :mod:`smp_pipeline.checkpointing`).
@@ -190,6 +196,18 @@ class PipelineRuntime:
             offload_horizon=activation_loading_horizon if offload_activations else None,
             record_program=record_program,
         )
+        self.weight_grads: WeightGradWork | None = None
+        if isinstance(schedule, str) and schedule == "zero_bubble":
+            if not deterministic_accumulation:
+                raise PipelineConfigError(
+                    "schedule 'zero_bubble' needs deterministic_accumulation=True (its weight "
+                    "gradients are folded in microbatch order by the accumulator)"
+                )
+            self.weight_grads = WeightGradWork(
+                pp_rank, self.server.grads, self.server._current_mb, self.active_microbatches,
+                record_timeline=timeline,
+            )  # fmt: skip
+            self.server.weight_grads = self.server.loop.weight_grads = self.weight_grads
         self.server.diagnosis.name_modules(module)
         self.order_channel = order_channel
         self.offloader: ActivationOffloader | None = self.server.executor.offloader
@@ -224,6 +242,9 @@ class PipelineRuntime:
         self._dispatch.install(full, self.plan, self.server)
         self._local_params = self.local_parameters()
         self.server.grads.track(self._local_params)
+        if self.weight_grads is not None:
+            mods = dict(self.module.named_modules())
+            self.weight_grads.set_modules(self.module, [(p, mods[p]) for p in self.owned_modules()])
 
     def partition(
         self,
@@ -348,6 +369,11 @@ class PipelineRuntime:
             return self.server.follow_step()
         m = len(mbs)
         self._num_microbatches = m
+        if schedule == "zero_bubble" and self.weight_grads is None:
+            raise PipelineConfigError(
+                "schedule 'zero_bubble' must be given when the runtime is built (every pp "
+                "rank splits its backwards), not per step"
+            )
         scheduler = Scheduler(
             schedule if schedule is not None else self.schedule,
             m,
@@ -441,7 +467,14 @@ class PipelineRuntime:
     # ------------------------------------------------------------------ timeline
     def timeline_events(self) -> list[TimelineEvent]:
         """This rank's recorded spans ``(rank, mb, module, phase, start, end)``."""
-        return list(self.server.events)
+        wg = [] if self.weight_grads is None else self.weight_grads.events
+        return list(self.server.events) + list(wg)
+
+    @property
+    def weight_grad_stats(self) -> WeightGradStats | None:
+        """With ``schedule="zero_bubble"``: this rank's weight-gradient tasks (how many ran in
+        idle time, eagerly, at steps' ends; their time; the layers split). None otherwise."""
+        return None if self.weight_grads is None else self.weight_grads.stats
 
     def write_timeline(
         self, json_path: str | None = None, png_path: str | None = None

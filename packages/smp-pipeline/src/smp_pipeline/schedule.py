@@ -9,6 +9,9 @@ the enum members.
 
 - ``interleaved``: a microbatch ready for backward starts first; otherwise the next forward
   starts if fewer than ``active_microbatches`` are in flight (1F1B-like, adapts to timing).
+- ``zero_bubble``: starts tasks as ``interleaved`` does; every rank splits its backwards
+  into input-grad now and weight-grad tasks run in its idle time (:mod:`smp_pipeline.zerobubble`;
+  chosen when the runtime is built, since every rank takes part).
 - ``simple``: forwards start while they may; backwards start only when no forward is running
   and none may start (with enough active microbatches: all forwards, then all backwards; with
   fewer, GPipe-like waves).
@@ -24,9 +27,11 @@ from collections.abc import Sequence
 from smp_pipeline.actions import BACKWARD, FORWARD, Phase, as_phase
 from smp_pipeline.errors import PipelineConfigError
 
-__all__ = ["Phase", "ScheduleSpec", "Scheduler", "validate_custom"]
+__all__ = ["SCHEDULES", "Phase", "ScheduleSpec", "Scheduler", "validate_custom"]
 
 ScheduleSpec = str | Sequence[tuple[int, str]]  # (an ActionKind phase is a str too)
+#: the built-in schedule names
+SCHEDULES = ("simple", "interleaved", "zero_bubble")
 
 
 class Scheduler:
@@ -39,12 +44,14 @@ class Scheduler:
         self.active = active_microbatches
         self.custom: list[tuple[int, Phase]] | None = None
         if isinstance(spec, str):
-            if spec not in ("simple", "interleaved"):
+            if spec not in SCHEDULES:
                 raise PipelineConfigError(
-                    f"unknown schedule '{spec}': use 'simple', 'interleaved' or a sequence of "
-                    "(microbatch, 'forward'|'backward') pairs"
+                    f"unknown schedule '{spec}': use 'simple', 'interleaved', 'zero_bubble' or "
+                    "a sequence of (microbatch, 'forward'|'backward') pairs"
                 )
-            self.kind = spec
+            # zero_bubble starts tasks as interleaved does; the split and the placement of
+            # weight-gradient tasks are every rank's own (smp_pipeline.zerobubble).
+            self.kind = "interleaved" if spec == "zero_bubble" else spec
         else:
             self.kind = "custom"
             self.custom = validate_custom(spec, num_microbatches)

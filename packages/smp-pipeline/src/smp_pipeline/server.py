@@ -45,6 +45,7 @@ from smp_pipeline.schedule import Scheduler
 from smp_pipeline.serving import ServingLoop
 from smp_pipeline.transport import Transport
 from smp_pipeline.worker import Baton, Task
+from smp_pipeline.zerobubble import WeightGradWork
 
 __all__ = ["STATIC_INLINE_MAX_S", "ExecutionServer", "TimelineEvent"]
 
@@ -165,6 +166,8 @@ class ExecutionServer:
             pp_rank, self.transport, self.executor, self.handlers, order, self._wakeup,
             lambda: self.step,
         )
+        # Zero-bubble (set by the runtime): deferred weight gradients (zerobubble.py).
+        self.weight_grads: WeightGradWork | None = None
         # Static mode on a serving rank: later steps replay the recorded one (replay.py).
         self.replay: StepReplay | None = None
         if static and pp_rank != 0:
@@ -312,7 +315,9 @@ class ExecutionServer:
         ok = False
         self.grads.begin(step)
         try:
-            self.loop.serve(scheduler.done, start_next)
+            with self._split_backwards():
+                self.loop.serve(scheduler.done, start_next)
+                self._drain_weight_grads()
             self.grads.end()
             self.drop_step(step)
             shared = outputs if outputs_to_all else [None] * len(outputs)
@@ -320,6 +325,8 @@ class ExecutionServer:
             transport.flush()
             ok = True
         finally:
+            if not ok and self.weight_grads is not None:
+                self.weight_grads.discard()
             self.grads.end()  # (a failed step: .grad back, with what was folded)
             self.scheduler = None
             self.loop.follower_start = None
@@ -341,12 +348,18 @@ class ExecutionServer:
         self.recorder.begin(step)
         step_ends = self.handlers.step_ends
         self.grads.begin(step)
+        ok = False
         try:
-            if self.replay is not None:
-                self.replay.follow(step, lambda: step in step_ends)
-            else:
-                self.loop.serve(lambda: step in step_ends)
+            with self._split_backwards():
+                if self.replay is not None:
+                    self.replay.follow(step, lambda: step in step_ends)
+                else:
+                    self.loop.serve(lambda: step in step_ends)
+                self._drain_weight_grads()
+            ok = True
         finally:
+            if not ok and self.weight_grads is not None:
+                self.weight_grads.discard()
             self.grads.end()  # every microbatch's backward is complete once the step ended
         msg = step_ends.pop(step)
         self.drop_step(step)
@@ -354,6 +367,17 @@ class ExecutionServer:
             self.order.flush(self.timeout_s, self.transport.raise_if_aborted)
         self.transport.flush()
         return list(msg.outputs.unpack())
+
+    def _split_backwards(self) -> contextlib.AbstractContextManager[None]:
+        """Zero-bubble: the owned layers' backwards split for the step (forwards included:
+        checkpointing recomputes inside the backward); otherwise nothing."""
+        wg = self.weight_grads
+        return contextlib.nullcontext() if wg is None else wg.step()
+
+    def _drain_weight_grads(self) -> None:
+        """Zero-bubble: the step's last weight-gradient tasks, before its gradients are final."""
+        if self.weight_grads is not None:
+            self.loop.guarded(self.weight_grads.drain)
 
     def program(self, step: int | None = None) -> tuple[Action, ...]:
         """This rank's recorded program of ``step`` (default: the last one run): the tasks

@@ -27,6 +27,7 @@ from smp_pipeline.order import OrderChannel
 from smp_pipeline.protocol import PREEMPTING, Message
 from smp_pipeline.transport import Transport
 from smp_pipeline.worker import Baton
+from smp_pipeline.zerobubble import WeightGradWork
 
 __all__ = ["ServingLoop"]
 
@@ -61,6 +62,9 @@ class ServingLoop:
         # microbatch's forward or admits its backward when the leader says so.
         self.follower_start: Callable[[int, Phase], None] | None = None
         self._next_timeout_check = time.monotonic() + 0.2
+        # Zero-bubble: this rank's deferred weight-gradient tasks, run when the loop is idle
+        # (wait_message) or, past their memory bound, before new work (zerobubble.py).
+        self.weight_grads: WeightGradWork | None = None
 
     def serve(self, until: Callable[[], bool], hook: Callable[[bool], bool] | None = None) -> None:
         """Run the main loop until ``until()``; ``hook(urgent)`` starts scheduled work
@@ -110,6 +114,16 @@ class ServingLoop:
                     # next stage the backward request it waits for.)
                     executor.switch(executor.yielded.popleft())
                 continue
+            wg = self.weight_grads
+            if wg is not None and wg.over_limit():
+                # Past zero-bubble's memory bound: W tasks before new forward work, but not
+                # before what unblocks a backward (the critical path) or a waiting caller.
+                msg = transport.pick(only=PREEMPTING)
+                if msg is not None:
+                    self.handle(msg)
+                else:
+                    wg.run_one("eager")
+                continue
             # Scheduled top-level work before queued requests: the schedule's own bound
             # (active microbatches) keeps the pipeline full without flooding it. Except the
             # messages a new forward would yield to at its first block anyway.
@@ -129,12 +143,18 @@ class ServingLoop:
                 self.handle(msg)
 
     def wait_message(self) -> Message | None:
-        """Idle: wait for a message, or for device work to end (whichever comes first).
+        """Idle: wait for a message, or for device work to end (whichever comes first);
+        with zero-bubble's weight-gradient tasks queued, run one instead (None).
 
         Without device work under way, one blocking receive (see
         :meth:`Transport.wait_message`); with device work under way, sleep (up to 50 ms)
         until a message arrives or the device work ends.
         """
+        wg = self.weight_grads
+        if wg is not None and wg.pending():
+            # Zero-bubble: idle time is where weight gradients go, one task per look.
+            wg.run_one("idle")
+            return None
         if not self.executor.device_active:
             return self.transport.wait_message()
         return self._sleep_for_message(0.05)

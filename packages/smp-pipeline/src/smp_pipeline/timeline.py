@@ -4,7 +4,8 @@ Every EXECUTING span of a task is one event ``(pp rank, microbatch, module, phas
 end)`` (wall-clock seconds; the phase an :class:`~smp_pipeline.actions.ActionKind` member, or
 its old string: they compare equal). ``to_chrome_trace`` gives a ``chrome://tracing`` / Perfetto file
 with one row per rank; ``plot_timeline`` draws the same with matplotlib (the ``[plot]``
-extra), forward spans light and backward spans dark, coloured by microbatch.
+extra), forward spans light and backward spans dark, coloured by microbatch; zero-bubble's
+weight-gradient tasks (phase ``weight_grad``) in one colour of their own, hatched.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from typing import Any
 
 Event = Sequence[Any]  # (rank, mb, module, phase, start, end)
 
+_NAMES = {"forward": "FWD", "backward": "BWD", "weight_grad": "W"}
+W_COLOUR = "#9e9e9e"  # weight-gradient tasks: grey, whatever their microbatch
+
 
 def to_chrome_trace(events: Iterable[Event]) -> dict[str, Any]:
     """Events as a Chrome-trace dictionary (microseconds from the earliest start)."""
@@ -24,7 +28,7 @@ def to_chrome_trace(events: Iterable[Event]) -> dict[str, Any]:
     for rank, mb, module, phase, start, end in events:
         trace.append(
             {
-                "name": f"{'FWD' if phase == 'forward' else 'BWD'} mb{mb} {module or '<root>'}",
+                "name": f"{_NAMES.get(str(phase), 'BWD')} mb{mb} {module or '<root>'}",
                 "cat": phase,
                 "ph": "X",
                 "ts": (start - t0) * 1e6,
@@ -63,7 +67,8 @@ def plot_timeline(events: Iterable[Event], path: str, title: str = "pipeline tim
     cmap = plt.get_cmap("tab20")
     fig, ax = plt.subplots(figsize=(12, 1 + 0.6 * max(len(ranks), 1)))
     for rank, mb, _module, phase, start, end in events:
-        color = cmap((2 * int(mb)) % 20 + (0 if phase == "backward" else 1))
+        w = phase == "weight_grad"
+        color = W_COLOUR if w else cmap((2 * int(mb)) % 20 + (0 if phase == "backward" else 1))
         ax.barh(
             int(rank),
             (end - start) * 1e3,
@@ -72,12 +77,14 @@ def plot_timeline(events: Iterable[Event], path: str, title: str = "pipeline tim
             color=color,
             edgecolor="black" if phase == "backward" else "none",
             linewidth=0.3,
+            hatch="///" if w else None,
         )
     ax.set_yticks(ranks)
     ax.set_yticklabels([f"pp rank {r}" for r in ranks])
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
-    ax.set_title(f"{title} (light: forward, dark/outlined: backward; colour: microbatch)")
+    ax.set_title(f"{title} (light: forward, dark/outlined: backward, colour: microbatch; "
+                 "grey hatched: weight gradients)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

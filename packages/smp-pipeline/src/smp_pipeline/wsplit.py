@@ -48,7 +48,7 @@ parameter gradients bitwise equal to plain backwards (``tests/test_wsplit.py``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["WTask", "WeightGradQueue", "deferred_weight_grads"]
+__all__ = ["WTask", "WeightGradQueue", "deferred_weight_grads", "split_modules", "splittable"]
 
 GradPairs = list[tuple[nn.Parameter, torch.Tensor]]
 
@@ -107,8 +107,17 @@ class WeightGradQueue:
     #: plain backward's (which sums a microbatch's contributions before accumulating them).
     mixed_params: set[str] = field(default_factory=set)
     _immediate_ids: dict[int, str] = field(default_factory=dict)
-    _pending: dict[int, torch.Tensor] = field(default_factory=dict)
+    _pending: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     _remaining: dict[tuple[int, int], int] = field(default_factory=dict)
+    #: where a group's summed gradient of a parameter goes: ``fold(param, grad, tag)`` with
+    #: the group's tag (None: ``param.grad += grad`` as AccumulateGrad does)
+    fold: Callable[[nn.Parameter, torch.Tensor, int | None], None] | None = None
+    #: called when a group opens (while its first W task is queued): the group's tag, e.g.
+    #: the microbatch whose backward queues it (None: untagged)
+    tag: Callable[[], int | None] | None = None
+    #: group -> its tag (until :meth:`seal`); tag -> W tasks of its groups still queued
+    group_tags: dict[int, int | None] = field(default_factory=dict)
+    queued_by_tag: dict[int | None, int] = field(default_factory=dict)
     #: False (default): a norm's weight gradient (a vector, memory-bound to compute) is
     #: computed in the I pass and only folded into ``.grad`` by its W task; True: computed by
     #: the W task from the held input and grad_output (see the module docstring)
@@ -116,7 +125,9 @@ class WeightGradQueue:
     #: an empty tensor requiring grad, passed to every split operator (see ``_detach``)
     anchor: torch.Tensor = field(default_factory=lambda: torch.empty(0, requires_grad=True))
     _group: int = -1
-    _last_task_id: int | None = None
+    #: autograd graph task id -> its group (a backward paused inside the engine, as a
+    #: pipeline's joined backward is while it waits for another rank, keeps its group)
+    _groups: dict[int, int] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.tasks)
@@ -126,16 +137,25 @@ class WeightGradQueue:
         return _storage_bytes([t for task in self.tasks for t in task.held])
 
     def seal(self) -> None:
-        """End the current group: the next W task queued starts the next microbatch's group."""
-        self._last_task_id = None
+        """End the open groups: the next W task queued starts a new group (and the tags of
+        groups whose tasks all ran are forgotten)."""
+        self._groups.clear()
+        live = {t.group for t in self.tasks}
+        self.group_tags = {g: t for g, t in self.group_tags.items() if g in live}
 
     def _group_for_current_backward(self) -> int:
         # One group per autograd graph task: one backward call is one microbatch's I pass.
         task_id = torch._C._current_graph_task_id()
-        if task_id != self._last_task_id:
+        group = self._groups.get(task_id)
+        if group is None:
             self._group += 1
-            self._last_task_id = task_id
-        return self._group
+            group = self._groups[task_id] = self._group
+            self.group_tags[group] = None if self.tag is None else self.tag()
+        return group
+
+    def oldest_tag(self) -> int | None:
+        """The tag of the oldest queued W task's group (None: empty, or untagged)."""
+        return self.group_tags.get(self.tasks[0].group) if self.tasks else None
 
     def _note_immediate(self, p: torch.Tensor, name: str) -> None:
         self.immediate_params.add(name)
@@ -147,6 +167,8 @@ class WeightGradQueue:
 
     def _enqueue(self, task: WTask) -> None:
         self.tasks.append(task)
+        tag = self.group_tags.get(task.group)
+        self.queued_by_tag[tag] = self.queued_by_tag.get(tag, 0) + 1
         for p in task.params:
             key = (task.group, id(p))
             self._remaining[key] = self._remaining.get(key, 0) + 1
@@ -157,21 +179,31 @@ class WeightGradQueue:
         if not self.tasks:
             return False
         task = self.tasks.pop(0)
+        tag = self.group_tags.get(task.group)
         with torch.no_grad():
             for p, g in task.compute():
+                # Keyed by group too: a paused backward's group may interleave with others.
                 key = (task.group, id(p))
-                partial = self._pending.pop(id(p), None)
+                partial = self._pending.pop(key, None)
                 # The sum of one group's contributions, in arrival order (autograd's input
                 # buffer), before it meets .grad (autograd's AccumulateGrad).
                 total = g if partial is None else partial + g
                 self._remaining[key] -= 1
                 if self._remaining[key]:
-                    self._pending[id(p)] = total
+                    self._pending[key] = total
                     continue
                 del self._remaining[key]
                 if id(p) in self._immediate_ids:
                     self.mixed_params.add(self._immediate_ids[id(p)])
-                _fold_into_grad(p, total)
+                if self.fold is None:
+                    _fold_into_grad(p, total)
+                else:
+                    self.fold(p, total, tag)
+        left = self.queued_by_tag[tag] - 1
+        if left:
+            self.queued_by_tag[tag] = left
+        else:
+            del self.queued_by_tag[tag]
         return True
 
     def run_group(self) -> int:
@@ -430,6 +462,41 @@ _SPLITS: dict[type[nn.Module], Callable[[Any, WeightGradQueue], Callable[..., to
     nn.RMSNorm: _rms_norm_forward,
     nn.Embedding: _embedding_forward,
 }
+
+
+def splittable(m: nn.Module) -> bool:
+    """Whether the split knows ``m``: a stock ``nn.Linear``/``LayerNorm``/``RMSNorm``/
+    ``Embedding`` whose ``forward`` is not replaced on the instance."""
+    return type(m) in _SPLITS and "forward" not in m.__dict__
+
+
+@contextlib.contextmanager
+def split_modules(
+    modules: Iterable[tuple[str, nn.Module]], queue: WeightGradQueue
+) -> Iterator[WeightGradQueue]:
+    """Split exactly these ``(path, module)``s' backwards (the :func:`splittable` ones;
+    others are skipped) into ``queue`` while the context is open. Their parameters that
+    still get a gradient in the I pass are named (``path.name``) in
+    ``queue.immediate_params`` and, if they also get W tasks, in ``queue.mixed_params``."""
+    patched: list[nn.Module] = []
+    hooks = []
+    try:
+        for path, m in modules:
+            if not splittable(m):
+                continue
+            m.forward = _SPLITS[type(m)](m, queue)  # type: ignore[method-assign]
+            patched.append(m)
+            for n, p in m.named_parameters(recurse=False):
+                if p.requires_grad:
+                    name = f"{path}.{n}" if path else n
+                    hooks.append(p.register_post_accumulate_grad_hook(
+                        lambda p, name=name: queue._note_immediate(p, name)))  # fmt: skip
+        yield queue
+    finally:
+        for h in hooks:
+            h.remove()
+        for m in patched:
+            del m.forward
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ __all__ = ["SMPConfig", "parse_config", "resolve_placement", "CONFIG_ENV", "TRAC
 
 CONFIG_ENV = "SMP_CONFIG"
 
-_PIPELINES = ("simple", "interleaved")
+_PIPELINES = ("simple", "interleaved", "zero_bubble")
 _COLLECTIVE_BACKENDS = ("auto", "gloo", "smp")
 _OPTIMIZE = ("speed", "memory")
 CP_ATTENTION = ("auto", "ring", "all_to_all")
@@ -282,6 +282,12 @@ def _validate_values(cfg: SMPConfig, world_size: int) -> None:
         raise ConfigError("activation_loading_horizon", "must be >= 1")
     if cfg.pipeline not in _PIPELINES:
         raise ConfigError("pipeline", f"must be one of {_PIPELINES}, got {cfg.pipeline!r}")
+    if cfg.pipeline == "zero_bubble" and not cfg.deterministic_accumulation:
+        raise ConfigError(
+            "deterministic_accumulation",
+            "must be True with pipeline 'zero_bubble' (its weight gradients are folded in "
+            "microbatch order)",
+        )
     if cfg.optimize not in _OPTIMIZE:
         raise ConfigError("optimize", f"must be one of {_OPTIMIZE}, got {cfg.optimize!r}")
     if cfg.trace_device not in TRACE_DEVICES:

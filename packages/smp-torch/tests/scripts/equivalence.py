@@ -207,6 +207,13 @@ def run_case(case: dict) -> None:
             assert stats.replayed == steps - 1, f"[{name}] stage {smp.pp_rank()}: {stats}"
         else:
             assert stats.replayed == steps - 1 or stats.not_replayable, f"[{name}] {stats}"
+    if cfg.pipeline == "zero_bubble":
+        # The split really ran on every stage: W tasks queued and run, some in idle time.
+        st = dmodel.engine.runtime.weight_grad_stats
+        assert st is not None and st.total > 0, f"[{name}] stage {smp.pp_rank()}: {st}"
+        assert st.total == sum(st.deferred_ops.values()), f"[{name}] {st}"
+        idle = sum(smp.allgather(st.idle, smp.PP_GROUP))
+        assert idle > 0, f"[{name}] no W task ran in idle time: {st}"
     if cfg.offload_activations:
         check_offloading(dmodel, cfg, case)
     if cfg.pp > 1:

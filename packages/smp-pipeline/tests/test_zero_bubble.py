@@ -1,0 +1,185 @@
+"""``schedule="zero_bubble"`` (smp_pipeline.zerobubble): backwards split into input-grad now and
+weight-grad tasks in idle time, gradients bitwise those of ``"interleaved"``.
+
+Single-process checks of the pieces (which layers are split, the fold waiting for W tasks,
+a backward paused inside the engine, a pp=1 runtime), then one ``mpiexec`` job per pipeline
+degree running every case of ``zb_cases.py`` against dynamic mode, bitwise.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from no_peers import NoPeers
+from smp_pipeline import PipelineConfigError, PipelineRuntime, Scheduler
+from smp_pipeline.accumulation import GradAccumulator
+from smp_pipeline.wsplit import WeightGradQueue, split_modules
+from smp_pipeline.zerobubble import WeightGradWork, modules_to_split
+from torch import nn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class _Tied(nn.Module):
+    """An embedding tied to an output head (both splittable) and a Linear whose weight a
+    parameter-holding module uses functionally (not splittable)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5, 4)
+        self.head = nn.Linear(4, 5, bias=False)
+        self.head.weight = self.embed.weight
+        self.lin = nn.Linear(4, 4)
+        self.user = nn.Module()
+        self.user.w = self.lin.weight
+        self.frozen = nn.Linear(4, 4).requires_grad_(False)
+        self.other = nn.Linear(4, 4)
+
+
+def test_tied_pairs_of_split_layers_stay_split_a_weight_shared_with_other_ops_does_not() -> None:
+    model = _Tied()
+    chosen = [path for path, _ in modules_to_split(model, model.named_modules())]
+    assert chosen == ["embed", "head", "other"]
+
+
+def test_a_layer_with_a_tensor_hook_on_its_weight_stays_unsplit() -> None:
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    grads = GradAccumulator(lambda: 0)
+    grads.track([*a.parameters(), *b.parameters()])  # (the accumulator's own hooks)
+    work = WeightGradWork(0, grads, lambda: 0, max_microbatches=4)
+    work.set_modules(nn.Sequential(a, b), [("0", a), ("1", b)])
+    assert [path for path, _ in work.modules] == ["0", "1"]
+    handle = b.weight.register_hook(lambda g: g * 2)
+    assert [path for path, _ in work.modules] == ["0"]
+    handle.remove()
+    assert [path for path, _ in work.modules] == ["0", "1"]
+
+
+def test_schedule_and_runtime_arguments() -> None:
+    s = Scheduler("zero_bubble", 4, 2)
+    assert s.kind == "interleaved"  # tasks start as interleaved's do
+    with pytest.raises(PipelineConfigError, match="zero_bubble"):
+        Scheduler("zero-bubble", 4, 2)
+    with pytest.raises(PipelineConfigError, match="deterministic_accumulation"):
+        PipelineRuntime(nn.Linear(2, 2), NoPeers(), 0, 1, schedule="zero_bubble",
+                        deterministic_accumulation=False)  # fmt: skip
+    model = nn.Linear(2, 1)
+    rt = PipelineRuntime(model, NoPeers(), 0, 1, assignment={})
+
+    def step(x):
+        rt.backward(model(x).sum())
+
+    with pytest.raises(PipelineConfigError, match="when the runtime is built"):
+        rt.run_step(step, (torch.ones(2, 2),), num_microbatches=2, schedule="zero_bubble")
+    rt.close()
+
+
+def test_a_fold_waits_for_its_microbatchs_weight_grads() -> None:
+    """Microbatch 0 complete while its W task is queued: nothing reaches ``.grad`` until it
+    runs; then the buffer (W's contribution) is folded."""
+    lin = nn.Linear(3, 2)
+    mb = [0]
+    grads = GradAccumulator(lambda: mb[0])
+    grads.track(lin.parameters())
+    work = WeightGradWork(0, grads, lambda: mb[0], max_microbatches=4)
+    work.set_modules(lin, [("", lin)])
+    grads.begin(1)
+    with work.step():
+        lin(torch.ones(4, 3)).sum().backward()
+    assert len(work.queue) == 1 and lin.weight.grad is None
+    grads.complete(1, 0)
+    assert lin.weight.grad is None  # held: its W task has not run
+    work.run_one("idle")
+    assert torch.equal(lin.weight.grad, torch.full((2, 3), 4.0))
+    assert work.stats.idle == 1 and not work.pending()
+    grads.end()
+
+
+def test_a_paused_backward_keeps_its_group() -> None:
+    """A tied weight used twice by backward A, which runs backward B (same weight) in the
+    middle, as a joined pipeline backward pauses inside the engine while another
+    microbatch's runs: the W tasks interleave (A, B, A), yet each backward's contributions
+    are summed apart and the result is bitwise the plain one."""
+    torch.manual_seed(0)
+    lin = nn.Linear(6, 6, bias=False)
+    xa, xb = torch.randn(5, 6), torch.randn(3, 6)
+
+    def run(split: bool) -> torch.Tensor:
+        lin.weight.grad = None
+        q = WeightGradQueue()
+
+        class RunB(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, h):  # noqa: ANN001, ANN205
+                return h.clone()
+
+            @staticmethod
+            def backward(ctx, g):  # noqa: ANN001, ANN205
+                with torch.enable_grad():
+                    torch.tanh(lin(xb)).pow(2).sum().backward()
+                return g
+
+        def both() -> None:
+            h = lin(torch.tanh(lin(xa)))  # these two uses' W tasks come after B's
+            torch.tanh(lin(RunB.apply(torch.tanh(h)))).pow(2).sum().backward()
+
+        if not split:
+            both()
+            return lin.weight.grad.clone()
+        with split_modules([("lin", lin)], q):
+            both()
+        groups = [t.group for t in q.tasks]
+        assert groups[0] != groups[1] and groups[0] == groups[-1], groups  # A, B, A, A
+        q.run()
+        return lin.weight.grad.clone()
+
+    assert torch.equal(run(True), run(False))
+
+
+def test_pp1_runtime_matches_interleaved_and_draws_w_tasks(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    grads = []
+    for schedule in ("zero_bubble", "interleaved"):
+        model = copy.deepcopy(base)
+        rt = PipelineRuntime(model, NoPeers(), 0, 1, assignment={}, schedule=schedule,
+                             timeline=True)  # fmt: skip
+
+        def step(x, y, model=model, rt=rt):  # noqa: ANN001, ANN202
+            loss = F.mse_loss(model(x), y)
+            rt.backward(loss)
+            return loss
+
+        rt.run_step(step, (x, y), num_microbatches=4)
+        grads.append([p.grad for p in model.parameters()])
+        if schedule == "zero_bubble":
+            st = rt.weight_grad_stats
+            assert st is not None and st.total == 4 * 3 == sum(st.deferred_ops.values())
+            events = rt.write_timeline(png_path=str(tmp_path / "zb.png"))
+            assert events is not None
+            assert sum(e[3] == "weight_grad" for e in events) == st.total
+            assert (tmp_path / "zb.png").read_bytes()[:4] == b"\x89PNG"
+        rt.close()
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("pp", [2, 4])
+def test_zero_bubble_is_bitwise_interleaved(pp: int) -> None:
+    """Under mpiexec: an MLP (LayerNorm + Linear blocks), with activation checkpointing, a
+    tied embedding/head, the Branch model (data-dependent control flow), non-tensor stage
+    inputs, a Linear whose weight another module uses (left unsplit): bitwise equal to
+    ``"interleaved"``, W tasks run (some in idle time) — see zb_cases.py."""
+    pytest.importorskip("mpi4py")
+    from smp_comm.testing import run_mpi
+
+    out = run_mpi([os.path.join(HERE, "zb_cases.py")], pp, timeout=240,
+                  env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert f"SUITE-OK zero_bubble pp{pp}" in out, out
