@@ -51,26 +51,36 @@ def test_memory_prediction_is_the_documented_sum() -> None:
     c = Candidate(pp=1, tp=1, dp=1, sdp=1, microbatches=2, checkpointing=False)
     _, bubble, peaks = estimate(p, stages, c)
     state = 2000 * (4 + 4 + 8)
-    acts = in_flight(1, 2) * 16000 / 2  # two microbatches in flight, each half the batch
+    acts = 16000 / 2  # without a pipeline one microbatch (half the batch) at a time
     assert peaks == (100_000 + state + acts,)
     assert bubble == 0.0
-    # tp=2 halves the parameters of the tensor-parallel blocks; each rank keeps its own
-    # half of the samples (smp's default), so the saved bytes halve too.
+    # tp=2 halves the parameters of the tensor-parallel blocks; a split module runs its tp
+    # peers' samples too (smp's default keeps each rank's own), so its saved bytes stay.
     c2 = Candidate(pp=1, tp=2, dp=1, sdp=1, microbatches=2, checkpointing=False)
-    assert estimate(p, stages, c2)[2] == (100_000 + state / 2 + acts / 2,)
-    # a whole (not tensor-parallel) module keeps its parameters in full
+    assert estimate(p, stages, c2)[2] == (100_000 + state / 2 + acts,)
+    # a whole (not tensor-parallel) module keeps its parameters in full, and only this
+    # rank's samples: b0's 8000 saved bytes for two tp peers, b1's for this rank alone
     q = two_block_profile(tp_divisors={"b0": 4})
     q_stages = stage_sums(q, module_facts(q), 1)[0]
-    assert estimate(q, q_stages, c2)[2] == (100_000 + (1000 + 500) * 16 + acts / 2,)
+    assert estimate(q, q_stages, c2)[2] == (100_000 + (1000 + 500) * 16 + (8000 * 2 + 8000) / 4,)
     # the step's temporaries: one microbatch's share of the per-sample part, plus the fixed
     r = two_block_profile(step_transient_bytes=4000.0, step_transient_fixed_bytes=50.0)
     r_stages = stage_sums(r, module_facts(r), 1)[0]
-    assert estimate(r, r_stages, c2)[2] == (100_000 + state / 2 + acts / 2 + 4000 / 4 + 50,)
-    # sdp=2 shards the state, and counts the stage's parameters and gradients unsharded.
+    assert estimate(r, r_stages, c2)[2] == (100_000 + state / 2 + acts + 4000 * 2 / 4 + 50,)
+    # sdp=2 shards the state, and counts two full copies of parameters and of gradients
+    # (FSDP2's all-gather buffer and unsharded parameters; full gradients and the
+    # reduce-scatter's flat input).
     c3 = Candidate(pp=1, tp=1, dp=2, sdp=2, microbatches=1, checkpointing=False)
-    assert estimate(p, stages, c3)[2] == (100_000 + state / 2 + 2000 * 8 + 16000 / 2,)
-    # a pipeline keeps at most pp + 2 microbatches in flight; pp = 1 keeps all of them
-    assert in_flight(1, 8) == 8 and in_flight(2, 8) == 4 and in_flight(4, 2) == 2
+    assert estimate(p, stages, c3)[2] == (100_000 + state / 2 + 2 * 2000 * 8 + 16000 / 2,)
+    # replicas (dp > sdp) add one copy of the gradients: the all-reduce's flat buckets
+    c4 = Candidate(pp=1, tp=1, dp=2, sdp=1, microbatches=1, checkpointing=False)
+    assert estimate(p, stages, c4)[2] == (100_000 + state + 2000 * 4 + 16000 / 2,)
+    # the margin scales the whole peak
+    m = two_block_profile(memory_margin=0.1)
+    m_stages = stage_sums(m, module_facts(m), 1)[0]
+    assert estimate(m, m_stages, c)[2] == pytest.approx(((100_000 + state + acts) * 1.1,))
+    # a pipeline keeps at most pp + 2 microbatches in flight; pp = 1 keeps one at a time
+    assert in_flight(1, 8) == 1 and in_flight(2, 8) == 4 and in_flight(4, 2) == 2
 
 
 def test_checkpointing_trades_time_for_memory() -> None:
@@ -81,9 +91,15 @@ def test_checkpointing_trades_time_for_memory() -> None:
     t0, _, m0 = estimate(p, stages, plain)
     t1, _, m1 = estimate(p, stages, ck)
     assert t1 == pytest.approx(t0 + 1.0)  # the whole forward is recomputed once
-    # kept: each unit's input per microbatch in flight, plus one unit's saved bytes
-    assert m1[0] == 100_000 + 2000 * 16 + (in_flight(1, 4) * 800 + 8000) / 4
-    assert m1[0] < m0[0]
+    # kept: each unit's input for the microbatch, plus one microbatch's saved bytes (the
+    # recompute chain's): without a pipeline, no saving (as measured)
+    assert m1[0] == 100_000 + 2000 * 16 + (800 + 16000) / 4
+    assert m1[0] >= m0[0]
+    # with a pipeline, the microbatches in flight keep only their units' inputs
+    p2 = stage_sums(p, module_facts(p), 2)[0]
+    _, _, n0 = estimate(p, p2, Candidate(2, 1, 1, 1, 4, False))
+    _, _, n1 = estimate(p, p2, Candidate(2, 1, 1, 1, 4, True))
+    assert all(b < a for a, b in zip(n0, n1))
 
 
 def test_pipeline_bubble_and_stages_follow_smps_partition() -> None:

@@ -86,9 +86,10 @@ class Estimate:
 
 def in_flight(pp: int, microbatches: int) -> int:
     """Microbatches whose activations a stage may hold at once: with a pipeline, smp's
-    default ``active_microbatches`` (pp + 2); without one, every microbatch (measured: a
-    rank's peak barely moves with the microbatches at pp = 1, bench_plan's grid)."""
-    return microbatches if pp == 1 else min(microbatches, pp + 2)
+    default ``active_microbatches`` (pp + 2); without one, one (``@smp.step`` runs the
+    forward and backward of each microbatch in turn; measured: at tp = 4 a rank's peak
+    falls by 28 MiB from 1 to 8 microbatches, bench_plan's gpt2-small grid)."""
+    return 1 if pp == 1 else min(microbatches, pp + 2)
 
 
 def stage_memory(profile: Profile, st: StageSums, c: Candidate) -> float:
@@ -97,27 +98,37 @@ def stage_memory(profile: Profile, st: StageSums, c: Candidate) -> float:
     params = st.params.at(tp)
     state = params * (profile.param_bytes + profile.grad_bytes + profile.optimizer_bytes) / sdp
     if sdp > 1:
-        # FSDP2 unshards units for forward and backward and reduce-scatters full gradients;
-        # counted as if every unit of the stage were unsharded at once (safe; measured: sdp
-        # saves no memory on a small model, bench_plan's grid).
-        state += params * (profile.param_bytes + profile.grad_bytes)
-    # smp's default (prescaled_batch off): tensor-parallel peers keep their own samples, so
-    # a rank's saved activations are those of its batch / (tp * dp) samples, in the modules
-    # tp splits too (measured: at the same samples per rank, tp = 2 and 4 hold less than
-    # dp = 4, bench_plan's grid).
-    own = c.microbatches * c.tp * c.dp
+        # FSDP2 all-gathers each unit into a flat buffer and copies it out to unsharded
+        # parameters, and reduce-scatters full gradients from a flat copy: two full copies
+        # of the parameters and two of the gradients, counted as if every unit of the stage
+        # were unsharded at once (safe: the runtime frees a unit's after its use).
+        state += 2 * params * (profile.param_bytes + profile.grad_bytes)
+    if c.dp // sdp > 1:
+        # the replicas' gradient all-reduce packs gradients into flat buckets, several in
+        # flight while backward runs: up to one more copy of the stage's gradients
+        state += params * profile.grad_bytes
+    # smp's default (prescaled_batch off): each rank keeps its own batch / (tp * dp) samples
+    # in the modules tp does not split; a split module all-gathers its tp peers' inputs and
+    # runs tp times the samples on 1/tp of the weights. Its saved bytes are counted at
+    # the full width for those samples (its inputs are full width; the inner activations
+    # are 1/tp as wide: safe, by at most tp times on the inner part).
+    own = c.microbatches * c.tp * c.dp  # microbatch slices of the profiled batch, per rank
     live = in_flight(c.pp, c.microbatches)
     if c.checkpointing and st.unit_saved:
-        per_mb = st.saved_outside_units.at(1) + st.unit_inputs
-        recompute = max(u.at(1) for u in st.unit_saved)
+        per_mb = st.saved_outside_units.whole + st.saved_outside_units.split * tp + st.unit_inputs
+        # While a microbatch's backward recomputes its units one at a time, what the
+        # recompute chain allocated stays in the process (measured: at pp = 1 a rank's peak
+        # with checkpointing equals the one without, bench_plan's gpt2-small grid): one
+        # microbatch's full saved bytes, on top of the kept unit inputs.
+        recompute = st.saved.whole + st.saved.split * tp
         acts = (live * per_mb + recompute) / own
     else:
-        acts = live * st.saved.at(1) / own
+        acts = live * (st.saved.whole + st.saved.split * tp) / own
     # One microbatch's backward temporaries on top (the stage's share, by saved bytes).
     total = sum(profile.saved_bytes.values())
     share = st.saved.at(1) / total if total else 1.0 / c.pp
-    acts += profile.step_transient_bytes * share / own + profile.step_transient_fixed_bytes
-    return profile.base_bytes + state + acts
+    acts += profile.step_transient_bytes * share * tp / own + profile.step_transient_fixed_bytes
+    return (profile.base_bytes + state + acts) * (1.0 + profile.memory_margin)
 
 
 def stage_microbatch_s(profile: Profile, st: StageSums, c: Candidate) -> float:

@@ -83,6 +83,9 @@ class Profile:
     """The part of that peak that does not grow with the samples (per microbatch)."""
     base_bytes: int = 0
     """Memory a rank uses whatever the model (interpreter, libraries, runtime buffers)."""
+    memory_margin: float = 0.0
+    """Fraction added to every predicted peak: what the allocator keeps resident beyond
+    the live bytes, and its rank-to-rank spread (the same work measures up to 3% apart)."""
     step_overhead_s: float = 0.0
     """Fixed seconds per step (synchronisation, bookkeeping)."""
     microbatch_overhead_s: float = 0.0
@@ -103,7 +106,7 @@ class Profile:
             raise PartitionError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
         for key in ("forward_s", "backward_s", "optimizer_s_per_param", "step_overhead_s",
                     "microbatch_overhead_s", "memory_weight", "balance_slack", "compute_scale",
-                    "step_transient_bytes", "step_transient_fixed_bytes"):  # fmt: skip
+                    "step_transient_bytes", "step_transient_fixed_bytes", "memory_margin"):  # fmt: skip
             v = getattr(self, key)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise PartitionError(f"{key} must be a finite number >= 0, got {v!r}")
