@@ -2,9 +2,12 @@
 
 Run: python benchmarks/bench_plan.py            (speed figures; then the stored grids in
                                                  benchmarks/data/plan/ against a fresh profile)
-     python benchmarks/bench_plan.py --measure gpt2-small [--resume]
+     python benchmarks/bench_plan.py --measure gpt2-small [--resume] [--any-load]
                                                 (measure that model's grid, one `mpiexec -n 4`
                                                  job per configuration; ~30-60 minutes)
+     python benchmarks/bench_plan.py --calibrate gpt2-small [--any-load]
+                                                (the machine calibration again, into that
+                                                 model's file, then the comparison)
 
 Ground truth (``--measure``): for one model and world size 4, every (pp, tp, dp) with
 pp*tp*dp = 4, sharded data parallelism off and on (sdp = dp) where dp > 1, microbatches
@@ -101,16 +104,44 @@ def grid() -> list[dict[str, Any]]:
     return out
 
 
-def _matmul_s() -> float:
-    """Seconds of a fixed compute kernel (the calibration's measure of a core's speed)."""
+def _matmul_s(clock: Any = time.perf_counter) -> float:
+    """Seconds of a fixed compute kernel (the calibration's measure of a core's speed): wall
+    time in a job; CPU time in the plain process, the clock the profile times on one thread
+    (so ``compute_scale`` turns a profile's CPU seconds into a rank's wall seconds)."""
     import torch
 
     a = torch.randn(256, 256)
     a @ a
-    t0 = time.perf_counter()
+    t0 = clock()
     for _ in range(200):
         a @ a
-    return time.perf_counter() - t0
+    return clock() - t0
+
+
+def _sync_s(collective: Any, barrier: Any, rounds: int = 20) -> float:
+    """Seconds one small collective adds to a loop that computes between collectives (every
+    rank at once, as a job's tensor-parallel or sharded step does): the loop of a ~1 ms
+    kernel with the collective, less the loop without it. Beyond the collective's own
+    latency this is the wait for peers, which is large where ranks outnumber cores."""
+    import torch
+
+    a = torch.randn(192, 192)
+
+    def work() -> None:
+        for _ in range(8):
+            a @ a
+
+    def loop(with_collective: bool) -> float:
+        barrier()
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            work()
+            if with_collective:
+                collective()
+        return (time.perf_counter() - t0) / rounds
+
+    loop(True)  # warm-up
+    return statistics.median(loop(True) - loop(False) for _ in range(3))
 
 
 def _peak_bytes() -> int:
@@ -193,6 +224,7 @@ def worker_calibrate() -> None:
     group = smp.get_world_process_group()
     smp.barrier()
     kernel = _matmul_s()  # all ranks at once, as in a job
+    sync = _sync_s(lambda: dist.all_reduce(torch.ones(1), group=group), smp.barrier)
     res = {}
     for n in (1, 1 << 20):
         t = torch.ones(n // 4)
@@ -203,7 +235,7 @@ def worker_calibrate() -> None:
         for _ in range(10):
             dist.all_reduce(t, group=group)
         res[n] = (time.perf_counter() - t0) / 10
-    row = {"rank": smp.rank(), "peak_bytes": _peak_bytes(), "kernel_s": kernel,
+    row = {"rank": smp.rank(), "peak_bytes": _peak_bytes(), "kernel_s": kernel, "sync_s": sync,
            "allreduce_s": {str(k): v for k, v in res.items()}}  # fmt: skip
     _print_rows(smp, row)
 
@@ -219,7 +251,7 @@ def _plain_peak() -> str:
         opt.zero_grad()
         model(torch.ones(4, 8)).sum().backward()
         opt.step()
-    return f"{_matmul_s()} {_peak_bytes()}"
+    return f"{_matmul_s(time.process_time)} {_peak_bytes()}"
 
 
 # --------------------------------------------------------------------------- launching
@@ -250,6 +282,8 @@ def calibrate() -> dict[str, Any]:
     large = max(r["allreduce_s"][str(1 << 20)] for r in rows)
     # ring all-reduce: 2(n-1) latency steps; 2(n-1)/n of the bytes through each rank
     latency = small / (2 * (WORLD - 1))
+    # what a collective costs in a computing job beyond its latency (the wait for peers)
+    sync = max(0.0, statistics.median(r["sync_s"] for r in rows) - small)
     bandwidth = 2 * (WORLD - 1) / WORLD * (1 << 20) / max(large - small, 1e-9)
     return {
         "rank_peak_bytes": max(r["peak_bytes"] for r in rows),
@@ -258,6 +292,7 @@ def calibrate() -> dict[str, Any]:
         "compute_scale": statistics.median(r["kernel_s"] for r in rows) / float(kernel),
         "latency_s": latency,
         "bandwidth": bandwidth,
+        "sync_s": sync,
         "load": load(),
     }
 
@@ -342,6 +377,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def compare(name: str) -> None:
+    import torch
     from smp_partition.plan import Candidate, CommModel
     from smp_partition.plan.search import _Planner
     from smp_torch.plan import profile_model
@@ -350,9 +386,11 @@ def compare(name: str) -> None:
         data = json.load(f)
     machine = data["machine"]
     model_fn, batch, step_fn = build(name)
+    torch.set_num_threads(1)  # as each rank of the grid runs (and the calibration's kernel)
     t0 = time.perf_counter()
+    comm = CommModel(machine["latency_s"], machine["bandwidth"], machine.get("sync_s", 0.0))
     prof = profile_model(
-        model_fn, batch, step_fn, comm=CommModel(machine["latency_s"], machine["bandwidth"]),
+        model_fn, batch, step_fn, comm=comm,
         runtime_bytes=machine["rank_peak_bytes"], compute_scale=machine["compute_scale"],
     )  # fmt: skip
     profile_s = time.perf_counter() - t0
@@ -456,6 +494,21 @@ def main() -> None:
             worker_calibrate()
         else:
             print(_plain_peak())
+        return
+    if "--calibrate" in sys.argv:
+        # the machine constants again (e.g. sync_s, added after a grid was measured), into
+        # the model's file; on a quiet machine unless --any-load
+        name = sys.argv[sys.argv.index("--calibrate") + 1]
+        path = os.path.join(DATA, f"{name}.json")
+        with open(path) as f:
+            data = json.load(f)
+        if "--any-load" not in sys.argv:
+            quiet_machine()
+        data["machine"] = calibrate()
+        print(f"calibration (load {data['machine']['load']:.2f}): {data['machine']}", flush=True)
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1)
+        compare(name)
         return
     if "--measure" in sys.argv:
         name = sys.argv[sys.argv.index("--measure") + 1]

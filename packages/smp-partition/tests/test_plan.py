@@ -6,8 +6,14 @@ import re
 
 import pytest
 from smp_partition import Module, ModuleGraph, PartitionError, partition
-from smp_partition.plan import Candidate, Profile, search, synthetic_profile
-from smp_partition.plan.estimate import estimate, in_flight
+from smp_partition.plan import Candidate, CommModel, Profile, search, synthetic_profile
+from smp_partition.plan.estimate import (
+    busy_scale,
+    estimate,
+    in_flight,
+    shard_units,
+    stage_microbatch_s,
+)
 from smp_partition.plan.search import _Planner, candidates, divisors
 from smp_partition.plan.stages import module_facts, stage_sums
 
@@ -100,6 +106,52 @@ def test_checkpointing_trades_time_for_memory() -> None:
     _, _, n0 = estimate(p, p2, Candidate(2, 1, 1, 1, 4, False))
     _, _, n1 = estimate(p, p2, Candidate(2, 1, 1, 1, 4, True))
     assert all(b < a for a, b in zip(n0, n1))
+
+
+def test_checkpointing_overhead_is_per_unit_and_microbatch() -> None:
+    p = two_block_profile(checkpoint_unit_overhead_s=0.01)
+    stages = stage_sums(p, module_facts(p), 1)[0]
+    t0 = estimate(p, stages, Candidate(1, 1, 1, 1, 4, False))[0]
+    t1 = estimate(p, stages, Candidate(1, 1, 1, 1, 4, True))[0]
+    assert t1 == pytest.approx(t0 + 1.0 + 4 * 2 * 0.01)  # 4 microbatches x 2 units
+
+
+def test_collectives_cost_their_wait_once_each() -> None:
+    comm = CommModel(latency_s=1e-3, bandwidth=1e6, sync_s=0.5)
+    assert comm.allreduce_s(4e6, 4) == pytest.approx(0.5 + 6e-3 + 6 / 4 * 4.0)
+    assert comm.gather_s(4e6, 4) == pytest.approx(0.5 + 3e-3 + 3 / 4 * 4.0)
+    assert comm.message_s(1e6) == pytest.approx(0.5 + 1e-3 + 1.0)
+    assert comm.allreduce_s(4e6, 1) == comm.gather_s(4e6, 1) == 0.0  # nothing to wait for
+    # tp: two collectives per split module per microbatch (three with checkpointing)
+    p = two_block_profile(comm=CommModel(latency_s=0.0, bandwidth=1e30, sync_s=0.5))
+    st = stage_sums(p, module_facts(p), 1)[0][0]
+    base = stage_microbatch_s(p, st, Candidate(1, 1, 2, 1, 1, False))
+    assert stage_microbatch_s(p, st, Candidate(1, 2, 1, 1, 1, False)) == pytest.approx(base + 2 * 2 * 0.5)
+    assert stage_microbatch_s(p, st, Candidate(1, 2, 1, 1, 1, True)) == pytest.approx(
+        stage_microbatch_s(p, st, Candidate(1, 1, 2, 1, 1, True)) + 2 * 3 * 0.5
+    )
+    # sdp: two all-gathers and a reduce-scatter per microbatch for the root unit
+    assert stage_microbatch_s(p, st, Candidate(1, 1, 2, 2, 1, False)) == pytest.approx(base + 3 * 0.5)
+    # a pipeline stage waits twice per microbatch (forward input, backward gradient)
+    quiet = two_block_profile(comm=CommModel(latency_s=0.0, bandwidth=1e30, sync_s=0.0))
+    c2 = Candidate(2, 1, 1, 1, 1, False)
+    for s in stage_sums(p, module_facts(p), 2)[0]:
+        assert stage_microbatch_s(p, s, c2) == pytest.approx(stage_microbatch_s(quiet, s, c2) + 2 * 0.5)
+
+
+def test_busy_scale_and_shard_units() -> None:
+    p = two_block_profile(compute_scale=3.0, shard_unit_elements=1000)
+    assert busy_scale(p, Candidate(1, 1, 4, 1, 8, False)) == 3.0  # every rank busy
+    # pp=4, 2 microbatches: bubble 3/5, so 2/5 of the ranks compete for the cores
+    assert busy_scale(p, Candidate(4, 1, 1, 1, 2, False)) == pytest.approx(1 + 2 * 2 / 5)
+    st = stage_sums(p, module_facts(p), 1)[0][0]
+    assert shard_units(p, st, 1) == 3  # both blocks reach 1000 elements, plus the root
+    assert shard_units(p, st, 2) == 1  # split in half, neither does
+    # the per-microbatch overhead: a stage's share of the modules
+    q = two_block_profile(microbatch_overhead_s=0.3)
+    q1 = stage_sums(q, module_facts(q), 1)[0][0]
+    c = Candidate(1, 1, 1, 1, 1, False)
+    assert stage_microbatch_s(q, q1, c) == pytest.approx(stage_microbatch_s(two_block_profile(), q1, c) + 0.3)
 
 
 def test_pipeline_bubble_and_stages_follow_smps_partition() -> None:

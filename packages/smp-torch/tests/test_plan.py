@@ -14,6 +14,7 @@ from smp_partition.plan import search
 from smp_torch.config import parse_config
 from smp_torch.plan import parse_bytes, profile_model
 from smp_torch.plan.profiling import (
+    _checkpoint_unit_overhead_s,
     peak_step_allocation,
     replay_peak,
     saved_bytes_per_module,
@@ -68,6 +69,14 @@ def test_peak_allocation_counts_nested_ops_once() -> None:
     # frees lower the running sum; records come in any order and are replayed by time
     assert replay_peak([(3.0, -5), (1.0, 10), (2.0, 4), (4.0, 2)]) == 14
     assert replay_peak([]) == 0
+
+
+def test_checkpoint_overhead_is_measured_on_smps_wrapping(toy_profile) -> None:  # type: ignore[no-untyped-def]
+    assert toy_profile.checkpoint_unit_overhead_s >= 0.0
+    one = tuple(t[:1] for t in plan_toy.sample_batch())
+    with pytest.raises(ValueError, match="checkpoint unit 'blocks.9'"):
+        _checkpoint_unit_overhead_s(plan_toy.model_fn, plan_toy.step_fn, one, ("blocks.9",), 0.0, 0.0, 1)
+    assert _checkpoint_unit_overhead_s(plan_toy.model_fn, plan_toy.step_fn, one, (), 0.0, 0.0, 1) == 0.0
 
 
 def test_tensor_parallel_divisors_need_a_mark() -> None:

@@ -131,6 +131,22 @@ def stage_memory(profile: Profile, st: StageSums, c: Candidate) -> float:
     return (profile.base_bytes + state + acts) * (1.0 + profile.memory_margin)
 
 
+def busy_scale(profile: Profile, c: Candidate) -> float:
+    """How much slower a rank computes in this job than the profile did. ``compute_scale``
+    is measured with every rank computing at once (more ranks than cores share them); in a
+    pipeline the bubble's idle stages leave their cores to the busy ones, so only the busy
+    share ``1 - bubble`` of the ranks competes (measured: pp = 4 with 2 microbatches runs
+    at about the profile's speed, bench_plan's gpt2-small grid)."""
+    bubble = (c.pp - 1) / (c.microbatches + c.pp - 1)
+    return 1.0 + (profile.compute_scale - 1.0) * (1.0 - bubble)
+
+
+def shard_units(profile: Profile, st: StageSums, tp: int) -> int:
+    """FSDP2 units of a stage under smp's rule: each checkpoint unit holding at least
+    ``shard_unit_elements`` parameter elements (at this tp), plus the stage's root unit."""
+    return 1 + sum(1 for u in st.unit_params if u.at(tp) >= profile.shard_unit_elements)
+
+
 def stage_microbatch_s(profile: Profile, st: StageSums, c: Candidate) -> float:
     """Seconds one microbatch spends on one stage (forward, backward, recompute, comm)."""
     frac = 1.0 / (c.microbatches * c.tp * c.dp)  # of the profiled batch, per rank
@@ -138,29 +154,42 @@ def stage_microbatch_s(profile: Profile, st: StageSums, c: Candidate) -> float:
     # weights: the same share of the work either way.
     fwd = st.forward.at(1) * profile.forward_s * frac
     bwd = st.forward.at(1) * profile.backward_s * frac
-    recompute = st.unit_forward.at(1) * profile.forward_s * frac if c.checkpointing else 0.0
+    recompute = 0.0
+    if c.checkpointing:
+        recompute = st.unit_forward.at(1) * profile.forward_s * frac
+        recompute += len(st.unit_saved) * profile.checkpoint_unit_overhead_s
     comm = profile.comm
-    t = (fwd + bwd + recompute + profile.microbatch_overhead_s) * profile.compute_scale
+    # the fixed per-microbatch cost (Python and dispatch per module) of this stage's modules
+    overhead = profile.microbatch_overhead_s * st.modules / max(len(profile.graph), 1)
+    t = (fwd + bwd + recompute + overhead) * busy_scale(profile, c)
     if c.tp > 1 and st.tp_modules:
-        # each split module exchanges its tp group's activations forward and backward
+        # prescaled_batch off: each split linear all-gathers its input (column-parallel) or
+        # reduce-scatters its output (row-parallel) in forward, the adjoint in backward,
+        # and once more in a checkpointed forward's recompute; over the tp peers' samples.
         per_module = st.tp_output_bytes * frac * c.tp / st.tp_modules
         rounds = 3 if c.checkpointing else 2
-        t += rounds * st.tp_modules * comm.allreduce_s(per_module, c.tp)
-    if c.pp > 1 and st.cuts:
-        per_cut = st.boundary_bytes * frac / st.cuts
-        t += 4 * st.cuts * comm.message_s(per_cut)  # forward there and back, backward alike
+        t += rounds * st.tp_modules * comm.gather_s(per_module, c.tp)
+    if c.sdp > 1:
+        # FSDP2 per microbatch: each unit all-gathered for forward and again for backward,
+        # its gradients reduce-scattered (no accumulation unsharded across microbatches).
+        params = st.params.at(c.tp)
+        t += 2 * comm.gather_s(params * profile.param_bytes, c.sdp)
+        t += comm.gather_s(params * profile.grad_bytes, c.sdp)
+        t += 3 * (shard_units(profile, st, c.tp) - 1) * comm.gather_s(0.0, c.sdp)  # their own rounds
+    if c.pp > 1:
+        # every stage waits once for a microbatch's forward input or its first send, and
+        # once for its backward gradient (the last stage: its loss's turn)
+        t += 2 * comm.message_s(st.boundary_bytes * frac)
     return t
 
 
 def stage_after_s(profile: Profile, st: StageSums, c: Candidate) -> float:
     """Seconds after the pipeline: gradient synchronisation and the optimizer step."""
     params = st.params.at(c.tp)
-    grad_bytes = params * profile.grad_bytes
     comm = profile.comm
     if c.sdp > 1:
-        replicas = c.dp // c.sdp
-        t = comm.gather_s(grad_bytes, c.sdp) + comm.allreduce_s(grad_bytes / c.sdp, replicas)
-        t += 2 * c.microbatches * comm.gather_s(params * profile.param_bytes, c.sdp)
+        # the shards' gradients (reduce-scattered per microbatch) averaged over the replicas
+        t = comm.allreduce_s(params * profile.grad_bytes / c.sdp, c.dp // c.sdp)
     else:
         # whole parameters are averaged over every rank sharing the batch (tp peers
         # included), split ones over the replicas of their slice

@@ -21,6 +21,7 @@ from typing import Any
 import smp_partition
 import torch
 from smp_partition.plan import CommModel, Profile
+from smp_pipeline.checkpointing import checkpoint_in_place
 from smp_pipeline.partition import trace_dict
 from smp_tp.registry import is_tensor_parallel_enabled, lookup
 from torch import nn
@@ -175,12 +176,47 @@ def default_checkpoint_units(model: nn.Module) -> tuple[str, ...]:
     return best
 
 
+def _checkpoint_unit_overhead_s(
+    model_fn: Callable[[], nn.Module],
+    step: StepFn,
+    one: Any,
+    units: Sequence[str],
+    one_s: float,
+    forward_per_sample_s: float,
+    repeats: int,
+) -> float:
+    """Seconds each checkpointed unit adds to a microbatch beyond recomputing its forward:
+    a one-sample step of a fresh copy with smp's checkpointing (smp_pipeline's
+    ``checkpoint_in_place``, as a rank applies it) on ``units``, less the plain one-sample
+    step ``one_s`` and the recomputed forward, per unit."""
+    if not units:
+        return 0.0
+    model = model_fn()
+    names = dict(model.named_modules())
+    missing = [u for u in units if u not in names]
+    if missing:
+        raise ValueError(f"checkpoint unit {missing[0]!r} is not a module of the model")
+    checkpoint_in_place(model, {u: None for u in units})
+
+    def run() -> None:
+        model.zero_grad(set_to_none=False)
+        step(model, one).backward()
+
+    run()
+    ck_s = _median_s(run, repeats)
+    return max(0.0, (ck_s - one_s - forward_per_sample_s) / len(units))
+
+
 def _median_s(fn: Callable[[], Any], repeats: int) -> float:
+    """Median seconds of ``fn()``: CPU time where torch runs on one thread (what the
+    process itself spent, so other processes on a shared machine do not inflate it; the
+    calibration's ``compute_scale`` turns it into a rank's wall time), else wall time."""
+    clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return statistics.median(times)
 
 
@@ -252,6 +288,8 @@ def profile_model(
 
     saved = saved_bytes_per_module(model, fwd)
     graph = smp_partition.ModuleGraph.from_dict(trace_dict(model, run=fwd, costs="flops"))
+    units = tuple(default_checkpoint_units(model) if checkpoint_units is None else checkpoint_units)
+    unit_overhead = _checkpoint_unit_overhead_s(model_fn, step, one, units, one_s, fwd_s / size, repeats)
     saved = {k: v for k, v in saved.items() if k in graph}
     param_bytes = max((p.element_size() for p in model.parameters()), default=4)
     # Peak tensor bytes of a forward+backward beyond what persists, at one sample and at the
@@ -273,7 +311,8 @@ def profile_model(
         backward_s=bwd_s,
         saved_bytes=saved,
         tp_divisors=dict(tensor_parallel_divisors(model) if tp_divisors is None else tp_divisors),
-        checkpoint_units=tuple(default_checkpoint_units(model) if checkpoint_units is None else checkpoint_units),
+        checkpoint_units=units,
+        checkpoint_unit_overhead_s=unit_overhead,
         param_bytes=param_bytes,
         grad_bytes=param_bytes,
         optimizer_bytes=math.ceil(state_bytes / numel) if numel else 0,
