@@ -5,9 +5,9 @@ Run: python benchmarks/bench_plan.py            (speed figures; then the stored 
      python benchmarks/bench_plan.py --measure gpt2-small [--resume] [--any-load]
                                                 (measure that model's grid, one `mpiexec -n 4`
                                                  job per configuration; ~30-60 minutes)
-     python benchmarks/bench_plan.py --calibrate gpt2-small [--any-load]
-                                                (the machine calibration again, into that
-                                                 model's file, then the comparison)
+     python benchmarks/bench_plan.py --calibrate gpt2-small [--any-load] [--replace]
+                                                (the machine calibration again: the constants
+                                                 that model's file lacks, then the comparison)
 
 Ground truth (``--measure``): for one model and world size 4, every (pp, tp, dp) with
 pp*tp*dp = 4, sharded data parallelism off and on (sdp = dp) where dp > 1, microbatches
@@ -376,6 +376,27 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+def margin_check(ranks: list[tuple[Any, float, float]], margin: float) -> str:
+    """The memory margin against this grid: the one it would need (every rank at or under
+    its prediction), and leave-one-family-out: the margin fitted on the other (pp, tp, sdp)
+    families, scored on the held-out one (ranks in [measured, 1.10x], under)."""
+    if not ranks:
+        return "memory margin: no ranks"
+
+    def need(rows: list[tuple[Any, float, float]]) -> float:
+        return max(0.0, max(meas / pred - 1 for _, meas, pred in rows))
+
+    ok = low = 0
+    for fam in sorted({f for f, _, _ in ranks}):
+        m = need([x for x in ranks if x[0] != fam])
+        for _, meas, pred in (x for x in ranks if x[0] == fam):
+            ok += meas <= pred * (1 + m) <= 1.10 * meas
+            low += pred * (1 + m) < meas
+    return (f"memory margin: used {margin:.3f}, this grid needs {need(ranks):.3f}; fitted leaving "
+            f"each (pp, tp, sdp) family out: {ok}/{len(ranks)} ranks in [measured, 1.10x] "
+            f"({ok / len(ranks):.0%}), {low} under")  # fmt: skip
+
+
 def compare(name: str) -> None:
     import torch
     from smp_partition.plan import Candidate, CommModel
@@ -406,6 +427,7 @@ def compare(name: str) -> None:
     timed = [(e, p) for e, p, q in zip(preds, points, quiet) if q and e.stage_peak_bytes]
     errs = [abs(e.step_s / p["step_s"] - 1) for e, p in timed] or [float("nan")]
     mem_ok = mem_n = under = 0
+    ranks: list[tuple[tuple[int, int, int], float, float]] = []  # (family, measured, predicted)
     for e, p in zip(preds, points):
         for r in p["ranks"]:
             if not e.stage_peak_bytes:
@@ -414,6 +436,8 @@ def compare(name: str) -> None:
             mem_n += 1
             mem_ok += meas <= pred <= 1.10 * meas
             under += pred < meas
+            c = p["config"]
+            ranks.append(((c["pp"], c["tp"], c["sdp"]), meas, pred / (1 + prof.memory_margin)))
     rho = spearman([e.step_s for e, _ in timed], [p["step_s"] for _, p in timed]) if timed else float("nan")
     print(
         f"bench_plan {name} (grid measured at load {statistics.fmean(p['load'][0] for p in points):.2f}; "
@@ -425,6 +449,7 @@ def compare(name: str) -> None:
         f"target 95%), under-predicted {under}",
         flush=True,
     )
+    print("  " + margin_check(ranks, prof.memory_margin), flush=True)
     if len(timed) < len(points):
         print(f"  ({len(points) - len(timed)} points were measured above load 1.5: their memory "
               "counts, their times do not; the picks below are among the "
@@ -496,16 +521,22 @@ def main() -> None:
             print(_plain_peak())
         return
     if "--calibrate" in sys.argv:
-        # the machine constants again (e.g. sync_s, added after a grid was measured), into
-        # the model's file; on a quiet machine unless --any-load
+        # constants the calibration gained after a grid was measured (e.g. sync_s), added to
+        # the model's file with the load they were measured at; the grid's own constants stay
+        # (--replace: all of them anew). On a quiet machine unless --any-load.
         name = sys.argv[sys.argv.index("--calibrate") + 1]
         path = os.path.join(DATA, f"{name}.json")
         with open(path) as f:
             data = json.load(f)
         if "--any-load" not in sys.argv:
             quiet_machine()
-        data["machine"] = calibrate()
-        print(f"calibration (load {data['machine']['load']:.2f}): {data['machine']}", flush=True)
+        fresh = calibrate()
+        old = {} if "--replace" in sys.argv else data["machine"]
+        added = {k: v for k, v in fresh.items() if k not in old}
+        if old:
+            added["added_load"] = fresh["load"]
+        data["machine"] = {**old, **added}
+        print(f"calibration (load {fresh['load']:.2f}): {fresh}; now {data['machine']}", flush=True)
         with open(path, "w") as f:
             json.dump(data, f, indent=1)
         compare(name)
