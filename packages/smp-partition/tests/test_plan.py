@@ -85,6 +85,15 @@ def test_memory_prediction_is_the_documented_sum() -> None:
     m = two_block_profile(memory_margin=0.1)
     m_stages = stage_sums(m, module_facts(m), 1)[0]
     assert estimate(m, m_stages, c)[2] == pytest.approx(((100_000 + state + acts) * 1.1,))
+    # a pipeline stage also keeps what crosses its cuts, per microbatch in flight: the
+    # activations received and sent and their gradients, each with its message buffer
+    p2 = stage_sums(p, module_facts(p), 2)[0]
+    assert sum(st.received_bytes for st in p2) == sum(st.boundary_bytes for st in p2) > 0
+    c5 = Candidate(pp=2, tp=1, dp=1, sdp=1, microbatches=4, checkpointing=False)
+    for st in p2:
+        plain = st.params.at(1) * 16 + in_flight(2, 4) * st.saved.at(1) / 4
+        cut = in_flight(2, 4) * 4 * (st.received_bytes + st.boundary_bytes) / 4
+        assert estimate(p, [st], c5)[2] == (100_000 + plain + cut,)
     # a pipeline keeps at most pp + 2 microbatches in flight; pp = 1 keeps one at a time
     assert in_flight(1, 8) == 1 and in_flight(2, 8) == 4 and in_flight(4, 2) == 2
 

@@ -124,6 +124,11 @@ def stage_memory(profile: Profile, st: StageSums, c: Candidate) -> float:
         acts = (live * per_mb + recompute) / own
     else:
         acts = live * (st.saved.whole + st.saved.split * tp) / own
+    if c.pp > 1:
+        # what crosses the stage's cuts, per microbatch in flight: the activations it
+        # received (kept for backward) and sent, and the gradients of both coming back,
+        # each also in its serialised message buffer
+        acts += live * 4 * (st.received_bytes + st.boundary_bytes) / (c.microbatches * c.dp)
     # One microbatch's backward temporaries on top (the stage's share, by saved bytes).
     total = sum(profile.saved_bytes.values())
     share = st.saved.at(1) / total if total else 1.0 / c.pp

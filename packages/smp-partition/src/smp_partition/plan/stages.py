@@ -62,6 +62,9 @@ class StageSums:
     boundary_bytes: float = 0.0
     """Bytes this stage sends across pipeline cuts per step (outputs to other stages)."""
     cuts: int = 0
+    received_bytes: float = 0.0
+    """Bytes this stage receives across pipeline cuts per step (other stages' outputs to
+    its modules)."""
 
 
 def _first_parent(profile: Profile) -> list[int]:
@@ -159,6 +162,7 @@ def stage_sums(profile: Profile, facts: ModuleFacts, pp: int) -> tuple[list[Stag
         if p >= 0 and stage_of[p] != stage_of[i]:
             st.cuts += 1
             st.boundary_bytes += m.activation_bytes
+            stages[stage_of[p]].received_bytes += m.activation_bytes
     for s, st in enumerate(stages):
         st.unit_saved = list(units[s].values())
         st.unit_params = list(unit_params[s].values())
