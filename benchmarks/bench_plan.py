@@ -64,7 +64,17 @@ def load() -> float:
     return os.getloadavg()[0]
 
 
-def quiet_machine(limit: float = 1.5) -> float:
+#: The 1-minute load average below which a job's step time is trusted.
+QUIET = 1.5
+
+
+def timing_trusted(point: dict[str, Any]) -> bool:
+    """Whether a stored point's step time counts as truth: marked so when measured (its job
+    started below :data:`QUIET`); older points by the load they were started at."""
+    return bool(point.get("timing_trusted", point["load"][0] < QUIET))
+
+
+def quiet_machine(limit: float = QUIET) -> float:
     """Wait until the 1-minute load average is below ``limit`` (timings are only meaningful
     then); the load it started at."""
     while load() >= limit:
@@ -307,7 +317,7 @@ def measure(name: str, resume: bool, any_load: bool = False) -> None:
     if resume and os.path.exists(path):
         with open(path) as f:
             data = json.load(f)
-    if "machine" not in data or (not any_load and data["machine"]["load"] >= 1.5):
+    if "machine" not in data or (not any_load and data["machine"]["load"] >= QUIET):
         if not any_load:
             quiet_machine()
         data["machine"] = calibrate()
@@ -318,7 +328,7 @@ def measure(name: str, resume: bool, any_load: bool = False) -> None:
     def key(cfg: dict[str, Any]) -> str:
         return json.dumps(cfg, sort_keys=True)
 
-    done = {key(p["config"]) for p in data["points"] if any_load or "step_s" not in p or p["load"][0] < 1.5}
+    done = {key(p["config"]) for p in data["points"] if any_load or "step_s" not in p or timing_trusted(p)}
     order = grid()
     random.Random(0).shuffle(order)
     deadline = float(os.environ.get("BENCH_PLAN_UNTIL", "inf"))  # a time.time() to stop at
@@ -336,6 +346,9 @@ def measure(name: str, resume: bool, any_load: bool = False) -> None:
                 "step_s": max(statistics.median(r["times"]) for r in rows),
                 "ranks": [{"pp_rank": r["pp_rank"], "peak_bytes": r["peak_bytes"]} for r in rows],
                 "load": [before, load()],
+                # peak RSS does not depend on the load; a time does: only a job started on
+                # a quiet machine is timing truth (the comparison uses no other)
+                "timing_trusted": before < QUIET,
             }
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             point = {"config": cfg, "error": str(e)[-400:], "load": [before, load()]}
@@ -423,7 +436,7 @@ def compare(name: str) -> None:
         c = p["config"]
         e = planner.evaluate(Candidate(c["pp"], c["tp"], c["dp"], c["sdp"], c["mb"], c["ckpt"]), float("inf"))
         preds.append(e)
-    quiet = [p["load"][0] < 1.5 for p in points]
+    quiet = [timing_trusted(p) for p in points]
     timed = [(e, p) for e, p, q in zip(preds, points, quiet) if q and e.stage_peak_bytes]
     errs = [abs(e.step_s / p["step_s"] - 1) for e, p in timed] or [float("nan")]
     mem_ok = mem_n = under = 0
@@ -461,13 +474,18 @@ def compare(name: str) -> None:
               f"{'ckpt' if c['ckpt'] else '-'}: predicted {e.step_s:.3f} s, measured {p['step_s']:.3f} s")  # fmt: skip
     peaks = sorted(max(r["peak_bytes"] for r in p["ranks"]) for p in points)
     budgets = {"tight": peaks[len(peaks) // 4], "medium": peaks[len(peaks) // 2], "loose": peaks[-1] * 1.05}
-    pool = timed or [(e, p) for e, p in zip(preds, points) if e.stage_peak_bytes]
+    pool = timed  # loaded timings are never truth: no quiet points, no pick figures
     for label, budget in budgets.items():
         # safety over every point; the pick among the points whose times count
         unsafe = sum(
             1 for e, p in zip(preds, points)
             if e.stage_peak_bytes and e.peak_bytes <= budget and max(r["peak_bytes"] for r in p["ranks"]) > budget
         )  # fmt: skip
+        if not pool:
+            said_fit = sum(1 for e in preds if e.stage_peak_bytes and e.peak_bytes <= budget)
+            print(f"  {label} budget {budget / 2**20:.0f} MiB: said fit {said_fit}, of which exceeded "
+                  f"the budget when run: {unsafe} (no timed points: no pick figures)")  # fmt: skip
+            continue
         feasible = [p for _, p in pool if max(r["peak_bytes"] for r in p["ranks"]) <= budget]
         said = sorted(((e, p) for e, p in pool if e.peak_bytes <= budget), key=lambda ep: ep[0].step_s)
         if not feasible:
