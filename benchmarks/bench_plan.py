@@ -465,9 +465,9 @@ def compare(name: str) -> None:
     print("  " + margin_check(ranks, prof.memory_margin), flush=True)
     if len(timed) < len(points):
         print(f"  ({len(points) - len(timed)} points were measured above load 1.5: their memory "
-              "counts, their times do not; the picks below are among the "
-              f"{len(timed) if timed else len(points)} points "
-              f"{'measured below load 1.5' if timed else 'measured (all loaded)'})")  # fmt: skip
+              "counts, their times do not"
+              + (f"; the picks below are among the {len(timed)} points measured below load 1.5)"
+                 if timed else ")"))  # fmt: skip
     for e, p in timed:
         c = p["config"]
         print(f"    pp={c['pp']} tp={c['tp']} dp={c['dp']} sdp={c['sdp']} mb={c['mb']} "
