@@ -27,7 +27,7 @@ Everything errs on the side of more memory: a configuration it says fits must fi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from smp_partition.plan.profile import Profile
 from smp_partition.plan.stages import StageSums
@@ -163,7 +163,10 @@ def stage_microbatch_s(profile: Profile, st: StageSums, c: Candidate) -> float:
     if c.checkpointing:
         recompute = st.unit_forward.at(1) * profile.forward_s * frac
         recompute += len(st.unit_saved) * profile.checkpoint_unit_overhead_s
-    comm = profile.comm
+    # The wait for peers comes from ranks outnumbering cores: in a pipeline only the busy
+    # share of the ranks competes (as for busy_scale), so only that share of it is paid.
+    bubble = (c.pp - 1) / (c.microbatches + c.pp - 1)
+    comm = replace(profile.comm, sync_s=profile.comm.sync_s * (1.0 - bubble))
     # the fixed per-microbatch cost (Python and dispatch per module) of this stage's modules
     overhead = profile.microbatch_overhead_s * st.modules / max(len(profile.graph), 1)
     t = (fwd + bwd + recompute + overhead) * busy_scale(profile, c)
