@@ -29,10 +29,11 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._pytree import tree_leaves, tree_map
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
-#: The profile's default ``memory_margin``: the smallest fraction that puts every rank of
-#: bench_plan's gpt2-small grid (72 configurations, 288 ranks) at or under its prediction.
-#: Fitted on that grid: held out one (pp, tp, sdp) family at a time, the margin fitted on
-#: the other eight keeps 270 of 288 ranks within [measured, 1.10 x measured], 1 under.
+#: The profile's default ``memory_margin``: fitted on bench_plan's gpt2-small grid (72
+#: configurations, 288 ranks), which needs 3.1 % for every rank to be at or under its
+#: prediction (0.5 % more for the profile's run-to-run spread). Fitted leaving out one
+#: (pp, tp, sdp) family at a time: 248 of 288 ranks within [measured, 1.10 x], 6 under.
+#: Out of sample, wide-vocab's grid would need 12.9 % (its head's stage; performance.md).
 MEMORY_MARGIN = 0.035
 _HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads", "nhead")
 
