@@ -2,9 +2,12 @@
 
 Run: python benchmarks/bench_plan.py            (speed figures; then the stored grids in
                                                  benchmarks/data/plan/ against a fresh profile)
-     python benchmarks/bench_plan.py --measure gpt2-small [--resume]
+     python benchmarks/bench_plan.py --measure gpt2-small [--resume] [--any-load]
                                                 (measure that model's grid, one `mpiexec -n 4`
                                                  job per configuration; ~30-60 minutes)
+     python benchmarks/bench_plan.py --calibrate gpt2-small [--any-load] [--replace]
+                                                (the machine calibration again: the constants
+                                                 that model's file lacks, then the comparison)
 
 Ground truth (``--measure``): for one model and world size 4, every (pp, tp, dp) with
 pp*tp*dp = 4, sharded data parallelism off and on (sdp = dp) where dp > 1, microbatches
@@ -61,7 +64,17 @@ def load() -> float:
     return os.getloadavg()[0]
 
 
-def quiet_machine(limit: float = 1.5) -> float:
+#: The 1-minute load average below which a job's step time is trusted.
+QUIET = 1.5
+
+
+def timing_trusted(point: dict[str, Any]) -> bool:
+    """Whether a stored point's step time counts as truth: marked so when measured (its job
+    started below :data:`QUIET`); older points by the load they were started at."""
+    return bool(point.get("timing_trusted", point["load"][0] < QUIET))
+
+
+def quiet_machine(limit: float = QUIET) -> float:
     """Wait until the 1-minute load average is below ``limit`` (timings are only meaningful
     then); the load it started at."""
     while load() >= limit:
@@ -101,16 +114,44 @@ def grid() -> list[dict[str, Any]]:
     return out
 
 
-def _matmul_s() -> float:
-    """Seconds of a fixed compute kernel (the calibration's measure of a core's speed)."""
+def _matmul_s(clock: Any = time.perf_counter) -> float:
+    """Seconds of a fixed compute kernel (the calibration's measure of a core's speed): wall
+    time in a job; CPU time in the plain process, the clock the profile times on one thread
+    (so ``compute_scale`` turns a profile's CPU seconds into a rank's wall seconds)."""
     import torch
 
     a = torch.randn(256, 256)
     a @ a
-    t0 = time.perf_counter()
+    t0 = clock()
     for _ in range(200):
         a @ a
-    return time.perf_counter() - t0
+    return clock() - t0
+
+
+def _sync_s(collective: Any, barrier: Any, rounds: int = 20) -> float:
+    """Seconds one small collective adds to a loop that computes between collectives (every
+    rank at once, as a job's tensor-parallel or sharded step does): the loop of a ~1 ms
+    kernel with the collective, less the loop without it. Beyond the collective's own
+    latency this is the wait for peers, which is large where ranks outnumber cores."""
+    import torch
+
+    a = torch.randn(192, 192)
+
+    def work() -> None:
+        for _ in range(8):
+            a @ a
+
+    def loop(with_collective: bool) -> float:
+        barrier()
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            work()
+            if with_collective:
+                collective()
+        return (time.perf_counter() - t0) / rounds
+
+    loop(True)  # warm-up
+    return statistics.median(loop(True) - loop(False) for _ in range(3))
 
 
 def _peak_bytes() -> int:
@@ -193,6 +234,7 @@ def worker_calibrate() -> None:
     group = smp.get_world_process_group()
     smp.barrier()
     kernel = _matmul_s()  # all ranks at once, as in a job
+    sync = _sync_s(lambda: dist.all_reduce(torch.ones(1), group=group), smp.barrier)
     res = {}
     for n in (1, 1 << 20):
         t = torch.ones(n // 4)
@@ -203,7 +245,7 @@ def worker_calibrate() -> None:
         for _ in range(10):
             dist.all_reduce(t, group=group)
         res[n] = (time.perf_counter() - t0) / 10
-    row = {"rank": smp.rank(), "peak_bytes": _peak_bytes(), "kernel_s": kernel,
+    row = {"rank": smp.rank(), "peak_bytes": _peak_bytes(), "kernel_s": kernel, "sync_s": sync,
            "allreduce_s": {str(k): v for k, v in res.items()}}  # fmt: skip
     _print_rows(smp, row)
 
@@ -219,7 +261,7 @@ def _plain_peak() -> str:
         opt.zero_grad()
         model(torch.ones(4, 8)).sum().backward()
         opt.step()
-    return f"{_matmul_s()} {_peak_bytes()}"
+    return f"{_matmul_s(time.process_time)} {_peak_bytes()}"
 
 
 # --------------------------------------------------------------------------- launching
@@ -250,6 +292,8 @@ def calibrate() -> dict[str, Any]:
     large = max(r["allreduce_s"][str(1 << 20)] for r in rows)
     # ring all-reduce: 2(n-1) latency steps; 2(n-1)/n of the bytes through each rank
     latency = small / (2 * (WORLD - 1))
+    # what a collective costs in a computing job beyond its latency (the wait for peers)
+    sync = max(0.0, statistics.median(r["sync_s"] for r in rows) - small)
     bandwidth = 2 * (WORLD - 1) / WORLD * (1 << 20) / max(large - small, 1e-9)
     return {
         "rank_peak_bytes": max(r["peak_bytes"] for r in rows),
@@ -258,6 +302,7 @@ def calibrate() -> dict[str, Any]:
         "compute_scale": statistics.median(r["kernel_s"] for r in rows) / float(kernel),
         "latency_s": latency,
         "bandwidth": bandwidth,
+        "sync_s": sync,
         "load": load(),
     }
 
@@ -272,7 +317,7 @@ def measure(name: str, resume: bool, any_load: bool = False) -> None:
     if resume and os.path.exists(path):
         with open(path) as f:
             data = json.load(f)
-    if "machine" not in data or (not any_load and data["machine"]["load"] >= 1.5):
+    if "machine" not in data or (not any_load and data["machine"]["load"] >= QUIET):
         if not any_load:
             quiet_machine()
         data["machine"] = calibrate()
@@ -283,7 +328,7 @@ def measure(name: str, resume: bool, any_load: bool = False) -> None:
     def key(cfg: dict[str, Any]) -> str:
         return json.dumps(cfg, sort_keys=True)
 
-    done = {key(p["config"]) for p in data["points"] if any_load or "step_s" not in p or p["load"][0] < 1.5}
+    done = {key(p["config"]) for p in data["points"] if any_load or "step_s" not in p or timing_trusted(p)}
     order = grid()
     random.Random(0).shuffle(order)
     deadline = float(os.environ.get("BENCH_PLAN_UNTIL", "inf"))  # a time.time() to stop at
@@ -301,6 +346,9 @@ def measure(name: str, resume: bool, any_load: bool = False) -> None:
                 "step_s": max(statistics.median(r["times"]) for r in rows),
                 "ranks": [{"pp_rank": r["pp_rank"], "peak_bytes": r["peak_bytes"]} for r in rows],
                 "load": [before, load()],
+                # peak RSS does not depend on the load; a time does: only a job started on
+                # a quiet machine is timing truth (the comparison uses no other)
+                "timing_trusted": before < QUIET,
             }
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             point = {"config": cfg, "error": str(e)[-400:], "load": [before, load()]}
@@ -341,7 +389,29 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+def margin_check(ranks: list[tuple[Any, float, float]], margin: float) -> str:
+    """The memory margin against this grid: the one it would need (every rank at or under
+    its prediction), and leave-one-family-out: the margin fitted on the other (pp, tp, sdp)
+    families, scored on the held-out one (ranks in [measured, 1.10x], under)."""
+    if not ranks:
+        return "memory margin: no ranks"
+
+    def need(rows: list[tuple[Any, float, float]]) -> float:
+        return max(0.0, max(meas / pred - 1 for _, meas, pred in rows))
+
+    ok = low = 0
+    for fam in sorted({f for f, _, _ in ranks}):
+        m = need([x for x in ranks if x[0] != fam])
+        for _, meas, pred in (x for x in ranks if x[0] == fam):
+            ok += meas <= pred * (1 + m) <= 1.10 * meas
+            low += pred * (1 + m) < meas
+    return (f"memory margin: used {margin:.3f}, this grid needs {need(ranks):.3f}; fitted leaving "
+            f"each (pp, tp, sdp) family out: {ok}/{len(ranks)} ranks in [measured, 1.10x] "
+            f"({ok / len(ranks):.0%}), {low} under")  # fmt: skip
+
+
 def compare(name: str) -> None:
+    import torch
     from smp_partition.plan import Candidate, CommModel
     from smp_partition.plan.search import _Planner
     from smp_torch.plan import profile_model
@@ -350,9 +420,11 @@ def compare(name: str) -> None:
         data = json.load(f)
     machine = data["machine"]
     model_fn, batch, step_fn = build(name)
+    torch.set_num_threads(1)  # as each rank of the grid runs (and the calibration's kernel)
     t0 = time.perf_counter()
+    comm = CommModel(machine["latency_s"], machine["bandwidth"], machine.get("sync_s", 0.0))
     prof = profile_model(
-        model_fn, batch, step_fn, comm=CommModel(machine["latency_s"], machine["bandwidth"]),
+        model_fn, batch, step_fn, comm=comm,
         runtime_bytes=machine["rank_peak_bytes"], compute_scale=machine["compute_scale"],
     )  # fmt: skip
     profile_s = time.perf_counter() - t0
@@ -364,10 +436,11 @@ def compare(name: str) -> None:
         c = p["config"]
         e = planner.evaluate(Candidate(c["pp"], c["tp"], c["dp"], c["sdp"], c["mb"], c["ckpt"]), float("inf"))
         preds.append(e)
-    quiet = [p["load"][0] < 1.5 for p in points]
+    quiet = [timing_trusted(p) for p in points]
     timed = [(e, p) for e, p, q in zip(preds, points, quiet) if q and e.stage_peak_bytes]
     errs = [abs(e.step_s / p["step_s"] - 1) for e, p in timed] or [float("nan")]
     mem_ok = mem_n = under = 0
+    ranks: list[tuple[tuple[int, int, int], float, float]] = []  # (family, measured, predicted)
     for e, p in zip(preds, points):
         for r in p["ranks"]:
             if not e.stage_peak_bytes:
@@ -376,6 +449,8 @@ def compare(name: str) -> None:
             mem_n += 1
             mem_ok += meas <= pred <= 1.10 * meas
             under += pred < meas
+            c = p["config"]
+            ranks.append(((c["pp"], c["tp"], c["sdp"]), meas, pred / (1 + prof.memory_margin)))
     rho = spearman([e.step_s for e, _ in timed], [p["step_s"] for _, p in timed]) if timed else float("nan")
     print(
         f"bench_plan {name} (grid measured at load {statistics.fmean(p['load'][0] for p in points):.2f}; "
@@ -387,24 +462,30 @@ def compare(name: str) -> None:
         f"target 95%), under-predicted {under}",
         flush=True,
     )
+    print("  " + margin_check(ranks, prof.memory_margin), flush=True)
     if len(timed) < len(points):
         print(f"  ({len(points) - len(timed)} points were measured above load 1.5: their memory "
-              "counts, their times do not; the picks below are among the "
-              f"{len(timed) if timed else len(points)} points "
-              f"{'measured below load 1.5' if timed else 'measured (all loaded)'})")  # fmt: skip
+              "counts, their times do not"
+              + (f"; the picks below are among the {len(timed)} points measured below load 1.5)"
+                 if timed else ")"))  # fmt: skip
     for e, p in timed:
         c = p["config"]
         print(f"    pp={c['pp']} tp={c['tp']} dp={c['dp']} sdp={c['sdp']} mb={c['mb']} "
               f"{'ckpt' if c['ckpt'] else '-'}: predicted {e.step_s:.3f} s, measured {p['step_s']:.3f} s")  # fmt: skip
     peaks = sorted(max(r["peak_bytes"] for r in p["ranks"]) for p in points)
     budgets = {"tight": peaks[len(peaks) // 4], "medium": peaks[len(peaks) // 2], "loose": peaks[-1] * 1.05}
-    pool = timed or [(e, p) for e, p in zip(preds, points) if e.stage_peak_bytes]
+    pool = timed  # loaded timings are never truth: no quiet points, no pick figures
     for label, budget in budgets.items():
         # safety over every point; the pick among the points whose times count
         unsafe = sum(
             1 for e, p in zip(preds, points)
             if e.stage_peak_bytes and e.peak_bytes <= budget and max(r["peak_bytes"] for r in p["ranks"]) > budget
         )  # fmt: skip
+        if not pool:
+            said_fit = sum(1 for e in preds if e.stage_peak_bytes and e.peak_bytes <= budget)
+            print(f"  {label} budget {budget / 2**20:.0f} MiB: said fit {said_fit}, of which exceeded "
+                  f"the budget when run: {unsafe} (no timed points: no pick figures)")  # fmt: skip
+            continue
         feasible = [p for _, p in pool if max(r["peak_bytes"] for r in p["ranks"]) <= budget]
         said = sorted(((e, p) for e, p in pool if e.peak_bytes <= budget), key=lambda ep: ep[0].step_s)
         if not feasible:
@@ -456,6 +537,27 @@ def main() -> None:
             worker_calibrate()
         else:
             print(_plain_peak())
+        return
+    if "--calibrate" in sys.argv:
+        # constants the calibration gained after a grid was measured (e.g. sync_s), added to
+        # the model's file with the load they were measured at; the grid's own constants stay
+        # (--replace: all of them anew). On a quiet machine unless --any-load.
+        name = sys.argv[sys.argv.index("--calibrate") + 1]
+        path = os.path.join(DATA, f"{name}.json")
+        with open(path) as f:
+            data = json.load(f)
+        if "--any-load" not in sys.argv:
+            quiet_machine()
+        fresh = calibrate()
+        old = {} if "--replace" in sys.argv else data["machine"]
+        added = {k: v for k, v in fresh.items() if k not in old}
+        if old:
+            added["added_load"] = fresh["load"]
+        data["machine"] = {**old, **added}
+        print(f"calibration (load {fresh['load']:.2f}): {fresh}; now {data['machine']}", flush=True)
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1)
+        compare(name)
         return
     if "--measure" in sys.argv:
         name = sys.argv[sys.argv.index("--measure") + 1]

@@ -6,8 +6,14 @@ import re
 
 import pytest
 from smp_partition import Module, ModuleGraph, PartitionError, partition
-from smp_partition.plan import Candidate, Profile, search, synthetic_profile
-from smp_partition.plan.estimate import estimate, in_flight
+from smp_partition.plan import Candidate, CommModel, Profile, search, synthetic_profile
+from smp_partition.plan.estimate import (
+    busy_scale,
+    estimate,
+    in_flight,
+    shard_units,
+    stage_microbatch_s,
+)
 from smp_partition.plan.search import _Planner, candidates, divisors
 from smp_partition.plan.stages import module_facts, stage_sums
 
@@ -51,26 +57,45 @@ def test_memory_prediction_is_the_documented_sum() -> None:
     c = Candidate(pp=1, tp=1, dp=1, sdp=1, microbatches=2, checkpointing=False)
     _, bubble, peaks = estimate(p, stages, c)
     state = 2000 * (4 + 4 + 8)
-    acts = in_flight(1, 2) * 16000 / 2  # two microbatches in flight, each half the batch
+    acts = 16000 / 2  # without a pipeline one microbatch (half the batch) at a time
     assert peaks == (100_000 + state + acts,)
     assert bubble == 0.0
-    # tp=2 halves the parameters of the tensor-parallel blocks; each rank keeps its own
-    # half of the samples (smp's default), so the saved bytes halve too.
+    # tp=2 halves the parameters of the tensor-parallel blocks; a split module runs its tp
+    # peers' samples too (smp's default keeps each rank's own), so its saved bytes stay.
     c2 = Candidate(pp=1, tp=2, dp=1, sdp=1, microbatches=2, checkpointing=False)
-    assert estimate(p, stages, c2)[2] == (100_000 + state / 2 + acts / 2,)
-    # a whole (not tensor-parallel) module keeps its parameters in full
+    assert estimate(p, stages, c2)[2] == (100_000 + state / 2 + acts,)
+    # a whole (not tensor-parallel) module keeps its parameters in full, and only this
+    # rank's samples: b0's 8000 saved bytes for two tp peers, b1's for this rank alone
     q = two_block_profile(tp_divisors={"b0": 4})
     q_stages = stage_sums(q, module_facts(q), 1)[0]
-    assert estimate(q, q_stages, c2)[2] == (100_000 + (1000 + 500) * 16 + acts / 2,)
+    assert estimate(q, q_stages, c2)[2] == (100_000 + (1000 + 500) * 16 + (8000 * 2 + 8000) / 4,)
     # the step's temporaries: one microbatch's share of the per-sample part, plus the fixed
     r = two_block_profile(step_transient_bytes=4000.0, step_transient_fixed_bytes=50.0)
     r_stages = stage_sums(r, module_facts(r), 1)[0]
-    assert estimate(r, r_stages, c2)[2] == (100_000 + state / 2 + acts / 2 + 4000 / 4 + 50,)
-    # sdp=2 shards the state, and counts the stage's parameters and gradients unsharded.
+    assert estimate(r, r_stages, c2)[2] == (100_000 + state / 2 + acts + 4000 * 2 / 4 + 50,)
+    # sdp=2 shards the state, and counts two full copies of parameters and of gradients
+    # (FSDP2's all-gather buffer and unsharded parameters; full gradients and the
+    # reduce-scatter's flat input).
     c3 = Candidate(pp=1, tp=1, dp=2, sdp=2, microbatches=1, checkpointing=False)
-    assert estimate(p, stages, c3)[2] == (100_000 + state / 2 + 2000 * 8 + 16000 / 2,)
-    # a pipeline keeps at most pp + 2 microbatches in flight; pp = 1 keeps all of them
-    assert in_flight(1, 8) == 8 and in_flight(2, 8) == 4 and in_flight(4, 2) == 2
+    assert estimate(p, stages, c3)[2] == (100_000 + state / 2 + 2 * 2000 * 8 + 16000 / 2,)
+    # replicas (dp > sdp) add one copy of the gradients: the all-reduce's flat buckets
+    c4 = Candidate(pp=1, tp=1, dp=2, sdp=1, microbatches=1, checkpointing=False)
+    assert estimate(p, stages, c4)[2] == (100_000 + state + 2000 * 4 + 16000 / 2,)
+    # the margin scales the whole peak
+    m = two_block_profile(memory_margin=0.1)
+    m_stages = stage_sums(m, module_facts(m), 1)[0]
+    assert estimate(m, m_stages, c)[2] == pytest.approx(((100_000 + state + acts) * 1.1,))
+    # a pipeline stage also keeps what crosses its cuts, per microbatch in flight: the
+    # activations received and sent and their gradients, each with its message buffer
+    p2 = stage_sums(p, module_facts(p), 2)[0]
+    assert sum(st.received_bytes for st in p2) == sum(st.boundary_bytes for st in p2) > 0
+    c5 = Candidate(pp=2, tp=1, dp=1, sdp=1, microbatches=4, checkpointing=False)
+    for st in p2:
+        plain = st.params.at(1) * 16 + in_flight(2, 4) * st.saved.at(1) / 4
+        cut = in_flight(2, 4) * 4 * (st.received_bytes + st.boundary_bytes) / 4
+        assert estimate(p, [st], c5)[2] == (100_000 + plain + cut,)
+    # a pipeline keeps at most pp + 2 microbatches in flight; pp = 1 keeps one at a time
+    assert in_flight(1, 8) == 1 and in_flight(2, 8) == 4 and in_flight(4, 2) == 2
 
 
 def test_checkpointing_trades_time_for_memory() -> None:
@@ -81,9 +106,62 @@ def test_checkpointing_trades_time_for_memory() -> None:
     t0, _, m0 = estimate(p, stages, plain)
     t1, _, m1 = estimate(p, stages, ck)
     assert t1 == pytest.approx(t0 + 1.0)  # the whole forward is recomputed once
-    # kept: each unit's input per microbatch in flight, plus one unit's saved bytes
-    assert m1[0] == 100_000 + 2000 * 16 + (in_flight(1, 4) * 800 + 8000) / 4
-    assert m1[0] < m0[0]
+    # kept: each unit's input for the microbatch, plus one microbatch's saved bytes (the
+    # recompute chain's): without a pipeline, no saving (as measured)
+    assert m1[0] == 100_000 + 2000 * 16 + (800 + 16000) / 4
+    assert m1[0] >= m0[0]
+    # with a pipeline, the microbatches in flight keep only their units' inputs
+    p2 = stage_sums(p, module_facts(p), 2)[0]
+    _, _, n0 = estimate(p, p2, Candidate(2, 1, 1, 1, 4, False))
+    _, _, n1 = estimate(p, p2, Candidate(2, 1, 1, 1, 4, True))
+    assert all(b < a for a, b in zip(n0, n1))
+
+
+def test_checkpointing_overhead_is_per_unit_and_microbatch() -> None:
+    p = two_block_profile(checkpoint_unit_overhead_s=0.01)
+    stages = stage_sums(p, module_facts(p), 1)[0]
+    t0 = estimate(p, stages, Candidate(1, 1, 1, 1, 4, False))[0]
+    t1 = estimate(p, stages, Candidate(1, 1, 1, 1, 4, True))[0]
+    assert t1 == pytest.approx(t0 + 1.0 + 4 * 2 * 0.01)  # 4 microbatches x 2 units
+
+
+def test_collectives_cost_their_wait_once_each() -> None:
+    comm = CommModel(latency_s=1e-3, bandwidth=1e6, sync_s=0.5)
+    assert comm.allreduce_s(4e6, 4) == pytest.approx(0.5 + 6e-3 + 6 / 4 * 4.0)
+    assert comm.gather_s(4e6, 4) == pytest.approx(0.5 + 3e-3 + 3 / 4 * 4.0)
+    assert comm.message_s(1e6) == pytest.approx(0.5 + 1e-3 + 1.0)
+    assert comm.allreduce_s(4e6, 1) == comm.gather_s(4e6, 1) == 0.0  # nothing to wait for
+    # tp: two collectives per split module per microbatch (three with checkpointing)
+    p = two_block_profile(comm=CommModel(latency_s=0.0, bandwidth=1e30, sync_s=0.5))
+    st = stage_sums(p, module_facts(p), 1)[0][0]
+    base = stage_microbatch_s(p, st, Candidate(1, 1, 2, 1, 1, False))
+    assert stage_microbatch_s(p, st, Candidate(1, 2, 1, 1, 1, False)) == pytest.approx(base + 2 * 2 * 0.5)
+    assert stage_microbatch_s(p, st, Candidate(1, 2, 1, 1, 1, True)) == pytest.approx(
+        stage_microbatch_s(p, st, Candidate(1, 1, 2, 1, 1, True)) + 2 * 3 * 0.5
+    )
+    # sdp: two all-gathers and a reduce-scatter per microbatch for the root unit
+    assert stage_microbatch_s(p, st, Candidate(1, 1, 2, 2, 1, False)) == pytest.approx(base + 3 * 0.5)
+    # a pipeline stage waits twice per microbatch (forward input, backward gradient), for
+    # the busy share of the ranks only: pp=2 with one microbatch idles half of them
+    quiet = two_block_profile(comm=CommModel(latency_s=0.0, bandwidth=1e30, sync_s=0.0))
+    c2 = Candidate(2, 1, 1, 1, 1, False)
+    for s in stage_sums(p, module_facts(p), 2)[0]:
+        assert stage_microbatch_s(p, s, c2) == pytest.approx(stage_microbatch_s(quiet, s, c2) + 2 * 0.5 / 2)
+
+
+def test_busy_scale_and_shard_units() -> None:
+    p = two_block_profile(compute_scale=3.0, shard_unit_elements=1000)
+    assert busy_scale(p, Candidate(1, 1, 4, 1, 8, False)) == 3.0  # every rank busy
+    # pp=4, 2 microbatches: bubble 3/5, so 2/5 of the ranks compete for the cores
+    assert busy_scale(p, Candidate(4, 1, 1, 1, 2, False)) == pytest.approx(1 + 2 * 2 / 5)
+    st = stage_sums(p, module_facts(p), 1)[0][0]
+    assert shard_units(p, st, 1) == 3  # both blocks reach 1000 elements, plus the root
+    assert shard_units(p, st, 2) == 1  # split in half, neither does
+    # the per-microbatch overhead: a stage's share of the modules
+    q = two_block_profile(microbatch_overhead_s=0.3)
+    q1 = stage_sums(q, module_facts(q), 1)[0][0]
+    c = Candidate(1, 1, 1, 1, 1, False)
+    assert stage_microbatch_s(q, q1, c) == pytest.approx(stage_microbatch_s(two_block_profile(), q1, c) + 0.3)
 
 
 def test_pipeline_bubble_and_stages_follow_smps_partition() -> None:

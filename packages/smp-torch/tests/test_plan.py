@@ -13,7 +13,13 @@ import torch
 from smp_partition.plan import search
 from smp_torch.config import parse_config
 from smp_torch.plan import parse_bytes, profile_model
-from smp_torch.plan.profiling import saved_bytes_per_module, tensor_parallel_divisors
+from smp_torch.plan.profiling import (
+    _checkpoint_unit_overhead_s,
+    peak_step_allocation,
+    replay_peak,
+    saved_bytes_per_module,
+    tensor_parallel_divisors,
+)
 from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -45,6 +51,32 @@ def test_saved_bytes_attribute_to_the_innermost_module() -> None:
     saved = saved_bytes_per_module(model, lambda: model(x))
     # Linear saves its input (5x4 floats, weights left out); ReLU its output (5x3 floats)
     assert saved == {"0": 5 * 4 * 4, "1": 5 * 3 * 4}
+
+
+def test_peak_allocation_counts_nested_ops_once() -> None:
+    # torch.ones allocates inside aten::empty, nested in aten::ones; the linear's output
+    # inside aten::addmm, nested in aten::linear: each allocation counts once.
+    a = torch.randn(64, 256)
+    w = torch.randn(256, 256)
+    kept: list[torch.Tensor] = []
+
+    def run() -> None:
+        kept.append(torch.ones(1 << 18))  # 1 MiB, kept
+        kept.append(torch.nn.functional.linear(a, w))  # 64 KiB, kept
+
+    peak = peak_step_allocation(run)
+    assert (1 << 20) + (64 << 10) <= peak < (1 << 20) + (128 << 10)
+    # frees lower the running sum; records come in any order and are replayed by time
+    assert replay_peak([(3.0, -5), (1.0, 10), (2.0, 4), (4.0, 2)]) == 14
+    assert replay_peak([]) == 0
+
+
+def test_checkpoint_overhead_is_measured_on_smps_wrapping(toy_profile) -> None:  # type: ignore[no-untyped-def]
+    assert toy_profile.checkpoint_unit_overhead_s >= 0.0
+    one = tuple(t[:1] for t in plan_toy.sample_batch())
+    with pytest.raises(ValueError, match="checkpoint unit 'blocks.9'"):
+        _checkpoint_unit_overhead_s(plan_toy.model_fn, plan_toy.step_fn, one, ("blocks.9",), 0.0, 0.0, 1)
+    assert _checkpoint_unit_overhead_s(plan_toy.model_fn, plan_toy.step_fn, one, (), 0.0, 0.0, 1) == 0.0
 
 
 def test_tensor_parallel_divisors_need_a_mark() -> None:

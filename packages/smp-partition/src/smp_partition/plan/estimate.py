@@ -27,7 +27,7 @@ Everything errs on the side of more memory: a configuration it says fits must fi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from smp_partition.plan.profile import Profile
 from smp_partition.plan.stages import StageSums
@@ -86,9 +86,10 @@ class Estimate:
 
 def in_flight(pp: int, microbatches: int) -> int:
     """Microbatches whose activations a stage may hold at once: with a pipeline, smp's
-    default ``active_microbatches`` (pp + 2); without one, every microbatch (measured: a
-    rank's peak barely moves with the microbatches at pp = 1, bench_plan's grid)."""
-    return microbatches if pp == 1 else min(microbatches, pp + 2)
+    default ``active_microbatches`` (pp + 2); without one, one (``@smp.step`` runs the
+    forward and backward of each microbatch in turn; measured: at tp = 4 a rank's peak
+    falls by 28 MiB from 1 to 8 microbatches, bench_plan's gpt2-small grid)."""
+    return 1 if pp == 1 else min(microbatches, pp + 2)
 
 
 def stage_memory(profile: Profile, st: StageSums, c: Candidate) -> float:
@@ -97,27 +98,58 @@ def stage_memory(profile: Profile, st: StageSums, c: Candidate) -> float:
     params = st.params.at(tp)
     state = params * (profile.param_bytes + profile.grad_bytes + profile.optimizer_bytes) / sdp
     if sdp > 1:
-        # FSDP2 unshards units for forward and backward and reduce-scatters full gradients;
-        # counted as if every unit of the stage were unsharded at once (safe; measured: sdp
-        # saves no memory on a small model, bench_plan's grid).
-        state += params * (profile.param_bytes + profile.grad_bytes)
-    # smp's default (prescaled_batch off): tensor-parallel peers keep their own samples, so
-    # a rank's saved activations are those of its batch / (tp * dp) samples, in the modules
-    # tp splits too (measured: at the same samples per rank, tp = 2 and 4 hold less than
-    # dp = 4, bench_plan's grid).
-    own = c.microbatches * c.tp * c.dp
+        # FSDP2 all-gathers each unit into a flat buffer and copies it out to unsharded
+        # parameters, and reduce-scatters full gradients from a flat copy: two full copies
+        # of the parameters and two of the gradients, counted as if every unit of the stage
+        # were unsharded at once (safe: the runtime frees a unit's after its use).
+        state += 2 * params * (profile.param_bytes + profile.grad_bytes)
+    if c.dp // sdp > 1:
+        # the replicas' gradient all-reduce packs gradients into flat buckets, several in
+        # flight while backward runs: up to one more copy of the stage's gradients
+        state += params * profile.grad_bytes
+    # smp's default (prescaled_batch off): each rank keeps its own batch / (tp * dp) samples
+    # in the modules tp does not split; a split module all-gathers its tp peers' inputs and
+    # runs tp times the samples on 1/tp of the weights. Its saved bytes are counted at
+    # the full width for those samples (its inputs are full width; the inner activations
+    # are 1/tp as wide: safe, by at most tp times on the inner part).
+    own = c.microbatches * c.tp * c.dp  # microbatch slices of the profiled batch, per rank
     live = in_flight(c.pp, c.microbatches)
     if c.checkpointing and st.unit_saved:
-        per_mb = st.saved_outside_units.at(1) + st.unit_inputs
-        recompute = max(u.at(1) for u in st.unit_saved)
+        per_mb = st.saved_outside_units.whole + st.saved_outside_units.split * tp + st.unit_inputs
+        # While a microbatch's backward recomputes its units one at a time, what the
+        # recompute chain allocated stays in the process (measured: at pp = 1 a rank's peak
+        # with checkpointing equals the one without, bench_plan's gpt2-small grid): one
+        # microbatch's full saved bytes, on top of the kept unit inputs.
+        recompute = st.saved.whole + st.saved.split * tp
         acts = (live * per_mb + recompute) / own
     else:
-        acts = live * st.saved.at(1) / own
+        acts = live * (st.saved.whole + st.saved.split * tp) / own
+    if c.pp > 1:
+        # what crosses the stage's cuts, per microbatch in flight: the activations it
+        # received (kept for backward) and sent, and the gradients of both coming back,
+        # each also in its serialised message buffer
+        acts += live * 4 * (st.received_bytes + st.boundary_bytes) / (c.microbatches * c.dp)
     # One microbatch's backward temporaries on top (the stage's share, by saved bytes).
     total = sum(profile.saved_bytes.values())
     share = st.saved.at(1) / total if total else 1.0 / c.pp
-    acts += profile.step_transient_bytes * share / own + profile.step_transient_fixed_bytes
-    return profile.base_bytes + state + acts
+    acts += profile.step_transient_bytes * share * tp / own + profile.step_transient_fixed_bytes
+    return (profile.base_bytes + state + acts) * (1.0 + profile.memory_margin)
+
+
+def busy_scale(profile: Profile, c: Candidate) -> float:
+    """How much slower a rank computes in this job than the profile did. ``compute_scale``
+    is measured with every rank computing at once (more ranks than cores share them); in a
+    pipeline the bubble's idle stages leave their cores to the busy ones, so only the busy
+    share ``1 - bubble`` of the ranks competes (measured: pp = 4 with 2 microbatches runs
+    at about the profile's speed, bench_plan's gpt2-small grid)."""
+    bubble = (c.pp - 1) / (c.microbatches + c.pp - 1)
+    return 1.0 + (profile.compute_scale - 1.0) * (1.0 - bubble)
+
+
+def shard_units(profile: Profile, st: StageSums, tp: int) -> int:
+    """FSDP2 units of a stage under smp's rule: each checkpoint unit holding at least
+    ``shard_unit_elements`` parameter elements (at this tp), plus the stage's root unit."""
+    return 1 + sum(1 for u in st.unit_params if u.at(tp) >= profile.shard_unit_elements)
 
 
 def stage_microbatch_s(profile: Profile, st: StageSums, c: Candidate) -> float:
@@ -127,29 +159,45 @@ def stage_microbatch_s(profile: Profile, st: StageSums, c: Candidate) -> float:
     # weights: the same share of the work either way.
     fwd = st.forward.at(1) * profile.forward_s * frac
     bwd = st.forward.at(1) * profile.backward_s * frac
-    recompute = st.unit_forward.at(1) * profile.forward_s * frac if c.checkpointing else 0.0
-    comm = profile.comm
-    t = (fwd + bwd + recompute + profile.microbatch_overhead_s) * profile.compute_scale
+    recompute = 0.0
+    if c.checkpointing:
+        recompute = st.unit_forward.at(1) * profile.forward_s * frac
+        recompute += len(st.unit_saved) * profile.checkpoint_unit_overhead_s
+    # The wait for peers comes from ranks outnumbering cores: in a pipeline only the busy
+    # share of the ranks competes (as for busy_scale), so only that share of it is paid.
+    bubble = (c.pp - 1) / (c.microbatches + c.pp - 1)
+    comm = replace(profile.comm, sync_s=profile.comm.sync_s * (1.0 - bubble))
+    # the fixed per-microbatch cost (Python and dispatch per module) of this stage's modules
+    overhead = profile.microbatch_overhead_s * st.modules / max(len(profile.graph), 1)
+    t = (fwd + bwd + recompute + overhead) * busy_scale(profile, c)
     if c.tp > 1 and st.tp_modules:
-        # each split module exchanges its tp group's activations forward and backward
+        # prescaled_batch off: each split linear all-gathers its input (column-parallel) or
+        # reduce-scatters its output (row-parallel) in forward, the adjoint in backward,
+        # and once more in a checkpointed forward's recompute; over the tp peers' samples.
         per_module = st.tp_output_bytes * frac * c.tp / st.tp_modules
         rounds = 3 if c.checkpointing else 2
-        t += rounds * st.tp_modules * comm.allreduce_s(per_module, c.tp)
-    if c.pp > 1 and st.cuts:
-        per_cut = st.boundary_bytes * frac / st.cuts
-        t += 4 * st.cuts * comm.message_s(per_cut)  # forward there and back, backward alike
+        t += rounds * st.tp_modules * comm.gather_s(per_module, c.tp)
+    if c.sdp > 1:
+        # FSDP2 per microbatch: each unit all-gathered for forward and again for backward,
+        # its gradients reduce-scattered (no accumulation unsharded across microbatches).
+        params = st.params.at(c.tp)
+        t += 2 * comm.gather_s(params * profile.param_bytes, c.sdp)
+        t += comm.gather_s(params * profile.grad_bytes, c.sdp)
+        t += 3 * (shard_units(profile, st, c.tp) - 1) * comm.gather_s(0.0, c.sdp)  # their own rounds
+    if c.pp > 1:
+        # every stage waits once for a microbatch's forward input or its first send, and
+        # once for its backward gradient (the last stage: its loss's turn)
+        t += 2 * comm.message_s(st.boundary_bytes * frac)
     return t
 
 
 def stage_after_s(profile: Profile, st: StageSums, c: Candidate) -> float:
     """Seconds after the pipeline: gradient synchronisation and the optimizer step."""
     params = st.params.at(c.tp)
-    grad_bytes = params * profile.grad_bytes
     comm = profile.comm
     if c.sdp > 1:
-        replicas = c.dp // c.sdp
-        t = comm.gather_s(grad_bytes, c.sdp) + comm.allreduce_s(grad_bytes / c.sdp, replicas)
-        t += 2 * c.microbatches * comm.gather_s(params * profile.param_bytes, c.sdp)
+        # the shards' gradients (reduce-scattered per microbatch) averaged over the replicas
+        t = comm.allreduce_s(params * profile.grad_bytes / c.sdp, c.dp // c.sdp)
     else:
         # whole parameters are averaged over every rank sharing the batch (tp peers
         # included), split ones over the replicas of their slice

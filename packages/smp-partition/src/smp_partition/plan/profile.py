@@ -21,30 +21,36 @@ from smp_partition.graph import Module, ModuleGraph
 class CommModel:
     """Measured (or assumed) costs of moving bytes between ranks.
 
-    A collective over ``n`` ranks of ``b`` bytes costs ``latency_s * steps + volume /
-    bandwidth`` with the ring algorithm's steps and volume (all-reduce: ``2(n-1)`` steps,
-    ``2(n-1)/n * b``); a point-to-point message ``latency_s + b / bandwidth``.
+    A collective over ``n`` ranks of ``b`` bytes costs ``sync_s + latency_s * steps + volume
+    / bandwidth`` with the ring algorithm's steps and volume (all-reduce: ``2(n-1)`` steps,
+    ``2(n-1)/n * b``); a point-to-point message ``sync_s + latency_s + b / bandwidth``.
     """
 
     latency_s: float = 50e-6
     bandwidth: float = 2e9
     """Bytes per second one rank sends or receives in a collective or a message."""
+    sync_s: float = 0.0
+    """Seconds each collective or message costs inside a computing job beyond its
+    transfer: its peers are waited for (a peer still computing, or descheduled where ranks
+    outnumber cores). Measured by bench_plan's calibration: a loop of a kernel and a
+    4-byte all-reduce on every rank at once, less the kernel alone and the latency."""
 
     def allreduce_s(self, nbytes: float, ranks: int) -> float:
         """Seconds of one ring all-reduce of ``nbytes`` over ``ranks`` ranks (0 for one)."""
         if ranks <= 1:
             return 0.0
-        return 2 * (ranks - 1) * self.latency_s + 2 * (ranks - 1) / ranks * nbytes / self.bandwidth
+        steps = 2 * (ranks - 1)
+        return self.sync_s + steps * self.latency_s + steps / ranks * nbytes / self.bandwidth
 
     def gather_s(self, nbytes: float, ranks: int) -> float:
         """Seconds of one all-gather (or reduce-scatter) producing ``nbytes`` in total."""
         if ranks <= 1:
             return 0.0
-        return (ranks - 1) * self.latency_s + (ranks - 1) / ranks * nbytes / self.bandwidth
+        return self.sync_s + (ranks - 1) * self.latency_s + (ranks - 1) / ranks * nbytes / self.bandwidth
 
     def message_s(self, nbytes: float) -> float:
         """Seconds of one point-to-point message of ``nbytes``."""
-        return self.latency_s + nbytes / self.bandwidth
+        return self.sync_s + self.latency_s + nbytes / self.bandwidth
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,9 @@ class Profile:
     (attention heads, features); their parameters, time and saved bytes split by tp."""
     checkpoint_units: tuple[str, ...] = ()
     """Modules activation checkpointing wraps (e.g. the transformer blocks)."""
+    checkpoint_unit_overhead_s: float = 0.0
+    """Seconds a checkpointed unit adds to each microbatch beyond recomputing its forward
+    (saving and restoring state, the extra autograd nodes)."""
     param_bytes: int = 4
     grad_bytes: int = 4
     optimizer_bytes: int = 8
@@ -83,6 +92,9 @@ class Profile:
     """The part of that peak that does not grow with the samples (per microbatch)."""
     base_bytes: int = 0
     """Memory a rank uses whatever the model (interpreter, libraries, runtime buffers)."""
+    memory_margin: float = 0.0
+    """Fraction added to every predicted peak: what the allocator keeps resident beyond
+    the live bytes, and its rank-to-rank spread (the same work measures up to 3% apart)."""
     step_overhead_s: float = 0.0
     """Fixed seconds per step (synchronisation, bookkeeping)."""
     microbatch_overhead_s: float = 0.0
@@ -93,6 +105,10 @@ class Profile:
     ranks than cores: measured once per machine); multiplies every compute time."""
     memory_weight: float = 0.8
     """``alpha`` of smp's automatic partition (the ``memory_weight`` key)."""
+    shard_unit_elements: int = 1_000_000
+    """smp's ``sdp_param_persistence_threshold``: a checkpoint unit holding this many
+    parameter elements is a shard unit of its own (one all-gather, one reduce-scatter);
+    smaller ones go to the stage's root unit."""
     balance_slack: float = 0.15
     """smp's ``balance_slack`` for the automatic partition (smp_pipeline.partition)."""
 
@@ -103,11 +119,12 @@ class Profile:
             raise PartitionError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
         for key in ("forward_s", "backward_s", "optimizer_s_per_param", "step_overhead_s",
                     "microbatch_overhead_s", "memory_weight", "balance_slack", "compute_scale",
-                    "step_transient_bytes", "step_transient_fixed_bytes"):  # fmt: skip
+                    "step_transient_bytes", "step_transient_fixed_bytes", "memory_margin",
+                    "checkpoint_unit_overhead_s"):  # fmt: skip
             v = getattr(self, key)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise PartitionError(f"{key} must be a finite number >= 0, got {v!r}")
-        for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "base_bytes"):
+        for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "base_bytes", "shard_unit_elements"):
             v = getattr(self, key)
             if not isinstance(v, int) or v < 0:
                 raise PartitionError(f"{key} must be an integer >= 0, got {v!r}")

@@ -52,6 +52,8 @@ class StageSums:
     """Bytes checkpointing keeps per unit (its input, taken as its output's size)."""
     unit_saved: list[Split] = field(default_factory=list)
     """Saved bytes of each checkpoint unit of the stage (one is live during its recompute)."""
+    unit_params: list[Split] = field(default_factory=list)
+    """Parameter elements of each checkpoint unit of the stage (what makes it a shard unit)."""
     unit_forward: Split = field(default_factory=Split)
     """Share of the forward time inside checkpoint units (what checkpointing recomputes)."""
     tp_modules: int = 0
@@ -60,6 +62,9 @@ class StageSums:
     boundary_bytes: float = 0.0
     """Bytes this stage sends across pipeline cuts per step (outputs to other stages)."""
     cuts: int = 0
+    received_bytes: float = 0.0
+    """Bytes this stage receives across pipeline cuts per step (other stages' outputs to
+    its modules)."""
 
 
 def _first_parent(profile: Profile) -> list[int]:
@@ -130,6 +135,7 @@ def stage_sums(profile: Profile, facts: ModuleFacts, pp: int) -> tuple[list[Stag
         stage_of = [result.assignment[m.name] for m in mods]
     stages = [StageSums() for _ in range(pp)]
     units: list[dict[int, Split]] = [{} for _ in range(pp)]
+    unit_params: list[dict[int, Split]] = [{} for _ in range(pp)]
     tp_names = profile.tp_divisors
     saved = profile.saved_bytes
     for i, m in enumerate(mods):
@@ -145,6 +151,7 @@ def stage_sums(profile: Profile, facts: ModuleFacts, pp: int) -> tuple[list[Stag
             st.saved_outside_units.add(b, split)
         else:
             units[stage_of[i]].setdefault(k, Split()).add(b, split)
+            unit_params[stage_of[i]].setdefault(k, Split()).add(facts.params[i], split)
             st.unit_forward.add(facts.forward_share[i], split)
             if m.name == profile.checkpoint_units[k]:
                 st.unit_inputs += m.activation_bytes
@@ -155,6 +162,8 @@ def stage_sums(profile: Profile, facts: ModuleFacts, pp: int) -> tuple[list[Stag
         if p >= 0 and stage_of[p] != stage_of[i]:
             st.cuts += 1
             st.boundary_bytes += m.activation_bytes
+            stages[stage_of[p]].received_bytes += m.activation_bytes
     for s, st in enumerate(stages):
         st.unit_saved = list(units[s].values())
+        st.unit_params = list(unit_params[s].values())
     return stages, stage_of

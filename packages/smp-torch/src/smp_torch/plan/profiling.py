@@ -15,12 +15,13 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import smp_partition
 import torch
 from smp_partition.plan import CommModel, Profile
+from smp_pipeline.checkpointing import checkpoint_in_place
 from smp_pipeline.partition import trace_dict
 from smp_tp.registry import is_tensor_parallel_enabled, lookup
 from torch import nn
@@ -28,6 +29,12 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._pytree import tree_leaves, tree_map
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
+#: The profile's default ``memory_margin``: fitted on bench_plan's gpt2-small grid (72
+#: configurations, 288 ranks), which needs 3.1 % for every rank to be at or under its
+#: prediction (0.5 % more for the profile's run-to-run spread). Fitted leaving out one
+#: (pp, tp, sdp) family at a time: 248 of 288 ranks within [measured, 1.10 x], 6 under.
+#: Out of sample, wide-vocab's grid would need 12.9 % (its head's stage; performance.md).
+MEMORY_MARGIN = 0.035
 _HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads", "nhead")
 
 
@@ -88,13 +95,23 @@ def _reset_peak() -> bool:
 
 def peak_step_allocation(run: Callable[[], Any]) -> int:
     """Peak bytes torch allocates during ``run()`` above what it held before (the CPU
-    allocations torch's profiler records, replayed in order)."""
+    allocations torch's profiler records, replayed in order).
+
+    Each op's own allocations (``self_cpu_memory_usage``): an event's ``cpu_memory_usage``
+    includes its children's, so summing those counts a nested op once per enclosing op
+    (measured on bench_plan's gpt2-small: 198 MiB against the true 50 MiB at 32 samples).
+    """
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
-    events = sorted((e for e in prof.events() if e.cpu_memory_usage), key=lambda e: e.time_range.start)
+    return replay_peak((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events())
+
+
+def replay_peak(allocations: Iterable[tuple[float, int]]) -> int:
+    """The peak of a running sum of (time, bytes allocated (+) or freed (-)) records, in
+    time order, above the starting point (0 when nothing is allocated)."""
     now = peak = 0
-    for e in events:
-        now += e.cpu_memory_usage
+    for _, nbytes in sorted(a for a in allocations if a[1]):
+        now += nbytes
         peak = max(peak, now)
     return peak
 
@@ -160,12 +177,47 @@ def default_checkpoint_units(model: nn.Module) -> tuple[str, ...]:
     return best
 
 
+def _checkpoint_unit_overhead_s(
+    model_fn: Callable[[], nn.Module],
+    step: StepFn,
+    one: Any,
+    units: Sequence[str],
+    one_s: float,
+    forward_per_sample_s: float,
+    repeats: int,
+) -> float:
+    """Seconds each checkpointed unit adds to a microbatch beyond recomputing its forward:
+    a one-sample step of a fresh copy with smp's checkpointing (smp_pipeline's
+    ``checkpoint_in_place``, as a rank applies it) on ``units``, less the plain one-sample
+    step ``one_s`` and the recomputed forward, per unit."""
+    if not units:
+        return 0.0
+    model = model_fn()
+    names = dict(model.named_modules())
+    missing = [u for u in units if u not in names]
+    if missing:
+        raise ValueError(f"checkpoint unit {missing[0]!r} is not a module of the model")
+    checkpoint_in_place(model, {u: None for u in units})
+
+    def run() -> None:
+        model.zero_grad(set_to_none=False)
+        step(model, one).backward()
+
+    run()
+    ck_s = _median_s(run, repeats)
+    return max(0.0, (ck_s - one_s - forward_per_sample_s) / len(units))
+
+
 def _median_s(fn: Callable[[], Any], repeats: int) -> float:
+    """Median seconds of ``fn()``: CPU time where torch runs on one thread (what the
+    process itself spent, so other processes on a shared machine do not inflate it; the
+    calibration's ``compute_scale`` turns it into a rank's wall time), else wall time."""
+    clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return statistics.median(times)
 
 
@@ -181,6 +233,7 @@ def profile_model(
     base_bytes: int | None = None,
     runtime_bytes: int | None = None,
     compute_scale: float = 1.0,
+    memory_margin: float = MEMORY_MARGIN,
     repeats: int = 3,
 ) -> Profile:
     """Profile ``model_fn()`` on ``sample_batch`` (the global batch of one step) here.
@@ -236,6 +289,8 @@ def profile_model(
 
     saved = saved_bytes_per_module(model, fwd)
     graph = smp_partition.ModuleGraph.from_dict(trace_dict(model, run=fwd, costs="flops"))
+    units = tuple(default_checkpoint_units(model) if checkpoint_units is None else checkpoint_units)
+    unit_overhead = _checkpoint_unit_overhead_s(model_fn, step, one, units, one_s, fwd_s / size, repeats)
     saved = {k: v for k, v in saved.items() if k in graph}
     param_bytes = max((p.element_size() for p in model.parameters()), default=4)
     # Peak tensor bytes of a forward+backward beyond what persists, at one sample and at the
@@ -257,7 +312,8 @@ def profile_model(
         backward_s=bwd_s,
         saved_bytes=saved,
         tp_divisors=dict(tensor_parallel_divisors(model) if tp_divisors is None else tp_divisors),
-        checkpoint_units=tuple(default_checkpoint_units(model) if checkpoint_units is None else checkpoint_units),
+        checkpoint_units=units,
+        checkpoint_unit_overhead_s=unit_overhead,
         param_bytes=param_bytes,
         grad_bytes=param_bytes,
         optimizer_bytes=math.ceil(state_bytes / numel) if numel else 0,
@@ -268,4 +324,5 @@ def profile_model(
         compute_scale=compute_scale,
         step_transient_bytes=transient,
         step_transient_fixed_bytes=transient_fixed,
+        memory_margin=memory_margin,
     )
