@@ -36,7 +36,9 @@ StepFn = Callable[[nn.Module, Any], torch.Tensor]
 #: (It was 3.5 % while the profile counted torch's first-step initialisation twice, ~80
 #: MiB a rank that hid the same shortfall and varied by ~30 MiB from run to run.)
 #: Out of sample, wide-vocab's grid would need 21 % (the driver stage, which receives its
-#: head's logits and runs the loss on them; performance.md).
+#: head's logits and runs the loss on them: glibc keeps freed logits-sized buffers once
+#: its dynamic mmap threshold has risen; with the threshold fixed, those ranks peak under
+#: the prediction without any margin — performance.md).
 MEMORY_MARGIN = 0.13
 _HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads", "nhead")
 
