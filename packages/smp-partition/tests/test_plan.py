@@ -13,10 +13,12 @@ from smp_partition.plan.estimate import (
     estimate,
     in_flight,
     shard_units,
+    stage_after_s,
     stage_microbatch_s,
+    stage_tops,
 )
 from smp_partition.plan.search import _Planner, candidates, divisors
-from smp_partition.plan.stages import module_facts, stage_sums
+from smp_partition.plan.stages import Split, StageSums, module_facts, stage_sums
 
 MiB = 1 << 20
 
@@ -152,6 +154,29 @@ def test_collectives_cost_their_wait_once_each() -> None:
         c = Candidate(pp, 1, 1, 1, 1, False)
         for s in stage_sums(p3, module_facts(p3), pp)[0]:
             assert stage_microbatch_s(p3, s, c) == pytest.approx(stage_microbatch_s(quiet, s, c) + 2 * 0.5 * share)
+
+
+def test_sharding_under_a_pipeline_gathers_once_per_step() -> None:
+    # smp_torch.sharded_pp: with pp > 1 each stage top is gathered once before the step and
+    # reduce-scattered once after it, not per microbatch as without a pipeline. (A busy
+    # machine, compute_scale 3, so the in-pipeline wait for peers is not zero.)
+    p = two_block_profile(comm=CommModel(latency_s=0.0, bandwidth=1e30, sync_s=0.5), compute_scale=3.0)
+    stages = stage_sums(p, module_facts(p), 2)[0]
+    assert [(s.owns_root, stage_tops(s)) for s in stages] == [(True, 1), (False, 1)]
+    for st in stages:
+        plain, sharded = Candidate(2, 1, 2, 1, 4, False), Candidate(2, 1, 2, 2, 4, False)
+        assert stage_microbatch_s(p, st, sharded) == stage_microbatch_s(p, st, plain)
+    # after the step: one gather, one reduce-scatter, two rounds per further top (a stage
+    # holding the root and three modules whose parents are elsewhere: four tops)
+    st = StageSums(cuts=3, owns_root=True, params=Split(whole=1000.0))
+    assert stage_tops(st) == 4
+    optimizer = 1000 / 2 * p.optimizer_s_per_param * p.compute_scale
+    assert stage_after_s(p, st, Candidate(2, 1, 2, 2, 4, False)) == pytest.approx(0.5 + 0.5 + 2 * 3 * 0.5 + optimizer)
+    # without a pipeline the per-microbatch cost stays
+    one = stage_sums(p, module_facts(p), 1)[0][0]
+    assert stage_microbatch_s(p, one, Candidate(1, 1, 4, 4, 1, False)) > stage_microbatch_s(
+        p, one, Candidate(1, 1, 4, 1, 1, False)
+    )
 
 
 def test_busy_scale_and_shard_units() -> None:

@@ -190,9 +190,10 @@ def stage_microbatch_s(profile: Profile, st: StageSums, c: Candidate) -> float:
         per_module = st.tp_output_bytes * frac * c.tp / st.tp_modules
         rounds = 3 if c.checkpointing else 2
         t += rounds * st.tp_modules * comm.gather_s(per_module, c.tp)
-    if c.sdp > 1:
+    if c.sdp > 1 and c.pp == 1:
         # FSDP2 per microbatch: each unit all-gathered for forward and again for backward,
         # its gradients reduce-scattered (no accumulation unsharded across microbatches).
+        # (With a pipeline smp gathers and reduces once per step: stage_after_s.)
         params = st.params.at(c.tp)
         t += 2 * comm.gather_s(params * profile.param_bytes, c.sdp)
         t += comm.gather_s(params * profile.grad_bytes, c.sdp)
@@ -204,6 +205,13 @@ def stage_microbatch_s(profile: Profile, st: StageSums, c: Candidate) -> float:
     return t
 
 
+def stage_tops(st: StageSums) -> int:
+    """The FSDP2 units smp gives a pipeline stage (``smp_torch.sharded_pp``): its modules
+    whose parent is on another stage, plus the root on the stage that owns it (a tied pair
+    of tops, grouped into one unit, is counted as two: safe)."""
+    return st.cuts + (1 if st.owns_root else 0)
+
+
 def stage_after_s(profile: Profile, st: StageSums, c: Candidate) -> float:
     """Seconds after the pipeline: gradient synchronisation and the optimizer step."""
     params = st.params.at(c.tp)
@@ -211,6 +219,15 @@ def stage_after_s(profile: Profile, st: StageSums, c: Candidate) -> float:
     if c.sdp > 1:
         # the shards' gradients (reduce-scattered per microbatch) averaged over the replicas
         t = comm.allreduce_s(params * profile.grad_bytes / c.sdp, c.dp // c.sdp)
+        if c.pp > 1:
+            # smp_torch.sharded_pp: a pipeline stage gathers its units once before the
+            # step's microbatches and keeps them whole through all of them (the pipeline's
+            # ordered accumulation sums into the whole gradients), then reduce-scatters
+            # those sums once after: one all-gather and one reduce-scatter per step, not
+            # per microbatch, each unit (a stage top) in its own round.
+            t += comm.gather_s(params * profile.param_bytes, c.sdp)
+            t += comm.gather_s(params * profile.grad_bytes, c.sdp)
+            t += 2 * max(0, stage_tops(st) - 1) * comm.gather_s(0.0, c.sdp)
     else:
         # whole parameters are averaged over every rank sharing the batch (tp peers
         # included), split ones over the replicas of their slice
