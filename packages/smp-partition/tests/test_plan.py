@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 from smp_partition import Module, ModuleGraph, PartitionError, partition
@@ -12,10 +13,12 @@ from smp_partition.plan.estimate import (
     estimate,
     in_flight,
     shard_units,
+    stage_after_s,
     stage_microbatch_s,
+    stage_tops,
 )
 from smp_partition.plan.search import _Planner, candidates, divisors
-from smp_partition.plan.stages import module_facts, stage_sums
+from smp_partition.plan.stages import Split, StageSums, module_facts, stage_sums
 
 MiB = 1 << 20
 
@@ -142,18 +145,51 @@ def test_collectives_cost_their_wait_once_each() -> None:
     # sdp: two all-gathers and a reduce-scatter per microbatch for the root unit
     assert stage_microbatch_s(p, st, Candidate(1, 1, 2, 2, 1, False)) == pytest.approx(base + 3 * 0.5)
     # a pipeline stage waits twice per microbatch (forward input, backward gradient), for
-    # the busy share of the ranks only: pp=2 with one microbatch idles half of them
-    quiet = two_block_profile(comm=CommModel(latency_s=0.0, bandwidth=1e30, sync_s=0.0))
-    c2 = Candidate(2, 1, 1, 1, 1, False)
-    for s in stage_sums(p, module_facts(p), 2)[0]:
-        assert stage_microbatch_s(p, s, c2) == pytest.approx(stage_microbatch_s(quiet, s, c2) + 2 * 0.5 / 2)
+    # the excess contention of its busy ranks only: with compute_scale 3, pp=2 with one
+    # microbatch keeps half the ranks busy (slowdown 1.5 of 3: a quarter of the wait);
+    # pp=4 with one microbatch keeps a quarter busy (0.75: they fit the cores, no wait)
+    p3 = replace(p, compute_scale=3.0)
+    quiet = replace(p3, comm=CommModel(latency_s=0.0, bandwidth=1e30, sync_s=0.0))
+    for pp, share in ((2, 0.25), (4, 0.0)):
+        c = Candidate(pp, 1, 1, 1, 1, False)
+        for s in stage_sums(p3, module_facts(p3), pp)[0]:
+            assert stage_microbatch_s(p3, s, c) == pytest.approx(stage_microbatch_s(quiet, s, c) + 2 * 0.5 * share)
+
+
+def test_sharding_under_a_pipeline_gathers_once_per_step() -> None:
+    # smp_torch.sharded_pp: with pp > 1 each stage top is gathered once before the step and
+    # reduce-scattered once after it, not per microbatch as without a pipeline. (A busy
+    # machine, compute_scale 3, so the in-pipeline wait for peers is not zero.)
+    p = two_block_profile(comm=CommModel(latency_s=0.0, bandwidth=1e30, sync_s=0.5), compute_scale=3.0)
+    stages = stage_sums(p, module_facts(p), 2)[0]
+    assert [(s.owns_root, stage_tops(s)) for s in stages] == [(True, 1), (False, 1)]
+    for st in stages:
+        plain, sharded = Candidate(2, 1, 2, 1, 4, False), Candidate(2, 1, 2, 2, 4, False)
+        assert stage_microbatch_s(p, st, sharded) == stage_microbatch_s(p, st, plain)
+    # after the step: one gather, one reduce-scatter, two rounds per further top (a stage
+    # holding the root and three modules whose parents are elsewhere: four tops)
+    st = StageSums(cuts=3, owns_root=True, params=Split(whole=1000.0))
+    assert stage_tops(st) == 4
+    optimizer = 1000 / 2 * p.optimizer_s_per_param * p.compute_scale
+    assert stage_after_s(p, st, Candidate(2, 1, 2, 2, 4, False)) == pytest.approx(0.5 + 0.5 + 2 * 3 * 0.5 + optimizer)
+    # without a pipeline the per-microbatch cost stays
+    one = stage_sums(p, module_facts(p), 1)[0][0]
+    assert stage_microbatch_s(p, one, Candidate(1, 1, 4, 4, 1, False)) > stage_microbatch_s(
+        p, one, Candidate(1, 1, 4, 1, 1, False)
+    )
 
 
 def test_busy_scale_and_shard_units() -> None:
     p = two_block_profile(compute_scale=3.0, shard_unit_elements=1000)
     assert busy_scale(p, Candidate(1, 1, 4, 1, 8, False)) == 3.0  # every rank busy
-    # pp=4, 2 microbatches: bubble 3/5, so 2/5 of the ranks compete for the cores
-    assert busy_scale(p, Candidate(4, 1, 1, 1, 2, False)) == pytest.approx(1 + 2 * 2 / 5)
+    # time-sharing: the busy share of the ranks times the all-busy slowdown, never below 1.
+    # pp=4, 4 microbatches: bubble 3/7, 4/7 of the ranks busy -> 3 * 4/7
+    assert busy_scale(p, Candidate(4, 1, 1, 1, 4, False)) == pytest.approx(3 * 4 / 7)
+    # pp=4, 2 microbatches: 2/5 busy -> 1.2; pp=2, 1 microbatch: half busy -> 1.5
+    assert busy_scale(p, Candidate(4, 1, 1, 1, 2, False)) == pytest.approx(1.2)
+    assert busy_scale(p, Candidate(2, 1, 2, 1, 1, False)) == pytest.approx(1.5)
+    # pp=4, 1 microbatch: a quarter busy would be 0.75: the busy ranks fit the cores -> 1
+    assert busy_scale(p, Candidate(4, 1, 1, 1, 1, False)) == 1.0
     st = stage_sums(p, module_facts(p), 1)[0][0]
     assert shard_units(p, st, 1) == 3  # both blocks reach 1000 elements, plus the root
     assert shard_units(p, st, 2) == 1  # split in half, neither does

@@ -44,6 +44,19 @@ def test_profile_measures_the_model(toy_profile) -> None:  # type: ignore[no-unt
     assert p.saved_bytes["blocks.0.fc"] >= 8 * 16 * 32 * 4
 
 
+def test_fixed_bytes_are_measured_after_torchs_first_step(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # The calibration rank's fixed bytes hold torch's one-time first-step costs: the profile
+    # pays them (a one-layer step) before its starting resident set, or counts them twice.
+    from smp_torch.plan import profiling
+
+    calls: list[str] = []
+    real_warm, real_rss = profiling.warm_up_torch, profiling.rss_bytes
+    monkeypatch.setattr(profiling, "warm_up_torch", lambda: (calls.append("warm"), real_warm())[1])
+    monkeypatch.setattr(profiling, "rss_bytes", lambda: (calls.append("rss"), real_rss())[1])
+    profile_model(lambda: nn.Linear(4, 4), torch.ones(2, 4), repeats=1, checkpoint_units=())
+    assert calls[:2] == ["warm", "rss"]
+
+
 def test_saved_bytes_attribute_to_the_innermost_module() -> None:
     lin = nn.Linear(4, 3)
     model = nn.Sequential(lin, nn.ReLU())

@@ -138,12 +138,26 @@ def stage_memory(profile: Profile, st: StageSums, c: Candidate) -> float:
 
 def busy_scale(profile: Profile, c: Candidate) -> float:
     """How much slower a rank computes in this job than the profile did. ``compute_scale``
-    is measured with every rank computing at once (more ranks than cores share them); in a
-    pipeline the bubble's idle stages leave their cores to the busy ones, so only the busy
-    share ``1 - bubble`` of the ranks competes (measured: pp = 4 with 2 microbatches runs
-    at about the profile's speed, bench_plan's gpt2-small grid)."""
+    is measured with every rank computing at once (more ranks than cores time-share them).
+    In a pipeline only the busy share ``1 - bubble`` of the ranks competes for the cores at
+    a time, and time-sharing slows a process by (processes wanting a core) / cores, never
+    below 1: the slowdown is ``compute_scale`` times the busy share, floored at 1 (a
+    pipeline whose busy ranks fit the cores runs at the profile's speed; measured: pp = 2
+    with one microbatch and pp = 4 with two run at about that speed, bench_plan's
+    gpt2-small grid). The former linear blend ``1 + (compute_scale - 1) * busy`` charged
+    half the contention to a pipeline whose busy half fits the cores."""
     bubble = (c.pp - 1) / (c.microbatches + c.pp - 1)
-    return 1.0 + (profile.compute_scale - 1.0) * (1.0 - bubble)
+    return max(1.0, profile.compute_scale * (1.0 - bubble))
+
+
+def peer_wait_share(profile: Profile, c: Candidate) -> float:
+    """The share of ``CommModel.sync_s`` (the wait for peers descheduled where ranks
+    outnumber cores) that this job pays: the excess of its time-sharing slowdown over the
+    all-busy one's, so 1 without a pipeline and 0 where the busy ranks fit the cores
+    (no peer is descheduled then)."""
+    if profile.compute_scale <= 1.0:
+        return 1.0 if c.pp == 1 else 0.0
+    return (busy_scale(profile, c) - 1.0) / (profile.compute_scale - 1.0)
 
 
 def shard_units(profile: Profile, st: StageSums, tp: int) -> int:
@@ -163,10 +177,9 @@ def stage_microbatch_s(profile: Profile, st: StageSums, c: Candidate) -> float:
     if c.checkpointing:
         recompute = st.unit_forward.at(1) * profile.forward_s * frac
         recompute += len(st.unit_saved) * profile.checkpoint_unit_overhead_s
-    # The wait for peers comes from ranks outnumbering cores: in a pipeline only the busy
-    # share of the ranks competes (as for busy_scale), so only that share of it is paid.
-    bubble = (c.pp - 1) / (c.microbatches + c.pp - 1)
-    comm = replace(profile.comm, sync_s=profile.comm.sync_s * (1.0 - bubble))
+    # The wait for peers comes from ranks outnumbering cores: in a pipeline only its busy
+    # ranks compete for them (as in busy_scale), so only the excess contention is paid.
+    comm = replace(profile.comm, sync_s=profile.comm.sync_s * peer_wait_share(profile, c))
     # the fixed per-microbatch cost (Python and dispatch per module) of this stage's modules
     overhead = profile.microbatch_overhead_s * st.modules / max(len(profile.graph), 1)
     t = (fwd + bwd + recompute + overhead) * busy_scale(profile, c)
@@ -177,9 +190,10 @@ def stage_microbatch_s(profile: Profile, st: StageSums, c: Candidate) -> float:
         per_module = st.tp_output_bytes * frac * c.tp / st.tp_modules
         rounds = 3 if c.checkpointing else 2
         t += rounds * st.tp_modules * comm.gather_s(per_module, c.tp)
-    if c.sdp > 1:
+    if c.sdp > 1 and c.pp == 1:
         # FSDP2 per microbatch: each unit all-gathered for forward and again for backward,
         # its gradients reduce-scattered (no accumulation unsharded across microbatches).
+        # (With a pipeline smp gathers and reduces once per step: stage_after_s.)
         params = st.params.at(c.tp)
         t += 2 * comm.gather_s(params * profile.param_bytes, c.sdp)
         t += comm.gather_s(params * profile.grad_bytes, c.sdp)
@@ -191,6 +205,13 @@ def stage_microbatch_s(profile: Profile, st: StageSums, c: Candidate) -> float:
     return t
 
 
+def stage_tops(st: StageSums) -> int:
+    """The FSDP2 units smp gives a pipeline stage (``smp_torch.sharded_pp``): its modules
+    whose parent is on another stage, plus the root on the stage that owns it (a tied pair
+    of tops, grouped into one unit, is counted as two: safe)."""
+    return st.cuts + (1 if st.owns_root else 0)
+
+
 def stage_after_s(profile: Profile, st: StageSums, c: Candidate) -> float:
     """Seconds after the pipeline: gradient synchronisation and the optimizer step."""
     params = st.params.at(c.tp)
@@ -198,6 +219,15 @@ def stage_after_s(profile: Profile, st: StageSums, c: Candidate) -> float:
     if c.sdp > 1:
         # the shards' gradients (reduce-scattered per microbatch) averaged over the replicas
         t = comm.allreduce_s(params * profile.grad_bytes / c.sdp, c.dp // c.sdp)
+        if c.pp > 1:
+            # smp_torch.sharded_pp: a pipeline stage gathers its units once before the
+            # step's microbatches and keeps them whole through all of them (the pipeline's
+            # ordered accumulation sums into the whole gradients), then reduce-scatters
+            # those sums once after: one all-gather and one reduce-scatter per step, not
+            # per microbatch, each unit (a stage top) in its own round.
+            t += comm.gather_s(params * profile.param_bytes, c.sdp)
+            t += comm.gather_s(params * profile.grad_bytes, c.sdp)
+            t += 2 * max(0, stage_tops(st) - 1) * comm.gather_s(0.0, c.sdp)
     else:
         # whole parameters are averaged over every rank sharing the batch (tp peers
         # included), split ones over the replicas of their slice

@@ -65,6 +65,8 @@ class StageSums:
     received_bytes: float = 0.0
     """Bytes this stage receives across pipeline cuts per step (other stages' outputs to
     its modules)."""
+    owns_root: bool = False
+    """Whether the model's root module (the step function's driver) is on this stage."""
 
 
 def _first_parent(profile: Profile) -> list[int]:
@@ -163,6 +165,7 @@ def stage_sums(profile: Profile, facts: ModuleFacts, pp: int) -> tuple[list[Stag
             st.cuts += 1
             st.boundary_bytes += m.activation_bytes
             stages[stage_of[p]].received_bytes += m.activation_bytes
+    stages[stage_of[0]].owns_root = True
     for s, st in enumerate(stages):
         st.unit_saved = list(units[s].values())
         st.unit_params = list(unit_params[s].values())
