@@ -218,8 +218,8 @@ class StepReplay:
                 if msg is None:
                     return
                 tp = type(msg)
-                if tp is BwdReq and msg.step == step:  # type: ignore[attr-defined]
-                    req: Any = msg
+                req: Any = msg
+                if tp is BwdReq and req.step == step:
                     if self._refusal(req) is not None:
                         self._put_back(msg)
                         return
