@@ -11,8 +11,13 @@ The next step is *replayed*: one loop on the rank's main thread takes each arriv
 and, if its signature is the recorded one and every module it runs lives here, runs it at
 once on that thread (forward, or backward through the call's saved graph) and sends the
 answer: no worker thread, no token hand-off, no serve-order decision beyond taking
-backward work before new forward work. The same code runs in the same order as in dynamic
-mode, so the results are bit for bit the same (gradients still fold in microbatch order).
+backward work before new forward work. A forward run this way still yields to backward
+work: at each of its yield points (before each block of an owned sequential container) the
+backward requests of the step that arrived meanwhile are checked and served nested on the
+same thread, as dynamic mode's main loop serves them while the forward's worker waits at
+that point. The same code runs as in dynamic mode, and the order of independent
+microbatches' work does not change results, so they are bit for bit the same (gradients
+still fold in microbatch order).
 
 Anything else — a request whose signature differs from the recording (another module,
 another shape or dtype, another branch of a data-dependent model), one that would call a
