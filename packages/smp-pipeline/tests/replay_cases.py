@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +53,28 @@ def contiguous(pp: int, blocks: int = 8) -> dict[str, int]:
     out = {str(i): i // per for i in range(blocks)}
     out[str(blocks)] = pp - 1
     return out
+
+
+class Sleep(nn.Module):
+    """Sleeps in forward (a slow block's compute): the backward request of the microbatch
+    before arrives meanwhile."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.02)
+        return x
+
+
+def slow_last_stage(pp: int):  # noqa: ANN201
+    """``mlp()`` whose last stage's first block sleeps first: the replayed forward meets
+    the arrived backward request at its next yield point and serves it nested."""
+
+    def build() -> nn.Sequential:
+        net = mlp()
+        first = (pp - 1) * (8 // pp)
+        net[first] = nn.Sequential(Sleep(), *net[first])
+        return net
+
+    return build
 
 
 def mlp_data(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,7 +154,7 @@ def run(comm: Communicator, name: str, build, assignment, batches, m: int, *, ex
     if problem:
         raise AssertionError(f"{name}: {problem}; replay stats by pp rank: {stats}")
     if comm.rank == 0:
-        print(f"CASE-OK {name} {[(st.replayed, st.fallbacks, st.recorded) for st in stats[1:]]}",
+        print(f"CASE-OK {name} {[(st.replayed, st.fallbacks, st.recorded, st.nested) for st in stats[1:]]}",
               flush=True)  # fmt: skip
         for r, st in enumerate(stats[1:], 1):
             for why in st.reasons:
@@ -148,6 +171,19 @@ def all_replayed(steps: int):  # noqa: ANN201
             if (st.replayed, st.fallbacks, st.recorded) != (steps - 1, 0, 1) or not st.requests:
                 return f"pp rank {r}: wanted {steps - 1} steps replayed, none fallen back"
         return ""
+
+    return check
+
+
+def nested_on_last(steps: int):  # noqa: ANN201
+    """Every step after the first replayed, and the last rank served backward requests
+    nested in its replayed forwards."""
+
+    def check(stats) -> str:  # noqa: ANN001
+        problem = all_replayed(steps)(stats)
+        if not problem and not stats[-1].nested:
+            problem = "the last rank served no backward request nested in a forward"
+        return problem
 
     return check
 
@@ -189,6 +225,10 @@ def main() -> None:
     ckpt = {str(i): None for i in range(1, 8, 2)}
     run(comm, f"mlp-pp{pp}-checkpointing", mlp, contiguous(pp), mlp_batches[:3], 4,
         checkpointing=ckpt, expect=all_replayed(3))
+    # A slow block on the last stage: backward requests served at the replayed forward's
+    # yield points (as dynamic mode's forward yields to them), still bitwise.
+    run(comm, f"mlp-pp{pp}-nested", slow_last_stage(pp), contiguous(pp), mlp_batches[:3], 4,
+        expect=nested_on_last(3))
     if pp == 2:
         branch = {"left": 1, "right.1": 1, "out": 1}
     else:

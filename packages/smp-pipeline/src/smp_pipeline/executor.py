@@ -135,6 +135,9 @@ class Executor:
         self.diverged = 0  # recorded straight-through tasks that did not run straight through
         # called once, with the task, at the first divergence
         self.on_diverged = on_diverged
+        # Static mode's replay: at a yield point of a forward it runs inline, serve the work
+        # other ranks wait for nested on this thread (None: yield points do nothing inline).
+        self.inline_yield: Callable[[Task[Any]], None] | None = None
 
     def _forward_key(self) -> Key | None:
         """The offloader's owner of saved tensors: the microbatch of the forward task holding
@@ -313,6 +316,13 @@ class Executor:
         self._preempt = False
         worker = current_worker()
         task = self.current
+        if worker is None and self.inline_yield is not None:
+            # A forward static mode's replay runs on the main loop's thread: no token to give
+            # back, so the replay serves the waiting work nested here (see replay.py).
+            if task is not None and task.phase == FORWARD and not task.in_segment:
+                if inline_task() is task:
+                    self.inline_yield(task)
+            return
         if (
             worker is None
             or worker.host is not self

@@ -11,8 +11,13 @@ The next step is *replayed*: one loop on the rank's main thread takes each arriv
 and, if its signature is the recorded one and every module it runs lives here, runs it at
 once on that thread (forward, or backward through the call's saved graph) and sends the
 answer: no worker thread, no token hand-off, no serve-order decision beyond taking
-backward work before new forward work. The same code runs in the same order as in dynamic
-mode, so the results are bit for bit the same (gradients still fold in microbatch order).
+backward work before new forward work. A forward run this way still yields to backward
+work: at each of its yield points (before each block of an owned sequential container) the
+backward requests of the step that arrived meanwhile are checked and served nested on the
+same thread, as dynamic mode's main loop serves them while the forward's worker waits at
+that point. The same code runs as in dynamic mode, and the order of independent
+microbatches' work does not change results, so they are bit for bit the same (gradients
+still fold in microbatch order).
 
 Anything else — a request whose signature differs from the recording (another module,
 another shape or dtype, another branch of a data-dependent model), one that would call a
@@ -38,16 +43,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from smp_pipeline.actions import BACKWARD, FORWARD
+from smp_pipeline.execution_state import autocast_state
 from smp_pipeline.messages import Packed
 from smp_pipeline.protocol import Abort, BwdReq, FwdReq, MbDone, Message, StepEnd
 from smp_pipeline.seqruns import span_label
 from smp_pipeline.serving import ServingLoop
+from smp_pipeline.worker import Task, set_inline_task
 
 __all__ = ["ReplayStats", "StepReplay", "request_signature"]
 
 # (sender pp rank, microbatch, "fq" / "bq", n-th of those): the signature of that request.
 SignatureKey = tuple[int, int, str, int]
+
+# What a replayed forward serves nested at its yield points (control messages come too).
+_NESTED: tuple[type, ...] = (BwdReq,)
 
 
 def _tensor_signature(packed: Packed) -> tuple[Any, ...]:
@@ -90,6 +102,8 @@ class ReplayStats:
         requests: requests served by the replay.
         reasons: the reason of each fallback, in order (the last 16 kept).
         not_replayable: why the last recorded step cannot be replayed ("" if it can).
+        nested: of ``requests``, the backward requests served at a yield point of a replayed
+            forward (nested in it, as dynamic mode lets a forward yield to them).
     """
 
     replayed: int = 0
@@ -98,6 +112,7 @@ class ReplayStats:
     requests: int = 0
     reasons: list[str] = field(default_factory=list)
     not_replayable: str = ""
+    nested: int = 0
 
 
 class StepReplay:
@@ -121,6 +136,9 @@ class StepReplay:
         self._counts: dict[int, dict[tuple[int, int, str], int]] = {}
         # Why the step being recorded cannot be replayed next time (None: it can so far).
         self._unreplayable: dict[int, str] = {}
+        # The step being replayed (None: none; a yield point inline serves nothing nested).
+        self._step: int | None = None
+        loop.executor.inline_yield = self._serve_nested
 
     # ------------------------------------------------------------------ signatures
     def _note(self, msg: FwdReq | BwdReq) -> tuple[SignatureKey, tuple[Any, ...]]:
@@ -151,6 +169,78 @@ class StepReplay:
             handle(msg)
 
         return note_and_handle
+
+    # ------------------------------------------------------------------ one request
+    def _refusal(self, req: FwdReq | BwdReq) -> str | None:
+        """Note ``req`` (a request of the step being replayed) and say why the replay may not
+        serve it inline (None: it may)."""
+        recording = self._recording
+        assert recording is not None
+        key, sig = self._note(req)
+        if not _same(recording.get(key), sig):
+            return _difference(key, recording.get(key), sig)
+        if type(req) is FwdReq:
+            kind = (FORWARD, span_label(req.path, req.modules()))
+            if not self.runs_locally(req.path, req.modules()):
+                return f"'{kind[1]}' calls modules of other ranks"
+        else:
+            if not self.loop.handlers.can_inline_backward(req):  # type: ignore[arg-type]
+                return f"no local record of the call {req.key}"
+            kind = (BACKWARD, req.path)
+        if kind in self.loop.executor.device_kinds:  # on a worker it overlaps the device work
+            return f"the {kind[0]} of '{kind[1]}' ran device work"
+        return None
+
+    def _put_back(self, msg: Message) -> None:
+        """``msg`` back to the front of the inbox, unserved (a request: noted again when it
+        is taken next)."""
+        self.loop.transport.inbox.appendleft(msg)
+        if type(msg) is FwdReq or type(msg) is BwdReq:
+            req: Any = msg
+            kind = "fq" if type(msg) is FwdReq else "bq"
+            base = (req.src, req.mb, kind)
+            counts = self._counts[req.step]
+            counts[base] -= 1
+            del self._seen[req.step][(*base, counts[base])]
+
+    def _serve_nested(self, task: Task[Any]) -> None:
+        """At a yield point of the forward ``task`` the replay runs inline: serve the arrived
+        backward requests of this step (and control messages) nested on this thread, then let
+        the forward go on. Dynamic mode does the same from its main loop while the forward's
+        worker waits at that point (a forward yields to backward work, which another rank
+        waits for): the same work in the same order, so the results are the same. A request
+        the replay may not serve goes back to the inbox for the replay loop, which falls back
+        when it takes it, after this forward."""
+        step = self._step
+        if step is None or autocast_state():  # (a nested backward would inherit autocast)
+            return
+        loop = self.loop
+        transport, executor, handlers = loop.transport, loop.executor, loop.handlers
+        since = executor.current_since
+        try:
+            while True:
+                msg = transport.pick(only=_NESTED)
+                if msg is None:
+                    return
+                tp = type(msg)
+                req: Any = msg
+                if tp is BwdReq and req.step == step:
+                    if self._refusal(req) is not None:
+                        self._put_back(msg)
+                        return
+                    self.stats.requests += 1
+                    self.stats.nested += 1
+                    with torch.enable_grad():  # what a worker's backward runs under
+                        handlers.serve_request(req, inline=True)
+                elif tp is MbDone or tp is Abort:
+                    handlers.handle(msg)
+                else:  # a response, the step's end, another step's request: the loop's
+                    transport.inbox.appendleft(msg)
+                    return
+        finally:
+            # The nested tasks took the token and gave it back: the forward holds it again.
+            executor.current, executor.current_since = task, since
+            set_inline_task(task)
 
     # ------------------------------------------------------------------ a step
     def follow(self, step: int, until: Callable[[], bool]) -> None:
@@ -189,14 +279,7 @@ class StepReplay:
         """Hand the rest of ``step`` to dynamic mode (``msg``, not served, goes first)."""
         loop = self.loop
         if msg is not None:
-            loop.transport.inbox.appendleft(msg)
-            if type(msg) is FwdReq or type(msg) is BwdReq:  # noted again when served
-                req: Any = msg
-                kind = "fq" if type(msg) is FwdReq else "bq"
-                base = (req.src, req.mb, kind)
-                counts = self._counts[req.step]
-                counts[base] -= 1
-                del self._seen[req.step][(*base, counts[base])]
+            self._put_back(msg)
         stats = self.stats
         stats.fallbacks += 1
         stats.reasons = [*stats.reasons[-15:], reason]
@@ -211,6 +294,13 @@ class StepReplay:
     def _replay(self, step: int, until: Callable[[], bool]) -> bool:
         """The replay loop of ``step``; True if it ran the whole step, False after handing
         the rest to dynamic mode."""
+        self._step = step
+        try:
+            return self._replay_loop(step, until)
+        finally:
+            self._step = None
+
+    def _replay_loop(self, step: int, until: Callable[[], bool]) -> bool:
         loop, recording = self.loop, self._recording
         assert recording is not None
         transport, executor, handlers = loop.transport, loop.executor, loop.handlers
@@ -235,19 +325,9 @@ class StepReplay:
                     self._note(req)
                     handlers.handle(req)
                     continue
-                key, sig = self._note(req)
-                if not _same(recording.get(key), sig):
-                    return self._fallback(step, _difference(key, recording.get(key), sig), msg)
-                if tp is FwdReq:
-                    kind = (FORWARD, span_label(req.path, req.modules()))
-                    if not self.runs_locally(req.path, req.modules()):
-                        return self._fallback(step, f"'{kind[1]}' calls modules of other ranks", msg)
-                else:
-                    if not handlers.can_inline_backward(req):
-                        return self._fallback(step, f"no local record of the call {req.key}", msg)
-                    kind = (BACKWARD, req.path)
-                if kind in executor.device_kinds:  # on a worker it overlaps the device work
-                    return self._fallback(step, f"the {kind[0]} of '{kind[1]}' ran device work", msg)
+                reason = self._refusal(req)
+                if reason is not None:
+                    return self._fallback(step, reason, msg)
                 self.stats.requests += 1
                 handlers.serve_request(req, inline=True)
             elif tp is MbDone or tp is StepEnd or tp is Abort:
