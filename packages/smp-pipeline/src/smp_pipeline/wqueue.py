@@ -95,6 +95,11 @@ class WeightGradQueue:
     #: autograd graph task id -> its group (a backward paused inside the engine, as a
     #: pipeline's joined backward is while it waits for another rank, keeps its group)
     _groups: dict[int, int] = field(default_factory=dict)
+    #: groups whose backward is still running -> the parameters whose sum waits for its end
+    _open: dict[int, dict[int, nn.Parameter]] = field(default_factory=dict)
+    #: called with a group's tag when its backward ended and that took the group's last
+    #: count off :attr:`queued_by_tag` (a scheduler may fold the microbatch now)
+    closed: Callable[[int | None], None] | None = None
 
     def __len__(self) -> int:
         return len(self.tasks)
@@ -117,8 +122,56 @@ class WeightGradQueue:
         if group is None:
             self._group += 1
             group = self._groups[task_id] = self._group
-            self.group_tags[group] = None if self.tag is None else self.tag()
+            tag = self.group_tags[group] = None if self.tag is None else self.tag()
+            # A W task may run while its backward is paused (a pipeline's joined backward
+            # waiting for another rank): a parameter's sum must still wait for the backward's
+            # end, where autograd's AccumulateGrad would add it, or a later contribution of
+            # the same backward would be added to .grad on its own (other rounding). The
+            # open backward counts once in queued_by_tag, so its microbatch does not fold.
+            self._open[group] = {}
+            self.queued_by_tag[tag] = self.queued_by_tag.get(tag, 0) + 1
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._close(group))
         return group
+
+    def _close(self, group: int) -> None:
+        """The backward of ``group`` ended: fold the sums that waited for it."""
+        waiting = self._open.pop(group, None)
+        if waiting is None:  # (cleared: a discarded step)
+            return
+        tag = self.group_tags.get(group)
+        with torch.no_grad():
+            for pid, p in waiting.items():
+                key = (group, pid)
+                if self._remaining.get(key) == 0:
+                    del self._remaining[key]
+                    self._fold(p, self._pending.pop(key), tag)
+        if self._uncount(tag) and self.closed is not None:
+            self.closed(tag)
+
+    def _uncount(self, tag: int | None) -> bool:
+        """One less queued under ``tag``; whether that was its last."""
+        left = self.queued_by_tag[tag] - 1
+        if left:
+            self.queued_by_tag[tag] = left
+            return False
+        del self.queued_by_tag[tag]
+        return True
+
+    def _fold(self, p: nn.Parameter, total: torch.Tensor, tag: int | None) -> None:
+        if id(p) in self._immediate_ids:
+            self.mixed_params.add(self._immediate_ids[id(p)])
+        if self.fold is None:
+            _fold_into_grad(p, total)
+        else:
+            self.fold(p, total, tag)
+
+    def clear(self) -> None:
+        """Drop every queued W task and partial sum (a failed step: nothing will fold them)."""
+        self.tasks.clear()
+        self.queued_by_tag.clear()
+        self._pending.clear()
+        self._remaining.clear()
+        self._open.clear()
 
     def oldest_tag(self) -> int | None:
         """The tag of the oldest queued W task's group (None: empty, or untagged)."""
@@ -156,21 +209,16 @@ class WeightGradQueue:
                 # buffer), before it meets .grad (autograd's AccumulateGrad).
                 total = g if partial is None else partial + g
                 self._remaining[key] -= 1
-                if self._remaining[key]:
+                waiting = self._open.get(task.group)
+                if self._remaining[key] or waiting is not None:
+                    # more to come, or possibly more: the backward has not ended
                     self._pending[key] = total
+                    if waiting is not None and not self._remaining[key]:
+                        waiting[id(p)] = p
                     continue
                 del self._remaining[key]
-                if id(p) in self._immediate_ids:
-                    self.mixed_params.add(self._immediate_ids[id(p)])
-                if self.fold is None:
-                    _fold_into_grad(p, total)
-                else:
-                    self.fold(p, total, tag)
-        left = self.queued_by_tag[tag] - 1
-        if left:
-            self.queued_by_tag[tag] = left
-        else:
-            del self.queued_by_tag[tag]
+                self._fold(p, total, tag)
+        self._uncount(tag)
         return True
 
     def run_group(self) -> int:

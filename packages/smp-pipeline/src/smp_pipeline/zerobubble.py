@@ -132,7 +132,8 @@ class WeightGradWork:
         self.grads = grads
         self.max_microbatches = max_microbatches
         self.record_timeline = record_timeline
-        self.queue = WeightGradQueue(fold=grads.add_contribution, tag=current_mb)
+        self.queue = WeightGradQueue(fold=grads.add_contribution, tag=current_mb,
+                                     closed=lambda tag: grads.release())  # fmt: skip
         self.stats = WeightGradStats()
         self.events: list[Span] = []
         self._modules: list[tuple[str, nn.Module]] = []
@@ -224,11 +225,7 @@ class WeightGradWork:
 
     def discard(self) -> None:
         """Drop every queued W task (a failed step: nothing will fold them)."""
-        q = self.queue
-        q.tasks.clear()
-        q.queued_by_tag.clear()
-        q._pending.clear()
-        q._remaining.clear()
+        self.queue.clear()
 
     def drain(self) -> None:
         """Run every queued W task (a step's end)."""
