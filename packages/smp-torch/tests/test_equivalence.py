@@ -22,6 +22,7 @@ def _case(name: str, **config: object) -> dict:
         for k in (
             "optimizer", "checkpoint_blocks", "tied", "steps", "batch", "manual", "model",
             "served_per_mb", "relayed", "layers", "chained", "replayed", "bitwise_vs",
+            "w_eager",
         )  # fmt: skip
         if k in config
     }
@@ -223,10 +224,11 @@ LLAMA_CASES = [
     # Issue 43's acceptance, each also run in dynamic mode in this job and compared bit for
     # bit (losses, every rank's local gradients, the gathered weights; 2 steps each).
     # Zero-bubble under tp=2: the column/row shards of Llama's projections are split (the
-    # script checks W tasks ran, some in idle time on the leaders' pipeline).
+    # script checks W tasks ran, some in idle time on the leaders' pipeline); one active
+    # microbatch, so every rank, the followers too, runs some eagerly (the memory bound).
     _case("llama-pp2-tp2-zero-bubble", pipeline_parallel_degree=2, tensor_parallel_degree=2,
-          microbatches=2, model="llama", optimizer="sgd", steps=2, pipeline="zero_bubble",
-          bitwise_vs={"pipeline": "interleaved"}),
+          microbatches=4, active_microbatches=1, model="llama", optimizer="sgd", steps=2,
+          pipeline="zero_bubble", w_eager=True, bitwise_vs={"pipeline": "interleaved"}),
     # (No static-mode case under tp: static_mode is inert there, with a warning, since a
     # stage's followers start tasks in their leader's order.)
     # T5 (pp=2 x dp=2): its shared embedding is used by the encoder, the decoder (a remote

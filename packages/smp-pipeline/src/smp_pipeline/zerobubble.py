@@ -200,6 +200,11 @@ class WeightGradWork:
         """Whether W tasks of more than ``max_microbatches`` microbatches are queued."""
         return len(self.queue.queued_by_tag) > self.max_microbatches
 
+    def keep_bound(self) -> None:
+        """Run W tasks eagerly, oldest first, while over the limit (:meth:`over_limit`)."""
+        while self.over_limit() and self.queue.tasks:
+            self.run_one("eager")
+
     def holds(self, mb: int) -> bool:
         """Whether microbatch ``mb``'s fold must wait: W tasks of it (or of an earlier one,
         or untagged ones) are still queued."""

@@ -255,6 +255,10 @@ def run_case(case: dict) -> Trace:
         # and run their W tasks at the step's end: the leaders' pipeline places them.)
         idle = sum(smp.allgather(st.idle, smp.WORLD))
         assert idle > 0, f"[{name}] no W task ran in idle time: {st}"
+        if case.get("w_eager") and smp.tp_rank() > 0:
+            # A follower (its W tasks wait for the step's end) kept the memory bound
+            # (active_microbatches): some ran eagerly, before a task started.
+            assert st.eager > 0, f"[{name}] rank {smp.rank()}: no W task ran eagerly: {st}"
     if cfg.offload_activations:
         check_offloading(dmodel, cfg, case)
     if cfg.pp > 1:
