@@ -252,7 +252,8 @@ def run_case(case: dict) -> Trace:
         assert st is not None and st.total > 0, f"[{name}] stage {smp.pp_rank()}: {st}"
         assert st.total == sum(st.deferred_ops.values()), f"[{name}] {st}"
         # (Under tensor parallelism a stage's followers start tasks in their leader's order
-        # and run their W tasks at the step's end: the leaders' pipeline places them.)
+        # and hold their W tasks to the step's end or the memory bound: only the leaders'
+        # pipeline has idle time to place them in.)
         idle = sum(smp.allgather(st.idle, smp.WORLD))
         assert idle > 0, f"[{name}] no W task ran in idle time: {st}"
         if case.get("w_eager") and smp.tp_rank() > 0:
