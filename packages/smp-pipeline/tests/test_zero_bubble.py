@@ -140,6 +140,45 @@ def test_a_paused_backward_keeps_its_group() -> None:
     assert torch.equal(run(True), run(False))
 
 
+def test_w_tasks_run_while_their_backward_is_paused_fold_at_its_end() -> None:
+    """As above, but the W tasks queued so far run *inside* the pause (a zero-bubble rank's
+    idle time while its joined backward waits for another rank): backward A's first
+    contribution has run, its later ones are still to be queued, so A's sum must wait for
+    A's end (T5's shared embedding at pp=2 differed in the last bit before it did)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(6, 6, bias=False)
+    xa, xb = torch.randn(5, 6), torch.randn(3, 6)
+    q = WeightGradQueue()
+    ran_in_pause: list[int] = []
+
+    class RunB(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, h):  # noqa: ANN001, ANN205
+            return h.clone()
+
+        @staticmethod
+        def backward(ctx, g):  # noqa: ANN001, ANN205
+            with torch.enable_grad():
+                torch.tanh(lin(xb)).pow(2).sum().backward()
+            ran_in_pause.append(q.run())  # A's first W task and all of B's
+            return g
+
+    def both() -> None:
+        h = lin(torch.tanh(lin(xa)))
+        torch.tanh(lin(RunB.apply(torch.tanh(h)))).pow(2).sum().backward()
+
+    lin.weight.grad = None
+    both()
+    plain = lin.weight.grad.clone()
+    lin.weight.grad, ran_in_pause[:] = None, []
+    with split_modules([("lin", lin)], q):
+        both()
+    assert ran_in_pause == [2] and len(q) == 2, (ran_in_pause, len(q))
+    q.run()
+    assert torch.equal(lin.weight.grad, plain)
+    assert not q.queued_by_tag and not q._pending and not q._remaining
+
+
 def test_pp1_runtime_matches_interleaved_and_draws_w_tasks(tmp_path) -> None:
     pytest.importorskip("matplotlib")
     torch.manual_seed(0)

@@ -21,7 +21,8 @@ def _case(name: str, **config: object) -> dict:
         k: config.pop(k)
         for k in (
             "optimizer", "checkpoint_blocks", "tied", "steps", "batch", "manual", "model",
-            "served_per_mb", "relayed", "layers", "chained", "replayed",
+            "served_per_mb", "relayed", "layers", "chained", "replayed", "bitwise_vs",
+            "w_eager",
         )  # fmt: skip
         if k in config
     }
@@ -220,7 +221,23 @@ LLAMA_CASES = [
         model="llama",
         optimizer="sgd",
     ),
-]
+    # Issue 43's acceptance, each also run in dynamic mode in this job and compared bit for
+    # bit (losses, every rank's local gradients, the gathered weights; 2 steps each).
+    # Zero-bubble under tp=2: the column/row shards of Llama's projections are split (the
+    # script checks W tasks ran, some in idle time on the leaders' pipeline); one active
+    # microbatch, so every rank, the followers too, runs some eagerly (the memory bound).
+    _case("llama-pp2-tp2-zero-bubble", pipeline_parallel_degree=2, tensor_parallel_degree=2,
+          microbatches=4, active_microbatches=1, model="llama", optimizer="sgd", steps=2,
+          pipeline="zero_bubble", w_eager=True, bitwise_vs={"pipeline": "interleaved"}),
+    # (No static-mode case under tp: static_mode is inert there, with a warning, since a
+    # stage's followers start tasks in their leader's order.)
+    # T5 (pp=2 x dp=2): its shared embedding is used by the encoder, the decoder (a remote
+    # call back into stage 0 from inside a backward) and the tied head.
+    _case("t5-pp2-dp2-zero-bubble", pipeline_parallel_degree=2, microbatches=2, model="t5",
+          optimizer="sgd", steps=2, pipeline="zero_bubble", bitwise_vs={"pipeline": "interleaved"}),
+    _case("t5-pp2-dp2-static", pipeline_parallel_degree=2, microbatches=2, model="t5",
+          optimizer="sgd", steps=2, static_mode=True, bitwise_vs={"static_mode": False}),
+]  # fmt: skip
 
 
 @pytest.mark.skipif(

@@ -119,6 +119,10 @@ class Executor:
         self.yielded: collections.deque[Worker] = collections.deque()
         # Token grants per (step, microbatch): tensor-parallel followers check the order.
         self.grants: dict[tuple[int, int], int] = {}
+        # Called on the main loop before each grant: a tensor-parallel follower's zero-bubble
+        # memory bound (its loop follows the leader's order and has no idle point to run W
+        # tasks in; see PipelineRuntime).
+        self.before_grant: Callable[[], None] | None = None
         # Activation offloading: told when a backward task gets the token (its prefetch
         # trigger); checkpointed calls on this executor's workers find it here. Built here
         # because it reads the task holding the token, which only the executor knows.
@@ -222,6 +226,8 @@ class Executor:
     def _grant(self, task: Task[Any], kind: str) -> float:
         """``task`` gets the token (counted, announced to tensor-parallel followers as
         ``kind``, a backward's offload prefetch moved); the grant's time."""
+        if self.before_grant is not None:
+            self.before_grant()
         key = (task.step, task.mb)
         index = self.grants.get(key, 0)
         self.grants[key] = index + 1

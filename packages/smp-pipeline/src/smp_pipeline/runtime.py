@@ -19,6 +19,7 @@ import torch
 from smp_comm.shutdown import wait_for_threads_at_exit
 from torch import nn
 
+from smp_pipeline.accumulation import GradAccumulator
 from smp_pipeline.actions import Action
 from smp_pipeline.checkpointing import (
     CheckpointPlan,
@@ -30,9 +31,10 @@ from smp_pipeline.execution_state import capture
 from smp_pipeline.microbatch import split_microbatches
 from smp_pipeline.offload import ActivationOffloader, OffloadStats
 from smp_pipeline.order import OrderChannel
-from smp_pipeline.ownership import Ownership, merge_state_dicts
+from smp_pipeline.ownership import Ownership
 from smp_pipeline.partition import COSTS, partition_model, resolve_assignment
 from smp_pipeline.replay import ReplayStats
+from smp_pipeline.runtime_state import LocalState
 from smp_pipeline.schedule import Scheduler, ScheduleSpec
 from smp_pipeline.server import ExecutionServer, TimelineEvent
 from smp_pipeline.setup_channel import SetupChannel
@@ -42,7 +44,7 @@ from smp_pipeline.zerobubble import WeightGradStats, WeightGradWork
 DEFAULT_TAG = 7301  # the runtime uses this tag and the next one on the communicator
 
 
-class PipelineRuntime:
+class PipelineRuntime(LocalState):
     """Module-server pipeline execution of ``module`` over ``pp_size`` ranks.
 
     Args:
@@ -208,12 +210,21 @@ class PipelineRuntime:
                 record_timeline=timeline,
             )  # fmt: skip
             self.server.weight_grads = self.server.loop.weight_grads = self.weight_grads
+            if order_channel is not None and not order_channel.is_leader:
+                # A tensor-parallel follower starts tasks in its leader's order: its W tasks
+                # wait for the step's end, but past the memory bound they run before the
+                # next task starts, as on a leader (W tasks need no collective).
+                self.server.executor.before_grant = self.weight_grads.keep_bound
         self.server.diagnosis.name_modules(module)
         self.order_channel = order_channel
         self.offloader: ActivationOffloader | None = self.server.executor.offloader
         _LIVE.add(self)  # closed at exit, and its threads checked (even once closed)
         if assignment is not None:
             self.set_assignment(assignment)
+
+    @property
+    def _grads(self) -> GradAccumulator:
+        return self.server.grads
 
     @property
     def offload_stats(self) -> OffloadStats | None:
@@ -406,63 +417,6 @@ class PipelineRuntime:
         scale = 1.0 / self._num_microbatches
         grads = [torch.full_like(t, scale) if g is None else g * scale for t, g in zip(ts, gs)]
         self.server.backward(ts, grads)
-
-    # ------------------------------------------------------------------ parameters and state
-    # (What this rank owns follows from the placement: see smp_pipeline.ownership.)
-    @property
-    def assignment(self) -> dict[str, int] | None:
-        """The placement ``{canonical module path: pp rank}`` (None before partitioning)."""
-        return self._ownership.assignment
-
-    def owned_modules(self) -> list[str]:
-        """Canonical paths of the modules this rank owns (all, before partitioning)."""
-        return self._ownership.owned_modules()
-
-    def owner(self, path: str) -> int:
-        """The pp rank owning module ``path`` (any alias path works)."""
-        return self._ownership.owner(path)
-
-    def named_local_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """``(name, parameter)`` for the parameters of owned modules (tied ones once)."""
-        return self._ownership.named_local_parameters()
-
-    def local_parameters(self) -> list[nn.Parameter]:
-        """The parameters this rank trains (give these to the optimizer / DP all-reduce)."""
-        return [p for _, p in self.named_local_parameters()]
-
-    def track_parameters(self, params: Iterable[torch.Tensor]) -> None:
-        """Sum these tensors' gradients in microbatch order too, like the local parameters
-        (:mod:`smp_pipeline.accumulation`; tensors already tracked are skipped): for tensors
-        that stand in for local parameters during steps, such as FSDP2's gathered ones."""
-        self.server.grads.track(params)
-
-    def register_grad_hook(self, param: torch.Tensor, hook: Callable[[torch.Tensor], Any]) -> Any:
-        """``hook(param)`` runs each time a microbatch's gradient of local parameter ``param``
-        is added to ``param.grad``: once per microbatch that reached it, in microbatch order
-        (see :mod:`smp_pipeline.accumulation`). Returns a handle with ``remove()``.
-
-        Use it instead of ``register_post_accumulate_grad_hook``: during a step, autograd's
-        contributions go to per-microbatch buffers, and ``.grad`` changes only when they are
-        folded in order."""
-        return self.server.grads.register_fold_hook(param, hook)
-
-    def local_state_dict(self) -> dict[str, torch.Tensor]:
-        """The entries of ``module.state_dict()`` that belong to owned modules."""
-        return self._ownership.local_state_dict()
-
-    def load_state_dict_local(self, state_dict: Mapping[str, torch.Tensor]) -> list[str]:
-        """Copy the owned entries of a full (or local) state dict into this rank's modules
-        (entries of modules owned elsewhere are ignored); returns the keys loaded here."""
-        return self._ownership.load_state_dict_local(state_dict)
-
-    def full_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
-        """Collective: gather the full ``state_dict`` (loadable into the unwrapped model).
-
-        Returns it on pp rank ``dst`` and None elsewhere.
-        """
-        local = {k: v.detach().cpu() for k, v in self.local_state_dict().items()}
-        parts = self._setup.gather(local, dst)
-        return None if parts is None else merge_state_dicts(self.module, parts)
 
     # ------------------------------------------------------------------ timeline
     def timeline_events(self) -> list[TimelineEvent]:

@@ -132,7 +132,8 @@ class WeightGradWork:
         self.grads = grads
         self.max_microbatches = max_microbatches
         self.record_timeline = record_timeline
-        self.queue = WeightGradQueue(fold=grads.add_contribution, tag=current_mb)
+        self.queue = WeightGradQueue(fold=grads.add_contribution, tag=current_mb,
+                                     closed=lambda tag: grads.release())  # fmt: skip
         self.stats = WeightGradStats()
         self.events: list[Span] = []
         self._modules: list[tuple[str, nn.Module]] = []
@@ -199,6 +200,11 @@ class WeightGradWork:
         """Whether W tasks of more than ``max_microbatches`` microbatches are queued."""
         return len(self.queue.queued_by_tag) > self.max_microbatches
 
+    def keep_bound(self) -> None:
+        """Run W tasks eagerly, oldest first, while over the limit (:meth:`over_limit`)."""
+        while self.over_limit() and self.queue.tasks:
+            self.run_one("eager")
+
     def holds(self, mb: int) -> bool:
         """Whether microbatch ``mb``'s fold must wait: W tasks of it (or of an earlier one,
         or untagged ones) are still queued."""
@@ -224,11 +230,7 @@ class WeightGradWork:
 
     def discard(self) -> None:
         """Drop every queued W task (a failed step: nothing will fold them)."""
-        q = self.queue
-        q.tasks.clear()
-        q.queued_by_tag.clear()
-        q._pending.clear()
-        q._remaining.clear()
+        self.queue.clear()
 
     def drain(self) -> None:
         """Run every queued W task (a step's end)."""

@@ -35,7 +35,8 @@ from smp_comm import Communicator
 from smp_partition import GraphError, PartitionResult
 from smp_pipeline import OrderChannel, PipelineRuntime
 from smp_pipeline.partition import partition_model, resolve_assignment
-from smp_tp import DistributedModule
+from smp_pipeline.wsplit import register_linear
+from smp_tp import ColumnParallelLinear, DistributedModule, RowParallelLinear
 from torch import nn
 from torch.utils._pytree import tree_map
 
@@ -51,6 +52,13 @@ from smp_torch.weights import materialize_named, owned_tensor_names
 __all__ = ["PipelineEngine"]
 
 _ORDER_TAG = 7401
+
+# pipeline="zero_bubble" splits tensor parallelism's shards of nn.Linear like nn.Linear: each
+# forward is F.linear on this rank's shard alone (the collectives sit in other modules), and
+# its weight gradient needs no collective. A row-parallel bias is added after the reduction,
+# outside the layer: it keeps torch's backward.
+register_linear(ColumnParallelLinear, bias=True)
+register_linear(RowParallelLinear, bias=False)
 
 
 def _to_host(x: Any) -> Any:

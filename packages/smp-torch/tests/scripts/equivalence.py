@@ -4,6 +4,10 @@ Usage: ``mpiexec -n N python equivalence.py CASES_JSON`` where CASES_JSON is a J
 ``{"name": ..., "config": {...}, "steps": 3, "batch": 8, "optimizer": "adam", ...}``.
 Every rank computes the single-process reference itself (the models are tiny) and checks the
 distributed run against it after every step: loss, and the gathered full state dict.
+A case with ``"bitwise_vs": {config overrides}`` is then trained again with those overrides
+(e.g. ``{"pipeline": "interleaved", "static_mode": False}``: dynamic mode), and every step's
+loss and each rank's local gradients (before the optimizer step) and gathered state dict
+must equal the first run's bit for bit.
 Prints ``CASE-OK <name>`` per case from rank 0; raises on the first mismatch.
 """
 
@@ -84,7 +88,38 @@ def check_initial_weights(dmodel: smp.DistributedModel, ref: torch.nn.Module, na
     assert checked, f"[{name}] rank {smp.rank()} materialised nothing"
 
 
-def run_case(case: dict) -> None:
+# What a run produced, per step: the mean loss, this rank's local gradients before the
+# optimizer step, the gathered state dict after it (compared bitwise by ``bitwise_vs``).
+Trace = list[tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]]
+
+
+def local_grads(dmodel: smp.DistributedModel) -> dict[str, torch.Tensor]:
+    """This rank's gradients (a sharded parameter's local shard), by parameter name."""
+    from smp_torch import sharded
+
+    return {
+        n: sharded.local_tensor(p.grad).detach().clone()
+        for n, p in dmodel.named_parameters()
+        if p.grad is not None
+    }
+
+
+def check_bitwise(name: str, vs: dict, got: Trace, want: Trace) -> None:
+    """``got`` (the case) equals ``want`` (the case under the ``vs`` overrides) bit for bit."""
+    where = f"[{name}] rank {smp.rank()} vs {vs}"
+    assert len(got) == len(want), f"{where}: {len(got)} steps vs {len(want)}"
+    for step, ((loss, grads, state), (loss2, grads2, state2)) in enumerate(zip(got, want)):
+        assert torch.equal(loss, loss2), f"{where}: loss at step {step}: {loss} vs {loss2}"
+        for what, a, b in (("gradient", grads, grads2), ("state", state, state2)):
+            assert set(a) == set(b), f"{where}: {what} names differ at step {step}: {sorted(set(a) ^ set(b))}"
+            for k, t in a.items():
+                if not torch.equal(t, b[k]):
+                    diff = (t - b[k]).abs().max().item() if t.shape == b[k].shape else "shape"
+                    raise AssertionError(f"{where}: {what} {k} at step {step} differs (max diff {diff})")
+
+
+def run_case(case: dict) -> Trace:
+    """Train ``case`` checking it against one process; what it produced per step."""
     name = case["name"]
     delayed = {"delayed_parameter_initialization": True} if case.get("delayed") else {}
     cfg = smp.init({**case["config"], **delayed})
@@ -143,7 +178,7 @@ def run_case(case: dict) -> None:
 
     @smp.step
     def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = dmodel(input_ids=x).logits if hf else dmodel(x)
+        logits = models.hf_logits(dmodel, case["model"], x) if hf else dmodel(x)
         loss = models.lm_loss(logits, y)
         dmodel.backward(loss)
         return loss
@@ -153,11 +188,12 @@ def run_case(case: dict) -> None:
         # inline does not depend on the machine's load.
         dmodel.engine.runtime.server.executor.inline_max_s = 60.0
     batch = case.get("batch", 8)
+    trace: Trace = []
     t0 = time.perf_counter()
     for step in range(case.get("steps", 3)):
         x, y = models.global_batch(step, batch)
         ref_opt.zero_grad()
-        ref_loss = models.lm_loss(ref(input_ids=x).logits if hf else ref(x), y)
+        ref_loss = models.lm_loss(models.hf_logits(ref, case["model"], x) if hf else ref(x), y)
         ref_loss.backward()
         ref_opt.step()
 
@@ -167,6 +203,7 @@ def run_case(case: dict) -> None:
         losses = smp.allgather(float(loss), smp.DP_GROUP)
         mean_loss = torch.tensor(sum(losses) / len(losses), dtype=torch.float64)
         check_close(f"loss at step {step}", mean_loss, ref_loss.detach().double(), name)
+        grads = local_grads(dmodel) if case.get("bitwise_vs") else {}
         opt.step()
         full = dmodel.state_dict()
         want = ref.state_dict()
@@ -174,6 +211,8 @@ def run_case(case: dict) -> None:
             raise AssertionError(f"[{name}] state_dict keys {sorted(full)} != {sorted(want)}")
         for k, v in want.items():
             check_close(f"{k} after step {step}", full[k], v, name)
+        if case.get("bitwise_vs"):
+            trace.append((mean_loss, grads, {k: v.detach().clone() for k, v in full.items()}))
     if cfg.pp > 1 and cfg.tp > 1:
         # smp-pipeline always has the OrderChannel now (the "serial" fallback is gone).
         want = "leader"
@@ -212,8 +251,15 @@ def run_case(case: dict) -> None:
         st = dmodel.engine.runtime.weight_grad_stats
         assert st is not None and st.total > 0, f"[{name}] stage {smp.pp_rank()}: {st}"
         assert st.total == sum(st.deferred_ops.values()), f"[{name}] {st}"
-        idle = sum(smp.allgather(st.idle, smp.PP_GROUP))
+        # (Under tensor parallelism a stage's followers start tasks in their leader's order
+        # and hold their W tasks to the step's end or the memory bound: only the leaders'
+        # pipeline has idle time to place them in.)
+        idle = sum(smp.allgather(st.idle, smp.WORLD))
         assert idle > 0, f"[{name}] no W task ran in idle time: {st}"
+        if case.get("w_eager") and smp.tp_rank() > 0:
+            # A follower (its W tasks wait for the step's end) kept the memory bound
+            # (active_microbatches): some ran eagerly, before a task started.
+            assert st.eager > 0, f"[{name}] rank {smp.rank()}: no W task ran eagerly: {st}"
     if cfg.offload_activations:
         check_offloading(dmodel, cfg, case)
     if cfg.pp > 1:
@@ -225,14 +271,25 @@ def run_case(case: dict) -> None:
     fresh.load_state_dict(dmodel.state_dict(), strict=True)
     smp.barrier()
     if smp.rank() == 0:
-        print(f"CASE-OK {name} ({elapsed:.1f}s)", flush=True)
+        print(f"CASE-RAN {name} ({elapsed:.1f}s)", flush=True)
+    return trace
 
 
 def main() -> None:
     torch.set_num_threads(1)
     cases = json.loads(sys.argv[1])
     for case in cases:
-        run_case(case)
+        t0 = time.perf_counter()
+        trace = run_case(case)
+        vs = case.get("bitwise_vs")
+        if vs:
+            # The same configuration under the overrides (dynamic mode), in this job.
+            other = {**case, "name": f"{case['name']}~vs", "config": {**case["config"], **vs}}
+            check_bitwise(case["name"], vs, trace, run_case(other))
+            smp.barrier()
+        if smp.rank() == 0:
+            bits = f", bitwise equal to {vs}" if vs else ""
+            print(f"CASE-OK {case['name']} ({time.perf_counter() - t0:.1f}s{bits})", flush=True)
 
 
 if __name__ == "__main__":

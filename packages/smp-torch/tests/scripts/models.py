@@ -176,7 +176,29 @@ def hf_llama() -> nn.Module:
     return LlamaForCausalLM(cfg)
 
 
-HF_MODELS = {"gpt2": hf_gpt2, "llama": hf_llama}
+def hf_t5() -> nn.Module:
+    """A tiny Hugging Face T5 (encoder-decoder, relative position biases, tied head) built
+    from a config, dropout off."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(
+        vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2,
+        num_heads=2, relative_attention_num_buckets=8, relative_attention_max_distance=16,
+        dropout_rate=0.0, use_cache=False, pad_token_id=0, decoder_start_token_id=0,
+        eos_token_id=1, feed_forward_proj="relu", attn_implementation="eager",
+    )  # fmt: skip
+    return T5ForConditionalGeneration(cfg)
+
+
+HF_MODELS = {"gpt2": hf_gpt2, "llama": hf_llama, "t5": hf_t5}
+
+
+def hf_logits(model: Callable[..., object], kind: str, x: torch.Tensor) -> torch.Tensor:
+    """``model``'s logits for the token batch ``x``: an encoder-decoder (``"t5"``) reads ``x``
+    and also gets it as the decoder's input (teacher forcing on the batch itself)."""
+    if kind == "t5":
+        return model(input_ids=x, decoder_input_ids=x).logits  # type: ignore[attr-defined]
+    return model(input_ids=x).logits  # type: ignore[attr-defined]
 
 
 def expect_config_error(name: str, key: str, config: dict, build_model: Callable[[], nn.Module]) -> None:
