@@ -32,6 +32,7 @@ GOOD = [
         R0<0 bq 2x8 body
         B0 body
         S0>0 br 2x8
+        W0 linear
     """),
 ]
 
@@ -151,6 +152,8 @@ def _without(program: tuple[Action, ...], text: str) -> list[Action]:
         (1, lambda p: [Action.parse("R0<0 fq 2x9 body"), *p[1:]], "sent S0>1 fq 2x8 body"),
         # backward before its forward
         (1, lambda p: [p[0], p[3], p[4], p[1], p[2], p[5]], "backward B0 body before"),
+        # a zero-bubble weight-gradient task before its microbatch's backward
+        (1, lambda p: [*p[:4], p[6], p[4], p[5]], "weight-gradient task W0 linear before"),
         # the driver's step function never ran forward for microbatch 0
         (0, lambda p: p[1:], "forward for no microbatch"),
         # the backward of a microbatch whose backward the driver never started

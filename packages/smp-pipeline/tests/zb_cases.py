@@ -29,6 +29,7 @@ import models  # noqa: E402
 from replay_cases import branch_data, contiguous, equal, mlp, mlp_data  # noqa: E402
 from smp_comm import Communicator  # noqa: E402
 from smp_pipeline import PipelineRuntime  # noqa: E402
+from smp_pipeline.actions import ActionKind, validate_programs  # noqa: E402
 
 torch.set_num_threads(1)
 TAG = [16000]
@@ -126,6 +127,14 @@ def run(comm: Communicator, name: str, build, assignment, batches, m: int, *,  #
     assert st is not None
     spans = [e for e in zb.timeline_events() if e[3] == "weight_grad"]
     mine = (split, st.total, st.idle, st.eager, st.drained, dict(st.deferred_ops), len(spans))
+    # The last step's W tasks are actions of every rank's program, each after a backward of
+    # its microbatch there; the programs validate together.
+    programs = MPI.COMM_WORLD.allgather(zb.program())
+    problems = validate_programs(programs)
+    if problems:
+        raise AssertionError(f"{name}: zero-bubble programs: {problems}")
+    if not any(a.kind is ActionKind.WEIGHT_GRAD for p in programs for a in p):
+        raise AssertionError(f"{name}: no weight-gradient action in any rank's program")
     every = MPI.COMM_WORLD.allgather(mine)
     for r, (paths, total, _idle, _e, _d, ops, nspans) in enumerate(every):
         if sum(ops.values()) != total:

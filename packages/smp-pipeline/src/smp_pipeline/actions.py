@@ -45,8 +45,9 @@ __all__ = [
 
 class ActionKind(enum.StrEnum):
     """What an action does. ``FORWARD``/``BACKWARD`` double as task phases (:data:`Phase`);
-    ``INPUT_GRAD``/``WEIGHT_GRAD`` are reserved for zero-bubble scheduling (a backward split
-    into its input-gradient and weight-gradient parts)."""
+    ``WEIGHT_GRAD`` is a zero-bubble weight-gradient task (its module: the operator, such as
+    ``linear``); ``INPUT_GRAD`` is reserved (zero-bubble's input-gradient part runs as the
+    ``BACKWARD`` task it is)."""
 
     FORWARD = "forward"
     BACKWARD = "backward"
@@ -198,7 +199,8 @@ class ProgramRecorder:
             del self._steps[s]
 
     def task(self, step: int, phase: ActionKind, mb: int, module: str) -> None:
-        """A task started: the forward or backward of ``module`` for microbatch ``mb``."""
+        """A task started: the forward or backward of ``module`` for microbatch ``mb``, or
+        (zero-bubble) a weight-gradient task of microbatch ``mb`` for operator ``module``."""
         if self.enabled:
             self._steps.setdefault(step, []).append((phase, mb, module))
 
@@ -237,7 +239,8 @@ def validate_programs(programs: Sequence[Sequence[Action]], driver: int = 0) -> 
       messages of that pair of ranks (what the communicator guarantees), with the same kind,
       microbatch, module and shapes; nothing is received that was not sent;
     - on every rank, each backward of ``(mb, module)`` comes after a forward of it there
-      (the driver's step function ``<step>`` included);
+      (the driver's step function ``<step>`` included), and each weight-gradient task of a
+      microbatch (zero-bubble) after a backward of that microbatch there;
     - the driver ran the step function forward once for each microbatch ``0..m-1``, and every
       microbatch named anywhere is one of them; a microbatch some rank ran backward for had
       its backward started by the driver.
@@ -260,11 +263,17 @@ def validate_programs(programs: Sequence[Sequence[Action]], driver: int = 0) -> 
                     break
     for rank, program in enumerate(programs):
         seen: set[tuple[int, str]] = set()
+        backwards: set[int] = set()
         for x in program:
             if x.kind is ActionKind.FORWARD:
                 seen.add((x.mb, x.module))
-            elif x.kind is ActionKind.BACKWARD and (x.mb, x.module) not in seen:
-                problems.append(f"rank {rank}: backward {x} before any forward of it")
+            elif x.kind is ActionKind.BACKWARD:
+                backwards.add(x.mb)
+                if (x.mb, x.module) not in seen:
+                    problems.append(f"rank {rank}: backward {x} before any forward of it")
+            elif x.kind is ActionKind.WEIGHT_GRAD and x.mb not in backwards:
+                problems.append(f"rank {rank}: weight-gradient task {x} before any backward "
+                                f"of microbatch {x.mb} there")  # fmt: skip
     if not 0 <= driver < n:
         return [*problems, f"no program for the driver (rank {driver})"]
     steps = [
@@ -282,9 +291,12 @@ def validate_programs(programs: Sequence[Sequence[Action]], driver: int = 0) -> 
         for x in program:
             if not 0 <= x.mb < m:
                 problems.append(f"rank {rank}: {x} names microbatch {x.mb} outside 0..{m - 1}")
-            elif x.kind is ActionKind.BACKWARD and x.mb not in started:
+            elif x.kind in _AFTER_BACKWARD and x.mb not in started:
                 problems.append(f"rank {rank}: {x} but the driver never started its backward")
     return problems
+
+
+_AFTER_BACKWARD = (ActionKind.BACKWARD, ActionKind.WEIGHT_GRAD)
 
 
 def _key(a: Action) -> tuple[Any, ...]:

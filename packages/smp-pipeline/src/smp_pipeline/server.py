@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from smp_pipeline.accumulation import GradAccumulator
-from smp_pipeline.actions import BACKWARD, FORWARD, Action, Phase, ProgramRecorder
+from smp_pipeline.actions import BACKWARD, FORWARD, Action, ActionKind, Phase, ProgramRecorder
 from smp_pipeline.autograd import BACKWARD_MODES, CallRecords, Context, RootContext
 from smp_pipeline.diagnosis import StallDiagnosis
 from smp_pipeline.errors import PipelineError
@@ -378,6 +378,11 @@ class ExecutionServer:
         """Zero-bubble: the step's last weight-gradient tasks, before its gradients are final."""
         if self.weight_grads is not None:
             self.loop.guarded(self.weight_grads.drain)
+
+    def note_weight_grad(self, mb: int, op: str) -> None:
+        """Zero-bubble: a W task of microbatch ``mb`` (operator ``op``) starts: one more
+        action of this rank's program."""
+        self.recorder.task(self.step, ActionKind.WEIGHT_GRAD, mb, op)
 
     def program(self, step: int | None = None) -> tuple[Action, ...]:
         """This rank's recorded program of ``step`` (default: the last one run): the tasks

@@ -118,6 +118,8 @@ class WeightGradWork:
         current_mb: the microbatch of the task holding the execution token.
         max_microbatches: W tasks of more microbatches than this queued run eagerly.
         record_timeline: keep a span per W task (:attr:`events`).
+        note_action: told ``(microbatch, operator)`` as each W task of a microbatch starts
+            (the rank's program records it as a ``WEIGHT_GRAD`` action).
     """
 
     def __init__(
@@ -127,8 +129,10 @@ class WeightGradWork:
         current_mb: Callable[[], int | None],
         max_microbatches: int,
         record_timeline: bool = False,
+        note_action: Callable[[int, str], None] | None = None,
     ) -> None:
         self.pp_rank = pp_rank
+        self.note_action = note_action
         self.grads = grads
         self.max_microbatches = max_microbatches
         self.record_timeline = record_timeline
@@ -217,6 +221,8 @@ class WeightGradWork:
         self.stats.peak_queued = max(self.stats.peak_queued, len(q.tasks))
         task = q.tasks[0]
         tag = q.group_tags.get(task.group)
+        if tag is not None and self.note_action is not None:
+            self.note_action(tag, task.op)
         start = time.time()
         q.run_next()
         end = time.time()
