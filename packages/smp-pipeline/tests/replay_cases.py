@@ -101,6 +101,25 @@ def equal(a: torch.Tensor | None, b: torch.Tensor | None, what: str) -> None:
         raise AssertionError(f"{what}: not bitwise equal (max abs diff {(a - b).abs().max():.3g})")
 
 
+def train_bitwise(name: str, runtimes, models_, optimizers, step_of, batches, m: int,  # noqa: ANN001
+                  rank: int) -> None:
+    """Train two runtimes (the mode under test first, dynamic second) on the same batches,
+    step by step; raise unless losses, local gradients and updated weights are bitwise equal."""
+    for s, batch in enumerate(batches):
+        outs = [rt.run_step(step_of(mdl, rt), batch, num_microbatches=m)
+                for mdl, rt in zip(models_, runtimes)]  # fmt: skip
+        for i, (a, b) in enumerate(zip(*outs)):
+            equal(a, b, f"{name} step {s}: loss of microbatch {i}")
+        grads = [dict(rt.named_local_parameters()) for rt in runtimes]
+        for n, p in grads[0].items():
+            equal(p.grad, grads[1][n].grad, f"{name} step {s}: grad of {n} (pp rank {rank})")
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+        for n, p in grads[0].items():
+            equal(p.detach(), grads[1][n].detach(), f"{name} step {s}: {n} after SGD")
+
+
 def run(comm: Communicator, name: str, build, assignment, batches, m: int, *, expect,
         schedule="interleaved", **kw) -> None:  # noqa: ANN001
     """``expect(stats_by_rank)`` checks every serving rank's ReplayStats (raises if wrong)."""
@@ -125,19 +144,7 @@ def run(comm: Communicator, name: str, build, assignment, batches, m: int, *, ex
 
         return step
 
-    for s, batch in enumerate(batches):
-        outs = [rt.run_step(step_of(mdl, rt), batch, num_microbatches=m)
-                for mdl, rt in zip(models_, runtimes)]  # fmt: skip
-        for i, (a, b) in enumerate(zip(*outs)):
-            equal(a, b, f"{name} step {s}: loss of microbatch {i}")
-        grads = [dict(rt.named_local_parameters()) for rt in runtimes]
-        for n, p in grads[0].items():
-            equal(p.grad, grads[1][n].grad, f"{name} step {s}: grad of {n} (pp rank {comm.rank})")
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad()
-        for n, p in grads[0].items():
-            equal(p.detach(), grads[1][n].detach(), f"{name} step {s}: {n} after SGD")
+    train_bitwise(name, runtimes, models_, optimizers, step_of, batches, m, comm.rank)
     stats = MPI.COMM_WORLD.allgather(runtimes[0].replay_stats)
     if stats[0] is not None:
         raise AssertionError(f"{name}: the driver has replay stats {stats[0]}")

@@ -26,7 +26,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import models  # noqa: E402
-from replay_cases import branch_data, contiguous, equal, mlp, mlp_data  # noqa: E402
+from replay_cases import branch_data, contiguous, mlp, mlp_data, train_bitwise  # noqa: E402
 from smp_comm import Communicator  # noqa: E402
 from smp_pipeline import PipelineRuntime  # noqa: E402
 from smp_pipeline.actions import ActionKind, validate_programs  # noqa: E402
@@ -107,19 +107,7 @@ def run(comm: Communicator, name: str, build, assignment, batches, m: int, *,  #
         runtimes.append(rt)
         models_.append(model)
         optimizers.append(torch.optim.SGD(rt.local_parameters(), lr=0.05))
-    for s, batch in enumerate(batches):
-        outs = [rt.run_step(step_of(mdl, rt), batch, num_microbatches=m)
-                for mdl, rt in zip(models_, runtimes)]  # fmt: skip
-        for i, (a, b) in enumerate(zip(*outs)):
-            equal(a, b, f"{name} step {s}: loss of microbatch {i}")
-        grads = [dict(rt.named_local_parameters()) for rt in runtimes]
-        for n, p in grads[0].items():
-            equal(p.grad, grads[1][n].grad, f"{name} step {s}: grad of {n} (pp rank {comm.rank})")
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad()
-        for n, p in grads[0].items():
-            equal(p.detach(), grads[1][n].detach(), f"{name} step {s}: {n} after SGD")
+    train_bitwise(name, runtimes, models_, optimizers, step_of, batches, m, comm.rank)
     zb = runtimes[0]
     assert zb.weight_grads is not None and runtimes[1].weight_grad_stats is None
     split = [path for path, _ in zb.weight_grads.modules]
