@@ -158,8 +158,11 @@ def smp_pp2(fast: bool, static: bool = False, loop: bool = False) -> dict:
     import smp_torch as smp
     import torch.nn.functional as F
 
+    # BENCH_SEQ_ACTIVE: smp's active_microbatches (default pp + 2 = 4; torch's 1F1B keeps 2).
+    active = os.environ.get("BENCH_SEQ_ACTIVE")
     smp.init(
-        {"pipeline_parallel_degree": 2, "microbatches": MB, "fast_mode": fast, "static_mode": static}
+        {"pipeline_parallel_degree": 2, "microbatches": MB, "fast_mode": fast, "static_mode": static,
+         **({"active_microbatches": int(active)} if active else {})}  # fmt: skip
     )
     model = smp.DistributedModel(net)
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
