@@ -314,25 +314,15 @@ def split_modules(
     others are skipped) into ``queue`` while the context is open. Their parameters that
     still get a gradient in the I pass are named (``path.name``) in
     ``queue.immediate_params`` and, if they also get W tasks, in ``queue.mixed_params``."""
-    patched: list[nn.Module] = []
-    hooks = []
-    try:
-        for path, m in modules:
-            if not splittable(m):
-                continue
-            m.forward = _SPLITS[type(m)](m, queue)  # type: ignore[method-assign]
-            patched.append(m)
-            for n, p in m.named_parameters(recurse=False):
-                if p.requires_grad:
-                    name = f"{path}.{n}" if path else n
-                    hooks.append(p.register_post_accumulate_grad_hook(
-                        lambda p, name=name: queue._note_immediate(p, name)))  # fmt: skip
+    split = [(path, m) for path, m in modules if splittable(m)]
+    watched = [
+        (f"{path}.{n}" if path else n, p)
+        for path, m in split
+        for n, p in m.named_parameters(recurse=False)
+        if p.requires_grad
+    ]
+    with _patched([m for _, m in split], watched, queue):
         yield queue
-    finally:
-        for h in hooks:
-            h.remove()
-        for m in patched:
-            del m.forward
 
 
 @contextlib.contextmanager
@@ -351,20 +341,27 @@ def deferred_weight_grads(
     """
     q = WeightGradQueue() if queue is None else queue
     q.defer_norms = defer_norms
+    watched = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    with _patched([m for m in module.modules() if splittable(m)], watched, q):
+        yield q
+
+
+@contextlib.contextmanager
+def _patched(
+    modules: list[nn.Module], watched: list[tuple[str, nn.Parameter]], queue: WeightGradQueue
+) -> Iterator[None]:
+    """``modules``' forwards replaced by their split ones, and each ``watched`` parameter's
+    I-pass gradient noted by name, while the context is open."""
     patched: list[nn.Module] = []
     hooks = []
     try:
-        for m in module.modules():
-            make = _SPLITS.get(type(m))
-            # Only the stock forward: a subclass that overrides it computes something else.
-            if make is not None and "forward" not in m.__dict__:
-                m.forward = make(m, q)  # type: ignore[method-assign]
-                patched.append(m)
-        for n, p in module.named_parameters():
-            if p.requires_grad:
-                hooks.append(p.register_post_accumulate_grad_hook(
-                    lambda p, n=n: q._note_immediate(p, n)))  # fmt: skip
-        yield q
+        for m in modules:
+            m.forward = _SPLITS[type(m)](m, queue)  # type: ignore[method-assign]
+            patched.append(m)
+        for name, p in watched:
+            hooks.append(p.register_post_accumulate_grad_hook(
+                lambda p, name=name: queue._note_immediate(p, name)))  # fmt: skip
+        yield
     finally:
         for h in hooks:
             h.remove()
