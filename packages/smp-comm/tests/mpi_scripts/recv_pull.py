@@ -127,9 +127,23 @@ def refused(stage: str) -> None:
         comm = new_comm()
         out = torch.empty(NUMEL)
         READS.clear()
-        for tag in range(12):
+        first = 0
+        if stage == "read":
+            # Until the sender has the receiver's word (want-pull) and sends a message the
+            # pull way: how soon depends on when its tracker takes that word (a CI run once
+            # took more than 12 messages); up to 40, as warm_up allows 20.
+            for first in range(40):
+                exchange(comm, first, out)
+                if WORLD.bcast(bool(READS), root=1):
+                    break
+            else:
+                raise AssertionError("no read was tried within 40 messages")
+            if RANK == 1:
+                print(f"rank 1 refused-later: the first read was tried at message {first}", flush=True)
+        # Refused at the start: never tried; later: tried once, then never again.
+        for tag in range(first + 1, first + 13):
             exchange(comm, tag, out)
-        if RANK == 1:  # refused at the start: never tried; later: tried once, then no more
+        if RANK == 1:
             assert READS == ([] if stage == "probe" else [0]), READS
         comm.close()
     finally:
