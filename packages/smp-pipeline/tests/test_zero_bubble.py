@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from no_peers import NoPeers
-from smp_pipeline import PipelineConfigError, PipelineRuntime, Scheduler
+from smp_pipeline import PipelineConfigError, PipelineRuntime, Scheduler, zerobubble
 from smp_pipeline.accumulation import GradAccumulator
 from smp_pipeline.wsplit import WeightGradQueue, split_modules
 from smp_pipeline.zerobubble import WeightGradWork, modules_to_split
@@ -97,6 +97,39 @@ def test_a_fold_waits_for_its_microbatchs_weight_grads() -> None:
     assert torch.equal(lin.weight.grad, torch.full((2, 3), 4.0))
     assert work.stats.idle == 1 and not work.pending()
     grads.end()
+
+
+@pytest.mark.parametrize("idle", [False, True])
+def test_a_rank_that_finds_no_idle_time_rests_from_splitting(idle: bool) -> None:
+    """A step whose W tasks all ran at its end (none in idle time: a bottleneck stage) makes
+    the rank split nothing for ``REST_STEPS`` steps, then try again; W tasks run in idle time
+    keep it splitting. The gradients are the same bits either way."""
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 2)
+    plain = copy.deepcopy(lin)
+    grads = GradAccumulator(lambda: 0)
+    grads.track(lin.parameters())
+    work = WeightGradWork(0, grads, lambda: 0, max_microbatches=4)
+    work.set_modules(lin, [("", lin)])
+    queued = []
+    steps = zerobubble.REST_STEPS + 2
+    for step in range(1, steps + 1):
+        x = torch.randn(4, 3)
+        grads.begin(step)
+        with work.step():
+            lin(x).pow(2).sum().backward()
+            queued.append(len(work.queue))
+            grads.complete(step, 0)
+            if idle and work.pending():
+                work.run_one("idle")
+            work.drain()
+        grads.end()
+        plain(x).pow(2).sum().backward()
+    rests = 0 if idle else zerobubble.REST_STEPS
+    assert queued == [1] + [0] * rests + [1] * (steps - 1 - rests), queued
+    assert work.stats.rested_steps == rests
+    assert torch.equal(lin.weight.grad, plain.weight.grad)
+    assert torch.equal(lin.bias.grad, plain.bias.grad)
 
 
 def test_a_paused_backward_keeps_its_group() -> None:

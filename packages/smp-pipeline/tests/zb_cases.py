@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models  # noqa: E402
 from replay_cases import branch_data, contiguous, mlp, mlp_data, train_bitwise  # noqa: E402
 from smp_comm import Communicator  # noqa: E402
-from smp_pipeline import PipelineRuntime  # noqa: E402
+from smp_pipeline import PipelineRuntime, zerobubble  # noqa: E402
 from smp_pipeline.actions import ActionKind, validate_programs  # noqa: E402
 
 torch.set_num_threads(1)
@@ -147,6 +147,10 @@ def run(comm: Communicator, name: str, build, assignment, batches, m: int, *,  #
 
 
 def main() -> None:
+    # Every rank splits every step here, whatever idle time it finds (a rank that finds
+    # little rests from splitting: tests/test_zero_bubble.py tests that apart), so that each
+    # case's counts and last step's program do not depend on this machine's load.
+    zerobubble.REST_BELOW_IDLE_SHARE = 0.0
     comm = Communicator(MPI.COMM_WORLD)
     pp = comm.size
     mlp_batches = [mlp_data(s) for s in range(3)]

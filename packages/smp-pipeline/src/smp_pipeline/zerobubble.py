@@ -23,6 +23,10 @@ queue and its placement rules:
   ``AccumulateGrad`` contribution would, and a microbatch is folded into ``.grad`` only once
   its W tasks ran (:attr:`GradAccumulator.hold`): every parameter's gradient is still summed
   in microbatch order, and each microbatch's contributions in autograd's order.
+- **Where deferral does not pay**: a rank that ran fewer than half of a step's W tasks in
+  idle time (a bottleneck stage: the rest ran at the memory bound or the step's end, on its
+  critical path) splits nothing for the next ``REST_STEPS`` steps, then tries again
+  (:data:`REST_BELOW_IDLE_SHARE`, counted in :attr:`WeightGradStats.rested_steps`).
 - **What is split**: the owned ``nn.Linear``/``LayerNorm``/``RMSNorm``/``Embedding`` modules
   (:func:`~smp_pipeline.wsplit.splittable`) except those holding a parameter that another,
   unsplit, module also holds: such a parameter would get an I-pass gradient and W tasks in
@@ -51,6 +55,13 @@ from smp_pipeline.wsplit import WeightGradQueue, split_modules, splittable
 __all__ = ["WeightGradStats", "WeightGradWork", "modules_to_split"]
 
 WEIGHT_GRAD = ActionKind.WEIGHT_GRAD
+#: A rank that found little idle time for its W tasks in a step (fewer than this share ran in
+#: idle time; the rest ran eagerly at the memory bound or at the step's end, both on its own
+#: critical path: a bottleneck stage) gains nothing from deferring them and pays the split:
+#: it splits nothing for the next ``REST_STEPS`` steps, then tries again. Split or not, the
+#: gradients are the same bits.
+REST_BELOW_IDLE_SHARE = 0.5
+REST_STEPS = 4
 # (pp rank, microbatch, module, phase, start, end), as the executor's timeline events
 Span = tuple[int, int, str, ActionKind, float, float]
 
@@ -68,6 +79,9 @@ class WeightGradStats:
     peak_queued: int = 0
     #: layer applications split, by operator (``linear``, ``embedding``, ...)
     deferred_ops: dict[str, int] = field(default_factory=dict)
+    #: steps this rank split nothing, having found too little idle time before
+    #: (``REST_BELOW_IDLE_SHARE``)
+    rested_steps: int = 0
 
     @property
     def total(self) -> int:
@@ -142,6 +156,7 @@ class WeightGradWork:
         self.events: list[Span] = []
         self._modules: list[tuple[str, nn.Module]] = []
         self._excluded: set[int] = set()  # ids of modules found mixed at run time
+        self._resting = 0  # steps left that split nothing (REST_BELOW_IDLE_SHARE)
         self._warned: set[str] = set()
         grads.hold = self.holds
 
@@ -168,8 +183,16 @@ class WeightGradWork:
         q.immediate_params.clear()
         q.mixed_params.clear()
         q._immediate_ids.clear()
-        with split_modules(self.modules, q):
+        resting = self._resting > 0
+        if resting:
+            self._resting -= 1
+            self.stats.rested_steps += 1
+        idle_before, total_before = self.stats.idle, self.stats.total
+        with split_modules([] if resting else self.modules, q):
             yield
+        ran = self.stats.total - total_before
+        if ran and (self.stats.idle - idle_before) < REST_BELOW_IDLE_SHARE * ran:
+            self._resting = REST_STEPS
         for op, n in q.deferred_ops.items():
             self.stats.deferred_ops[op] = self.stats.deferred_ops.get(op, 0) + n
         q.deferred_ops.clear()
