@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -144,21 +145,7 @@ def test_a_paused_backward_keeps_its_group() -> None:
     def run(split: bool) -> torch.Tensor:
         lin.weight.grad = None
         q = WeightGradQueue()
-
-        class RunB(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, h):  # noqa: ANN001, ANN205
-                return h.clone()
-
-            @staticmethod
-            def backward(ctx, g):  # noqa: ANN001, ANN205
-                with torch.enable_grad():
-                    torch.tanh(lin(xb)).pow(2).sum().backward()
-                return g
-
-        def both() -> None:
-            h = lin(torch.tanh(lin(xa)))  # these two uses' W tasks come after B's
-            torch.tanh(lin(RunB.apply(torch.tanh(h)))).pow(2).sum().backward()
+        both = _backward_pausing_for_another(lin, xa, xb)  # A's two first uses' W after B's
 
         if not split:
             both()
@@ -173,16 +160,12 @@ def test_a_paused_backward_keeps_its_group() -> None:
     assert torch.equal(run(True), run(False))
 
 
-def test_w_tasks_run_while_their_backward_is_paused_fold_at_its_end() -> None:
-    """As above, but the W tasks queued so far run *inside* the pause (a zero-bubble rank's
-    idle time while its joined backward waits for another rank): backward A's first
-    contribution has run, its later ones are still to be queued, so A's sum must wait for
-    A's end (T5's shared embedding at pp=2 differed in the last bit before it did)."""
-    torch.manual_seed(0)
-    lin = nn.Linear(6, 6, bias=False)
-    xa, xb = torch.randn(5, 6), torch.randn(3, 6)
-    q = WeightGradQueue()
-    ran_in_pause: list[int] = []
+def _backward_pausing_for_another(
+    lin: nn.Linear, xa: torch.Tensor, xb: torch.Tensor, in_pause: Callable[[], None] = lambda: None
+) -> Callable[[], None]:
+    """Backward A of three uses of ``lin`` (on ``xa``) that runs, between its uses, backward B
+    of ``lin`` on ``xb`` and then ``in_pause`` (as a joined pipeline backward pauses inside the
+    engine while another microbatch's backward and the rank's idle work run)."""
 
     class RunB(torch.autograd.Function):
         @staticmethod
@@ -193,12 +176,28 @@ def test_w_tasks_run_while_their_backward_is_paused_fold_at_its_end() -> None:
         def backward(ctx, g):  # noqa: ANN001, ANN205
             with torch.enable_grad():
                 torch.tanh(lin(xb)).pow(2).sum().backward()
-            ran_in_pause.append(q.run())  # A's first W task and all of B's
+            in_pause()
             return g
 
     def both() -> None:
         h = lin(torch.tanh(lin(xa)))
         torch.tanh(lin(RunB.apply(torch.tanh(h)))).pow(2).sum().backward()
+
+    return both
+
+
+def test_w_tasks_run_while_their_backward_is_paused_fold_at_its_end() -> None:
+    """As above, but the W tasks queued so far run *inside* the pause (a zero-bubble rank's
+    idle time while its joined backward waits for another rank): backward A's first
+    contribution has run, its later ones are still to be queued, so A's sum must wait for
+    A's end (T5's shared embedding at pp=2 differed in the last bit before it did)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(6, 6, bias=False)
+    xa, xb = torch.randn(5, 6), torch.randn(3, 6)
+    q = WeightGradQueue()
+    ran_in_pause: list[int] = []
+    # In the pause: A's first W task and all of B's run.
+    both = _backward_pausing_for_another(lin, xa, xb, lambda: ran_in_pause.append(q.run()))
 
     lin.weight.grad = None
     both()
