@@ -72,6 +72,14 @@ import torch
 FoldHook = Callable[[torch.Tensor], None]
 
 
+def storable_grad(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``g`` as ``AccumulateGrad`` would store it as ``p``'s gradient: itself, or a copy laid
+    out like ``p`` if it is a view (it would alias the tensor it views) or strided otherwise."""
+    if g._base is None and g.stride() == p.stride():
+        return g
+    return torch.empty_like(p).copy_(g)
+
+
 class _AllParameters:
     """Contains every parameter id (a microbatch whose backward here is one engine run)."""
 
@@ -214,13 +222,18 @@ class GradAccumulator:
         if self._stream(key, mb):
             self._add_to_grad(p, contribution)
             return
+        self._buffer(key, mb, contribution)  # autograd's own tensor: ours to add into
+
+    def _buffer(self, key: int, mb: int, contribution: torch.Tensor) -> None:
+        """Add ``contribution`` (a tensor the buffer may own) to microbatch ``mb``'s buffer of
+        parameter ``key``."""
         buffers = self._buffers.get(mb)
         if buffers is None:
             buffers = self._buffers[mb] = {}
             self.peak_buffers = max(self.peak_buffers, len(self._buffers))
         buf = buffers.get(key)
         if buf is None:
-            buffers[key] = contribution  # autograd's own tensor: ours to add into
+            buffers[key] = contribution
         else:
             buf += contribution
 
@@ -303,18 +316,9 @@ class GradAccumulator:
                 self._late(mb)
             self._add_to_grad(p, g)
             return
-        buffers = self._buffers.get(mb)
-        if buffers is None:
-            buffers = self._buffers[mb] = {}
-            self.peak_buffers = max(self.peak_buffers, len(self._buffers))
-        key = id(p)
-        buf = buffers.get(key)
-        if buf is None:
-            if g._base is not None or g.stride() != p.stride():
-                g = torch.empty_like(p).copy_(g)
-            buffers[key] = g
-        else:
-            buf += g
+        # Added into an existing buffer as it is; a new buffer owns it (a copy where needed).
+        buffered = id(p) in self._buffers.get(mb, {})
+        self._buffer(id(p), mb, g if buffered else storable_grad(p, g))
 
     def complete_locally(self, step: int, mb: int) -> None:
         """This rank's backward of microbatch ``mb`` is complete by its own records: fold as

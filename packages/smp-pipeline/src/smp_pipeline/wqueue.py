@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from smp_pipeline.accumulation import storable_grad
+
 __all__ = ["GradPairs", "WTask", "WeightGradQueue"]
 
 GradPairs = list[tuple[nn.Parameter, torch.Tensor]]
@@ -107,6 +109,18 @@ class WeightGradQueue:
     def pending_bytes(self) -> int:
         """Bytes held by the queued W tasks (what stays alive between I and W)."""
         return _storage_bytes([t for task in self.tasks for t in task.held])
+
+    def new_step(self) -> None:
+        """A step starts: :meth:`seal` the groups, and forget which parameters got I-pass or
+        mixed gradients (:attr:`immediate_params`, :attr:`mixed_params`)."""
+        self.seal()
+        self.immediate_params.clear()
+        self.mixed_params.clear()
+        self._immediate_ids.clear()
+
+    def mixed_param_ids(self) -> set[int]:
+        """``id`` of each parameter named in :attr:`mixed_params` this step."""
+        return {pid for pid, name in self._immediate_ids.items() if name in self.mixed_params}
 
     def seal(self) -> None:
         """End the open groups: the next W task queued starts a new group (and the tags of
@@ -242,8 +256,6 @@ class WeightGradQueue:
 def _fold_into_grad(p: nn.Parameter, g: torch.Tensor) -> None:
     """``p.grad += g`` the way AccumulateGrad does it (the first gradient is stored as is)."""
     if p.grad is None:
-        # A view (a one-row bias sum) would alias a held tensor: store a copy, as for strides.
-        stealable = g._base is None and g.stride() == p.stride()
-        p.grad = g if stealable else torch.empty_like(p).copy_(g)
+        p.grad = storable_grad(p, g)  # (a view, a one-row bias sum, would alias a held tensor)
     else:
         p.grad += g

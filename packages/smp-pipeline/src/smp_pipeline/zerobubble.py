@@ -179,10 +179,7 @@ class WeightGradWork:
         recomputation goes through it too); the caller drains (:meth:`drain`) before the
         step's gradients are final."""
         q = self.queue
-        q.seal()
-        q.immediate_params.clear()
-        q.mixed_params.clear()
-        q._immediate_ids.clear()
+        q.new_step()
         resting = self._resting > 0
         if resting:
             self._resting -= 1
@@ -201,7 +198,7 @@ class WeightGradWork:
 
     def _exclude_mixed(self) -> None:
         q = self.queue
-        mixed = {pid for pid, name in q._immediate_ids.items() if name in q.mixed_params}
+        mixed = q.mixed_param_ids()
         for _, m in self._modules:
             if any(id(p) in mixed for p in m.parameters(recurse=False)):
                 self._excluded.add(id(m))
