@@ -101,6 +101,36 @@ def equal(a: torch.Tensor | None, b: torch.Tensor | None, what: str) -> None:
         raise AssertionError(f"{what}: not bitwise equal (max abs diff {(a - b).abs().max():.3g})")
 
 
+def mse_step(model, rt):  # noqa: ANN001, ANN201
+    """The step function: mean squared error of ``model(x)`` against ``y``, backward."""
+
+    def step(x, y):  # noqa: ANN001, ANN202
+        loss = F.mse_loss(model(x), y)
+        rt.backward(loss)
+        return loss.detach()
+
+    return step
+
+
+def paired_runtimes(comm: Communicator, build, assignment, variants, tag: list[int],  # noqa: ANN001
+                    **kw):  # noqa: ANN003, ANN201
+    """One runtime per ``variants`` entry (its keyword arguments on top of ``kw``), each over
+    its own copy of one ``build()`` model (seed 1234), on a fresh tag from ``tag``; returns
+    the runtimes, their models and an SGD optimizer each (for :func:`train_bitwise`)."""
+    torch.manual_seed(1234)
+    base = build()
+    runtimes, models_, optimizers = [], [], []
+    for extra in variants:
+        model = copy.deepcopy(base)
+        tag[0] += 10
+        rt = PipelineRuntime(model, comm, comm.rank, comm.size, assignment=assignment,
+                             timeout_s=60, tag=tag[0], **kw, **extra)  # fmt: skip
+        runtimes.append(rt)
+        models_.append(model)
+        optimizers.append(torch.optim.SGD(rt.local_parameters(), lr=0.05))
+    return runtimes, models_, optimizers
+
+
 def train_bitwise(name: str, runtimes, models_, optimizers, step_of, batches, m: int,  # noqa: ANN001
                   rank: int) -> None:
     """Train two runtimes (the mode under test first, dynamic second) on the same batches,
@@ -123,28 +153,11 @@ def train_bitwise(name: str, runtimes, models_, optimizers, step_of, batches, m:
 def run(comm: Communicator, name: str, build, assignment, batches, m: int, *, expect,
         schedule="interleaved", **kw) -> None:  # noqa: ANN001
     """``expect(stats_by_rank)`` checks every serving rank's ReplayStats (raises if wrong)."""
-    torch.manual_seed(1234)
-    base = build()
-    runtimes, optimizers, models_ = [], [], []
-    for static in (True, False):
-        model = copy.deepcopy(base)
-        TAG[0] += 10
-        rt = PipelineRuntime(model, comm, comm.rank, comm.size, assignment=assignment,
-                             schedule=schedule, timeout_s=60, tag=TAG[0], static_mode=static,
-                             **kw)  # fmt: skip
-        runtimes.append(rt)
-        models_.append(model)
-        optimizers.append(torch.optim.SGD(rt.local_parameters(), lr=0.05))
-
-    def step_of(model, rt):  # noqa: ANN001, ANN202
-        def step(x, y):  # noqa: ANN001, ANN202
-            loss = F.mse_loss(model(x), y)
-            rt.backward(loss)
-            return loss.detach()
-
-        return step
-
-    train_bitwise(name, runtimes, models_, optimizers, step_of, batches, m, comm.rank)
+    runtimes, models_, optimizers = paired_runtimes(
+        comm, build, assignment, [{"static_mode": True}, {"static_mode": False}], TAG,
+        schedule=schedule, **kw,
+    )
+    train_bitwise(name, runtimes, models_, optimizers, mse_step, batches, m, comm.rank)
     stats = MPI.COMM_WORLD.allgather(runtimes[0].replay_stats)
     if stats[0] is not None:
         raise AssertionError(f"{name}: the driver has replay stats {stats[0]}")

@@ -13,7 +13,6 @@ and every W task queued ran. Prints "CASE-OK <name> ..." per case and "SUITE-OK 
 
 from __future__ import annotations
 
-import copy
 import os
 import sys
 import warnings
@@ -26,9 +25,17 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import models  # noqa: E402
-from replay_cases import branch_data, contiguous, mlp, mlp_data, train_bitwise  # noqa: E402
+from replay_cases import (  # noqa: E402
+    branch_data,
+    contiguous,
+    mlp,
+    mlp_data,
+    mse_step,
+    paired_runtimes,
+    train_bitwise,
+)
 from smp_comm import Communicator  # noqa: E402
-from smp_pipeline import PipelineRuntime, zerobubble  # noqa: E402
+from smp_pipeline import zerobubble  # noqa: E402
 from smp_pipeline.actions import ActionKind, validate_programs  # noqa: E402
 
 torch.set_num_threads(1)
@@ -64,15 +71,6 @@ class SharedFunctional(nn.Module):
         return self.out(self.post(self.mix(self.lin(self.pre(x)))))
 
 
-def mse_step(model, rt):  # noqa: ANN001, ANN201
-    def step(x, y):  # noqa: ANN001, ANN202
-        loss = F.mse_loss(model(x), y)
-        rt.backward(loss)
-        return loss.detach()
-
-    return step
-
-
 def tied_step(model, rt):  # noqa: ANN001, ANN201
     def step(ids, target):  # noqa: ANN001, ANN202
         logits = model(ids)
@@ -96,17 +94,10 @@ def run(comm: Communicator, name: str, build, assignment, batches, m: int, *,  #
         step_of=mse_step, want_ops=("linear",), unsplit=(), **kw) -> None:  # noqa: ANN001
     """``want_ops``: operators some rank must have split; ``unsplit``: parameter names no
     rank may have split (tied with an unsplit module)."""
-    torch.manual_seed(1234)
-    base = build()
-    runtimes, optimizers, models_ = [], [], []
-    for schedule in ("zero_bubble", "interleaved"):
-        model = copy.deepcopy(base)
-        TAG[0] += 10
-        rt = PipelineRuntime(model, comm, comm.rank, comm.size, assignment=assignment,
-                             schedule=schedule, timeout_s=60, tag=TAG[0], timeline=True, **kw)  # fmt: skip
-        runtimes.append(rt)
-        models_.append(model)
-        optimizers.append(torch.optim.SGD(rt.local_parameters(), lr=0.05))
+    runtimes, models_, optimizers = paired_runtimes(
+        comm, build, assignment, [{"schedule": "zero_bubble"}, {"schedule": "interleaved"}], TAG,
+        timeline=True, **kw,
+    )
     train_bitwise(name, runtimes, models_, optimizers, step_of, batches, m, comm.rank)
     zb = runtimes[0]
     assert zb.weight_grads is not None and runtimes[1].weight_grad_stats is None
