@@ -115,15 +115,15 @@ def stage_memory(profile: Profile, st: StageSums, c: Candidate) -> float:
     own = c.microbatches * c.tp * c.dp  # microbatch slices of the profiled batch, per rank
     live = in_flight(c.pp, c.microbatches)
     if c.checkpointing and st.unit_saved:
-        per_mb = st.saved_outside_units.whole + st.saved_outside_units.split * tp + st.unit_inputs
+        per_mb = st.saved_outside_units.over_peers(tp) + st.unit_inputs
         # While a microbatch's backward recomputes its units one at a time, what the
         # recompute chain allocated stays in the process (measured: at pp = 1 a rank's peak
         # with checkpointing equals the one without, bench_plan's gpt2-small grid): one
         # microbatch's full saved bytes, on top of the kept unit inputs.
-        recompute = st.saved.whole + st.saved.split * tp
+        recompute = st.saved.over_peers(tp)
         acts = (live * per_mb + recompute) / own
     else:
-        acts = live * (st.saved.whole + st.saved.split * tp) / own
+        acts = live * st.saved.over_peers(tp) / own
     if c.pp > 1:
         # what crosses the stage's cuts, per microbatch in flight: the activations it
         # received (kept for backward) and sent, and the gradients of both coming back,

@@ -27,6 +27,11 @@ class Split:
         """The per-rank value at tensor-parallel degree ``tp``."""
         return self.whole + self.split / tp
 
+    def over_peers(self, tp: int) -> float:
+        """The value when the split part runs its ``tp`` peers' samples too (bytes a split
+        module saves for the tensor-parallel group's gathered inputs, at full width)."""
+        return self.whole + self.split * tp
+
     def add(self, value: float, is_split: bool) -> None:
         if is_split:
             self.split += value
