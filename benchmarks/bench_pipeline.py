@@ -104,10 +104,12 @@ def _worker() -> None:
     assignment = {".".join(["next"] * i): i for i in range(1, P)}
 
     def make_runtime(
-        t: float, tag: int, active: int = P + 2, relay: bool | None = None, static: bool = False
+        t: float, tag: int, active: int = P + 2, relay: bool | None = None, static: bool = False,
+        device_inline: bool = False,
     ):
         """The nested chain; with ``relay`` set, the plain ``nn.Sequential`` of the stages
-        instead (fast_mode's relays on or off); ``static``: with ``static_mode``."""
+        instead (fast_mode's relays on or off); ``static``: with ``static_mode``;
+        ``device_inline``: its replay serves requests with device work too (synchronously)."""
         if relay is None:
             model, placement = chain(t), assignment
         else:
@@ -117,6 +119,8 @@ def _worker() -> None:
         rt = PipelineRuntime(model, comm, rank, P, assignment=placement, tag=tag,
                              active_microbatches=active, timeout_s=120, static_mode=static)
         seqruns.RELAY = True
+        if device_inline and rt.server.replay is not None:
+            rt.server.replay.device_work_inline = True
 
         def step(x):
             loss = model(x).pow(2).mean()
@@ -134,6 +138,8 @@ def _worker() -> None:
     # is a request from the driver and back.
     sequential = {"relayed": make_runtime(T, 7600, relay=True),
                   "relayed, static_mode": make_runtime(T, 7620, relay=True, static=True),
+                  "relayed, static_mode, device work replayed": make_runtime(
+                      T, 7630, relay=True, static=True, device_inline=True),
                   "via rank 0": make_runtime(T, 7610, relay=False)}  # fmt: skip
     stage_mod = Stage(T)
     pippy = {}
@@ -178,6 +184,12 @@ def _worker() -> None:
                     timed(lambda m=m, rt=rt, step=step: rt.run_step(step, (data[m][0],), num_microbatches=m))
                 )
             theirs[m].append(timed(lambda m=m: run_theirs(m, *data[m])))
+    # static_mode: how many steps each serving rank replayed (and fell back from), and why.
+    replays = {}
+    for k in ("relayed, static_mode", "relayed, static_mode, device work replayed"):
+        st = sequential[k][0].replay_stats
+        replays[k] = world.gather(None if st is None else (st.replayed, st.fallbacks, st.recorded,
+                                                           st.not_replayable), root=0)  # fmt: skip
     for rt, _ in (*runtimes.values(), *sequential.values()):
         rt.close()
 
@@ -209,10 +221,14 @@ def _worker() -> None:
     dist.destroy_process_group()
 
     # Runtime overhead: the same model with zero compute; latency and CPU per request, in
-    # dynamic mode and with static_mode.
-    def zero_overhead(static: bool) -> tuple[float, int, float]:
-        """(median step, requests served per step on the busiest rank, CPU per request)."""
-        rt0, step0 = make_runtime(0.0, 7500 + 10 * static, static=static)
+    # dynamic mode (the nested chain), and CPU per microbatch and stage of the relayed
+    # nn.Sequential in dynamic mode and with static_mode (the one static mode replays: the
+    # chain's stages call modules of other ranks, which no replay can serve).
+    def zero_overhead(relay: bool | None, static: bool) -> tuple[float, int, float, float]:
+        """(median step, requests served per step on the busiest rank, CPU per request, CPU
+        per microbatch and stage)."""
+        rt0, step0 = make_runtime(0.0, 7500 + 10 * static + 20 * bool(relay), relay=relay,
+                                  static=static)  # fmt: skip
         rt0.run_step(step0, (x16,), num_microbatches=16)
         rt0.run_step(step0, (x16,), num_microbatches=16)  # (static mode records)
         before = rt0.requests_served
@@ -228,10 +244,11 @@ def _worker() -> None:
         total_served = world.allreduce(served, op=MPI.SUM)
         total_cpu = world.allreduce(cpu, op=MPI.SUM)
         rt0.close()
-        return zero, busiest, total_cpu / max(total_served, 1)
+        return zero, busiest, total_cpu / max(total_served, 1), total_cpu / (STEPS * 16 * P)
 
-    zero, busiest, cpu_per_request = zero_overhead(False)
-    _, _, static_cpu_per_request = zero_overhead(True)
+    zero, busiest, cpu_per_request, _ = zero_overhead(None, False)
+    _, _, _, relayed_cpu = zero_overhead(True, False)
+    _, _, _, static_cpu = zero_overhead(True, True)
     comm.close()
     ours_med = {k: statistics.median(v) for k, v in ours.items()}
     seq_med = {k: statistics.median(v) for k, v in ours_seq.items()}
@@ -256,16 +273,22 @@ def _worker() -> None:
             vs = ", ".join(f"m={m}: {seq_med[(k, m)] / theirs_med[m]:.3f}" for m in MBS)
             print(f"smp_pipeline nn.Sequential of the {P} stages, {k}, active={P + 2}: "
                   f"efficiency / ideal: {eff}; step time / Schedule1F1B: {vs}")
+        for k, per_rank in replays.items():
+            print(f"  {k}, per serving rank (replayed, fell back, recorded steps; why not "
+                  f"replayable): {per_rank[1:]}")
         ref = ", ".join(
             f"m={m}: {m * 3 * T / theirs_med[m] / (m / (m + P - 1)):.3f}" for m in MBS
         )
         print(f"(for reference) Schedule1F1B efficiency / ideal: {ref}")
         print(f"smp_pipeline overhead at zero compute (m=16): {zero / max(busiest, 1) * 1e6:.0f} us "
               f"step latency per request on the busiest rank ({busiest} requests, step "
-              f"{zero * 1e3:.1f} ms), {cpu_per_request * 1e6:.0f} us CPU per request; with "
-              f"static_mode {static_cpu_per_request * 1e6:.0f} us CPU per request")
+              f"{zero * 1e3:.1f} ms), {cpu_per_request * 1e6:.0f} us CPU per request; the relayed "
+              f"nn.Sequential: {relayed_cpu * 1e6:.0f} us CPU per microbatch and stage, with "
+              f"static_mode {static_cpu * 1e6:.0f} us (target: <= Schedule1F1B's CPU per "
+              "transfer, below)")
         print(f"(for reference) Schedule1F1B at zero compute (m=16): "
-              f"{theirs_cpu / theirs_transfers * 1e6:.0f} us CPU per stage-boundary transfer "
+              f"{theirs_cpu / theirs_transfers * 1e6:.0f} us CPU per stage-boundary transfer, "
+              f"{theirs_cpu / (STEPS * 16 * P) * 1e6:.0f} us per microbatch and stage "
               f"(2(p-1) per microbatch, as many as smp's requests; step "
               f"{theirs_zero * 1e3:.1f} ms)")
 

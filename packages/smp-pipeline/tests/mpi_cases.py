@@ -677,7 +677,11 @@ def suite_tp(comm):
             return self.s1(self.s0(x), mb_id)
 
     leader = pp_rank  # world rank of this stage's pipeline-0 peer
-    for case, (schedule, m) in enumerate((("interleaved", 4), ("simple", 4), ("interleaved", 8))):
+    # (static: stage 1's leader replays its recorded step in the second one, inline on its
+    # main thread, and announces each inline task; the follower runs those inline too.)
+    tp_cases = (("interleaved", 4, False), ("simple", 4, False), ("interleaved", 8, False),
+                ("interleaved", 8, True))  # fmt: skip
+    for case, (schedule, m, static) in enumerate(tp_cases):
         channel = OrderChannel(comm, leader=leader, followers=[leader + 2], tag=7360 + 2 * case + pp_rank)
         torch.manual_seed(7)
         model = Net()
@@ -687,7 +691,7 @@ def suite_tp(comm):
         ids = torch.arange(m, dtype=torch.float32).repeat_interleave(2)
         rt = PipelineRuntime(model, comm, pp_rank, 2, comm_ranks=[2 * pipeline, 2 * pipeline + 1],
                              assignment={"s1": 1}, schedule=schedule, tag=next_tag() + 1000 * pipeline,
-                             timeout_s=30, order_channel=channel)
+                             timeout_s=30, order_channel=channel, static_mode=static)
 
         def step(x, y, ids, model=model, rt=rt):
             loss = F.mse_loss(model(x, ids[0]), y)
@@ -703,10 +707,16 @@ def suite_tp(comm):
         # not the two steps' microbatches accumulated in order.
         for n, p in rt.named_local_parameters():
             close(p.grad, 2 * refp[n].grad, f"tp grad {n}")  # two identical steps accumulated
+        if static and pp_rank == 1:
+            inlined = rt.server.executor.inlined
+            assert inlined > 0, f"rank {rank}: nothing served inline ({inlined})"
+            if rank == leader:
+                stats = rt.replay_stats
+                assert stats is not None and stats.replayed == 1, f"rank {rank}: {stats}"
         rt.close()
         channel.close()
         if rank == 0:
-            print(f"CASE-OK tp-{schedule}-m{m}", flush=True)
+            print(f"CASE-OK tp-{schedule}-m{m}{'-static' if static else ''}", flush=True)
 
     # An exception in pipeline B's stage 1 while its TP peer in pipeline A waits inside the
     # all_reduce: abort_ranks carries the abort to the other pipeline, so all 4 ranks raise.

@@ -61,7 +61,7 @@ PP4_CASES = [
     "chain4-simple-m3", "chain4-interleaved-m8", "reuse4", "device4-simple",
     "device4-interleaved", "branch4", "gpt2-4-auto", "t5-4-auto", "branch4-segments",
 ]  # fmt: skip
-TP_CASES = ["tp-interleaved-m4", "tp-simple-m4", "tp-interleaved-m8"]
+TP_CASES = ["tp-interleaved-m4", "tp-simple-m4", "tp-interleaved-m8", "tp-interleaved-m8-static"]
 FAST_CASES = [
     name
     for suffix in ("", "-fast-off")

@@ -229,8 +229,11 @@ LLAMA_CASES = [
     _case("llama-pp2-tp2-zero-bubble", pipeline_parallel_degree=2, tensor_parallel_degree=2,
           microbatches=4, active_microbatches=1, model="llama", optimizer="sgd", steps=2,
           pipeline="zero_bubble", w_eager=True, bitwise_vs={"pipeline": "interleaved"}),
-    # (No static-mode case under tp: static_mode is inert there, with a warning, since a
-    # stage's followers start tasks in their leader's order.)
+    # Static mode under tp=2: stage 1's leader replays, and its follower runs inline each
+    # request the leader announces it ran inline (the same grants in the same order).
+    _case("llama-pp2-tp2-static", pipeline_parallel_degree=2, tensor_parallel_degree=2,
+          microbatches=2, model="llama", optimizer="sgd", static_mode=True, replayed=True,
+          bitwise_vs={"static_mode": False}),
     # T5 (pp=2 x dp=2): its shared embedding is used by the encoder, the decoder (a remote
     # call back into stage 0 from inside a backward) and the tied head.
     _case("t5-pp2-dp2-zero-bubble", pipeline_parallel_degree=2, microbatches=2, model="t5",

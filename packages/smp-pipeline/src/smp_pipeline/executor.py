@@ -289,7 +289,8 @@ class Executor:
         loop notices an abort only when the task ends."""
         self.inlined += 1
         self.recorder.task(task.step, task.phase, task.mb, task.module)
-        start = self._grant(task, "task")
+        # ("inline": a tensor-parallel follower runs the same task inline too.)
+        start = self._grant(task, "inline")
         set_inline_task(task)
         try:
             with _offloading(self.offloader):

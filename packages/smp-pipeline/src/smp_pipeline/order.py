@@ -5,9 +5,11 @@ collectives inside module executions, so they must start tasks in the same order
 the *leader*, publishes the identity of every task it hands the execution token to:
 ``(step, microbatch, kind, index)`` where ``index`` counts the grants of that microbatch on
 this rank and ``kind`` is ``"start"`` (a microbatch's step function starts), ``"admit"`` (its
-backward is admitted by the schedule) or ``"task"`` (anything else: a request, a response
-resuming a caller, a backward segment, the end of device work). Followers start their ready
-tasks only in that order; on a follower driver the leader's choices replace the schedule.
+backward is admitted by the schedule), ``"inline"`` (a request static mode ran on the
+leader's main thread, start to end in one grant: followers run it inline too, so their grant
+counts stay the same) or ``"task"`` (anything else: a request, a response resuming a caller, a
+backward segment, the end of device work). Followers start their ready tasks only in that
+order; on a follower driver the leader's choices replace the schedule.
 
 Peers must run the same model with the same control flow per microbatch (true for tensor
 parallelism, where peers execute the same stage on different data), so their per-microbatch

@@ -34,6 +34,11 @@ and counts nothing.
 
 The driver (pp rank 0) runs the step function, whose microbatches overlap by the schedule:
 it stays in dynamic mode (its step tasks are worker threads).
+
+Under tensor-parallel ordering (:mod:`smp_pipeline.order`) only a stage's leader has a
+replay: each request it serves inline is announced as an ``"inline"`` task, and its followers
+(which have none) run that request inline too, so every peer takes the same grants in the
+same order and their collectives meet. Preemption is off there, so nothing is nested.
 """
 
 from __future__ import annotations
@@ -128,6 +133,11 @@ class StepReplay:
         self.loop = loop
         self.runs_locally = runs_locally
         self.stats = ReplayStats()
+        # Replay requests that run device work too (synchronously on the main thread, as a
+        # torch schedule runs its stage), instead of leaving them to dynamic mode, whose
+        # workers overlap one request's device work with another's CPU work. Off by default;
+        # bench_pipeline measures both.
+        self.device_work_inline = False
         # The recording: the signatures of the last step run whole (replayed or recorded).
         self._recording: dict[SignatureKey, tuple[Any, ...]] | None = None
         # Per step: the signatures of the requests taken so far (a request of the next step
@@ -187,7 +197,7 @@ class StepReplay:
             if not self.loop.handlers.can_inline_backward(req):  # type: ignore[arg-type]
                 return f"no local record of the call {req.key}"
             kind = (BACKWARD, req.path)
-        if kind in self.loop.executor.device_kinds:  # on a worker it overlaps the device work
+        if not self.device_work_inline and kind in self.loop.executor.device_kinds:
             return f"the {kind[0]} of '{kind[1]}' ran device work"
         return None
 
@@ -262,7 +272,7 @@ class StepReplay:
         seen = self._seen.pop(step, {})
         self._counts.pop(step, None)
         reason = self._unreplayable.pop(step, None)
-        if self.loop.executor.device_kinds:
+        if not self.device_work_inline and self.loop.executor.device_kinds:
             kinds = sorted(self.loop.executor.device_kinds)
             reason = f"device work in {', '.join(f'the {p} of {m!r}' for p, m in kinds)}"
         if replayed:

@@ -106,7 +106,9 @@ class PipelineRuntime(LocalState):
             dynamic mode, exactly, counted in :attr:`replay_stats`, and is recorded anew
             (:mod:`smp_pipeline.replay`). During recorded steps, a request that ran straight
             through before (no device work, no yield, under 2 ms) is served on the main loop.
-            Bitwise equal to dynamic mode. Not with tensor-parallel ordering (no effect).
+            Bitwise equal to dynamic mode. Under tensor-parallel ordering the stage's leader
+            decides (it records and replays) and its followers run inline each task it
+            announces it ran inline.
         partition_costs: how the partitioning trace measures forward costs
             (:data:`smp_pipeline.partition.COSTS`): ``"flops"`` (counted: the same partition
             for the same model and inputs on every run) or ``"measured"`` (timed).

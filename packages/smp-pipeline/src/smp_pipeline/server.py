@@ -122,7 +122,10 @@ class ExecutionServer:
             on_arrival=self._on_arrival if preemption else None,
             recorder=self.recorder,
         )
-        static = static_mode and order is None  # off under tensor-parallel ordering, as preemption
+        # Static mode under tensor-parallel ordering: the leader decides (it serves inline,
+        # or replays, and announces each inline task); followers run inline what it did.
+        following = order is not None and not order.is_leader
+        static = static_mode and not following
         self.executor = Executor(
             pp_rank,
             self.transport,

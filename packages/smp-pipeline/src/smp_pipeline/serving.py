@@ -24,7 +24,7 @@ from smp_pipeline.errors import PipelineError
 from smp_pipeline.executor import Executor
 from smp_pipeline.handlers import MessageHandlers
 from smp_pipeline.order import OrderChannel
-from smp_pipeline.protocol import PREEMPTING, Message
+from smp_pipeline.protocol import PREEMPTING, BwdReq, FwdReq, Message
 from smp_pipeline.transport import Transport
 from smp_pipeline.worker import Baton
 from smp_pipeline.zerobubble import WeightGradWork
@@ -223,16 +223,35 @@ class ServingLoop:
             if ("admit", step, mb) not in self.executor.waiting or self.follower_start is None:
                 return False
             self.follower_start(mb, BACKWARD)  # wakes the microbatch's step task
+        if kind == "inline":
+            # The leader served this request on its main thread (static mode): so does this
+            # rank, so the task is one grant here too (on a worker it could give the token
+            # back, e.g. for device work, and be granted again: an announcement the leader
+            # never makes).
+            msg = self._arrived_task(step, mb, (FwdReq, BwdReq))
+            if msg is None:
+                return False
+            self.handlers.serve_request(msg, inline=True)  # type: ignore[arg-type]
+            return True
         if self.executor.resume_ready_of(step, mb):
             return True
+        msg = self._arrived_task(step, mb, None)
+        if msg is None:
+            return False
+        self.handle(msg)
+        return True
+
+    def _arrived_task(self, step: int, mb: int, types: tuple[type, ...] | None) -> Message | None:
+        """Take the first arrived message (of ``types``, if given) that starts a task of
+        microbatch ``mb`` of ``step``; None if none arrived yet."""
         inbox = self.transport.inbox
         for msg in inbox:
             if (
-                self.handlers.starts_task(msg)
+                (types is None or isinstance(msg, types))
+                and self.handlers.starts_task(msg)
                 and getattr(msg, "step", None) == step
                 and getattr(msg, "mb", None) == mb
             ):
                 inbox.remove(msg)
-                self.handle(msg)
-                return True
-        return False
+                return msg
+        return None

@@ -46,10 +46,6 @@ def inert_settings(cfg: SMPConfig, device_type: str, checkpointed: bool) -> list
     if cfg.static_mode and cfg.pp == 1:
         inert.append(("static_mode", "it replays recorded pipeline programs, and "
                       "pipeline_parallel_degree is 1 (there is no pipeline)"))
-    elif cfg.static_mode and (cfg.tp > 1 or cfg.ep > 1):
-        inert.append(("static_mode", "with tensor_parallel_degree or expert_parallel_degree > 1 "
-                      "the peers of a stage start their tasks in the order their leader sends, so "
-                      "requests are never served inline on the main thread as static_mode would"))
     if cfg.offload_activations and not checkpointed:
         inert.append(("offload_activations", "it moves the inputs that checkpointed modules keep "
                       "for backward to the host, and no module is marked with "

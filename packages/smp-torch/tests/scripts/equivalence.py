@@ -183,10 +183,12 @@ def run_case(case: dict) -> Trace:
         dmodel.backward(loss)
         return loss
 
-    if cfg.static_mode and cfg.pp > 1:
+    executor = dmodel.engine.runtime.server.executor if cfg.pp > 1 else None
+    if cfg.static_mode and executor is not None and executor.inline_max_s:
         # The 2 ms gate of static mode is a speed heuristic: lifted here, what is served
-        # inline does not depend on the machine's load.
-        dmodel.engine.runtime.server.executor.inline_max_s = 60.0
+        # inline does not depend on the machine's load. (Not on a tensor-parallel follower,
+        # which has none: it runs inline what its leader announces.)
+        executor.inline_max_s = 60.0
     batch = case.get("batch", 8)
     trace: Trace = []
     t0 = time.perf_counter()
@@ -232,10 +234,11 @@ def run_case(case: dict) -> Trace:
         # fast_mode relays: requests a stage passed on to the next (forward and backward).
         relayed = sum(smp.allgather(dmodel.engine.runtime.server.remote.relayed, smp.PP_GROUP))
         assert (relayed > 0) == case["relayed"], f"[{name}] requests relayed: {relayed}"
-    if cfg.static_mode and cfg.pp > 1 and cfg.tp == 1 and smp.pp_rank() == 1:
+    if cfg.static_mode and cfg.pp > 1 and smp.pp_rank() == 1:
+        # (Under tp a follower runs inline what its leader announces it ran inline.)
         inlined = dmodel.engine.runtime.server.executor.inlined
         assert inlined > 0, f"[{name}] static mode served nothing on stage 1's main loop"
-    if cfg.static_mode and cfg.pp > 1 and cfg.tp == 1 and smp.pp_rank() > 0:
+    if cfg.static_mode and cfg.pp > 1 and smp.pp_rank() > 0 and smp.tp_rank() == 0:
         # The same model and shapes every step: no fallback; each step after the first is
         # replayed ("replayed": every module a stage's requests run lives there), or the
         # stage says why it cannot be (a request whose module has a child on another stage).
