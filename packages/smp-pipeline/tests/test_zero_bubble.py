@@ -100,6 +100,21 @@ def test_a_fold_waits_for_its_microbatchs_weight_grads() -> None:
     grads.end()
 
 
+def test_a_contribution_outside_a_step_is_stored_as_accumulate_grad_would() -> None:
+    """A W task's gradient that goes straight into an empty ``.grad`` (no step open, or a
+    late microbatch) is laid out like the parameter, not kept as a view of another tensor."""
+    lin = nn.Linear(3, 2)
+    grads = GradAccumulator(lambda: 0)
+    grads.track(lin.parameters())
+    g = torch.arange(6.0).reshape(3, 2).t()  # a transposed view: other strides, a _base
+    grads.add_contribution(lin.weight, g, 0)
+    stored = lin.weight.grad
+    assert stored is not None and torch.equal(stored, g)
+    assert stored._base is None and stored.stride() == lin.weight.stride()
+    grads.add_contribution(lin.weight, g, 0)  # into the existing .grad: summed
+    assert torch.equal(lin.weight.grad, 2 * g)
+
+
 @pytest.mark.parametrize("idle", [False, True])
 def test_a_rank_that_finds_no_idle_time_rests_from_splitting(idle: bool) -> None:
     """A step whose W tasks all ran at its end (none in idle time: a bottleneck stage) makes

@@ -314,7 +314,8 @@ class GradAccumulator:
         if not self.enabled or self._step is None or mb is None or mb < self._next:
             if mb is not None and self._step is not None and self.enabled:
                 self._late(mb)
-            self._add_to_grad(p, g)
+            # (As .grad itself, ``g`` must be stored as AccumulateGrad would store it.)
+            self._add_to_grad(p, storable_grad(p, g) if p.grad is None else g)
             return
         # Added into an existing buffer as it is; a new buffer owns it (a copy where needed).
         buffered = id(p) in self._buffers.get(mb, {})
