@@ -46,6 +46,9 @@ LOCAL_IMPORTS = {
     ),
     ("smp-pipeline/src/smp_pipeline/timeline.py", "matplotlib"): "optional ([plot] extra)",
     ("smp-pipeline/src/smp_pipeline/timeline.py", "matplotlib.pyplot"): "optional ([plot] extra)",
+    ("smp-torch/src/smp_torch/plan/picture.py", "matplotlib"): "optional (not a dependency)",
+    ("smp-torch/src/smp_torch/plan/picture.py", "matplotlib.pyplot"): "optional (not a dependency)",
+    ("smp-torch/src/smp_torch/plan/__main__.py", "smp_torch.plan.picture"): "--plot only (matplotlib)",
     ("smp-torch/src/smp_torch/context.py", "smp_comm.torch_backend"): (
         "registers the smp backend with torch.distributed: only when that backend is chosen"
     ),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -148,13 +149,18 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=240)  # fmt: skip
 
 
-def test_cli_prints_the_table() -> None:
+def test_cli_prints_the_table_and_draws_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    png = tmp_path / "plan.png"
+    plot = ("--plot", str(png)) if importlib.util.find_spec("matplotlib") else ()
     out = _cli("plan_toy:model_fn", "--world-size", "4", "--memory", "4GiB", "--top", "3",
-               "--why-not", "pipeline_parallel_degree=4,microbatches=2")  # fmt: skip
+               "--why-not", "pipeline_parallel_degree=4,microbatches=2", *plot)  # fmt: skip
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].startswith("smp.plan: 4 ranks, budget 4.0 GiB per rank")
     assert lines[2].lstrip().startswith("1  pp=")
+    if plot:
+        assert lines.pop() == f"picture: {png}"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert lines[-1].startswith("why not: pp=4 tp=1 dp=1 sdp=1 mb=2")
 
 

@@ -5,8 +5,9 @@ comes from ``--batch pkg.module:fn`` (a function returning one step's global bat
 default ``sample_batch`` in the model function's module; ``--step pkg.module:fn`` names a
 ``step_fn(model, batch) -> loss`` (default: that module's ``step_fn`` if any, else the
 model's output summed). ``--pin key=value`` fixes a key; ``--why-not key=value,...`` asks
-about one configuration; ``--json PATH`` writes every candidate. Exit status 2 on bad input,
-with one line naming what is wrong.
+about one configuration; ``--json PATH`` writes every candidate; ``--plot PATH`` draws the top
+candidates' predicted step time and per-stage peak memory against the budget (a PNG; needs
+matplotlib). Exit status 2 on bad input, with one line naming what is wrong.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--why-not", help="key=value,... of one configuration to explain")
     ap.add_argument("--top", type=int, default=10, help="rows of fitting candidates to print")
     ap.add_argument("--json", help="write every candidate to this file")
+    ap.add_argument("--plot", help="draw the top candidates against the budget into this PNG")
     args = ap.parse_args(argv)
     try:
         budget = parse_bytes(args.memory)
@@ -87,6 +89,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result.to_dict(), f, indent=1)
+    if args.plot:
+        from smp_torch.plan.picture import plot_plan  # (matplotlib: only when asked for)
+
+        plot_plan(result, args.plot, top=args.top)
+        print(f"picture: {args.plot}")
     return 0
 
 
