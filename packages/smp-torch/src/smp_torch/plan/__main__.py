@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -83,9 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                       step_fn, pinned=pinned)  # fmt: skip
     except (ValueError, PartitionError, GraphError) as e:
         ap.error(str(e).replace("\n", " "))
-    print(result.table(limit=args.top))
+    _say(result.table(limit=args.top))
     if why is not None:
-        print("why not:", result.why_not(why))
+        _say(f"why not: {result.why_not(why)}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result.to_dict(), f, indent=1)
@@ -93,8 +94,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         from smp_torch.plan.picture import plot_plan  # (matplotlib: only when asked for)
 
         plot_plan(result, args.plot, top=args.top)
-        print(f"picture: {args.plot}")
+        _say(f"picture: {args.plot}")
     return 0
+
+
+def _say(text: str) -> None:
+    """Print ``text``; a reader that left (``... | head``) ends the printing, not the run:
+    the files asked for are still written."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 if __name__ == "__main__":
