@@ -132,6 +132,15 @@ def test_plan_pins_and_explains(toy_profile) -> None:  # type: ignore[no-untyped
     assert "> budget" in tight.why_not({"pipeline_parallel_degree": 1})
 
 
+def test_a_model_or_batch_off_the_cpu_is_refused_by_name() -> None:
+    """The profile reads CPU clocks and the resident set: elsewhere it would measure nothing
+    (the meta device stands in for a GPU here)."""
+    with pytest.raises(ValueError, match="parameters and buffers are on meta"):
+        profile_model(lambda: nn.Linear(4, 4, device="meta"), torch.ones(2, 4))
+    with pytest.raises(ValueError, match="sample batch are on meta"):
+        profile_model(lambda: nn.Linear(4, 4), torch.ones(2, 4, device="meta"))
+
+
 def test_parse_bytes() -> None:
     assert parse_bytes("2GiB") == 2 << 30
     assert parse_bytes("512 MiB") == 512 << 20

@@ -224,6 +224,22 @@ def _checkpoint_unit_overhead_s(
     return max(0.0, (ck_s - one_s - forward_per_sample_s) / len(units))
 
 
+def _check_on_cpu(model: nn.Module, batch: Any) -> None:
+    """The profile times on the CPU's clocks and reads the process's resident set: a model
+    or batch elsewhere (a GPU's asynchronous kernels, its own allocator) would be profiled
+    as nothing, silently. Say so instead."""
+    for what, tensors in (("the model's parameters and buffers", [*model.parameters(), *model.buffers()]),
+                          ("the sample batch", _tensors(batch))):  # fmt: skip
+        devices = sorted({str(t.device) for t in tensors if t.device.type != "cpu"})
+        if devices:
+            raise ValueError(
+                f"smp.plan profiles on the CPU, and {what} are on {', '.join(devices)}: build "
+                "the model and the batch on the CPU (the predictions are then for CPU ranks; "
+                "a profile on a GPU, its kernels synchronised and its peaks read from the CUDA "
+                "allocator, is not built yet)"
+            )
+
+
 def _median_s(fn: Callable[[], Any], repeats: int) -> float:
     """Median seconds of ``fn()``: CPU time where torch runs on one thread (what the
     process itself spent, so other processes on a shared machine do not inflate it; the
@@ -275,6 +291,7 @@ def profile_model(
         raise TypeError(f"model_fn must return an nn.Module, got {type(model).__name__}")
     batch = sample_batch
     size = batch_size_of(batch)
+    _check_on_cpu(model, batch)
     opt = (optimizer_fn or (lambda ps: torch.optim.Adam(ps, lr=1e-4)))(model.parameters())
 
     def fwd() -> torch.Tensor:
