@@ -87,3 +87,18 @@ def test_queued_w_tasks_hold_input_and_grad_output_counted_with_the_saved_tensor
     q.run()
     assert q.queued_bytes == 0 and meter.total_bytes() == 0
     assert meter.peak_bytes == (2 * L - 1) * UNIT
+
+
+def test_a_storage_both_saved_and_held_by_a_w_task_counts_once() -> None:
+    # ReLU stack, split: a ReLU's result is saved by the ReLU and by the next Linear; the
+    # Linear's I pass queues it in a W task while the ReLU still holds it saved. After the
+    # whole backward the W tasks hold every ReLU result but the last and every grad_output.
+    model, x = _stack(nn.ReLU), torch.randn(B, D)
+    with deferred_weight_grads(model) as q:
+        meter = _meter(model, x, extra=q.held_storages)
+        with meter.measure():
+            loss = model(x).sum()
+            loss.backward()
+    assert meter.live_bytes == 0 and meter.total_bytes() == (2 * L - 1) * UNIT
+    assert meter.peak_bytes == (2 * L - 1) * UNIT
+    q.run()

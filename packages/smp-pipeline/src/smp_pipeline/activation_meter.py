@@ -23,8 +23,10 @@ rank — torch's ``Schedule1F1B`` against zero-bubble schedules, smp's modes —
   hold a layer's input and grad_output after its saved tensors were freed) is added at each
   count, its storages counted once with the saved ones (and not at all if excluded).
 
-The peak is taken at each pack and each release: the count only grows at a pack, or as W
-tasks are queued inside a backward node, whose saved tensors are released right after.
+The peak is taken at each pack and each release of a saved tensor, excluded ones included:
+the count only grows at a pack, or as W tasks are queued inside a backward node, whose saved
+tensors (a split layer's input and weight) are released right after; :meth:`sample` counts
+at other moments.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class _Packed:
 
     __slots__ = ("__weakref__", "key", "meter", "tensor")
 
-    def __init__(self, tensor: torch.Tensor, key: int, meter: ActivationMeter) -> None:
+    def __init__(self, tensor: torch.Tensor, key: int | None, meter: ActivationMeter) -> None:
         self.tensor, self.key, self.meter = tensor, key, meter
 
     def __del__(self) -> None:
@@ -82,6 +84,12 @@ class ActivationMeter:
         # (a node may be freed on another thread than its pack, or by the collector inside a pack)
         self._lock = threading.RLock()
         self._local = threading.local()
+
+    def sample(self) -> int:
+        """Count now (the peak too); the total (:meth:`total_bytes`)."""
+        with self._lock:
+            self._sample()
+            return self._total()
 
     def reset_peak(self) -> None:
         """Start a new peak from what is alive now."""
@@ -131,7 +139,9 @@ class ActivationMeter:
         with self._lock:
             self.packed += 1
             if key in self.excluded:
-                return t
+                # not counted, but its release is a moment to count at (a layer's weight
+                # is released with its input, just after its I pass queued a W task)
+                return _Packed(t, None, self)
             entry = self._live.get(key)
             if entry is None:
                 self._live[key] = [1, storage.nbytes()]
@@ -147,13 +157,14 @@ class ActivationMeter:
     def _unpack(packed: Any) -> torch.Tensor:
         return packed.tensor if isinstance(packed, _Packed) else packed
 
-    def _release(self, key: int) -> None:
+    def _release(self, key: int | None) -> None:
         with self._lock:
-            entry = self._live[key]
-            entry[0] -= 1
-            if not entry[0]:
-                del self._live[key]
-                self.live_bytes -= entry[1]
+            entry = None if key is None else self._live[key]
+            if entry is not None:
+                entry[0] -= 1
+                if not entry[0]:
+                    del self._live[key]
+                    self.live_bytes -= entry[1]
             self._sample()
 
     def _total(self) -> int:
