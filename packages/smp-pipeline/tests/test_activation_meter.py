@@ -94,11 +94,16 @@ def test_a_storage_both_saved_and_held_by_a_w_task_counts_once() -> None:
     # Linear's I pass queues it in a W task while the ReLU still holds it saved. After the
     # whole backward the W tasks hold every ReLU result but the last and every grad_output.
     model, x = _stack(nn.ReLU), torch.randn(B, D)
+    during: list[int] = []
     with deferred_weight_grads(model) as q:
         meter = _meter(model, x, extra=q.held_storages)
         with meter.measure():
-            loss = model(x).sum()
-            loss.backward()
+            h = model[:-2](x)  # the last Linear's input: the ReLU before it saved it too
+            # after the last Linear's I pass, before that ReLU's backward: the L - 1 ReLU
+            # results still saved (h among them) and the W task's h and grad_output
+            h.register_hook(lambda g: during.append(meter.total_bytes()))
+            model[-2:](h).sum().backward()
+    assert during == [L * UNIT], "a storage saved and held by a W task counted twice"
     assert meter.live_bytes == 0 and meter.total_bytes() == (2 * L - 1) * UNIT
     assert meter.peak_bytes == (2 * L - 1) * UNIT
     q.run()
