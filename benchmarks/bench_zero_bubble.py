@@ -30,7 +30,10 @@ and grad_output, kept after the I pass freed the rest). The loss (outside the la
 counted. Printed beside it: zero_bubble / ``Schedule1F1B`` per rank, and the issue's bound,
 1F1B's peak plus the most bytes zero_bubble's W queue held (``peak_queued_bytes``, all steps).
 A rank that rested in the counted step (split nothing: ``zerobubble.REST_BELOW_IDLE_SHARE``)
-is marked.
+is marked. smp keeps ``active_microbatches`` (default p + 2 = 4) microbatches in flight where
+1F1B keeps p on the first rank, and zero_bubble's W queue is bounded by that many
+microbatches: ``BENCH_ZB_ACTIVE=2`` runs smp with 1F1B's count, to see the schedule's own
+memory apart from that setting.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ D = int(os.environ.get("BENCH_ZB_D", "512"))
 B = int(os.environ.get("BENCH_ZB_B", "64"))
 LAYERS = int(os.environ.get("BENCH_ZB_LAYERS", "8"))  # rank 0's layers (balanced: each rank's)
 STEPS = int(os.environ.get("BENCH_ZB_STEPS", "5"))
+# smp's active_microbatches (None: its default, pp + 2 = 4 in flight; 1F1B keeps p = 2)
+ACTIVE = int(os.environ["BENCH_ZB_ACTIVE"]) if os.environ.get("BENCH_ZB_ACTIVE") else None
 
 
 def _worker() -> None:
@@ -128,7 +133,8 @@ def _worker() -> None:
             model = nn.Sequential(layers(rank_layers(0, imbalanced)),
                                   layers(rank_layers(1, imbalanced)))
             rt = PipelineRuntime(model, comm, rank, P, assignment={"1": 1}, tag=tag,
-                                 timeout_s=300, static_mode=static, schedule=schedule)
+                                 timeout_s=300, static_mode=static, schedule=schedule,
+                                 active_microbatches=ACTIVE)
             tag += 10
 
             def step(x, model=model, rt=rt):
@@ -191,7 +197,8 @@ def _worker() -> None:
             best = min(v for n, v in med.items() if n.startswith("torch"))
             what = "imbalanced (rank 1 1.5x)" if imbalanced else "balanced"
             print(f"\n{what}: p={P}, m={M}, D={D}, B={B}, layers per rank {LAYERS}"
-                  f"/{rank_layers(1, imbalanced)}; load {os.getloadavg()[0]:.1f}")
+                  f"/{rank_layers(1, imbalanced)}, smp active_microbatches "
+                  f"{ACTIVE or P + 2}; load {os.getloadavg()[0]:.1f}")
             print(f"  ceiling (busiest rank's compute, m x its F+B alone): {max(busy) * 1e3:.1f} ms")
             for n, v in med.items():
                 bubbles = " ".join(f"{1 - b / v:5.2f}" for b in busy)
