@@ -159,8 +159,8 @@ class ActivationMeter:
 
     def _release(self, key: int | None) -> None:
         with self._lock:
-            entry = None if key is None else self._live[key]
-            if entry is not None:
+            if key is not None:
+                entry = self._live[key]
                 entry[0] -= 1
                 if not entry[0]:
                     del self._live[key]
