@@ -124,7 +124,9 @@ class WeightGradQueue:
     def held_storages(self) -> dict[int, int]:
         """Storage address -> bytes of each storage the queued W tasks hold (to count them
         once with other live tensors, e.g. saved activations sharing an input)."""
-        return {ptr: entry[1] for ptr, entry in self._held.items()}
+        # (copied in one C call first: a meter may ask from another thread while this one
+        # queues or runs tasks)
+        return {ptr: entry[1] for ptr, entry in dict(self._held).items()}
 
     def _hold(self, task: WTask) -> None:
         for ptr, nbytes in _storages(task.held).items():
