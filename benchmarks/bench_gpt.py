@@ -1,10 +1,10 @@
 """End-to-end: the GPT example pipelined over 2 CPU processes vs one process, and vs
 ``torch.distributed.pipelining`` on the same model.
 
-Run: python benchmarks/bench_gpt.py      (spawns the workers itself; ~6-7 minutes)
+Run: python benchmarks/bench_gpt.py      (spawns the workers itself; ~8 minutes)
 
 Every process uses one thread (``torch.set_num_threads(1)``), so two processes have twice the
-compute of one. Five runs train the same GPT (examples/gpt/model.py, global batch 32) for a
+compute of one. Six runs train the same GPT (examples/gpt/model.py, global batch 32) for a
 few steps after a warm-up:
 
 - one process, plain PyTorch on the whole batch;
@@ -16,6 +16,12 @@ few steps after a warm-up:
   with the default ``active_microbatches`` (pp + 2 = 4) and with all 8 in flight (a config
   key a user tunes for throughput: more microbatches in flight hide request latency at the
   cost of activation memory);
+- smp the same, with ``pipeline: "zero_bubble"`` (every rank splits its owned Linear,
+  LayerNorm and Embedding backwards into input-grad now and weight-grad W tasks placed in its
+  idle time); printed with its W task counts per rank (idle / eager / drained, steps rested)
+  and how much of the model it split: the parametrized layers split out of those the rank
+  owns and the W tasks per microbatch, by operator (attention's SDPA and GELU hold no
+  weights: their whole backward is input-grad);
 - ``torch.distributed.pipelining`` (``Schedule1F1B``, 8 microbatches) with the model cut by
   hand into the same two halves (embeddings + 4 blocks | 4 blocks + head; the head gets its
   own copy of the tied embedding, which does not change the work).
@@ -90,14 +96,16 @@ def single(microbatches: int = 1) -> dict:
     return {"tokens_per_s": _rate(times)}
 
 
-def smp_pp2(active: int | None = None) -> dict:
+def smp_pp2(active: int | None = None, pipeline: str | None = None) -> dict:
     torch, corpus, net = _setup()
     import smp_torch as smp
     from model import lm_loss
 
-    config = {"pipeline_parallel_degree": 2, "microbatches": MB}
+    config: dict = {"pipeline_parallel_degree": 2, "microbatches": MB}
     if active is not None:
         config["active_microbatches"] = active
+    if pipeline is not None:
+        config["pipeline"] = pipeline
     smp.init(config)
     model = smp.DistributedModel(net)
     opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
@@ -118,7 +126,25 @@ def smp_pp2(active: int | None = None) -> dict:
         opt.step()
         if step >= WARMUP:
             times.append(time.perf_counter() - t0)
-    return {"tokens_per_s": _rate(times), "rank": smp.rank()}
+    out = {"tokens_per_s": _rate(times), "rank": smp.rank()}
+    if pipeline == "zero_bubble":
+        from mpi4py import MPI
+
+        out["w"] = MPI.COMM_WORLD.allgather(_w_counts(model.engine.runtime, WARMUP + STEPS))
+    return out
+
+
+def _w_counts(rt, steps: int) -> dict:  # type: ignore[no-untyped-def]
+    """This rank's zero-bubble W tasks over ``steps`` steps, and what it split."""
+    st, work = rt.weight_grad_stats, rt.weight_grads
+    mods = dict(rt.module.named_modules())
+    owned = {id(mods[p]) for p in rt.owned_modules()
+             if any(q.requires_grad for q in mods[p].parameters(recurse=False))}  # fmt: skip
+    split_steps = max(steps - st.rested_steps, 1)
+    return {"idle": st.idle, "eager": st.eager, "drained": st.drained,
+            "rested": st.rested_steps, "split": len(work.modules), "owned": len(owned),
+            "per_mb": {op: n / (split_steps * MB) for op, n in st.deferred_ops.items()},
+            "w_ms_per_step": st.seconds * 1e3 / steps}  # fmt: skip
 
 
 def torch_pipelining() -> dict:
@@ -186,10 +212,10 @@ def torch_pipelining() -> dict:
     return {"tokens_per_s": _rate(times), "rank": rank}
 
 
-def _launch(kind: str, nprocs: int, shape: str) -> float:
+def _launch(kind: str, nprocs: int, shape: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", BENCH_GPT_SHAPE=shape)
     env.pop("SMP_CONFIG", None)
-    return float(workers.launch(__file__, kind, nprocs, env, BIND)["tokens_per_s"])
+    return workers.launch(__file__, kind, nprocs, env, BIND)
 
 
 def main() -> None:
@@ -198,6 +224,7 @@ def main() -> None:
         "accum": lambda: single(MB),
         "smp": smp_pp2,
         "smp_active": lambda: smp_pp2(MB),
+        "smp_zb": lambda: smp_pp2(pipeline="zero_bubble"),
         "torchpp": torch_pipelining,
     }):  # fmt: skip
         return
@@ -208,11 +235,16 @@ def main() -> None:
 def _compare(shape: str, rounds: int) -> None:
     dim, layers, _, seq, batch, mb = (int(v) for v in shape.split(","))
     # Interleaved rounds, best of each: other load on the machine hits every kind alike.
-    kinds = (("single", 1), ("accum", 1), ("smp", 2), ("smp_active", 2), ("torchpp", 2))
+    kinds = (("single", 1), ("accum", 1), ("smp", 2), ("smp_active", 2), ("smp_zb", 2),
+             ("torchpp", 2))
     best = {kind: 0.0 for kind, _ in kinds}
+    w_counts: list = []
     for _ in range(rounds):
         for kind, n in kinds:
-            best[kind] = max(best[kind], _launch(kind, n, shape))
+            result = _launch(kind, n, shape)
+            if float(result["tokens_per_s"]) > best[kind]:
+                best[kind] = float(result["tokens_per_s"])
+                w_counts = result.get("w", w_counts)
     one, smp_rate, tpp = best["single"], best["smp"], best["torchpp"]
     smp_all = best["smp_active"]
     # What splitting the batch costs by itself (per-op overhead of smaller tensors), and the
@@ -233,6 +265,23 @@ def _compare(shape: str, rounds: int) -> None:
         f"smp/torch {smp_rate / tpp:.2f}x, {smp_all / tpp:.2f}x)",
         flush=True,
     )
+    zb = best["smp_zb"]
+    print(
+        f"  zero_bubble pp=2 (load avg {load:.1f}): {zb:,.0f} tok/s ({zb / one:.2f}x one "
+        f"process, {zb / one / ceiling:.0%} of the 1F1B ceiling {ceiling:.2f}x: "
+        f"{'above' if zb / one > ceiling else 'below'} it; / smp dynamic {zb / smp_rate:.2f}x, "
+        f"/ torch 1F1B {zb / tpp:.2f}x). Its best run's W tasks per rank:",
+        flush=True,
+    )
+    for r, w in enumerate(w_counts):
+        ops = ", ".join(f"{op} {n:.1f}" for op, n in sorted(w["per_mb"].items()))
+        print(
+            f"    rank {r}: idle {w['idle']} / eager {w['eager']} / drained {w['drained']}, "
+            f"rested {w['rested']} of {WARMUP + STEPS} steps; split {w['split']} of the "
+            f"{w['owned']} parametrized layers it owns; W tasks per microbatch (split steps) "
+            f"{sum(w['per_mb'].values()):.1f}: {ops}; W time {w['w_ms_per_step']:.1f} ms/step",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

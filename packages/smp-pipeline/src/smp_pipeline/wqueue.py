@@ -46,11 +46,16 @@ class WTask:
 
 
 def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(_storages(tensors).values())
+
+
+def _storages(tensors: Sequence[torch.Tensor]) -> dict[int, int]:
+    """Storage address -> its bytes, each storage once (a live storage's address is unique)."""
     seen: dict[int, int] = {}
     for t in tensors:
         s = t.untyped_storage()
         seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
+    return seen
 
 
 @dataclass
@@ -102,13 +107,43 @@ class WeightGradQueue:
     #: called with a group's tag when its backward ended and that took the group's last
     #: count off :attr:`queued_by_tag` (a scheduler may fold the microbatch now)
     closed: Callable[[int | None], None] | None = None
+    #: bytes of the storages the queued W tasks hold, each counted once however many tasks
+    #: (or tensors of one task) hold it; kept up to date as tasks are queued and run
+    queued_bytes: int = 0
+    #: storage address -> [queued tasks holding it, its bytes] (what :attr:`queued_bytes` sums)
+    _held: dict[int, list[int]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.tasks)
 
     def pending_bytes(self) -> int:
-        """Bytes held by the queued W tasks (what stays alive between I and W)."""
+        """Bytes held by the queued W tasks (what stays alive between I and W), recounted
+        from the tasks (:attr:`queued_bytes` is the same figure, kept as they come and go)."""
         return _storage_bytes([t for task in self.tasks for t in task.held])
+
+    def held_storages(self) -> dict[int, int]:
+        """Storage address -> bytes of each storage the queued W tasks hold (to count them
+        once with other live tensors, e.g. saved activations sharing an input)."""
+        # (copied in one C call first: a meter may ask from another thread while this one
+        # queues or runs tasks)
+        return {ptr: entry[1] for ptr, entry in dict(self._held).items()}
+
+    def _hold(self, task: WTask) -> None:
+        for ptr, nbytes in _storages(task.held).items():
+            entry = self._held.get(ptr)
+            if entry is None:
+                self._held[ptr] = [1, nbytes]
+                self.queued_bytes += nbytes
+            else:
+                entry[0] += 1
+
+    def _release(self, task: WTask) -> None:
+        for ptr in _storages(task.held):
+            entry = self._held[ptr]
+            entry[0] -= 1
+            if not entry[0]:
+                del self._held[ptr]
+                self.queued_bytes -= entry[1]
 
     def new_step(self) -> None:
         """A step starts: :meth:`seal` the groups, and forget which parameters got I-pass or
@@ -182,6 +217,8 @@ class WeightGradQueue:
     def clear(self) -> None:
         """Drop every queued W task and partial sum (a failed step: nothing will fold them)."""
         self.tasks.clear()
+        self._held.clear()
+        self.queued_bytes = 0
         self.queued_by_tag.clear()
         self._pending.clear()
         self._remaining.clear()
@@ -201,6 +238,7 @@ class WeightGradQueue:
 
     def _enqueue(self, task: WTask) -> None:
         self.tasks.append(task)
+        self._hold(task)
         tag = self.group_tags.get(task.group)
         self.queued_by_tag[tag] = self.queued_by_tag.get(tag, 0) + 1
         for p in task.params:
@@ -213,6 +251,7 @@ class WeightGradQueue:
         if not self.tasks:
             return False
         task = self.tasks.pop(0)
+        self._release(task)
         tag = self.group_tags.get(task.group)
         with torch.no_grad():
             for p, g in task.compute():

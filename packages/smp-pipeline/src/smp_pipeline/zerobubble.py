@@ -74,9 +74,11 @@ class WeightGradStats:
     idle: int = 0
     eager: int = 0
     drained: int = 0
-    #: seconds spent in W tasks, and the most W tasks queued at once
+    #: seconds spent in W tasks, the most W tasks queued at once, and the most bytes their
+    #: held tensors took at once (storages counted once: ``WeightGradQueue.queued_bytes``)
     seconds: float = 0.0
     peak_queued: int = 0
+    peak_queued_bytes: int = 0
     #: layer applications split, by operator (``linear``, ``embedding``, ...)
     deferred_ops: dict[str, int] = field(default_factory=dict)
     #: steps this rank split nothing, having found too little idle time before
@@ -238,7 +240,9 @@ class WeightGradWork:
         """Run the oldest W task (``why``: ``"idle"``, ``"eager"`` or ``"drained"``,
         counted), then fold what it completed."""
         q = self.queue
+        # (the queue only shrinks here or in discard(): its peaks are just before a run)
         self.stats.peak_queued = max(self.stats.peak_queued, len(q.tasks))
+        self.stats.peak_queued_bytes = max(self.stats.peak_queued_bytes, q.queued_bytes)
         task = q.tasks[0]
         tag = q.group_tags.get(task.group)
         if tag is not None and self.note_action is not None:
