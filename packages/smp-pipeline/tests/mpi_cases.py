@@ -104,6 +104,35 @@ def mse_ref(model, batch):
     return F.mse_loss(model(batch[0]), batch[1])
 
 
+# Issue 43's cross-check, run by hand (docs/how-to/pipeline.md): SMP_PIPE_MODE=static or
+# zero_bubble overlays static_mode=True or schedule "zero_bubble" on every case run_case runs;
+# each must still equal one process as the plain case does. A case the overlay cannot apply
+# to runs unchanged and says so ("CASE-NOT-OVERLAID <name> <reason>"), never silently.
+PIPE_MODE = os.environ.get("SMP_PIPE_MODE", "").strip()
+PIPE_MODES = ("static", "zero_bubble")
+if PIPE_MODE and PIPE_MODE not in PIPE_MODES:
+    raise SystemExit(f"SMP_PIPE_MODE={PIPE_MODE!r}: must be one of {PIPE_MODES} (or unset)")
+
+
+def overlay(schedule, rt_kwargs):
+    """``(schedule, rt_kwargs, reason)`` under ``SMP_PIPE_MODE``; ``reason``: why the mode
+    was not overlaid (None: it was, or no mode is asked for)."""
+    if not PIPE_MODE:
+        return schedule, rt_kwargs, None
+    if PIPE_MODE == "static":
+        if rt_kwargs.get("order_channel") is not None:
+            return schedule, rt_kwargs, "static_mode has no effect under tensor-parallel ordering"
+        return schedule, {**rt_kwargs, "static_mode": True}, None
+    if schedule == "zero_bubble":
+        return schedule, rt_kwargs, None
+    if schedule != "interleaved":
+        what = "a custom task order" if not isinstance(schedule, str) else f"schedule {schedule!r}"
+        return schedule, rt_kwargs, f"the case tests {what}; zero_bubble would replace it"
+    if rt_kwargs.get("deterministic_accumulation") is False:
+        return schedule, rt_kwargs, "deterministic_accumulation=False conflicts with zero_bubble"
+    return "zero_bubble", rt_kwargs, None
+
+
 def run_case(comm, name, build, batch, assignment, m, schedule="interleaved", *, step_of=None,
              ref_loss=None, per_microbatch_reference=False, checkpointing=None, active=None,
              rtol=RTOL, atol=ATOL, steps=2, exact=True, record=None, **rt_kwargs):
@@ -112,6 +141,9 @@ def run_case(comm, name, build, batch, assignment, m, schedule="interleaved", *,
     does); a case passing False says why it cannot. ``record`` (a dict): gets each step's
     losses and this rank's final weights."""
     rank, size = comm.rank, comm.size
+    schedule, rt_kwargs, not_overlaid = overlay(schedule, rt_kwargs)
+    if not_overlaid and rank == 0:
+        print(f"CASE-NOT-OVERLAID {name} {not_overlaid}", flush=True)
     torch.manual_seed(1234)
     model = build()
     ref = copy.deepcopy(model)

@@ -9,11 +9,27 @@ atol 1e-6).
 from __future__ import annotations
 
 import importlib.util
+import os
 
+import pipeline_modes
 import pytest
 from conftest import launch, ok_cases
 
 HAS_TP = importlib.util.find_spec("smp_tp") is not None
+
+
+def run_cases(nprocs: int, cases: list[dict], timeout: float) -> None:
+    """Launch ``cases`` in one job on ``nprocs`` ranks; every case must pass. Under
+    ``SMP_EQ_PIPELINE_MODE`` (tests/pipeline_modes.py) the pipeline cases run in that mode
+    instead, each also compared bitwise with its run without it (the job's bound scaled to
+    match), and the cases skipped by design are listed in the terminal summary."""
+    run, skipped, mode = pipeline_modes.from_env(cases)
+    if mode is not None:
+        timeout *= 3
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0].split("::")[-1]
+        pipeline_modes.REPORT.append((test, mode, [c["name"] for c in run], skipped))
+    out = launch("equivalence.py", nprocs, run, timeout=timeout)
+    assert ok_cases(out) == [c["name"] for c in run], out
 
 
 def _case(name: str, **config: object) -> dict:
@@ -77,8 +93,7 @@ PP2_CASES = [
 
 
 def test_pipeline_2_ranks() -> None:
-    out = launch("equivalence.py", 2, PP2_CASES, timeout=180)
-    assert ok_cases(out) == [c["name"] for c in PP2_CASES], out
+    run_cases(2, PP2_CASES, timeout=180)
 
 
 # The script asserts every stage owns parameters. At pp=4 the automatic partition of these
@@ -109,13 +124,11 @@ PP4_CASES = [
 
 
 def test_pipeline_and_data_parallel_4_ranks() -> None:
-    out = launch("equivalence.py", 4, PP4_CASES, timeout=240)
-    assert ok_cases(out) == [c["name"] for c in PP4_CASES], out
+    run_cases(4, PP4_CASES, timeout=240)
 
 
 def test_data_parallel_2_ranks() -> None:
-    out = launch("equivalence.py", 2, DP2_CASES, timeout=180)
-    assert ok_cases(out) == [c["name"] for c in DP2_CASES], out
+    run_cases(2, DP2_CASES, timeout=180)
 
 
 TP4_CASES = [
@@ -131,8 +144,7 @@ TP4_CASES = [
 
 @pytest.mark.skipif(not HAS_TP, reason="smp_tp not installed")
 def test_tensor_parallel_4_ranks() -> None:
-    out = launch("equivalence.py", 4, TP4_CASES, timeout=240)
-    assert ok_cases(out) == [c["name"] for c in TP4_CASES], out
+    run_cases(4, TP4_CASES, timeout=240)
 
 
 PPTP4_CASES = [
@@ -165,8 +177,7 @@ PPTP4_CASES = [
 def test_pipeline_and_tensor_parallel_4_ranks() -> None:
     # (A bound on a hang, not a latency target: this job took 35-200 s on a busy 2-core box,
     # the time going into setting up each case, as before issue 42.)
-    out = launch("equivalence.py", 4, PPTP4_CASES, timeout=420)
-    assert ok_cases(out) == [c["name"] for c in PPTP4_CASES], out
+    run_cases(4, PPTP4_CASES, timeout=420)
 
 
 PPTP8_CASES = [
@@ -178,8 +189,7 @@ PPTP8_CASES = [
 @pytest.mark.skipif(not HAS_TP, reason="smp_tp not installed")
 def test_three_dimensions_8_ranks() -> None:
     """pp=4 x tp=2 and pp=2 x tp=2 x dp=2 on 8 processes (oversubscribed 2-core CI: ~40 s)."""
-    out = launch("equivalence.py", 8, PPTP8_CASES, timeout=400)
-    assert ok_cases(out) == [c["name"] for c in PPTP8_CASES], out
+    run_cases(8, PPTP8_CASES, timeout=400)
 
 
 # A Hugging Face GPT-2 (built from a config): smp-tp's built-in GPT-2 mapping replaces its
@@ -204,8 +214,7 @@ HF_CASES = [
     reason="needs smp_tp and transformers",
 )
 def test_hugging_face_gpt2_4_ranks() -> None:
-    out = launch("equivalence.py", 4, HF_CASES, timeout=300)
-    assert ok_cases(out) == [c["name"] for c in HF_CASES], out
+    run_cases(4, HF_CASES, timeout=300)
 
 
 # A Hugging Face Llama (grouped-query attention, rotary embeddings, SwiGLU, tied head, from a
@@ -245,5 +254,4 @@ LLAMA_CASES = [
     reason="needs smp_tp and transformers",
 )
 def test_hugging_face_llama_4_ranks() -> None:
-    out = launch("equivalence.py", 4, LLAMA_CASES, timeout=300)
-    assert ok_cases(out) == [c["name"] for c in LLAMA_CASES], out
+    run_cases(4, LLAMA_CASES, timeout=300)
