@@ -235,6 +235,13 @@ def run_case(case: dict) -> Trace:
     if cfg.static_mode and cfg.pp > 1 and cfg.tp == 1 and smp.pp_rank() == 1:
         inlined = dmodel.engine.runtime.server.executor.inlined
         assert inlined > 0, f"[{name}] static mode served nothing on stage 1's main loop"
+    if cfg.static_mode and cfg.pp > 1 and cfg.tp == 1:
+        # What static mode did per serving stage (for the mode table, docs/how-to/pipeline.md):
+        # steps replayed, fallbacks, and why a stage's steps cannot be replayed.
+        st = dmodel.engine.runtime.replay_stats
+        got = smp.allgather(None if st is None else (st.replayed, st.fallbacks, st.not_replayable), smp.WORLD)
+        if smp.rank() == 0:
+            print(f"REPLAY {name} {got}", flush=True)
     if cfg.static_mode and cfg.pp > 1 and cfg.tp == 1 and smp.pp_rank() > 0:
         # The same model and shapes every step: no fallback; each step after the first is
         # replayed ("replayed": every module a stage's requests run lives there), or the
@@ -263,7 +270,10 @@ def run_case(case: dict) -> Trace:
         # (Under tensor parallelism a stage's followers start tasks in their leader's order
         # and hold their W tasks to the step's end or the memory bound: only the leaders'
         # pipeline has idle time to place them in.)
-        idle = sum(smp.allgather(st.idle, smp.WORLD))
+        split = smp.allgather((st.total, st.idle, st.eager, st.drained), smp.WORLD)
+        if smp.rank() == 0:  # (W tasks per rank: total, idle, eager, drained; for the table)
+            print(f"WSPLIT {name} {split}", flush=True)
+        idle = sum(w[1] for w in split)
         assert idle > 0, f"[{name}] no W task ran in idle time: {st}"
         if case.get("w_eager") and smp.tp_rank() > 0:
             # A follower (its W tasks wait for the step's end) kept the memory bound
