@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -45,6 +46,34 @@ def test_tied_pairs_of_split_layers_stay_split_a_weight_shared_with_other_ops_do
     model = _Tied()
     chosen = [path for path, _ in modules_to_split(model, model.named_modules())]
     assert chosen == ["embed", "head", "other"]
+
+
+class _Functional(nn.Module):
+    """A layer the split does not know: F.linear on its own parameter (as smp-tp's
+    DistributedTransformerLayer, GPT-2's tensor-parallel mapping, does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.w)
+
+
+def test_a_stage_with_nothing_to_split_is_warned_about() -> None:
+    grads = GradAccumulator(lambda: 0)
+    fn, frozen = _Functional(), nn.Linear(3, 3).requires_grad_(False)
+    model = nn.Sequential(fn, frozen)
+    work = WeightGradWork(3, grads, lambda: 0, max_microbatches=4)
+    with pytest.warns(RuntimeWarning, match=r"pp rank 3: no layer .* held by _Functional;"):
+        work.set_modules(model, [("0", fn), ("1", frozen)])
+    assert work.modules == []
+    # a stage owning only frozen parameters, or one splittable layer, is not warned about
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        WeightGradWork(0, grads, lambda: 0, 4).set_modules(model, [("1", frozen)])
+        lin = nn.Linear(3, 3)
+        WeightGradWork(0, grads, lambda: 0, 4).set_modules(nn.Sequential(fn, lin), [("0", fn), ("1", lin)])
 
 
 def test_a_layer_with_a_tensor_hook_on_its_weight_stays_unsplit() -> None:

@@ -161,8 +161,28 @@ class WeightGradWork:
         grads.hold = self.holds
 
     def set_modules(self, model: nn.Module, owned: Iterable[tuple[str, nn.Module]]) -> None:
-        """Choose the modules to split (after partitioning; see :func:`modules_to_split`)."""
+        """Choose the modules to split (after partitioning; see :func:`modules_to_split`).
+        A rank that owns trainable parameters but no layer the split knows is warned about
+        (``RuntimeWarning``, naming the classes holding them): its backwards run whole, as
+        under ``"interleaved"``, and nothing else would tell the user."""
+        owned = list(owned)
         self._modules = modules_to_split(model, owned)
+        if self._modules:
+            return
+        holders = sorted({
+            type(m).__name__ for _, m in owned
+            for p in m._parameters.values() if p is not None and p.requires_grad
+        })  # fmt: skip
+        if holders:
+            warnings.warn(
+                f"zero_bubble, pp rank {self.pp_rank}: no layer of this stage can be split "
+                f"(its trainable parameters are held by {', '.join(holders[:6])}"
+                f"{', ...' if len(holders) > 6 else ''}; the split knows nn.Linear, "
+                "LayerNorm, RMSNorm, Embedding and classes given to register_linear): its "
+                "backwards run whole, as under 'interleaved'",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     @property
     def modules(self) -> list[tuple[str, nn.Module]]:
