@@ -54,6 +54,9 @@ def test_zero_bubble_overlay_skips_conflicting_configurations() -> None:
     assert len(run) + len(skipped) == len(eq.PP2_CASES)
     assert all(c["config"]["pipeline"] == "zero_bubble" for c in run)
     assert "bitwise_vs" not in next(c for c in run if c["name"] == "pp2-mb2@zb")
+    # with the bitwise comparison: against the schedule the case had
+    compared = {c["name"]: c for c in pipeline_modes.apply(eq.PP2_CASES, "zero_bubble")[0]}
+    assert compared["pp2-mb2@zb"]["bitwise_vs"] == {"pipeline": "interleaved"}
     conflict = eq._case("x", pipeline_parallel_degree=2, deterministic_accumulation=False)
     _, skipped = pipeline_modes.apply([conflict], "zero_bubble")
     assert "deterministic_accumulation" in skipped[0][1]
