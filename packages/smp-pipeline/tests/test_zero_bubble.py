@@ -129,17 +129,18 @@ def test_a_fold_waits_for_its_microbatchs_weight_grads() -> None:
     grads.end()
 
 
-@pytest.mark.parametrize("idle", [False, True])
-def test_a_rank_that_finds_no_idle_time_rests_from_splitting(idle: bool) -> None:
+@pytest.mark.parametrize(("idle", "rests"), [(False, True), (True, True), (False, False)])
+def test_a_rank_that_finds_no_idle_time_rests_from_splitting(idle: bool, rests: bool) -> None:
     """A step whose W tasks all ran at its end (none in idle time: a bottleneck stage) makes
     the rank split nothing for ``REST_STEPS`` steps, then try again; W tasks run in idle time
-    keep it splitting. The gradients are the same bits either way."""
+    keep it splitting. The gradients are the same bits either way. ``rests=False`` (a
+    tensor-parallel peer, which must split what its peers split) keeps splitting."""
     torch.manual_seed(0)
     lin = nn.Linear(3, 2)
     plain = copy.deepcopy(lin)
     grads = GradAccumulator(lambda: 0)
     grads.track(lin.parameters())
-    work = WeightGradWork(0, grads, lambda: 0, max_microbatches=4)
+    work = WeightGradWork(0, grads, lambda: 0, max_microbatches=4, rests=rests)
     work.set_modules(lin, [("", lin)])
     queued = []
     steps = zerobubble.REST_STEPS + 2
@@ -155,9 +156,9 @@ def test_a_rank_that_finds_no_idle_time_rests_from_splitting(idle: bool) -> None
             work.drain()
         grads.end()
         plain(x).pow(2).sum().backward()
-    rests = 0 if idle else zerobubble.REST_STEPS
-    assert queued == [1] + [0] * rests + [1] * (steps - 1 - rests), queued
-    assert work.stats.rested_steps == rests
+    rested = 0 if idle or not rests else zerobubble.REST_STEPS
+    assert queued == [1] + [0] * rested + [1] * (steps - 1 - rested), queued
+    assert work.stats.rested_steps == rested
     assert torch.equal(lin.weight.grad, plain.weight.grad)
     assert torch.equal(lin.bias.grad, plain.bias.grad)
 

@@ -199,6 +199,11 @@ PPTP4_CASES = [
           activation_loading_horizon=2),
 ]  # fmt: skip
 
+# (Issue 43 in CI:) zero-bubble on the Sequential under tp=2, three steps: a follower (its W
+# tasks wait for the step's end) once stopped splitting after step 1 while its leader went
+# on, and the peers' collectives stopped matching (smp-pipeline: no resting under tp).
+PPTP4_CASES += [_in_mode(PPTP4_CASES, "pp2-tp2-seq", "zero_bubble")]
+
 
 @pytest.mark.skipif(not HAS_TP, reason="smp_tp not installed")
 def test_pipeline_and_tensor_parallel_4_ranks() -> None:

@@ -134,6 +134,11 @@ class WeightGradWork:
         record_timeline: keep a span per W task (:attr:`events`).
         note_action: told ``(microbatch, operator)`` as each W task of a microbatch starts
             (the rank's program records it as a ``WEIGHT_GRAD`` action).
+        rests: whether the resting rule applies (:data:`REST_BELOW_IDLE_SHARE`). False under
+            tensor-parallel ordering: a stage's peers must split the same layers in every
+            step, and a follower (its W tasks wait for the step's end, so it finds no idle
+            time) would rest while its leader splits; the peers' gradients would then fold
+            at different points, and the collectives hooked on folds stop matching.
     """
 
     def __init__(
@@ -144,8 +149,10 @@ class WeightGradWork:
         max_microbatches: int,
         record_timeline: bool = False,
         note_action: Callable[[int, str], None] | None = None,
+        rests: bool = True,
     ) -> None:
         self.pp_rank = pp_rank
+        self.rests = rests
         self.note_action = note_action
         self.grads = grads
         self.max_microbatches = max_microbatches
@@ -208,7 +215,7 @@ class WeightGradWork:
         with split_modules([] if resting else self.modules, q):
             yield
         ran = self.stats.total - total_before
-        if ran and (self.stats.idle - idle_before) < REST_BELOW_IDLE_SHARE * ran:
+        if self.rests and ran and (self.stats.idle - idle_before) < REST_BELOW_IDLE_SHARE * ran:
             self._resting = REST_STEPS
         for op, n in q.deferred_ops.items():
             self.stats.deferred_ops[op] = self.stats.deferred_ops.get(op, 0) + n
