@@ -122,10 +122,15 @@ def from_env(cases: list[dict]) -> tuple[list[dict], list[tuple[str, str]], str 
 REPORT: list[tuple[str, str, list[str], list[tuple[str, str]]]] = []
 
 
+# The launches' REPLAY lines (static mode: per rank, steps replayed, fallbacks, why a stage
+# cannot replay) and ZB-NOTHING-SPLIT lines (zero-bubble split no layer on any stage).
+NOTES: list[str] = []
+
+
 def summary_lines() -> list[str]:
-    """The table of :data:`REPORT` (empty when no launch was overlaid)."""
+    """The table of :data:`REPORT` and the :data:`NOTES` (empty when no launch was overlaid)."""
     lines = []
     for test, mode, ran, skipped in REPORT:
         lines.append(f"{test} [{mode}]: {len(ran)} case(s) launched, {len(skipped)} skipped by design")
         lines.extend(f"    skipped {name}: {reason}" for name, reason in skipped)
-    return lines
+    return lines + NOTES

@@ -32,6 +32,10 @@ def run_cases(nprocs: int, cases: list[dict], timeout: float) -> None:
         return  # (every case skipped by design: the summary lists why)
     out = launch("equivalence.py", nprocs, run, timeout=timeout)
     assert ok_cases(out) == [c["name"] for c in run], out
+    if mode is not None:  # what each mode did (replayed steps, stages with nothing to split)
+        pipeline_modes.NOTES.extend(
+            line for line in out.splitlines() if line.startswith(("REPLAY ", "ZB-NOTHING-SPLIT "))
+        )
 
 
 def _case(name: str, **config: object) -> dict:
