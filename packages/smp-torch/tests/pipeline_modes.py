@@ -93,6 +93,7 @@ def apply(cases: list[dict], mode: str | None, bitwise: bool = True) -> tuple[li
         return list(cases), []
     run: list[dict] = []
     skipped: list[tuple[str, str]] = []
+    names = {c["name"] for c in cases}
     for case in cases:
         config = case["config"]
         if config.get("pipeline_parallel_degree", 1) <= 1:
@@ -102,6 +103,8 @@ def apply(cases: list[dict], mode: str | None, bitwise: bool = True) -> tuple[li
             run.append(case)
             continue
         reason = _skip_reason(config, mode)
+        if reason is None and case["name"] + SUFFIX[mode] in names:
+            reason = "the suite runs it in this mode already (the CI subset)"
         if reason is not None:
             skipped.append((case["name"], reason))
         else:
