@@ -182,8 +182,8 @@ class WeightGradWork:
         })  # fmt: skip
         if holders:
             warnings.warn(
-                f"zero_bubble, pp rank {self.pp_rank}: no layer of this stage can be split "
-                f"(its trainable parameters are held by {', '.join(holders[:6])}"
+                f"zero_bubble splits nothing on pp rank {self.pp_rank}: no layer of this stage "
+                f"is one it knows (its trainable parameters are held by {', '.join(holders[:6])}"
                 f"{', ...' if len(holders) > 6 else ''}; the split knows nn.Linear, "
                 "LayerNorm, RMSNorm, Embedding and classes given to register_linear): its "
                 "backwards run whole, as under 'interleaved'",
