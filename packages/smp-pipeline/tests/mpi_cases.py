@@ -104,14 +104,49 @@ def mse_ref(model, batch):
     return F.mse_loss(model(batch[0]), batch[1])
 
 
+# Issue 43's cross-check, run by hand (docs/how-to/pipeline.md): SMP_PIPE_MODE=static or
+# zero_bubble overlays static_mode=True or schedule "zero_bubble" on every case run_case runs;
+# each must still equal one process as the plain case does. A case the overlay cannot apply
+# to runs unchanged and says so ("CASE-NOT-OVERLAID <name> <reason>"), never silently.
+PIPE_MODE = os.environ.get("SMP_PIPE_MODE", "").strip()
+PIPE_MODES = ("static", "zero_bubble")
+if PIPE_MODE and PIPE_MODE not in PIPE_MODES:
+    raise SystemExit(f"SMP_PIPE_MODE={PIPE_MODE!r}: must be one of {PIPE_MODES} (or unset)")
+
+
+def overlay(schedule, rt_kwargs, not_in=None):
+    """``(schedule, rt_kwargs, reason)`` under ``SMP_PIPE_MODE``; ``reason``: why the mode
+    was not overlaid (None: it was, or no mode is asked for). ``not_in``: ``{mode: reason}``
+    a case gives for a mode it cannot run in."""
+    if not PIPE_MODE:
+        return schedule, rt_kwargs, None
+    if PIPE_MODE in (not_in or {}):
+        return schedule, rt_kwargs, not_in[PIPE_MODE]
+    if PIPE_MODE == "static":
+        if rt_kwargs.get("order_channel") is not None:
+            return schedule, rt_kwargs, "static_mode has no effect under tensor-parallel ordering"
+        return schedule, {**rt_kwargs, "static_mode": True}, None
+    if schedule == "zero_bubble":
+        return schedule, rt_kwargs, None
+    if schedule != "interleaved":
+        what = "a custom task order" if not isinstance(schedule, str) else f"schedule {schedule!r}"
+        return schedule, rt_kwargs, f"the case tests {what}; zero_bubble would replace it"
+    if rt_kwargs.get("deterministic_accumulation") is False:
+        return schedule, rt_kwargs, "deterministic_accumulation=False conflicts with zero_bubble"
+    return "zero_bubble", rt_kwargs, None
+
+
 def run_case(comm, name, build, batch, assignment, m, schedule="interleaved", *, step_of=None,
              ref_loss=None, per_microbatch_reference=False, checkpointing=None, active=None,
-             rtol=RTOL, atol=ATOL, steps=2, exact=True, record=None, **rt_kwargs):
+             rtol=RTOL, atol=ATOL, steps=2, exact=True, record=None, not_in=None, **rt_kwargs):
     """``exact``: losses and gradients must equal the accumulating reference bit for bit (the
     runtime folds each parameter's gradient into .grad in microbatch order, as the reference
     does); a case passing False says why it cannot. ``record`` (a dict): gets each step's
     losses and this rank's final weights."""
     rank, size = comm.rank, comm.size
+    schedule, rt_kwargs, not_overlaid = overlay(schedule, rt_kwargs, not_in)
+    if not_overlaid and rank == 0:
+        print(f"CASE-NOT-OVERLAID {name} {not_overlaid}", flush=True)
     torch.manual_seed(1234)
     model = build()
     ref = copy.deepcopy(model)
@@ -201,10 +236,12 @@ def suite_pp2(comm):
     for schedule in ("simple", "interleaved"):
         for m in (1, 2, 4, 8):
             rt = run_case(comm, f"chain-{schedule}-m{m}", models.Chain, data(), chain_assign, m, schedule)
-            if m == 1:
+            if m == 1 and PIPE_MODE != "zero_bubble":
                 # pp rank 1 serves three calls per microbatch (blocks.1, blocks.3, head), each
                 # with its own parameters: each parameter's one contribution streams into
-                # .grad, nothing is buffered (per-parameter streaming).
+                # .grad, nothing is buffered (per-parameter streaming). (Not under zero-bubble:
+                # W tasks' gradients go into a microbatch's buffer by design, folded once
+                # that microbatch's W tasks ran.)
                 peaks = comm_allgather(rt.server.grads.peak_buffers)
                 assert peaks[1] == 0, f"{schedule}: pp rank 1 buffered gradients: {peaks}"
     run_case(comm, "chain-active1", models.Chain, data(), chain_assign, 4, "interleaved", active=1)
@@ -238,7 +275,11 @@ def suite_pp2(comm):
             net[i] = Slow(net[i])
         return net
 
-    rt = run_case(comm, "seqrun-preempt", slow_seq, data(), {"1": 1, "2": 1, "3": 1}, 4, steps=1)
+    # (Static mode serves such forwards inline on the main loop, where nothing can preempt
+    # them, once they ran straight through: run_case lifts its 2 ms gate.)
+    rt = run_case(comm, "seqrun-preempt", slow_seq, data(), {"1": 1, "2": 1, "3": 1}, 4, steps=1,
+                  not_in={"static": "it tests a worker-thread forward yielding to a backward; "
+                                    "static mode serves it inline on the main loop"})
     yields = comm_allgather(rt.server.yields)
     assert yields[1] > 0, f"pp rank 1's forwards never yielded: {yields}"
     if comm.rank == 0:

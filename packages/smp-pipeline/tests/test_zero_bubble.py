@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -45,6 +46,34 @@ def test_tied_pairs_of_split_layers_stay_split_a_weight_shared_with_other_ops_do
     model = _Tied()
     chosen = [path for path, _ in modules_to_split(model, model.named_modules())]
     assert chosen == ["embed", "head", "other"]
+
+
+class _Functional(nn.Module):
+    """A layer the split does not know: F.linear on its own parameter (as smp-tp's
+    DistributedTransformerLayer, GPT-2's tensor-parallel mapping, does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.w)
+
+
+def test_a_stage_with_nothing_to_split_is_warned_about() -> None:
+    grads = GradAccumulator(lambda: 0)
+    fn, frozen = _Functional(), nn.Linear(3, 3).requires_grad_(False)
+    model = nn.Sequential(fn, frozen)
+    work = WeightGradWork(3, grads, lambda: 0, max_microbatches=4)
+    with pytest.warns(RuntimeWarning, match=r"splits nothing on pp rank 3: .* held by _Functional;"):
+        work.set_modules(model, [("0", fn), ("1", frozen)])
+    assert work.modules == []
+    # a stage owning only frozen parameters, or one splittable layer, is not warned about
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        WeightGradWork(0, grads, lambda: 0, 4).set_modules(model, [("1", frozen)])
+        lin = nn.Linear(3, 3)
+        WeightGradWork(0, grads, lambda: 0, 4).set_modules(nn.Sequential(fn, lin), [("0", fn), ("1", lin)])
 
 
 def test_a_layer_with_a_tensor_hook_on_its_weight_stays_unsplit() -> None:
@@ -115,17 +144,18 @@ def test_a_contribution_outside_a_step_is_stored_as_accumulate_grad_would() -> N
     assert torch.equal(lin.weight.grad, 2 * g)
 
 
-@pytest.mark.parametrize("idle", [False, True])
-def test_a_rank_that_finds_no_idle_time_rests_from_splitting(idle: bool) -> None:
+@pytest.mark.parametrize(("idle", "rests"), [(False, True), (True, True), (False, False)])
+def test_a_rank_that_finds_no_idle_time_rests_from_splitting(idle: bool, rests: bool) -> None:
     """A step whose W tasks all ran at its end (none in idle time: a bottleneck stage) makes
     the rank split nothing for ``REST_STEPS`` steps, then try again; W tasks run in idle time
-    keep it splitting. The gradients are the same bits either way."""
+    keep it splitting. The gradients are the same bits either way. ``rests=False`` (a
+    tensor-parallel peer, which must split what its peers split) keeps splitting."""
     torch.manual_seed(0)
     lin = nn.Linear(3, 2)
     plain = copy.deepcopy(lin)
     grads = GradAccumulator(lambda: 0)
     grads.track(lin.parameters())
-    work = WeightGradWork(0, grads, lambda: 0, max_microbatches=4)
+    work = WeightGradWork(0, grads, lambda: 0, max_microbatches=4, rests=rests)
     work.set_modules(lin, [("", lin)])
     queued = []
     steps = zerobubble.REST_STEPS + 2
@@ -141,9 +171,9 @@ def test_a_rank_that_finds_no_idle_time_rests_from_splitting(idle: bool) -> None
             work.drain()
         grads.end()
         plain(x).pow(2).sum().backward()
-    rests = 0 if idle else zerobubble.REST_STEPS
-    assert queued == [1] + [0] * rests + [1] * (steps - 1 - rests), queued
-    assert work.stats.rested_steps == rests
+    rested = 0 if idle or not rests else zerobubble.REST_STEPS
+    assert queued == [1] + [0] * rested + [1] * (steps - 1 - rested), queued
+    assert work.stats.rested_steps == rested
     assert torch.equal(lin.weight.grad, plain.weight.grad)
     assert torch.equal(lin.bias.grad, plain.bias.grad)
 

@@ -6,6 +6,7 @@ import json
 import os
 from typing import Any
 
+import pipeline_modes
 import pytest
 from smp_comm.testing import run_mpi
 
@@ -36,10 +37,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    tr = terminalreporter
+    modes = pipeline_modes.summary_lines()
+    if modes:
+        tr.write_sep("=", f"pipeline mode overlay ({pipeline_modes.ENV_MODE})")
+        for line in modes:
+            tr.write_line(line)
     rows = config.stash.get(FAULT_TABLE, [])
     if not rows:
         return
-    tr = terminalreporter
     tr.write_sep("=", "fault table: seconds from the fault until the last rank ended")
     tr.write_line(f"{'fault':<15}{'config':<8}{'victim':<18}{'launcher':<22}{'last exit s':>11}  message")
     for fault, cfg, victim, launcher, seconds, message in rows:

@@ -210,6 +210,7 @@ class PipelineRuntime(LocalState):
             self.weight_grads = WeightGradWork(
                 pp_rank, self.server.grads, self.server._current_mb, self.active_microbatches,
                 record_timeline=timeline, note_action=self.server.note_weight_grad,
+                rests=order_channel is None,
             )  # fmt: skip
             self.server.weight_grads = self.server.loop.weight_grads = self.weight_grads
             if order_channel is not None and not order_channel.is_leader:

@@ -136,6 +136,11 @@ class WeightGradWork:
         record_timeline: keep a span per W task (:attr:`events`).
         note_action: told ``(microbatch, operator)`` as each W task of a microbatch starts
             (the rank's program records it as a ``WEIGHT_GRAD`` action).
+        rests: whether the resting rule applies (:data:`REST_BELOW_IDLE_SHARE`). False under
+            tensor-parallel ordering: a stage's peers must split the same layers in every
+            step, and a follower (its W tasks wait for the step's end, so it finds no idle
+            time) would rest while its leader splits; the peers' gradients would then fold
+            at different points, and the collectives hooked on folds stop matching.
     """
 
     def __init__(
@@ -146,8 +151,10 @@ class WeightGradWork:
         max_microbatches: int,
         record_timeline: bool = False,
         note_action: Callable[[int, str], None] | None = None,
+        rests: bool = True,
     ) -> None:
         self.pp_rank = pp_rank
+        self.rests = rests
         self.note_action = note_action
         self.grads = grads
         self.max_microbatches = max_microbatches
@@ -163,8 +170,28 @@ class WeightGradWork:
         grads.hold = self.holds
 
     def set_modules(self, model: nn.Module, owned: Iterable[tuple[str, nn.Module]]) -> None:
-        """Choose the modules to split (after partitioning; see :func:`modules_to_split`)."""
+        """Choose the modules to split (after partitioning; see :func:`modules_to_split`).
+        A rank that owns trainable parameters but no layer the split knows is warned about
+        (``RuntimeWarning``, naming the classes holding them): its backwards run whole, as
+        under ``"interleaved"``, and nothing else would tell the user."""
+        owned = list(owned)
         self._modules = modules_to_split(model, owned)
+        if self._modules:
+            return
+        holders = sorted({
+            type(m).__name__ for _, m in owned
+            for p in m._parameters.values() if p is not None and p.requires_grad
+        })  # fmt: skip
+        if holders:
+            warnings.warn(
+                f"zero_bubble splits nothing on pp rank {self.pp_rank}: no layer of this stage "
+                f"is one it knows (its trainable parameters are held by {', '.join(holders[:6])}"
+                f"{', ...' if len(holders) > 6 else ''}; the split knows nn.Linear, "
+                "LayerNorm, RMSNorm, Embedding and classes given to register_linear): its "
+                "backwards run whole, as under 'interleaved'",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     @property
     def modules(self) -> list[tuple[str, nn.Module]]:
@@ -190,7 +217,7 @@ class WeightGradWork:
         with split_modules([] if resting else self.modules, q):
             yield
         ran = self.stats.total - total_before
-        if ran and (self.stats.idle - idle_before) < REST_BELOW_IDLE_SHARE * ran:
+        if self.rests and ran and (self.stats.idle - idle_before) < REST_BELOW_IDLE_SHARE * ran:
             self._resting = REST_STEPS
         for op, n in q.deferred_ops.items():
             self.stats.deferred_ops[op] = self.stats.deferred_ops.get(op, 0) + n
