@@ -5,6 +5,11 @@ Run: python benchmarks/bench_plan.py            (speed figures; then the stored 
      python benchmarks/bench_plan.py --measure gpt2-small [--resume] [--any-load]
                                                 (measure that model's grid, one `mpiexec -n 4`
                                                  job per configuration; ~30-60 minutes)
+     python benchmarks/bench_plan.py --measure t5 --only smoke --any-load [--points N]
+                                                (a subset: the points matching --only's
+                                                 filters, e.g. "pp=2,tp=1;pp=4,mb=8,ckpt=1",
+                                                 "smoke" = SMOKE's six; at most N new ones;
+                                                 --resume later completes the same file)
      python benchmarks/bench_plan.py --calibrate gpt2-small [--any-load] [--replace]
                                                 (the machine calibration again: the constants
                                                  that model's file lacks, then the comparison)
@@ -48,13 +53,31 @@ import workers  # (this folder)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "benchmarks", "data", "plan")
 sys.path.insert(0, os.path.join(ROOT, "examples", "gpt"))
+# hf_models.py (no smp or MPI import): the Hugging Face builders the tests use
+sys.path.insert(0, os.path.join(ROOT, "packages", "smp-torch", "tests", "scripts"))
 
 # name: (vocab, seq, dim, heads, layers, global batch). gpt2-small: GPT-2's shape, scaled to
 # fit 4 processes on 2 cores; wide-vocab: an embedding (tied head) that dominates the model.
-MODELS = {
+GPT_MODELS: dict[str, tuple[int, ...]] = {
     "gpt2-small": (65, 32, 128, 4, 6, 32),
     "wide-vocab": (8192, 16, 64, 4, 2, 32),
 }
+# Hugging Face models built from a config (tests/scripts/hf_models.py, the builders the
+# multi-process tests use), each a different shape, sized so a grid point (4 processes on 2
+# cores) runs in ~10-30 s: "kind" names the builder, "args" its arguments, "seq" the tokens
+# (or, for vit, the image side) of a sample, "batch" the global batch, "classes" the labels
+# a sample's target ranges over (one per token for the LMs, one per image for vit).
+HF_SHAPES: dict[str, dict[str, Any]] = {
+    # Llama: grouped-query attention (4 heads, 2 kv heads), SwiGLU, head tied to the embedding
+    "llama-tied": {"kind": "llama", "args": [512, 128, 344, 4, 2, 4, 32], "seq": 32, "batch": 32, "classes": 512},
+    # T5: 3 encoder + 3 decoder blocks with cross-attention, one embedding for both and the head
+    "t5": {"kind": "t5", "args": [256, 128, 32, 512, 4, 3], "seq": 32, "batch": 32, "classes": 256},
+    # Mixtral: 3 sparse MoE layers of 4 experts, each token routed to 2 (transformers' loop)
+    "mixtral": {"kind": "mixtral", "args": [256, 96, 192, 4, 2, 3, 32, 4, 2], "seq": 32, "batch": 32, "classes": 256},
+    # ViT: 32x32 images in 4x4 patches (64 + [CLS] tokens), 4 encoder layers, 10 classes
+    "vit": {"kind": "vit", "args": [32, 4, 96, 4, 4, 10], "seq": 32, "batch": 32, "classes": 10},
+}
+MODELS: dict[str, Any] = {**GPT_MODELS, **HF_SHAPES}
 WORLD = 4
 MICROBATCHES = (1, 2, 4, 8)
 WARMUP, STEPS = 2, 3
@@ -83,20 +106,62 @@ def quiet_machine(limit: float = QUIET) -> float:
 
 
 def build(name: str) -> tuple[Any, Any, Any]:
-    """(model_fn, global batch (x, y), step_fn) of a model of :data:`MODELS`."""
+    """(model_fn, global batch (x, y), step_fn) of a model of :data:`MODELS`. Every model is
+    built marked for tensor parallelism (inert where tp = 1), so the profile sees what smp-tp
+    would split."""
     import torch
-    from model import build_gpt, lm_loss
+    import torch.nn.functional as F  # noqa: N812
 
-    vocab, seq, dim, heads, layers, batch = MODELS[name]
-
-    def model_fn() -> Any:
-        torch.manual_seed(0)
-        return build_gpt(vocab, seq, dim, heads, layers, True)
-
+    if name not in MODELS:
+        raise KeyError(f"bench_plan: no model {name!r} (models: {', '.join(MODELS)})")
     g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, vocab, (batch, seq), generator=g)
-    y = torch.randint(0, vocab, (batch, seq), generator=g)
-    return model_fn, (x, y), lambda m, b: lm_loss(m(b[0]), b[1])
+    if name in GPT_MODELS:
+        from model import build_gpt, lm_loss
+
+        vocab, seq, dim, heads, layers, batch = GPT_MODELS[name]
+
+        def model_fn() -> Any:
+            torch.manual_seed(0)
+            return build_gpt(vocab, seq, dim, heads, layers, True)
+
+        x = torch.randint(0, vocab, (batch, seq), generator=g)
+        y = torch.randint(0, vocab, (batch, seq), generator=g)
+        return model_fn, (x, y), lambda m, b: lm_loss(m(b[0]), b[1])
+
+    import hf_models
+    import smp_torch as smp
+
+    shape = HF_SHAPES[name]
+    kind, batch, seq, classes = shape["kind"], shape["batch"], shape["seq"], shape["classes"]
+
+    def hf_fn() -> Any:
+        torch.manual_seed(0)
+        return smp.set_tensor_parallelism(getattr(hf_models, kind)(*shape["args"]))
+
+    if kind == "vit":  # images in, one label per image
+        x = torch.randn(batch, 3, seq, seq, generator=g)
+        y = torch.randint(0, classes, (batch,), generator=g)
+    else:  # tokens in, one label per token
+        x = torch.randint(0, classes, (batch, seq), generator=g)
+        y = torch.randint(0, classes, (batch, seq), generator=g)
+
+    def step_fn(m: Any, b: Any) -> Any:
+        logits = hf_models.logits(m, kind, b[0])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), b[1].reshape(-1))
+
+    return hf_fn, (x, y), step_fn
+
+
+def blocks(name: str, net: Any) -> list[Any]:
+    """The model's layers: what the grid checkpoints (each on its own) with ``ckpt``."""
+    if name in GPT_MODELS:
+        return list(net.blocks)
+    kind = HF_SHAPES[name]["kind"]
+    if kind == "t5":  # both stacks
+        return [*net.encoder.block, *net.decoder.block]
+    if kind == "vit":
+        return list(net.vit.layers)
+    return list(net.model.layers)  # the Llama family, Mixtral
 
 
 def grid() -> list[dict[str, Any]]:
@@ -112,6 +177,35 @@ def grid() -> list[dict[str, Any]]:
                     for ck in (False, True):
                         out.append({"pp": pp, "tp": tp, "dp": dp, "sdp": sdp, "mb": mb, "ckpt": ck})
     return out
+
+
+# A smoke subset of the grid (``--only smoke``): six points spanning plain, sharded and
+# tensor-parallel data parallelism, two- and four-stage pipelines, microbatches and
+# checkpointing; the full grid later completes the same file (``--resume``).
+SMOKE = "pp=1,tp=1,sdp=1,mb=1,ckpt=0;pp=1,tp=1,sdp=4,mb=2,ckpt=1;pp=2,tp=1,sdp=1,mb=4,ckpt=0;" \
+    "pp=4,tp=1,mb=8,ckpt=1;pp=1,tp=2,sdp=2,mb=1,ckpt=0;pp=2,tp=2,mb=2,ckpt=1"
+
+
+def parse_only(spec: str) -> list[dict[str, int]]:
+    """``--only``'s filters: ``;``-separated, each ``key=value`` pairs over the grid's keys
+    (pp, tp, dp, sdp, mb, ckpt as 0/1) joined by ``,``; ``smoke`` is :data:`SMOKE`. A grid
+    point is selected when it matches every pair of one filter."""
+    keys = ("pp", "tp", "dp", "sdp", "mb", "ckpt")
+    out = []
+    for part in (SMOKE if spec == "smoke" else spec).split(";"):
+        filt = {}
+        for pair in filter(None, part.split(",")):
+            key, _, value = pair.partition("=")
+            if key.strip() not in keys or not value.strip().isdigit():
+                raise SystemExit(f"--only: {pair!r} is not key=number with key one of {', '.join(keys)}")
+            filt[key.strip()] = int(value)
+        out.append(filt)
+    return out
+
+
+def selected(cfg: dict[str, Any], only: list[dict[str, int]] | None) -> bool:
+    """Whether grid point ``cfg`` matches one of the ``--only`` filters (all: no filters)."""
+    return only is None or any(all(int(cfg[k]) == v for k, v in f.items()) for f in only)
 
 
 def _matmul_s(clock: Any = time.perf_counter) -> float:
@@ -184,7 +278,7 @@ def worker_run(name: str, cfg: dict[str, Any]) -> None:
     })  # fmt: skip
     net = model_fn()
     if cfg["ckpt"]:
-        for block in net.blocks:
+        for block in blocks(name, net):
             smp.set_activation_checkpointing(block)
     model = smp.DistributedModel(net)
     opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-4))
@@ -270,7 +364,8 @@ def _plain_peak() -> str:
 def _launch(args: list[str], timeout: float = 600) -> list[dict[str, Any]]:
     from smp_comm.testing import mpiexec_path
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SMP_CONFIG": "", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SMP_CONFIG": "", "PYTHONWARNINGS": "ignore",
+           "TRANSFORMERS_VERBOSITY": "error"}  # fmt: skip
     cmd = [mpiexec_path(), "-n", str(WORLD), sys.executable, os.path.abspath(__file__), "--worker", *args]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     found = [json.loads(line[5:]) for line in out.stdout.splitlines() if line.startswith("ROWS ")]
@@ -307,10 +402,15 @@ def calibrate() -> dict[str, Any]:
     }
 
 
-def measure(name: str, resume: bool, any_load: bool = False) -> None:
+def measure(
+    name: str, resume: bool, any_load: bool = False, only: list[dict[str, int]] | None = None,
+    points: int | None = None,
+) -> None:
     """Measure ``name``'s grid into DATA/name.json (``resume``: keep the points already
     there). Each job waits for a load average below 1.5 unless ``any_load`` (then only its
-    peak memory is trusted: the comparison leaves loaded points out of the timing figures)."""
+    peak memory is trusted: the comparison leaves loaded points out of the timing figures).
+    ``only`` (:func:`parse_only`) measures just the matching points, ``points`` at most that
+    many new ones; the file stays the grid's, so a later ``resume`` completes it."""
     os.makedirs(DATA, exist_ok=True)
     path = os.path.join(DATA, f"{name}.json")
     data: dict[str, Any] = {"model": name, "shape": MODELS[name], "world": WORLD, "points": []}
@@ -331,10 +431,15 @@ def measure(name: str, resume: bool, any_load: bool = False) -> None:
     done = {key(p["config"]) for p in data["points"] if any_load or "step_s" not in p or timing_trusted(p)}
     order = grid()
     random.Random(0).shuffle(order)
+    order = [cfg for cfg in order if selected(cfg, only)]
+    budget = len(order) if points is None else points
     deadline = float(os.environ.get("BENCH_PLAN_UNTIL", "inf"))  # a time.time() to stop at
     for cfg in order:
         if key(cfg) in done:
             continue
+        if budget <= 0:
+            break
+        budget -= 1
         if time.time() > deadline:
             print("deadline reached: stopping", flush=True)
             break
@@ -562,7 +667,9 @@ def main() -> None:
     if "--measure" in sys.argv:
         name = sys.argv[sys.argv.index("--measure") + 1]
         print(f"measuring {name} at load {load():.2f}", flush=True)
-        measure(name, "--resume" in sys.argv, "--any-load" in sys.argv)
+        only = parse_only(sys.argv[sys.argv.index("--only") + 1]) if "--only" in sys.argv else None
+        count = int(sys.argv[sys.argv.index("--points") + 1]) if "--points" in sys.argv else None
+        measure(name, "--resume" in sys.argv, "--any-load" in sys.argv, only, count)
         compare(name)
         return
     speed()
