@@ -1,10 +1,17 @@
 """The planner (``smp.plan``) against the truth: a measured grid of every configuration.
 
 Run: python benchmarks/bench_plan.py            (speed figures; then the stored grids in
-                                                 benchmarks/data/plan/ against a fresh profile)
+                                                 benchmarks/data/plan/ against a fresh profile,
+                                                 each model in its own process)
+     python benchmarks/bench_plan.py --compare t5  (one model's comparison)
      python benchmarks/bench_plan.py --measure gpt2-small [--resume] [--any-load]
                                                 (measure that model's grid, one `mpiexec -n 4`
                                                  job per configuration; ~30-60 minutes)
+     python benchmarks/bench_plan.py --measure t5 --only smoke --any-load [--points N]
+                                                (a subset: the points matching --only's
+                                                 filters, e.g. "pp=2,tp=1;pp=4,mb=8,ckpt=1",
+                                                 "smoke" = SMOKE's six; at most N new ones;
+                                                 --resume later completes the same file)
      python benchmarks/bench_plan.py --calibrate gpt2-small [--any-load] [--replace]
                                                 (the machine calibration again: the constants
                                                  that model's file lacks, then the comparison)
@@ -44,18 +51,13 @@ import time
 from typing import Any
 
 import workers  # (this folder)
+from plan_models import MODELS, blocks, build  # (this folder)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "benchmarks", "data", "plan")
-sys.path.insert(0, os.path.join(ROOT, "examples", "gpt"))
-
-# name: (vocab, seq, dim, heads, layers, global batch). gpt2-small: GPT-2's shape, scaled to
-# fit 4 processes on 2 cores; wide-vocab: an embedding (tied head) that dominates the model.
-MODELS = {
-    "gpt2-small": (65, 32, 128, 4, 6, 32),
-    "wide-vocab": (8192, 16, 64, 4, 2, 32),
-}
 WORLD = 4
+#: Up to this many measured points (a smoke subset), the comparison prints every rank's peak.
+SMALL_GRID = 12
 MICROBATCHES = (1, 2, 4, 8)
 WARMUP, STEPS = 2, 3
 
@@ -82,23 +84,6 @@ def quiet_machine(limit: float = QUIET) -> float:
     return load()
 
 
-def build(name: str) -> tuple[Any, Any, Any]:
-    """(model_fn, global batch (x, y), step_fn) of a model of :data:`MODELS`."""
-    import torch
-    from model import build_gpt, lm_loss
-
-    vocab, seq, dim, heads, layers, batch = MODELS[name]
-
-    def model_fn() -> Any:
-        torch.manual_seed(0)
-        return build_gpt(vocab, seq, dim, heads, layers, True)
-
-    g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, vocab, (batch, seq), generator=g)
-    y = torch.randint(0, vocab, (batch, seq), generator=g)
-    return model_fn, (x, y), lambda m, b: lm_loss(m(b[0]), b[1])
-
-
 def grid() -> list[dict[str, Any]]:
     """Every configuration of the measured grid (smp.init keys plus checkpointing)."""
     out = []
@@ -112,6 +97,35 @@ def grid() -> list[dict[str, Any]]:
                     for ck in (False, True):
                         out.append({"pp": pp, "tp": tp, "dp": dp, "sdp": sdp, "mb": mb, "ckpt": ck})
     return out
+
+
+# A smoke subset of the grid (``--only smoke``): six points spanning plain, sharded and
+# tensor-parallel data parallelism, two- and four-stage pipelines, microbatches and
+# checkpointing; the full grid later completes the same file (``--resume``).
+SMOKE = "pp=1,tp=1,sdp=1,mb=1,ckpt=0;pp=1,tp=1,sdp=4,mb=2,ckpt=1;pp=2,tp=1,sdp=1,mb=4,ckpt=0;" \
+    "pp=4,tp=1,mb=8,ckpt=1;pp=1,tp=2,sdp=2,mb=1,ckpt=0;pp=2,tp=2,mb=2,ckpt=1"
+
+
+def parse_only(spec: str) -> list[dict[str, int]]:
+    """``--only``'s filters: ``;``-separated, each ``key=value`` pairs over the grid's keys
+    (pp, tp, dp, sdp, mb, ckpt as 0/1) joined by ``,``; ``smoke`` is :data:`SMOKE`. A grid
+    point is selected when it matches every pair of one filter."""
+    keys = ("pp", "tp", "dp", "sdp", "mb", "ckpt")
+    out = []
+    for part in (SMOKE if spec == "smoke" else spec).split(";"):
+        filt = {}
+        for pair in filter(None, part.split(",")):
+            key, _, value = pair.partition("=")
+            if key.strip() not in keys or not value.strip().isdigit():
+                raise SystemExit(f"--only: {pair!r} is not key=number with key one of {', '.join(keys)}")
+            filt[key.strip()] = int(value)
+        out.append(filt)
+    return out
+
+
+def selected(cfg: dict[str, Any], only: list[dict[str, int]] | None) -> bool:
+    """Whether grid point ``cfg`` matches one of the ``--only`` filters (all: no filters)."""
+    return only is None or any(all(int(cfg[k]) == v for k, v in f.items()) for f in only)
 
 
 def _matmul_s(clock: Any = time.perf_counter) -> float:
@@ -184,7 +198,7 @@ def worker_run(name: str, cfg: dict[str, Any]) -> None:
     })  # fmt: skip
     net = model_fn()
     if cfg["ckpt"]:
-        for block in net.blocks:
+        for block in blocks(name, net):
             smp.set_activation_checkpointing(block)
     model = smp.DistributedModel(net)
     opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-4))
@@ -270,7 +284,8 @@ def _plain_peak() -> str:
 def _launch(args: list[str], timeout: float = 600) -> list[dict[str, Any]]:
     from smp_comm.testing import mpiexec_path
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SMP_CONFIG": "", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SMP_CONFIG": "", "PYTHONWARNINGS": "ignore",
+           "TRANSFORMERS_VERBOSITY": "error"}  # fmt: skip
     cmd = [mpiexec_path(), "-n", str(WORLD), sys.executable, os.path.abspath(__file__), "--worker", *args]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     found = [json.loads(line[5:]) for line in out.stdout.splitlines() if line.startswith("ROWS ")]
@@ -307,10 +322,15 @@ def calibrate() -> dict[str, Any]:
     }
 
 
-def measure(name: str, resume: bool, any_load: bool = False) -> None:
+def measure(
+    name: str, resume: bool, any_load: bool = False, only: list[dict[str, int]] | None = None,
+    points: int | None = None,
+) -> None:
     """Measure ``name``'s grid into DATA/name.json (``resume``: keep the points already
     there). Each job waits for a load average below 1.5 unless ``any_load`` (then only its
-    peak memory is trusted: the comparison leaves loaded points out of the timing figures)."""
+    peak memory is trusted: the comparison leaves loaded points out of the timing figures).
+    ``only`` (:func:`parse_only`) measures just the matching points, ``points`` at most that
+    many new ones; the file stays the grid's, so a later ``resume`` completes it."""
     os.makedirs(DATA, exist_ok=True)
     path = os.path.join(DATA, f"{name}.json")
     data: dict[str, Any] = {"model": name, "shape": MODELS[name], "world": WORLD, "points": []}
@@ -331,10 +351,15 @@ def measure(name: str, resume: bool, any_load: bool = False) -> None:
     done = {key(p["config"]) for p in data["points"] if any_load or "step_s" not in p or timing_trusted(p)}
     order = grid()
     random.Random(0).shuffle(order)
+    order = [cfg for cfg in order if selected(cfg, only)]
+    budget = len(order) if points is None else points
     deadline = float(os.environ.get("BENCH_PLAN_UNTIL", "inf"))  # a time.time() to stop at
     for cfg in order:
         if key(cfg) in done:
             continue
+        if budget <= 0:
+            break
+        budget -= 1
         if time.time() > deadline:
             print("deadline reached: stopping", flush=True)
             break
@@ -463,6 +488,16 @@ def compare(name: str) -> None:
         flush=True,
     )
     print("  " + margin_check(ranks, prof.memory_margin), flush=True)
+    if len(points) <= SMALL_GRID:  # a smoke subset: every rank's figures
+        for e, p in zip(preds, points):
+            if not e.stage_peak_bytes:
+                continue
+            c = p["config"]
+            shown = " ".join(
+                f"{r['peak_bytes'] / 2**20:.0f}/{e.stage_peak_bytes[r['pp_rank']] / 2**20:.0f}" for r in p["ranks"]
+            )  # fmt: skip
+            print(f"    pp={c['pp']} tp={c['tp']} dp={c['dp']} sdp={c['sdp']} mb={c['mb']} "
+                  f"{'ckpt' if c['ckpt'] else '-'}: peak MiB measured/predicted per rank {shown}")  # fmt: skip
     if len(timed) < len(points):
         print(f"  ({len(points) - len(timed)} points were measured above load 1.5: their memory "
               "counts, their times do not"
@@ -562,13 +597,22 @@ def main() -> None:
     if "--measure" in sys.argv:
         name = sys.argv[sys.argv.index("--measure") + 1]
         print(f"measuring {name} at load {load():.2f}", flush=True)
-        measure(name, "--resume" in sys.argv, "--any-load" in sys.argv)
+        only = parse_only(sys.argv[sys.argv.index("--only") + 1]) if "--only" in sys.argv else None
+        count = int(sys.argv[sys.argv.index("--points") + 1]) if "--points" in sys.argv else None
+        measure(name, "--resume" in sys.argv, "--any-load" in sys.argv, only, count)
         compare(name)
         return
+    if "--compare" in sys.argv:
+        compare(sys.argv[sys.argv.index("--compare") + 1])
+        return
     speed()
+    # Each model's comparison in a fresh process, as a user's profile runs: the profile counts
+    # the bytes of the code its model_fn imports (transformers) in its fixed bytes only where
+    # that code is not imported yet (measured: mixtral's fixed bytes 387 MiB in a fresh
+    # process, 338 MiB after llama-tied's profile in the same one; a rank imports it too).
     for fname in sorted(os.listdir(DATA)) if os.path.isdir(DATA) else []:
         if fname.endswith(".json"):
-            compare(fname[:-5])
+            subprocess.run([sys.executable, os.path.abspath(__file__), "--compare", fname[:-5]], check=True)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from smp_torch.config import parse_config
 from smp_torch.plan import parse_bytes, profile_model
 from smp_torch.plan.profiling import (
     _checkpoint_unit_overhead_s,
+    default_checkpoint_units,
     peak_step_allocation,
     replay_peak,
     saved_bytes_per_module,
@@ -91,6 +92,31 @@ def test_checkpoint_overhead_is_measured_on_smps_wrapping(toy_profile) -> None: 
     with pytest.raises(ValueError, match="checkpoint unit 'blocks.9'"):
         _checkpoint_unit_overhead_s(plan_toy.model_fn, plan_toy.step_fn, one, ("blocks.9",), 0.0, 0.0, 1)
     assert _checkpoint_unit_overhead_s(plan_toy.model_fn, plan_toy.step_fn, one, (), 0.0, 0.0, 1) == 0.0
+
+
+def test_checkpoint_units_are_both_stacks_of_an_encoder_decoder() -> None:
+    # T5's shape: an encoder and a decoder stack of equal length, each decoder layer holding
+    # a list of as many sublayers (self-attention, cross-attention, MLP). Both stacks are
+    # the layers; the sublayer lists inside them are not (checkpointing only the encoder
+    # under-predicted what checkpointing saves by the decoder's share).
+    class Layer(nn.Module):
+        def __init__(self, parts: int) -> None:
+            super().__init__()
+            self.layer = nn.ModuleList(nn.Linear(4, 4) for _ in range(parts))
+
+    class EncDec(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(8, 4)
+            self.encoder = nn.ModuleList(Layer(2) for _ in range(3))
+            self.decoder = nn.ModuleList(Layer(3) for _ in range(3))
+
+    units = default_checkpoint_units(EncDec())
+    assert units == tuple(f"{s}.{i}" for s in ("encoder", "decoder") for i in range(3))
+    # one stack (and a model that is itself the list) as before
+    assert default_checkpoint_units(plan_toy.Toy()) == tuple(f"blocks.{i}" for i in range(plan_toy.LAYERS))
+    assert default_checkpoint_units(nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), nn.ReLU())) == ("0", "1")
+    assert default_checkpoint_units(nn.Linear(2, 2)) == ()
 
 
 def test_tensor_parallel_divisors_need_a_mark() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import hf_models  # (this folder)
 import smp_torch as smp
 import torch
 import torch.nn.functional as F
@@ -154,51 +155,26 @@ def global_batch(step: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def hf_gpt2() -> nn.Module:
     """A tiny Hugging Face GPT-2 built from a config (no download), dropout off."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(
-        n_layer=2, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
-    )  # fmt: skip
-    return GPT2LMHeadModel(cfg)
+    return hf_models.gpt2(VOCAB, 16, 2, 2, SEQ)
 
 
 def hf_llama() -> nn.Module:
     """A tiny Hugging Face Llama (grouped-query attention, tied head) built from a config."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-        tie_word_embeddings=True, use_cache=False, attn_implementation="sdpa",
-        pad_token_id=0, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    return LlamaForCausalLM(cfg)
+    return hf_models.llama(VOCAB, 16, 32, 4, 2, 2, SEQ, tied=True)
 
 
 def hf_t5() -> nn.Module:
     """A tiny Hugging Face T5 (encoder-decoder, relative position biases, tied head) built
     from a config, dropout off."""
-    from transformers import T5Config, T5ForConditionalGeneration
-
-    cfg = T5Config(
-        vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2,
-        num_heads=2, relative_attention_num_buckets=8, relative_attention_max_distance=16,
-        dropout_rate=0.0, use_cache=False, pad_token_id=0, decoder_start_token_id=0,
-        eos_token_id=1, feed_forward_proj="relu", attn_implementation="eager",
-    )  # fmt: skip
-    return T5ForConditionalGeneration(cfg)
+    return hf_models.t5(VOCAB, 16, 8, 32, 2, 2)
 
 
 HF_MODELS = {"gpt2": hf_gpt2, "llama": hf_llama, "t5": hf_t5}
 
 
 def hf_logits(model: Callable[..., object], kind: str, x: torch.Tensor) -> torch.Tensor:
-    """``model``'s logits for the token batch ``x``: an encoder-decoder (``"t5"``) reads ``x``
-    and also gets it as the decoder's input (teacher forcing on the batch itself)."""
-    if kind == "t5":
-        return model(input_ids=x, decoder_input_ids=x).logits  # type: ignore[attr-defined]
-    return model(input_ids=x).logits  # type: ignore[attr-defined]
+    """``model``'s logits for the token batch ``x`` (:func:`hf_models.logits`)."""
+    return hf_models.logits(model, kind, x)
 
 
 def expect_config_error(name: str, key: str, config: dict, build_model: Callable[[], nn.Module]) -> None:

@@ -173,13 +173,22 @@ def tensor_parallel_divisors(model: nn.Module) -> dict[str, int]:
 
 
 def default_checkpoint_units(model: nn.Module) -> tuple[str, ...]:
-    """The members of the model's longest ``nn.ModuleList``/``nn.Sequential`` (its layers)."""
-    best: tuple[str, ...] = ()
-    for name, m in model.named_modules():
-        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > len(best):
-            prefix = f"{name}." if name else ""
-            best = tuple(f"{prefix}{k}" for k, _ in m.named_children())
-    return best
+    """The members of the model's longest ``nn.ModuleList``/``nn.Sequential`` (its layers),
+    and of every other list as long that is not inside one already taken: an
+    encoder-decoder's two stacks (T5's ``encoder.block`` and ``decoder.block``) are both its
+    layers, while a list inside a layer (T5's ``decoder.block.0.layer``, its sublayers) is not.
+    """
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential))]
+    longest = max((len(m) for _, m in lists), default=0)
+    taken: list[str] = []
+    units: list[str] = []
+    for name, m in lists:  # parents before children (named_modules is pre-order)
+        if not longest or len(m) != longest or any(name.startswith(f"{t}.") or not t for t in taken):
+            continue
+        taken.append(name)
+        prefix = f"{name}." if name else ""
+        units += [f"{prefix}{k}" for k, _ in m.named_children()]
+    return tuple(units)
 
 
 def warm_up_torch() -> None:
@@ -272,7 +281,7 @@ def profile_model(
 
     ``step_fn(model, batch) -> loss`` defaults to :func:`default_step`; ``optimizer_fn``
     (parameters → optimizer) to Adam. ``checkpoint_units`` defaults to the longest layer
-    list, ``tp_divisors`` to what :func:`tensor_parallel_divisors` finds (modules marked
+    lists (:func:`default_checkpoint_units`), ``tp_divisors`` to what :func:`tensor_parallel_divisors` finds (modules marked
     for tensor parallelism). ``base_bytes`` (fixed memory per rank) defaults to this
     process's resident set before the model is built plus what the measured peak of a whole
     step leaves unexplained by parameters, gradients, optimizer state and saved activations.
