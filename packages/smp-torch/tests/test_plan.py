@@ -133,6 +133,21 @@ def test_tensor_parallel_divisors_need_a_mark() -> None:
     assert tensor_parallel_divisors(marked) == {"0": 8, "1.lin": 12}
 
 
+def test_grouped_query_attention_projections_divide_by_the_key_value_heads() -> None:
+    """tp must divide a Llama attention's 2 key/value heads (smp-tp refuses tp = 4 there):
+    the split k/v projections' own rows (32) allowed it before."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2)  # fmt: skip
+    with smp.tensor_parallelism():
+        model = transformers.LlamaForCausalLM(cfg)
+    divisors = tensor_parallel_divisors(model)
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        assert divisors[f"model.layers.0.self_attn.{proj}"] == 2, divisors
+    assert divisors["model.layers.0.mlp.up_proj"] == 128  # (not an attention: its rows)
+
+
 def test_best_config_passes_smp_init_validation(toy_profile) -> None:  # type: ignore[no-untyped-def]
     plan = smp.plan(plan_toy.model_fn, None, 4, "4GiB", profile=toy_profile)
     best = plan.best

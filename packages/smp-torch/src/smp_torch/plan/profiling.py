@@ -41,6 +41,7 @@ StepFn = Callable[[nn.Module, Any], torch.Tensor]
 #: the prediction without any margin — performance.md).
 MEMORY_MARGIN = 0.13
 _HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads", "nhead")
+_KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
 
 
 def default_step(model: nn.Module, batch: Any) -> torch.Tensor:
@@ -157,8 +158,11 @@ def saved_bytes_per_module(model: nn.Module, run: Callable[[], Any]) -> dict[str
 def tensor_parallel_divisors(model: nn.Module) -> dict[str, int]:
     """The modules smp-tp would split (marked, with a distributed implementation, not
     inside another such module), each with the number tp must divide: its head count when
-    it names one, else the greatest common divisor of its parameters' first dimensions."""
+    it names one, else the greatest common divisor of its parameters' first dimensions; a
+    module inside an attention module (a projection smp-tp splits one by one) divides its
+    query and key/value head counts too, as smp-tp requires of the attention."""
     out: dict[str, int] = {}
+    modules = dict(model.named_modules())
     for name, m in model.named_modules():
         if any(name.startswith(p + ".") or p == "" for p in out) and name:
             continue
@@ -168,8 +172,26 @@ def tensor_parallel_divisors(model: nn.Module) -> dict[str, int]:
         if heads is None:
             dims = [p.shape[0] for p in m.parameters() if p.dim()]
             heads = math.gcd(*dims) if dims else 1
+        parent = modules.get(name.rpartition(".")[0]) if "." in name else None
+        if parent is not None:
+            heads = math.gcd(heads, *_head_counts(parent))
         out[name] = int(heads)
     return out
+
+
+def _head_counts(m: nn.Module) -> list[int]:
+    """The head counts an attention module names (one with a ``head_dim``): query heads and
+    key/value heads (grouped-query attention), on the module or its ``config`` (Hugging Face
+    keeps them there); [] for any other module."""
+    if not hasattr(m, "head_dim"):
+        return []
+    counts = []
+    for owner in (m, getattr(m, "config", None)):
+        for a in (*_HEAD_ATTRS, *_KV_HEAD_ATTRS):
+            v = getattr(owner, a, None) if owner is not None else None
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                counts.append(v)
+    return counts
 
 
 def default_checkpoint_units(model: nn.Module) -> tuple[str, ...]:
