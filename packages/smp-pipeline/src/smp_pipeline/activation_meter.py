@@ -39,6 +39,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from smp_pipeline.storages import LiveStorages
+
 __all__ = ["ActivationMeter"]
 
 
@@ -74,16 +76,19 @@ class ActivationMeter:
         self.modules = list(modules)
         self.excluded = {t.untyped_storage().data_ptr() for t in exclude}
         self.extra = extra
-        #: bytes of the saved storages alive now (without ``extra``)
-        self.live_bytes = 0
         #: the most bytes alive at once, ``extra`` included, since the last :meth:`reset_peak`
         self.peak_bytes = 0
         #: tensors packed (counted or not) since the meter was made
         self.packed = 0
-        self._live: dict[int, list[int]] = {}  # storage address -> [saved copies alive, bytes]
+        self._live = LiveStorages()  # the saved storages alive now (copies counted once)
         # (a node may be freed on another thread than its pack, or by the collector inside a pack)
         self._lock = threading.RLock()
         self._local = threading.local()
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes of the saved storages alive now (without ``extra``)."""
+        return self._live.bytes
 
     def sample(self) -> int:
         """Count now (the peak too); the total (:meth:`total_bytes`)."""
@@ -142,12 +147,7 @@ class ActivationMeter:
                 # not counted, but its release is a moment to count at (a layer's weight
                 # is released with its input, just after its I pass queued a W task)
                 return _Packed(t, None, self)
-            entry = self._live.get(key)
-            if entry is None:
-                self._live[key] = [1, storage.nbytes()]
-                self.live_bytes += storage.nbytes()
-            else:
-                entry[0] += 1
+            self._live.hold(key, storage.nbytes())
             self._sample()
         # Detached: a saved output's grad_fn is the node holding it, a cycle of references
         # the collector cannot see (the node is C++), so the node would never be freed.
@@ -160,19 +160,15 @@ class ActivationMeter:
     def _release(self, key: int | None) -> None:
         with self._lock:
             if key is not None:
-                entry = self._live[key]
-                entry[0] -= 1
-                if not entry[0]:
-                    del self._live[key]
-                    self.live_bytes -= entry[1]
+                self._live.release(key)
             self._sample()
 
     def _total(self) -> int:
         if self.extra is None:
-            return self.live_bytes
+            return self._live.bytes
         others = dict(self.extra())  # (a copy: the queue may change on another thread)
         skip = self._live.keys() | self.excluded
-        return self.live_bytes + sum(n for ptr, n in others.items() if ptr not in skip)
+        return self._live.bytes + sum(n for ptr, n in others.items() if ptr not in skip)
 
     def _sample(self) -> None:
         self.peak_bytes = max(self.peak_bytes, self._total())

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from smp_pipeline.accumulation import storable_grad
+from smp_pipeline.storages import LiveStorages, storage_sizes
 
 __all__ = ["GradPairs", "WTask", "WeightGradQueue"]
 
@@ -46,16 +47,7 @@ class WTask:
 
 
 def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
-    return sum(_storages(tensors).values())
-
-
-def _storages(tensors: Sequence[torch.Tensor]) -> dict[int, int]:
-    """Storage address -> its bytes, each storage once (a live storage's address is unique)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        s = t.untyped_storage()
-        seen[s.data_ptr()] = s.nbytes()
-    return seen
+    return sum(storage_sizes(tensors).values())
 
 
 @dataclass
@@ -107,11 +99,9 @@ class WeightGradQueue:
     #: called with a group's tag when its backward ended and that took the group's last
     #: count off :attr:`queued_by_tag` (a scheduler may fold the microbatch now)
     closed: Callable[[int | None], None] | None = None
-    #: bytes of the storages the queued W tasks hold, each counted once however many tasks
-    #: (or tensors of one task) hold it; kept up to date as tasks are queued and run
-    queued_bytes: int = 0
-    #: storage address -> [queued tasks holding it, its bytes] (what :attr:`queued_bytes` sums)
-    _held: dict[int, list[int]] = field(default_factory=dict)
+    #: the storages the queued W tasks hold, each counted once however many tasks (or
+    #: tensors of one task) hold it; kept up to date as tasks are queued and run
+    _held: LiveStorages = field(default_factory=LiveStorages)
 
     def __len__(self) -> int:
         return len(self.tasks)
@@ -121,29 +111,25 @@ class WeightGradQueue:
         from the tasks (:attr:`queued_bytes` is the same figure, kept as they come and go)."""
         return _storage_bytes([t for task in self.tasks for t in task.held])
 
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes of the storages the queued W tasks hold, each counted once (kept up to date
+        as tasks are queued and run)."""
+        return self._held.bytes
+
     def held_storages(self) -> dict[int, int]:
         """Storage address -> bytes of each storage the queued W tasks hold (to count them
-        once with other live tensors, e.g. saved activations sharing an input)."""
-        # (copied in one C call first: a meter may ask from another thread while this one
-        # queues or runs tasks)
-        return {ptr: entry[1] for ptr, entry in dict(self._held).items()}
+        once with other live tensors, e.g. saved activations sharing an input; a meter may
+        ask from another thread while this one queues or runs tasks)."""
+        return self._held.sizes()
 
     def _hold(self, task: WTask) -> None:
-        for ptr, nbytes in _storages(task.held).items():
-            entry = self._held.get(ptr)
-            if entry is None:
-                self._held[ptr] = [1, nbytes]
-                self.queued_bytes += nbytes
-            else:
-                entry[0] += 1
+        for ptr, nbytes in storage_sizes(task.held).items():
+            self._held.hold(ptr, nbytes)
 
     def _release(self, task: WTask) -> None:
-        for ptr in _storages(task.held):
-            entry = self._held[ptr]
-            entry[0] -= 1
-            if not entry[0]:
-                del self._held[ptr]
-                self.queued_bytes -= entry[1]
+        for ptr in storage_sizes(task.held):
+            self._held.release(ptr)
 
     def new_step(self) -> None:
         """A step starts: :meth:`seal` the groups, and forget which parameters got I-pass or
@@ -218,7 +204,6 @@ class WeightGradQueue:
         """Drop every queued W task and partial sum (a failed step: nothing will fold them)."""
         self.tasks.clear()
         self._held.clear()
-        self.queued_bytes = 0
         self.queued_by_tag.clear()
         self._pending.clear()
         self._remaining.clear()
