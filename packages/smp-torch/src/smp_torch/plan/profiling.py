@@ -163,7 +163,7 @@ def tensor_parallel_divisors(model: nn.Module) -> dict[str, int]:
     query and key/value head counts too, as smp-tp requires of the attention."""
     out: dict[str, int] = {}
     modules = dict(model.named_modules())
-    for name, m in model.named_modules():
+    for name, m in modules.items():
         if any(name.startswith(p + ".") or p == "" for p in out) and name:
             continue
         if not is_tensor_parallel_enabled(m) or lookup(m) is None:
