@@ -23,6 +23,7 @@ import torch
 from smp_partition.plan import CommModel, Profile
 from smp_pipeline.checkpointing import checkpoint_in_place
 from smp_pipeline.partition import trace_dict
+from smp_tp.hf import register_hf_if_loaded
 from smp_tp.registry import is_tensor_parallel_enabled, lookup
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
@@ -158,9 +159,17 @@ def saved_bytes_per_module(model: nn.Module, run: Callable[[], Any]) -> dict[str
 def tensor_parallel_divisors(model: nn.Module) -> dict[str, int]:
     """The modules smp-tp would split (marked, with a distributed implementation, not
     inside another such module), each with the number tp must divide: its head count when
-    it names one, else the greatest common divisor of its parameters' first dimensions; a
-    module inside an attention module (a projection smp-tp splits one by one) divides its
-    query and key/value head counts too, as smp-tp requires of the attention."""
+    it names one, else the greatest common divisor of its parameters' first dimensions; an
+    attention module (smp-tp's Megatron block over its projections) and a module inside one
+    (a projection smp-tp splits one by one) divide its query and key/value head counts too,
+    as smp-tp requires of the attention.
+
+    smp-tp registers its Hugging Face blocks (Llama's attention and MLP, T5's) only when
+    ``parallelize`` runs; they are registered here first, so the planner sees the modules
+    smp-tp will replace: one Llama attention block with one collective pair, not its four
+    projections with a pair each (measured: tp = 2 predicted 2-3x too slow on bench_plan's
+    llama-tied grid, 30 split modules where smp-tp runs 10)."""
+    register_hf_if_loaded()
     out: dict[str, int] = {}
     modules = dict(model.named_modules())
     for name, m in modules.items():
@@ -173,6 +182,7 @@ def tensor_parallel_divisors(model: nn.Module) -> dict[str, int]:
             dims = [p.shape[0] for p in m.parameters() if p.dim()]
             heads = math.gcd(*dims) if dims else 1
         parent = modules.get(name.rpartition(".")[0]) if "." in name else None
+        heads = math.gcd(heads, *_head_counts(m))
         if parent is not None:
             heads = math.gcd(heads, *_head_counts(parent))
         out[name] = int(heads)
