@@ -20,6 +20,7 @@ from smp_torch.plan.profiling import (
     peak_step_allocation,
     replay_peak,
     saved_bytes_per_module,
+    sharding_overheads_s,
     tensor_parallel_divisors,
 )
 from torch import nn
@@ -44,6 +45,27 @@ def test_profile_measures_the_model(toy_profile) -> None:  # type: ignore[no-unt
     # the head saves its input (8 x 16 x 32 fp32) for backward; each block's fc likewise
     assert p.saved_bytes["head"] >= 8 * 16 * 32 * 4
     assert p.saved_bytes["blocks.0.fc"] >= 8 * 16 * 32 * 4
+
+
+def test_sharding_overheads_are_measured_per_tensor_on_a_one_rank_mesh(toy_profile) -> None:  # type: ignore[no-untyped-def]
+    """What FSDP2 adds per parameter tensor (the optimizer on DTensors, the copies around the
+    collectives) is measured without a launched job, into the profile; the process group
+    it needs is this process's alone and gone afterwards; inside a job (a group exists) it
+    is not measured."""
+    import torch.distributed as dist
+
+    assert toy_profile.shard_optimizer_s_per_tensor > 0 and toy_profile.shard_microbatch_s_per_tensor > 0
+    assert not dist.is_initialized()
+    one = (plan_toy.sample_batch()[0][:1], plan_toy.sample_batch()[1][:1])
+
+    def adam(ps):  # type: ignore[no-untyped-def]
+        return torch.optim.Adam(ps, lr=1e-4)
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert sharding_overheads_s(plan_toy.model_fn, plan_toy.step_fn, one, adam, 1) == (0.0, 0.0)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_fixed_bytes_are_measured_after_torchs_first_step(monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -14,7 +14,8 @@ The model (docs/design.md, "Planner"):
   ``(pp - 1) / (microbatches + pp - 1)``);
 * after the pipeline: the data-parallel gradient all-reduce (sharded: reduce-scatter over
   the sdp group, all-reduce over the replicas, plus two all-gathers of the parameters per
-  microbatch) and the optimizer step;
+  microbatch, and FSDP2's per-tensor copies and the optimizer's per-tensor DTensor
+  dispatch, both measured by the profile) and the optimizer step;
 * peak memory of a stage's rank: the runtime's fixed bytes, parameters, gradients and
   optimizer state (divided by sdp, plus the largest unit gathered in full), and the saved
   activations of the microbatches in flight (``min(microbatches, active_microbatches)``);
@@ -198,6 +199,9 @@ def stage_microbatch_s(profile: Profile, st: StageSums, c: Candidate) -> float:
         t += 2 * comm.gather_s(params * profile.param_bytes, c.sdp)
         t += comm.gather_s(params * profile.grad_bytes, c.sdp)
         t += 3 * (shard_units(profile, st, c.tp) - 1) * comm.gather_s(0.0, c.sdp)  # their own rounds
+        # and FSDP2's own work per parameter tensor (copy-out after the gather, copy-in
+        # before the reduce-scatter), compute that time-shares the cores like the rest
+        t += st.param_tensors * profile.shard_microbatch_s_per_tensor * busy_scale(profile, c)
     if c.pp > 1:
         # every stage waits once for a microbatch's forward input or its first send, and
         # once for its backward gradient (the last stage: its loss's turn)
@@ -228,6 +232,10 @@ def stage_after_s(profile: Profile, st: StageSums, c: Candidate) -> float:
             t += comm.gather_s(params * profile.param_bytes, c.sdp)
             t += comm.gather_s(params * profile.grad_bytes, c.sdp)
             t += 2 * max(0, stage_tops(st) - 1) * comm.gather_s(0.0, c.sdp)
+            # FSDP2's per-tensor copies, once per step here (not per microbatch)
+            t += st.param_tensors * profile.shard_microbatch_s_per_tensor * profile.compute_scale
+        # the optimizer steps DTensor shards: its per-tensor dispatch on top of the plain step
+        t += st.param_tensors * profile.shard_optimizer_s_per_tensor * profile.compute_scale
     else:
         # whole parameters are averaged over every rank sharing the batch (tp peers
         # included), split ones over the replicas of their slice

@@ -84,6 +84,14 @@ class Profile:
     """Optimizer state bytes per parameter element (Adam: two fp32 moments)."""
     optimizer_s_per_param: float = 0.0
     """Seconds of the optimizer step per parameter element a rank holds."""
+    shard_optimizer_s_per_tensor: float = 0.0
+    """Seconds the optimizer step adds per parameter tensor when the parameters are
+    sharded (FSDP2's DTensors: every optimizer op is dispatched per tensor through DTensor),
+    beyond ``optimizer_s_per_param``'s plain step."""
+    shard_microbatch_s_per_tensor: float = 0.0
+    """Seconds sharding adds to a forward+backward per parameter tensor beyond the
+    collectives' transfer (FSDP2 copies each parameter out of the gathered flat buffer
+    and each gradient into the reduce-scatter's, and runs its hooks per unit)."""
     step_transient_bytes: float = 0.0
     """Peak bytes a forward+backward of ``batch_size`` samples allocates beyond the saved
     ones (gradients of activations, temporaries), in the part growing with the samples;
@@ -118,6 +126,7 @@ class Profile:
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise PartitionError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
         for key in ("forward_s", "backward_s", "optimizer_s_per_param", "step_overhead_s",
+                    "shard_optimizer_s_per_tensor", "shard_microbatch_s_per_tensor",
                     "microbatch_overhead_s", "memory_weight", "balance_slack", "compute_scale",
                     "step_transient_bytes", "step_transient_fixed_bytes", "memory_margin",
                     "checkpoint_unit_overhead_s"):  # fmt: skip

@@ -72,6 +72,9 @@ class StageSums:
     its modules)."""
     owns_root: bool = False
     """Whether the model's root module (the step function's driver) is on this stage."""
+    param_tensors: int = 0
+    """Parameter tensors the stage holds (a tensor shared by modules on two stages counts
+    on both: safe), what per-tensor costs of sharding scale with."""
 
 
 def _first_parent(profile: Profile) -> list[int]:
@@ -145,10 +148,12 @@ def stage_sums(profile: Profile, facts: ModuleFacts, pp: int) -> tuple[list[Stag
     unit_params: list[dict[int, Split]] = [{} for _ in range(pp)]
     tp_names = profile.tp_divisors
     saved = profile.saved_bytes
+    tensors: list[set[str]] = [set() for _ in range(pp)]
     for i, m in enumerate(mods):
         st = stages[stage_of[i]]
         split = facts.tp_split[i]
         st.modules += 1
+        tensors[stage_of[i]].update(m.params)
         st.forward.add(facts.forward_share[i], split)
         st.params.add(facts.params[i], split)
         b = saved.get(m.name, 0)
@@ -172,6 +177,7 @@ def stage_sums(profile: Profile, facts: ModuleFacts, pp: int) -> tuple[list[Stag
             stages[stage_of[p]].received_bytes += m.activation_bytes
     stages[stage_of[0]].owns_root = True
     for s, st in enumerate(stages):
+        st.param_tensors = len(tensors[s])
         st.unit_saved = list(units[s].values())
         st.unit_params = list(unit_params[s].values())
     return stages, stage_of

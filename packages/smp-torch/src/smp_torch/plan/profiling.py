@@ -5,7 +5,8 @@ smp's automatic partition sees (``smp_pipeline`` trace, FLOP-counted shares), th
 and backward wall-clock time (medians), the time of a one-sample slice (what a microbatch
 costs beyond its samples), the bytes each module saves for backward (autograd's saved-tensor
 hooks, attributed to the innermost running module), the optimizer's state bytes and step
-time per parameter, and the process's fixed memory (resident set before the model exists,
+time per parameter (and what FSDP2 sharding adds to it and to a forward+backward per
+parameter tensor, on a one-rank mesh), and the process's fixed memory (resident set before the model exists,
 plus what a whole step's peak leaves unexplained).
 """
 
@@ -15,17 +16,20 @@ import math
 import os
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import smp_partition
 import torch
+import torch.distributed as dist
 from smp_partition.plan import CommModel, Profile
 from smp_pipeline.checkpointing import checkpoint_in_place
 from smp_pipeline.partition import trace_dict
 from smp_tp.hf import register_hf_if_loaded
 from smp_tp.registry import is_tensor_parallel_enabled, lookup
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -265,6 +269,53 @@ def _checkpoint_unit_overhead_s(
     return max(0.0, (ck_s - one_s - forward_per_sample_s) / len(units))
 
 
+def sharding_overheads_s(
+    model_fn: Callable[[], nn.Module],
+    step: StepFn,
+    one: Any,
+    optimizer_fn: Callable[[Any], torch.optim.Optimizer],
+    repeats: int,
+) -> tuple[float, float]:
+    """(optimizer step, forward+backward) seconds that FSDP2 sharding adds per parameter
+    tensor: a fresh copy of the model under ``fully_shard`` on a one-rank mesh (a process
+    group of this process alone, made and destroyed here), against a plain copy, each
+    trained on one sample. The mesh's one rank moves no bytes, so what remains is the
+    work a rank does per tensor whatever the degree: the optimizer's ops dispatched on
+    DTensors, the copies out of the gathered buffer and into the reduce-scatter's, the
+    hooks. (0, 0) where a process group already exists here (a launched job: its ranks
+    would all have to join a new one)."""
+    if dist.is_initialized():
+        return 0.0, 0.0
+    from torch.distributed.fsdp import fully_shard
+
+    def trained(shard: bool) -> tuple[float, float, int]:
+        model = model_fn()
+        if shard:
+            fully_shard(model, mesh=DeviceMesh("cpu", [0]))
+        opt = optimizer_fn(model.parameters())
+
+        def run() -> None:
+            model.zero_grad(set_to_none=False)
+            step(model, one).backward()
+
+        run()
+        opt.step()  # (the optimizer's state exists from here on)
+        return _median_s(opt.step, repeats), _median_s(run, repeats), sum(1 for _ in model.parameters())
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings():
+            # FSDP2's advice about the model's outputs concerns a job, not this measurement
+            # (smp's own sharding gives it there)
+            warnings.simplefilter("ignore")
+            plain_opt, plain_run, tensors = trained(False)
+            shard_opt, shard_run, _ = trained(True)
+    finally:
+        dist.destroy_process_group()
+    n = max(tensors, 1)
+    return max(0.0, (shard_opt - plain_opt) / n), max(0.0, (shard_run - plain_run) / n)
+
+
 def _check_on_cpu(model: nn.Module, batch: Any) -> None:
     """The profile times on the CPU's clocks and reads the process's resident set: a model
     or batch elsewhere (a GPU's asynchronous kernels, its own allocator) would be profiled
@@ -333,7 +384,8 @@ def profile_model(
     batch = sample_batch
     size = batch_size_of(batch)
     _check_on_cpu(model, batch)
-    opt = (optimizer_fn or (lambda ps: torch.optim.Adam(ps, lr=1e-4)))(model.parameters())
+    make_opt = optimizer_fn or (lambda ps: torch.optim.Adam(ps, lr=1e-4))
+    opt = make_opt(model.parameters())
 
     def fwd() -> torch.Tensor:
         return step(model, batch)
@@ -372,6 +424,7 @@ def profile_model(
     graph = smp_partition.ModuleGraph.from_dict(trace_dict(model, run=fwd, costs="flops"))
     units = tuple(default_checkpoint_units(model) if checkpoint_units is None else checkpoint_units)
     unit_overhead = _checkpoint_unit_overhead_s(model_fn, step, one, units, one_s, fwd_s / size, repeats)
+    shard_opt_s, shard_run_s = sharding_overheads_s(model_fn, step, one, make_opt, repeats)
     saved = {k: v for k, v in saved.items() if k in graph}
     param_bytes = max((p.element_size() for p in model.parameters()), default=4)
     # Peak tensor bytes of a forward+backward beyond what persists, at one sample and at the
@@ -399,6 +452,8 @@ def profile_model(
         grad_bytes=param_bytes,
         optimizer_bytes=math.ceil(state_bytes / numel) if numel else 0,
         optimizer_s_per_param=opt_s / numel if numel else 0.0,
+        shard_optimizer_s_per_tensor=shard_opt_s,
+        shard_microbatch_s_per_tensor=shard_run_s,
         base_bytes=int(base_bytes),
         microbatch_overhead_s=overhead,
         comm=comm or CommModel(),
