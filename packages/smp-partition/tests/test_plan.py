@@ -339,3 +339,23 @@ def test_sharding_charges_its_per_tensor_costs() -> None:
     assert step(p, unsharded) == step(plain, unsharded)
     with pytest.raises(PartitionError, match="shard_optimizer_s_per_tensor"):
         replace(plain, shard_optimizer_s_per_tensor=-1.0)
+
+
+def test_stages_keep_checkpoint_units_and_split_modules_whole_as_smp_does() -> None:
+    """smp moves a checkpointed module's subtree, and an smp-tp module's, onto that module's
+    stage after partitioning (smp_torch.pipeline.keep_whole); the planner's stages for such
+    candidates are the ones smp builds (the partition alone cut a block across stages)."""
+    p = synthetic_profile(3, width=64, heads=4, seq=16, batch_size=8, vocab=100)
+    facts = module_facts(p)
+    names = [m.name for m in p.graph.modules]
+    _, plain = stage_sums(p, facts, 4)
+    # the partition alone puts some block's attention or MLP on another stage than the block
+    cut = [u for u in p.checkpoint_units if len({plain[i] for i, n in enumerate(names) if n.startswith(u)}) > 1]
+    assert cut, "the example must have a block the partition cuts"
+    _, whole = stage_sums(p, facts, 4, p.checkpoint_units)
+    for u in p.checkpoint_units:
+        assert len({whole[i] for i, n in enumerate(names) if n == u or n.startswith(u + ".")}) == 1
+        assert whole[names.index(u)] == plain[names.index(u)]  # the unit itself stays
+    planner = _Planner(p)
+    assert planner.stages(4, True) is not planner.stages(4, False)
+    assert sum(st.params.at(1) for st in planner.stages(4, True)) == sum(facts.params)

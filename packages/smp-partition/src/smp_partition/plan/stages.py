@@ -134,8 +134,38 @@ def module_facts(profile: Profile) -> ModuleFacts:
     return ModuleFacts(share, params, tp_split, unit, parent)
 
 
-def stage_sums(profile: Profile, facts: ModuleFacts, pp: int) -> tuple[list[StageSums], list[int]]:
-    """The stages of smp's automatic partition into ``pp`` stages, and each module's stage."""
+def keep_whole(facts: ModuleFacts, stage_of: list[int], roots: set[int]) -> list[int]:
+    """``stage_of`` with the subtree of every module in ``roots`` moved onto that module's
+    stage, as smp does after partitioning (``smp_torch.pipeline.keep_whole``): a
+    checkpointed module is recomputed where it runs, and an smp-tp module uses its
+    submodules' parameters directly. An outer root wins over a nested one (smp walks the
+    modules parents first, and so does this)."""
+    out = list(stage_of)
+    children: list[list[int]] = [[] for _ in out]
+    for i, p in enumerate(facts.parent):
+        if p >= 0:
+            children[p].append(i)
+    order = [0]
+    for i in order:  # BFS from the root: a parent's stage is settled before its subtree
+        order += children[i]
+    pinned = [-1] * len(out)
+    for i in order:
+        p = facts.parent[i]
+        if p >= 0 and pinned[p] >= 0:
+            pinned[i] = pinned[p]
+        elif i in roots:
+            pinned[i] = out[i]
+        if pinned[i] >= 0:
+            out[i] = pinned[i]
+    return out
+
+
+def stage_sums(
+    profile: Profile, facts: ModuleFacts, pp: int, whole: tuple[str, ...] = ()
+) -> tuple[list[StageSums], list[int]]:
+    """The stages of smp's automatic partition into ``pp`` stages, and each module's stage;
+    ``whole``: modules whose subtree smp keeps on their own stage (the checkpoint units
+    with checkpointing on, the tensor-parallel modules with tp > 1: :func:`keep_whole`)."""
     graph = profile.graph
     mods = graph.modules
     if pp == 1:
@@ -143,6 +173,8 @@ def stage_sums(profile: Profile, facts: ModuleFacts, pp: int) -> tuple[list[Stag
     else:
         result = partition(graph, pp, profile.memory_weight, "default", profile.balance_slack)
         stage_of = [result.assignment[m.name] for m in mods]
+        if whole:
+            stage_of = keep_whole(facts, stage_of, {graph.index_of(n) for n in whole})
     stages = [StageSums() for _ in range(pp)]
     units: list[dict[int, Split]] = [{} for _ in range(pp)]
     unit_params: list[dict[int, Split]] = [{} for _ in range(pp)]
