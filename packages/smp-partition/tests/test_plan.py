@@ -63,19 +63,27 @@ def test_memory_prediction_is_the_documented_sum() -> None:
     acts = 16000 / 2  # without a pipeline one microbatch (half the batch) at a time
     assert peaks == (100_000 + state + acts,)
     assert bubble == 0.0
-    # tp=2 halves the parameters of the tensor-parallel blocks; a split module runs its tp
-    # peers' samples too (smp's default keeps each rank's own), so its saved bytes stay.
+    # tp=2 halves the parameters of the tensor-parallel blocks; each rank keeps its own
+    # samples (smp's default), and a split module runs its tp peers' samples on half the
+    # channels: its saved bytes are those of this rank's samples at full width.
     c2 = Candidate(pp=1, tp=2, dp=1, sdp=1, microbatches=2, checkpointing=False)
-    assert estimate(p, stages, c2)[2] == (100_000 + state / 2 + acts,)
-    # a whole (not tensor-parallel) module keeps its parameters in full, and only this
-    # rank's samples: b0's 8000 saved bytes for two tp peers, b1's for this rank alone
+    own = 16000 / 4  # a quarter of the batch per rank and microbatch
+    assert estimate(p, stages, c2)[2] == (100_000 + state / 2 + own,)
+    # ... except the input a Megatron block gathers from its tp peers: tp times the samples,
+    # tp - 1 copies more than the profile saw (b0 gathers 1000 bytes at the full batch)
+    g = two_block_profile(tp_gathered_bytes={"b0": 1000})
+    g_stages = stage_sums(g, module_facts(g), 1)[0]
+    assert estimate(g, g_stages, c2)[2] == (100_000 + state / 2 + own + (2 - 1) * 1000 / 4,)
+    c2k = Candidate(pp=1, tp=2, dp=1, sdp=1, microbatches=2, checkpointing=True)
+    assert estimate(g, g_stages, c2k)[2][0] - estimate(p, stages, c2k)[2][0] == pytest.approx(1000 / 4)
+    # a whole (not tensor-parallel) module keeps its parameters in full
     q = two_block_profile(tp_divisors={"b0": 4})
     q_stages = stage_sums(q, module_facts(q), 1)[0]
-    assert estimate(q, q_stages, c2)[2] == (100_000 + (1000 + 500) * 16 + (8000 * 2 + 8000) / 4,)
+    assert estimate(q, q_stages, c2)[2] == (100_000 + (1000 + 500) * 16 + (8000 + 8000) / 4,)
     # the step's temporaries: one microbatch's share of the per-sample part, plus the fixed
     r = two_block_profile(step_transient_bytes=4000.0, step_transient_fixed_bytes=50.0)
     r_stages = stage_sums(r, module_facts(r), 1)[0]
-    assert estimate(r, r_stages, c2)[2] == (100_000 + state / 2 + acts + 4000 * 2 / 4 + 50,)
+    assert estimate(r, r_stages, c2)[2] == (100_000 + state / 2 + own + 4000 * 2 / 4 + 50,)
     # sdp=2 shards the state, and counts two full copies of parameters and of gradients
     # (FSDP2's all-gather buffer and unsharded parameters; full gradients and the
     # reduce-scatter's flat input).

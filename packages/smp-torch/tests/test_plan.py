@@ -17,6 +17,7 @@ from smp_torch.plan import parse_bytes, profile_model
 from smp_torch.plan.profiling import (
     _checkpoint_unit_overhead_s,
     default_checkpoint_units,
+    gathered_input_bytes,
     peak_step_allocation,
     replay_peak,
     saved_bytes_per_module,
@@ -169,6 +170,33 @@ def test_llama_blocks_are_the_split_modules_and_divide_by_the_key_value_heads() 
     divisors = tensor_parallel_divisors(model)
     layer = {k.removeprefix("model.layers.0."): v for k, v in divisors.items() if k.startswith("model.layers.0.")}
     assert layer == {"self_attn": 2, "mlp": 64}, divisors  # (the MLP: its rows)
+
+
+def test_gathered_inputs_are_the_blocks_and_the_vocabulary_head() -> None:
+    """smp-tp's Megatron blocks and the vocabulary-parallel head all-gather their input (and
+    every argument with its batch dimension) over the tp group, so a split
+    rank keeps it at tp times its samples; a per-linear split (the toy's marked linears)
+    exchanges channel slices and gathers nothing."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+    with smp.tensor_parallelism():
+        model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 32, (3, 5))
+    divisors = tensor_parallel_divisors(model)
+    with torch.no_grad():
+        got = gathered_input_bytes(model, lambda: model(ids), divisors)
+    hidden = 3 * 5 * 64 * 4
+    assert got["model.layers.0.mlp"] == hidden
+    assert got["lm_head"] == hidden
+    # the attention its input (the rotary cos/sin are (1, 5, 16), shared by the batch:
+    # not gathered)
+    assert got["model.layers.0.self_attn"] == hidden
+    assert "model.embed_tokens" not in got  # (its input is token ids, not kept at tp times)
+    toy = plan_toy.model_fn()
+    with torch.no_grad():
+        assert gathered_input_bytes(toy, lambda: toy(plan_toy.sample_batch()[0]), tensor_parallel_divisors(toy)) == {}
 
 
 def test_best_config_passes_smp_init_validation(toy_profile) -> None:  # type: ignore[no-untyped-def]

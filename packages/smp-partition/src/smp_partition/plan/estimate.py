@@ -109,22 +109,26 @@ def stage_memory(profile: Profile, st: StageSums, c: Candidate) -> float:
         # flight while backward runs: up to one more copy of the stage's gradients
         state += params * profile.grad_bytes
     # smp's default (prescaled_batch off): each rank keeps its own batch / (tp * dp) samples
-    # in the modules tp does not split; a split module all-gathers its tp peers' inputs and
-    # runs tp times the samples on 1/tp of the weights. Its saved bytes are counted at
-    # the full width for those samples (its inputs are full width; the inner activations
-    # are 1/tp as wide: safe, by at most tp times on the inner part).
+    # in the modules tp does not split; a split module runs its tp peers' samples on 1/tp
+    # of the channels, so what it saves inside is as many bytes as its own samples at full
+    # width (a per-linear split's input, exchanged by all-to-all, likewise), except the
+    # input a Megatron block or the vocabulary head all-gathers: full width, tp times the
+    # samples (``gathered``, tp - 1 copies beyond the one the profile saw). (Counted
+    # before at tp times for the whole module: tp = 2 over-predicted by 4-6 % against
+    # tp = 1, bench_plan's llama-tied grid.)
     own = c.microbatches * c.tp * c.dp  # microbatch slices of the profiled batch, per rank
     live = in_flight(c.pp, c.microbatches)
+    gathered = (tp - 1) * st.gathered
     if c.checkpointing and st.unit_saved:
-        per_mb = st.saved_outside_units.over_peers(tp) + st.unit_inputs
+        per_mb = st.saved_outside_units.at(1) + (tp - 1) * st.gathered_outside_units + st.unit_inputs
         # While a microbatch's backward recomputes its units one at a time, what the
         # recompute chain allocated stays in the process (measured: at pp = 1 a rank's peak
         # with checkpointing equals the one without, bench_plan's gpt2-small grid): one
         # microbatch's full saved bytes, on top of the kept unit inputs.
-        recompute = st.saved.over_peers(tp)
+        recompute = st.saved.at(1) + gathered
         acts = (live * per_mb + recompute) / own
     else:
-        acts = live * st.saved.over_peers(tp) / own
+        acts = live * (st.saved.at(1) + gathered) / own
     if c.pp > 1:
         # what crosses the stage's cuts, per microbatch in flight: the activations it
         # received (kept for backward) and sent, and the gradients of both coming back,

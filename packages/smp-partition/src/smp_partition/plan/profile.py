@@ -73,6 +73,12 @@ class Profile:
     tp_divisors: Mapping[str, int] = field(default_factory=dict)
     """Modules tensor parallelism splits, each with the number the degree must divide
     (attention heads, features); their parameters, time and saved bytes split by tp."""
+    tp_gathered_bytes: Mapping[str, int] = field(default_factory=dict)
+    """Bytes (at ``batch_size``) of the input each split module all-gathers from its
+    tensor-parallel peers and keeps for backward: smp-tp's Megatron blocks and its
+    vocabulary-parallel head run their column linears on the tp group's samples at full
+    width. A module that exchanges channel slices instead (a per-linear split) keeps only
+    as many bytes as its own samples would."""
     checkpoint_units: tuple[str, ...] = ()
     """Modules activation checkpointing wraps (e.g. the transformer blocks)."""
     checkpoint_unit_overhead_s: float = 0.0
@@ -137,7 +143,8 @@ class Profile:
             v = getattr(self, key)
             if not isinstance(v, int) or v < 0:
                 raise PartitionError(f"{key} must be an integer >= 0, got {v!r}")
-        for what, table in (("saved_bytes", self.saved_bytes), ("tp_divisors", self.tp_divisors)):
+        for what, table in (("saved_bytes", self.saved_bytes), ("tp_divisors", self.tp_divisors),
+                            ("tp_gathered_bytes", self.tp_gathered_bytes)):  # fmt: skip
             for name, v in table.items():
                 if name not in self.graph:
                     raise PartitionError(f"{what}: {name!r} is not a module of the graph")

@@ -27,11 +27,6 @@ class Split:
         """The per-rank value at tensor-parallel degree ``tp``."""
         return self.whole + self.split / tp
 
-    def over_peers(self, tp: int) -> float:
-        """The value when the split part runs its ``tp`` peers' samples too (bytes a split
-        module saves for the tensor-parallel group's gathered inputs, at full width)."""
-        return self.whole + self.split * tp
-
     def add(self, value: float, is_split: bool) -> None:
         if is_split:
             self.split += value
@@ -53,6 +48,11 @@ class StageSums:
     """Bytes saved for backward without checkpointing."""
     saved_outside_units: Split = field(default_factory=Split)
     """Bytes saved for backward by modules outside every checkpoint unit."""
+    gathered: float = 0.0
+    """Bytes the stage's split modules gather from their tp peers (``tp_gathered_bytes``),
+    kept for backward at tp times the samples."""
+    gathered_outside_units: float = 0.0
+    """The part of ``gathered`` outside every checkpoint unit."""
     unit_inputs: float = 0.0
     """Bytes checkpointing keeps per unit (its input, taken as its output's size)."""
     unit_saved: list[Split] = field(default_factory=list)
@@ -199,6 +199,10 @@ def stage_sums(
             st.unit_forward.add(facts.forward_share[i], split)
             if m.name == profile.checkpoint_units[k]:
                 st.unit_inputs += m.activation_bytes
+        g = profile.tp_gathered_bytes.get(m.name, 0)
+        st.gathered += g
+        if k < 0:
+            st.gathered_outside_units += g
         if m.name in tp_names:
             st.tp_modules += 1
             st.tp_output_bytes += m.activation_bytes

@@ -26,12 +26,12 @@ import torch.distributed as dist
 from smp_partition.plan import CommModel, Profile
 from smp_pipeline.checkpointing import checkpoint_in_place
 from smp_pipeline.partition import trace_dict
-from smp_tp.hf import register_hf_if_loaded
-from smp_tp.registry import is_tensor_parallel_enabled, lookup
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._pytree import tree_leaves, tree_map
+
+from smp_torch.plan.tensor_parallel import gathered_input_bytes, tensor_parallel_divisors
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
 #: The profile's default ``memory_margin``: fitted on bench_plan's gpt2-small grid (72
@@ -45,8 +45,6 @@ StepFn = Callable[[nn.Module, Any], torch.Tensor]
 #: its dynamic mmap threshold has risen; with the threshold fixed, those ranks peak under
 #: the prediction without any margin — performance.md).
 MEMORY_MARGIN = 0.13
-_HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads", "nhead")
-_KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
 
 
 def default_step(model: nn.Module, batch: Any) -> torch.Tensor:
@@ -158,54 +156,6 @@ def saved_bytes_per_module(model: nn.Module, run: Callable[[], Any]) -> dict[str
         for h in handles:
             h.remove()
     return out
-
-
-def tensor_parallel_divisors(model: nn.Module) -> dict[str, int]:
-    """The modules smp-tp would split (marked, with a distributed implementation, not
-    inside another such module), each with the number tp must divide: its head count when
-    it names one, else the greatest common divisor of its parameters' first dimensions; an
-    attention module (smp-tp's Megatron block over its projections) and a module inside one
-    (a projection smp-tp splits one by one) divide its query and key/value head counts too,
-    as smp-tp requires of the attention.
-
-    smp-tp registers its Hugging Face blocks (Llama's attention and MLP, T5's) only when
-    ``parallelize`` runs; they are registered here first, so the planner sees the modules
-    smp-tp will replace: one Llama attention block with one collective pair, not its four
-    projections with a pair each (measured: tp = 2 predicted 2-3x too slow on bench_plan's
-    llama-tied grid, 30 split modules where smp-tp runs 10)."""
-    register_hf_if_loaded()
-    out: dict[str, int] = {}
-    modules = dict(model.named_modules())
-    for name, m in modules.items():
-        if any(name.startswith(p + ".") or p == "" for p in out) and name:
-            continue
-        if not is_tensor_parallel_enabled(m) or lookup(m) is None:
-            continue
-        heads = next((getattr(m, a) for a in _HEAD_ATTRS if isinstance(getattr(m, a, None), int)), None)
-        if heads is None:
-            dims = [p.shape[0] for p in m.parameters() if p.dim()]
-            heads = math.gcd(*dims) if dims else 1
-        parent = modules.get(name.rpartition(".")[0]) if "." in name else None
-        heads = math.gcd(heads, *_head_counts(m))
-        if parent is not None:
-            heads = math.gcd(heads, *_head_counts(parent))
-        out[name] = int(heads)
-    return out
-
-
-def _head_counts(m: nn.Module) -> list[int]:
-    """The head counts an attention module names (one with a ``head_dim``): query heads and
-    key/value heads (grouped-query attention), on the module or its ``config`` (Hugging Face
-    keeps them there); [] for any other module."""
-    if not hasattr(m, "head_dim"):
-        return []
-    counts = []
-    for owner in (m, getattr(m, "config", None)):
-        for a in (*_HEAD_ATTRS, *_KV_HEAD_ATTRS):
-            v = getattr(owner, a, None) if owner is not None else None
-            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-                counts.append(v)
-    return counts
 
 
 def default_checkpoint_units(model: nn.Module) -> tuple[str, ...]:
@@ -426,6 +376,9 @@ def profile_model(
     unit_overhead = _checkpoint_unit_overhead_s(model_fn, step, one, units, one_s, fwd_s / size, repeats)
     shard_opt_s, shard_run_s = sharding_overheads_s(model_fn, step, one, make_opt, repeats)
     saved = {k: v for k, v in saved.items() if k in graph}
+    divisors = dict(tensor_parallel_divisors(model) if tp_divisors is None else tp_divisors)
+    with torch.no_grad():
+        gathered = {k: v for k, v in gathered_input_bytes(model, fwd, divisors).items() if k in graph}
     param_bytes = max((p.element_size() for p in model.parameters()), default=4)
     # Peak tensor bytes of a forward+backward beyond what persists, at one sample and at the
     # whole batch: a fixed part and a part growing with the samples (the saved activations
@@ -445,7 +398,8 @@ def profile_model(
         forward_s=fwd_s,
         backward_s=bwd_s,
         saved_bytes=saved,
-        tp_divisors=dict(tensor_parallel_divisors(model) if tp_divisors is None else tp_divisors),
+        tp_divisors=divisors,
+        tp_gathered_bytes=gathered,
         checkpoint_units=units,
         checkpoint_unit_overhead_s=unit_overhead,
         param_bytes=param_bytes,
