@@ -367,3 +367,22 @@ def test_stages_keep_checkpoint_units_and_split_modules_whole_as_smp_does() -> N
     planner = _Planner(p)
     assert planner.stages(4, True) is not planner.stages(4, False)
     assert sum(st.params.at(1) for st in planner.stages(4, True)) == sum(facts.params)
+
+
+def test_every_call_across_a_cut_costs_its_requests() -> None:
+    """A module called on another stage is a request and a response forward and again
+    backward; each stage pays ``request_s`` per call across its cuts, in or out, scaled by
+    its time-sharing (Llama's layers, called one by one from the model on another stage,
+    made pp = 2 run 23-36 % slower than predicted on bench_plan's llama-tied grid)."""
+    quiet = CommModel(latency_s=0.0, bandwidth=1e30, sync_s=0.0)
+    p = two_block_profile(comm=quiet, compute_scale=3.0)
+    q = replace(p, comm=replace(quiet, request_s=0.01))
+    stages = stage_sums(p, module_facts(p), 2)[0]
+    assert sum(st.cuts for st in stages) == sum(st.calls_out for st in stages) > 0
+    c = Candidate(2, 1, 2, 1, 4, False)
+    for st in stages:
+        extra = stage_microbatch_s(q, st, c) - stage_microbatch_s(p, st, c)
+        assert extra == pytest.approx((st.cuts + st.calls_out) * 0.01 * busy_scale(p, c))
+    one = stage_sums(p, module_facts(p), 1)[0][0]
+    c1 = Candidate(1, 1, 4, 1, 4, False)
+    assert stage_microbatch_s(q, one, c1) == stage_microbatch_s(p, one, c1)  # no cuts, no requests

@@ -9,7 +9,7 @@ The model (docs/design.md, "Planner"):
   profile's measured times scaled by its samples, plus the fixed per-microbatch
   overhead, tp's two all-reduces per tensor-parallel module (three with checkpointing,
   whose recompute repeats the forward one) and the point-to-point messages of the stage's
-  pipeline cuts;
+  pipeline cuts, with the CPU of each call across them (``CommModel.request_s``);
 * the pipeline runs ``microbatches + pp - 1`` slots of the slowest stage (the bubble is
   ``(pp - 1) / (microbatches + pp - 1)``);
 * after the pipeline: the data-parallel gradient all-reduce (sharded: reduce-scatter over
@@ -210,6 +210,10 @@ def stage_microbatch_s(profile: Profile, st: StageSums, c: Candidate) -> float:
         # every stage waits once for a microbatch's forward input or its first send, and
         # once for its backward gradient (the last stage: its loss's turn)
         t += 2 * comm.message_s(st.boundary_bytes * frac)
+        # and works on every call across its cuts, in and out, forward and backward: two
+        # requests per call, each costing its two ranks request_s together (a stage whose
+        # parent calls its modules one by one pays per module: Llama's layers at pp = 2)
+        t += (st.cuts + st.calls_out) * comm.request_s * busy_scale(profile, c)
     return t
 
 

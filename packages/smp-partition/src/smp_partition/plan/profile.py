@@ -34,6 +34,11 @@ class CommModel:
     transfer: its peers are waited for (a peer still computing, or descheduled where ranks
     outnumber cores). Measured by bench_plan's calibration: a loop of a kernel and a
     4-byte all-reduce on every rank at once, less the kernel alone and the latency."""
+    request_s: float = 0.0
+    """CPU seconds one pipeline request costs, both ranks together: a module called on
+    another stage (or its backward) is a request and a response, each a few thread
+    hand-offs and a message (``benchmarks/bench_pipeline.py`` measures it at zero
+    compute: about 0.5 ms on the 2-core development machine)."""
 
     def allreduce_s(self, nbytes: float, ranks: int) -> float:
         """Seconds of one ring all-reduce of ``nbytes`` over ``ranks`` ranks (0 for one)."""

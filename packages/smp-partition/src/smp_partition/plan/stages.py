@@ -72,6 +72,10 @@ class StageSums:
     its modules)."""
     owns_root: bool = False
     """Whether the model's root module (the step function's driver) is on this stage."""
+    calls_out: int = 0
+    """Modules on other stages that this stage's modules call (``cuts`` counts the calls
+    into this stage): each a request and its response per microbatch, forward and
+    backward."""
     param_tensors: int = 0
     """Parameter tensors the stage holds (a tensor shared by modules on two stages counts
     on both: safe), what per-tensor costs of sharding scale with."""
@@ -211,6 +215,7 @@ def stage_sums(
             st.cuts += 1
             st.boundary_bytes += m.activation_bytes
             stages[stage_of[p]].received_bytes += m.activation_bytes
+            stages[stage_of[p]].calls_out += 1
     stages[stage_of[0]].owns_root = True
     for s, st in enumerate(stages):
         st.param_tensors = len(tensors[s])
