@@ -6,8 +6,8 @@ and backward wall-clock time (medians), the time of a one-sample slice (what a m
 costs beyond its samples), the bytes each module saves for backward (autograd's saved-tensor
 hooks, attributed to the innermost running module), the optimizer's state bytes and step
 time per parameter (and what FSDP2 sharding adds to it and to a forward+backward per
-parameter tensor, on a one-rank mesh), and the process's fixed memory (resident set before the model exists,
-plus what a whole step's peak leaves unexplained).
+parameter tensor, on a one-rank mesh), and the process's fixed memory (resident set
+before the model exists, plus what a whole step's peak leaves unexplained).
 """
 
 from __future__ import annotations
@@ -233,8 +233,8 @@ def sharding_overheads_s(
     work a rank does per tensor whatever the degree: the optimizer's ops dispatched on
     DTensors, the copies out of the gathered buffer and into the reduce-scatter's, the
     hooks. (0, 0) where a process group already exists here (a launched job: its ranks
-    would all have to join a new one)."""
-    if dist.is_initialized():
+    would all have to join a new one) or torch has no distributed support."""
+    if not dist.is_available() or dist.is_initialized():
         return 0.0, 0.0
     from torch.distributed.fsdp import fully_shard
 
