@@ -48,14 +48,18 @@ def test_profile_measures_the_model(toy_profile) -> None:  # type: ignore[no-unt
     assert p.saved_bytes["blocks.0.fc"] >= 8 * 16 * 32 * 4
 
 
-def test_sharding_overheads_are_measured_per_tensor_on_a_one_rank_mesh(toy_profile) -> None:  # type: ignore[no-untyped-def]
+def test_sharding_overheads_are_measured_per_tensor_on_a_one_rank_mesh(toy_profile, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """What FSDP2 adds per parameter tensor (the optimizer on DTensors, the copies around the
-    collectives) is measured without a launched job, into the profile; the process group
-    it needs is this process's alone and gone afterwards; inside a job (a group exists) it
-    is not measured."""
-    import torch.distributed as dist
+    collectives) is measured without a launched job and goes into the profile; the process
+    group it needs is this process's alone and gone afterwards; inside a job (a group
+    exists) it is not measured. (No timing is asserted beyond being a number.)"""
+    import math
 
-    assert toy_profile.shard_optimizer_s_per_tensor > 0 and toy_profile.shard_microbatch_s_per_tensor > 0
+    import torch.distributed as dist
+    from smp_torch.plan import profiling
+
+    for v in (toy_profile.shard_optimizer_s_per_tensor, toy_profile.shard_microbatch_s_per_tensor):
+        assert math.isfinite(v) and v >= 0
     assert not dist.is_initialized()
     one = (plan_toy.sample_batch()[0][:1], plan_toy.sample_batch()[1][:1])
 
@@ -67,6 +71,10 @@ def test_sharding_overheads_are_measured_per_tensor_on_a_one_rank_mesh(toy_profi
         assert sharding_overheads_s(plan_toy.model_fn, plan_toy.step_fn, one, adam, 1) == (0.0, 0.0)
     finally:
         dist.destroy_process_group()
+    # the profile carries what the measurement gives
+    monkeypatch.setattr(profiling, "sharding_overheads_s", lambda *a: (1e-3, 2e-3))
+    p = profile_model(plan_toy.model_fn, plan_toy.sample_batch(), plan_toy.step_fn, repeats=1)
+    assert (p.shard_optimizer_s_per_tensor, p.shard_microbatch_s_per_tensor) == (1e-3, 2e-3)
 
 
 def test_fixed_bytes_are_measured_after_torchs_first_step(monkeypatch) -> None:  # type: ignore[no-untyped-def]
