@@ -66,6 +66,10 @@ def load() -> float:
     return os.getloadavg()[0]
 
 
+#: CPU seconds of one pipeline request, both ranks together, where a stored calibration
+#: lacks it: bench_pipeline.py's zero-compute figure on this machine, 0.52-0.56 ms
+#: (docs/performance.md, smp-pipeline, measured 2026-11-28).
+REQUEST_S = 0.54e-3
 #: The 1-minute load average below which a job's step time is trusted.
 QUIET = 1.5
 
@@ -447,7 +451,8 @@ def compare(name: str) -> None:
     model_fn, batch, step_fn = build(name)
     torch.set_num_threads(1)  # as each rank of the grid runs (and the calibration's kernel)
     t0 = time.perf_counter()
-    comm = CommModel(machine["latency_s"], machine["bandwidth"], machine.get("sync_s", 0.0))
+    comm = CommModel(machine["latency_s"], machine["bandwidth"], machine.get("sync_s", 0.0),
+                     machine.get("request_s", REQUEST_S))  # fmt: skip
     prof = profile_model(
         model_fn, batch, step_fn, comm=comm,
         runtime_bytes=machine["rank_peak_bytes"], compute_scale=machine["compute_scale"],

@@ -66,6 +66,7 @@ LOCAL_IMPORTS = {
             ("sharded.py", "torch.distributed.tensor"),
             ("sharded_agree.py", "torch.distributed.fsdp"),
             ("sharded_pp.py", "torch.distributed.fsdp"),
+            ("plan/profiling.py", "torch.distributed.fsdp"),
         )
     },
     ("smp-comm/src/smp_comm/paths.py", "torch.multiprocessing.reductions"): (

@@ -9,12 +9,13 @@ The model (docs/design.md, "Planner"):
   profile's measured times scaled by its samples, plus the fixed per-microbatch
   overhead, tp's two all-reduces per tensor-parallel module (three with checkpointing,
   whose recompute repeats the forward one) and the point-to-point messages of the stage's
-  pipeline cuts;
+  pipeline cuts, with the CPU of each call across them (``CommModel.request_s``);
 * the pipeline runs ``microbatches + pp - 1`` slots of the slowest stage (the bubble is
   ``(pp - 1) / (microbatches + pp - 1)``);
 * after the pipeline: the data-parallel gradient all-reduce (sharded: reduce-scatter over
   the sdp group, all-reduce over the replicas, plus two all-gathers of the parameters per
-  microbatch) and the optimizer step;
+  microbatch, and FSDP2's per-tensor copies and the optimizer's per-tensor DTensor
+  dispatch, both measured by the profile) and the optimizer step;
 * peak memory of a stage's rank: the runtime's fixed bytes, parameters, gradients and
   optimizer state (divided by sdp, plus the largest unit gathered in full), and the saved
   activations of the microbatches in flight (``min(microbatches, active_microbatches)``);
@@ -108,22 +109,26 @@ def stage_memory(profile: Profile, st: StageSums, c: Candidate) -> float:
         # flight while backward runs: up to one more copy of the stage's gradients
         state += params * profile.grad_bytes
     # smp's default (prescaled_batch off): each rank keeps its own batch / (tp * dp) samples
-    # in the modules tp does not split; a split module all-gathers its tp peers' inputs and
-    # runs tp times the samples on 1/tp of the weights. Its saved bytes are counted at
-    # the full width for those samples (its inputs are full width; the inner activations
-    # are 1/tp as wide: safe, by at most tp times on the inner part).
+    # in the modules tp does not split; a split module runs its tp peers' samples on 1/tp
+    # of the channels, so what it saves inside is as many bytes as its own samples at full
+    # width (a per-linear split's input, exchanged by all-to-all, likewise), except the
+    # input a Megatron block or the vocabulary head all-gathers: full width, tp times the
+    # samples (``gathered``, tp - 1 copies beyond the one the profile saw). (Counted
+    # before at tp times for the whole module: tp = 2 over-predicted by 4-6 % against
+    # tp = 1, bench_plan's llama-tied grid.)
     own = c.microbatches * c.tp * c.dp  # microbatch slices of the profiled batch, per rank
     live = in_flight(c.pp, c.microbatches)
+    gathered = (tp - 1) * st.gathered
     if c.checkpointing and st.unit_saved:
-        per_mb = st.saved_outside_units.over_peers(tp) + st.unit_inputs
+        per_mb = st.saved_outside_units.at(1) + (tp - 1) * st.gathered_outside_units + st.unit_inputs
         # While a microbatch's backward recomputes its units one at a time, what the
         # recompute chain allocated stays in the process (measured: at pp = 1 a rank's peak
         # with checkpointing equals the one without, bench_plan's gpt2-small grid): one
         # microbatch's full saved bytes, on top of the kept unit inputs.
-        recompute = st.saved.over_peers(tp)
+        recompute = st.saved.at(1) + gathered
         acts = (live * per_mb + recompute) / own
     else:
-        acts = live * st.saved.over_peers(tp) / own
+        acts = live * (st.saved.at(1) + gathered) / own
     if c.pp > 1:
         # what crosses the stage's cuts, per microbatch in flight: the activations it
         # received (kept for backward) and sent, and the gradients of both coming back,
@@ -198,10 +203,17 @@ def stage_microbatch_s(profile: Profile, st: StageSums, c: Candidate) -> float:
         t += 2 * comm.gather_s(params * profile.param_bytes, c.sdp)
         t += comm.gather_s(params * profile.grad_bytes, c.sdp)
         t += 3 * (shard_units(profile, st, c.tp) - 1) * comm.gather_s(0.0, c.sdp)  # their own rounds
+        # and FSDP2's own work per parameter tensor (copy-out after the gather, copy-in
+        # before the reduce-scatter), compute that time-shares the cores like the rest
+        t += st.param_tensors * profile.shard_microbatch_s_per_tensor * busy_scale(profile, c)
     if c.pp > 1:
         # every stage waits once for a microbatch's forward input or its first send, and
         # once for its backward gradient (the last stage: its loss's turn)
         t += 2 * comm.message_s(st.boundary_bytes * frac)
+        # and works on every call across its cuts, in and out, forward and backward: two
+        # requests per call, each costing its two ranks request_s together (a stage whose
+        # parent calls its modules one by one pays per module: Llama's layers at pp = 2)
+        t += (st.cuts + st.calls_out) * comm.request_s * busy_scale(profile, c)
     return t
 
 
@@ -228,6 +240,10 @@ def stage_after_s(profile: Profile, st: StageSums, c: Candidate) -> float:
             t += comm.gather_s(params * profile.param_bytes, c.sdp)
             t += comm.gather_s(params * profile.grad_bytes, c.sdp)
             t += 2 * max(0, stage_tops(st) - 1) * comm.gather_s(0.0, c.sdp)
+            # FSDP2's per-tensor copies, once per step here (not per microbatch)
+            t += st.param_tensors * profile.shard_microbatch_s_per_tensor * profile.compute_scale
+        # the optimizer steps DTensor shards: its per-tensor dispatch on top of the plain step
+        t += st.param_tensors * profile.shard_optimizer_s_per_tensor * profile.compute_scale
     else:
         # whole parameters are averaged over every rank sharing the batch (tp peers
         # included), split ones over the replicas of their slice

@@ -34,6 +34,11 @@ class CommModel:
     transfer: its peers are waited for (a peer still computing, or descheduled where ranks
     outnumber cores). Measured by bench_plan's calibration: a loop of a kernel and a
     4-byte all-reduce on every rank at once, less the kernel alone and the latency."""
+    request_s: float = 0.0
+    """CPU seconds one pipeline request costs, both ranks together: a module called on
+    another stage (or its backward) is a request and a response, each a few thread
+    hand-offs and a message (``benchmarks/bench_pipeline.py`` measures it at zero
+    compute: about 0.5 ms on the 2-core development machine)."""
 
     def allreduce_s(self, nbytes: float, ranks: int) -> float:
         """Seconds of one ring all-reduce of ``nbytes`` over ``ranks`` ranks (0 for one)."""
@@ -73,6 +78,12 @@ class Profile:
     tp_divisors: Mapping[str, int] = field(default_factory=dict)
     """Modules tensor parallelism splits, each with the number the degree must divide
     (attention heads, features); their parameters, time and saved bytes split by tp."""
+    tp_gathered_bytes: Mapping[str, int] = field(default_factory=dict)
+    """Bytes (at ``batch_size``) of the input each split module all-gathers from its
+    tensor-parallel peers and keeps for backward: smp-tp's Megatron blocks and its
+    vocabulary-parallel head run their column linears on the tp group's samples at full
+    width. A module that exchanges channel slices instead (a per-linear split) keeps only
+    as many bytes as its own samples would."""
     checkpoint_units: tuple[str, ...] = ()
     """Modules activation checkpointing wraps (e.g. the transformer blocks)."""
     checkpoint_unit_overhead_s: float = 0.0
@@ -84,6 +95,14 @@ class Profile:
     """Optimizer state bytes per parameter element (Adam: two fp32 moments)."""
     optimizer_s_per_param: float = 0.0
     """Seconds of the optimizer step per parameter element a rank holds."""
+    shard_optimizer_s_per_tensor: float = 0.0
+    """Seconds the optimizer step adds per parameter tensor when the parameters are
+    sharded (FSDP2's DTensors: every optimizer op is dispatched per tensor through DTensor),
+    beyond ``optimizer_s_per_param``'s plain step."""
+    shard_microbatch_s_per_tensor: float = 0.0
+    """Seconds sharding adds to a forward+backward per parameter tensor beyond the
+    collectives' transfer (FSDP2 copies each parameter out of the gathered flat buffer
+    and each gradient into the reduce-scatter's, and runs its hooks per unit)."""
     step_transient_bytes: float = 0.0
     """Peak bytes a forward+backward of ``batch_size`` samples allocates beyond the saved
     ones (gradients of activations, temporaries), in the part growing with the samples;
@@ -118,6 +137,7 @@ class Profile:
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise PartitionError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
         for key in ("forward_s", "backward_s", "optimizer_s_per_param", "step_overhead_s",
+                    "shard_optimizer_s_per_tensor", "shard_microbatch_s_per_tensor",
                     "microbatch_overhead_s", "memory_weight", "balance_slack", "compute_scale",
                     "step_transient_bytes", "step_transient_fixed_bytes", "memory_margin",
                     "checkpoint_unit_overhead_s"):  # fmt: skip
@@ -128,7 +148,8 @@ class Profile:
             v = getattr(self, key)
             if not isinstance(v, int) or v < 0:
                 raise PartitionError(f"{key} must be an integer >= 0, got {v!r}")
-        for what, table in (("saved_bytes", self.saved_bytes), ("tp_divisors", self.tp_divisors)):
+        for what, table in (("saved_bytes", self.saved_bytes), ("tp_divisors", self.tp_divisors),
+                            ("tp_gathered_bytes", self.tp_gathered_bytes)):  # fmt: skip
             for name, v in table.items():
                 if name not in self.graph:
                     raise PartitionError(f"{what}: {name!r} is not a module of the graph")

@@ -189,12 +189,18 @@ class _Planner:
     def __init__(self, profile: Profile) -> None:
         self.profile = profile
         self.facts: ModuleFacts = module_facts(profile)
-        self._stages: dict[int, list[StageSums]] = {}
+        self._stages: dict[tuple[int, bool, bool], list[StageSums]] = {}
 
-    def stages(self, pp: int) -> list[StageSums]:
-        if pp not in self._stages:
-            self._stages[pp] = stage_sums(self.profile, self.facts, pp)[0]
-        return self._stages[pp]
+    def stages(self, pp: int, checkpointing: bool = False, tp: int = 1) -> list[StageSums]:
+        """The stages smp builds for ``pp``: its partition, with the checkpoint units kept
+        whole under checkpointing and the tensor-parallel modules under tp > 1 (smp moves
+        their submodules onto their stage)."""
+        key = (pp, checkpointing and pp > 1, tp > 1 and pp > 1)
+        if key not in self._stages:
+            p = self.profile
+            whole = (p.checkpoint_units if key[1] else ()) + (tuple(p.tp_divisors) if key[2] else ())
+            self._stages[key] = stage_sums(p, self.facts, pp, whole)[0]
+        return self._stages[key]
 
     def structural_reason(self, c: Candidate) -> str | None:
         """The first divisibility or partition problem of ``c``, or None."""
@@ -218,7 +224,7 @@ class _Planner:
         if c.pp > 1:
             if c.pp > len(p.graph):
                 return f"pp={c.pp} exceeds the model's {len(p.graph)} modules"
-            for s, st in enumerate(self.stages(c.pp)):
+            for s, st in enumerate(self.stages(c.pp, c.checkpointing, c.tp)):
                 if st.modules == 0 or st.forward.at(1) == 0 and st.params.at(1) == 0:
                     return f"pp={c.pp}: the partition leaves stage {s} without work"
         return None
@@ -227,7 +233,7 @@ class _Planner:
         reason = self.structural_reason(c)
         if reason is not None:
             return Estimate(c, float("inf"), 0.0, (), reason)
-        step, bubble, peaks = estimate(self.profile, self.stages(c.pp), c)
+        step, bubble, peaks = estimate(self.profile, self.stages(c.pp, c.checkpointing, c.tp), c)
         worst = max(range(len(peaks)), key=peaks.__getitem__)
         if peaks[worst] > budget:
             where = f"stage {worst}" if c.pp > 1 else "each rank"

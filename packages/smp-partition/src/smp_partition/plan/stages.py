@@ -27,11 +27,6 @@ class Split:
         """The per-rank value at tensor-parallel degree ``tp``."""
         return self.whole + self.split / tp
 
-    def over_peers(self, tp: int) -> float:
-        """The value when the split part runs its ``tp`` peers' samples too (bytes a split
-        module saves for the tensor-parallel group's gathered inputs, at full width)."""
-        return self.whole + self.split * tp
-
     def add(self, value: float, is_split: bool) -> None:
         if is_split:
             self.split += value
@@ -53,6 +48,11 @@ class StageSums:
     """Bytes saved for backward without checkpointing."""
     saved_outside_units: Split = field(default_factory=Split)
     """Bytes saved for backward by modules outside every checkpoint unit."""
+    gathered: float = 0.0
+    """Bytes the stage's split modules gather from their tp peers (``tp_gathered_bytes``),
+    kept for backward at tp times the samples."""
+    gathered_outside_units: float = 0.0
+    """The part of ``gathered`` outside every checkpoint unit."""
     unit_inputs: float = 0.0
     """Bytes checkpointing keeps per unit (its input, taken as its output's size)."""
     unit_saved: list[Split] = field(default_factory=list)
@@ -72,6 +72,13 @@ class StageSums:
     its modules)."""
     owns_root: bool = False
     """Whether the model's root module (the step function's driver) is on this stage."""
+    calls_out: int = 0
+    """Modules on other stages that this stage's modules call (``cuts`` counts the calls
+    into this stage): each a request and its response per microbatch, forward and
+    backward."""
+    param_tensors: int = 0
+    """Parameter tensors the stage holds (a tensor shared by modules on two stages counts
+    on both: safe), what per-tensor costs of sharding scale with."""
 
 
 def _first_parent(profile: Profile) -> list[int]:
@@ -131,8 +138,38 @@ def module_facts(profile: Profile) -> ModuleFacts:
     return ModuleFacts(share, params, tp_split, unit, parent)
 
 
-def stage_sums(profile: Profile, facts: ModuleFacts, pp: int) -> tuple[list[StageSums], list[int]]:
-    """The stages of smp's automatic partition into ``pp`` stages, and each module's stage."""
+def keep_whole(facts: ModuleFacts, stage_of: list[int], roots: set[int]) -> list[int]:
+    """``stage_of`` with the subtree of every module in ``roots`` moved onto that module's
+    stage, as smp does after partitioning (``smp_torch.pipeline.keep_whole``): a
+    checkpointed module is recomputed where it runs, and an smp-tp module uses its
+    submodules' parameters directly. An outer root wins over a nested one (smp walks the
+    modules parents first, and so does this)."""
+    out = list(stage_of)
+    children: list[list[int]] = [[] for _ in out]
+    for i, p in enumerate(facts.parent):
+        if p >= 0:
+            children[p].append(i)
+    order = [0]
+    for i in order:  # BFS from the root: a parent's stage is settled before its subtree
+        order += children[i]
+    pinned = [-1] * len(out)
+    for i in order:
+        p = facts.parent[i]
+        if p >= 0 and pinned[p] >= 0:
+            pinned[i] = pinned[p]
+        elif i in roots:
+            pinned[i] = out[i]
+        if pinned[i] >= 0:
+            out[i] = pinned[i]
+    return out
+
+
+def stage_sums(
+    profile: Profile, facts: ModuleFacts, pp: int, whole: tuple[str, ...] = ()
+) -> tuple[list[StageSums], list[int]]:
+    """The stages of smp's automatic partition into ``pp`` stages, and each module's stage;
+    ``whole``: modules whose subtree smp keeps on their own stage (the checkpoint units
+    with checkpointing on, the tensor-parallel modules with tp > 1: :func:`keep_whole`)."""
     graph = profile.graph
     mods = graph.modules
     if pp == 1:
@@ -140,15 +177,19 @@ def stage_sums(profile: Profile, facts: ModuleFacts, pp: int) -> tuple[list[Stag
     else:
         result = partition(graph, pp, profile.memory_weight, "default", profile.balance_slack)
         stage_of = [result.assignment[m.name] for m in mods]
+        if whole:
+            stage_of = keep_whole(facts, stage_of, {graph.index_of(n) for n in whole})
     stages = [StageSums() for _ in range(pp)]
     units: list[dict[int, Split]] = [{} for _ in range(pp)]
     unit_params: list[dict[int, Split]] = [{} for _ in range(pp)]
     tp_names = profile.tp_divisors
     saved = profile.saved_bytes
+    tensors: list[set[str]] = [set() for _ in range(pp)]
     for i, m in enumerate(mods):
         st = stages[stage_of[i]]
         split = facts.tp_split[i]
         st.modules += 1
+        tensors[stage_of[i]].update(m.params)
         st.forward.add(facts.forward_share[i], split)
         st.params.add(facts.params[i], split)
         b = saved.get(m.name, 0)
@@ -162,6 +203,10 @@ def stage_sums(profile: Profile, facts: ModuleFacts, pp: int) -> tuple[list[Stag
             st.unit_forward.add(facts.forward_share[i], split)
             if m.name == profile.checkpoint_units[k]:
                 st.unit_inputs += m.activation_bytes
+        g = profile.tp_gathered_bytes.get(m.name, 0)
+        st.gathered += g
+        if k < 0:
+            st.gathered_outside_units += g
         if m.name in tp_names:
             st.tp_modules += 1
             st.tp_output_bytes += m.activation_bytes
@@ -170,8 +215,10 @@ def stage_sums(profile: Profile, facts: ModuleFacts, pp: int) -> tuple[list[Stag
             st.cuts += 1
             st.boundary_bytes += m.activation_bytes
             stages[stage_of[p]].received_bytes += m.activation_bytes
+            stages[stage_of[p]].calls_out += 1
     stages[stage_of[0]].owns_root = True
     for s, st in enumerate(stages):
+        st.param_tensors = len(tensors[s])
         st.unit_saved = list(units[s].values())
         st.unit_params = list(unit_params[s].values())
     return stages, stage_of

@@ -5,8 +5,9 @@ smp's automatic partition sees (``smp_pipeline`` trace, FLOP-counted shares), th
 and backward wall-clock time (medians), the time of a one-sample slice (what a microbatch
 costs beyond its samples), the bytes each module saves for backward (autograd's saved-tensor
 hooks, attributed to the innermost running module), the optimizer's state bytes and step
-time per parameter, and the process's fixed memory (resident set before the model exists,
-plus what a whole step's peak leaves unexplained).
+time per parameter (and what FSDP2 sharding adds to it and to a forward+backward per
+parameter tensor, on a one-rank mesh), and the process's fixed memory (resident set
+before the model exists, plus what a whole step's peak leaves unexplained).
 """
 
 from __future__ import annotations
@@ -15,18 +16,22 @@ import math
 import os
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import smp_partition
 import torch
+import torch.distributed as dist
 from smp_partition.plan import CommModel, Profile
 from smp_pipeline.checkpointing import checkpoint_in_place
 from smp_pipeline.partition import trace_dict
-from smp_tp.registry import is_tensor_parallel_enabled, lookup
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._pytree import tree_leaves, tree_map
+
+from smp_torch.plan.tensor_parallel import gathered_input_bytes, tensor_parallel_divisors
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
 #: The profile's default ``memory_margin``: fitted on bench_plan's gpt2-small grid (72
@@ -40,8 +45,6 @@ StepFn = Callable[[nn.Module, Any], torch.Tensor]
 #: its dynamic mmap threshold has risen; with the threshold fixed, those ranks peak under
 #: the prediction without any margin — performance.md).
 MEMORY_MARGIN = 0.13
-_HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads", "nhead")
-_KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
 
 
 def default_step(model: nn.Module, batch: Any) -> torch.Tensor:
@@ -155,45 +158,6 @@ def saved_bytes_per_module(model: nn.Module, run: Callable[[], Any]) -> dict[str
     return out
 
 
-def tensor_parallel_divisors(model: nn.Module) -> dict[str, int]:
-    """The modules smp-tp would split (marked, with a distributed implementation, not
-    inside another such module), each with the number tp must divide: its head count when
-    it names one, else the greatest common divisor of its parameters' first dimensions; a
-    module inside an attention module (a projection smp-tp splits one by one) divides its
-    query and key/value head counts too, as smp-tp requires of the attention."""
-    out: dict[str, int] = {}
-    modules = dict(model.named_modules())
-    for name, m in modules.items():
-        if any(name.startswith(p + ".") or p == "" for p in out) and name:
-            continue
-        if not is_tensor_parallel_enabled(m) or lookup(m) is None:
-            continue
-        heads = next((getattr(m, a) for a in _HEAD_ATTRS if isinstance(getattr(m, a, None), int)), None)
-        if heads is None:
-            dims = [p.shape[0] for p in m.parameters() if p.dim()]
-            heads = math.gcd(*dims) if dims else 1
-        parent = modules.get(name.rpartition(".")[0]) if "." in name else None
-        if parent is not None:
-            heads = math.gcd(heads, *_head_counts(parent))
-        out[name] = int(heads)
-    return out
-
-
-def _head_counts(m: nn.Module) -> list[int]:
-    """The head counts an attention module names (one with a ``head_dim``): query heads and
-    key/value heads (grouped-query attention), on the module or its ``config`` (Hugging Face
-    keeps them there); [] for any other module."""
-    if not hasattr(m, "head_dim"):
-        return []
-    counts = []
-    for owner in (m, getattr(m, "config", None)):
-        for a in (*_HEAD_ATTRS, *_KV_HEAD_ATTRS):
-            v = getattr(owner, a, None) if owner is not None else None
-            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-                counts.append(v)
-    return counts
-
-
 def default_checkpoint_units(model: nn.Module) -> tuple[str, ...]:
     """The members of the model's longest ``nn.ModuleList``/``nn.Sequential`` (its layers),
     and of every other list as long that is not inside one already taken: an
@@ -253,6 +217,53 @@ def _checkpoint_unit_overhead_s(
     run()
     ck_s = _median_s(run, repeats)
     return max(0.0, (ck_s - one_s - forward_per_sample_s) / len(units))
+
+
+def sharding_overheads_s(
+    model_fn: Callable[[], nn.Module],
+    step: StepFn,
+    one: Any,
+    optimizer_fn: Callable[[Any], torch.optim.Optimizer],
+    repeats: int,
+) -> tuple[float, float]:
+    """(optimizer step, forward+backward) seconds that FSDP2 sharding adds per parameter
+    tensor: a fresh copy of the model under ``fully_shard`` on a one-rank mesh (a process
+    group of this process alone, made and destroyed here), against a plain copy, each
+    trained on one sample. The mesh's one rank moves no bytes, so what remains is the
+    work a rank does per tensor whatever the degree: the optimizer's ops dispatched on
+    DTensors, the copies out of the gathered buffer and into the reduce-scatter's, the
+    hooks. (0, 0) where a process group already exists here (a launched job: its ranks
+    would all have to join a new one) or torch has no distributed support."""
+    if not dist.is_available() or dist.is_initialized():
+        return 0.0, 0.0
+    from torch.distributed.fsdp import fully_shard
+
+    def trained(shard: bool) -> tuple[float, float, int]:
+        model = model_fn()
+        if shard:
+            fully_shard(model, mesh=DeviceMesh("cpu", [0]))
+        opt = optimizer_fn(model.parameters())
+
+        def run() -> None:
+            model.zero_grad(set_to_none=False)
+            step(model, one).backward()
+
+        run()
+        opt.step()  # (the optimizer's state exists from here on)
+        return _median_s(opt.step, repeats), _median_s(run, repeats), sum(1 for _ in model.parameters())
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings():
+            # FSDP2's advice about the model's outputs concerns a job, not this measurement
+            # (smp's own sharding gives it there)
+            warnings.simplefilter("ignore")
+            plain_opt, plain_run, tensors = trained(False)
+            shard_opt, shard_run, _ = trained(True)
+    finally:
+        dist.destroy_process_group()
+    n = max(tensors, 1)
+    return max(0.0, (shard_opt - plain_opt) / n), max(0.0, (shard_run - plain_run) / n)
 
 
 def _check_on_cpu(model: nn.Module, batch: Any) -> None:
@@ -323,7 +334,8 @@ def profile_model(
     batch = sample_batch
     size = batch_size_of(batch)
     _check_on_cpu(model, batch)
-    opt = (optimizer_fn or (lambda ps: torch.optim.Adam(ps, lr=1e-4)))(model.parameters())
+    make_opt = optimizer_fn or (lambda ps: torch.optim.Adam(ps, lr=1e-4))
+    opt = make_opt(model.parameters())
 
     def fwd() -> torch.Tensor:
         return step(model, batch)
@@ -362,7 +374,11 @@ def profile_model(
     graph = smp_partition.ModuleGraph.from_dict(trace_dict(model, run=fwd, costs="flops"))
     units = tuple(default_checkpoint_units(model) if checkpoint_units is None else checkpoint_units)
     unit_overhead = _checkpoint_unit_overhead_s(model_fn, step, one, units, one_s, fwd_s / size, repeats)
+    shard_opt_s, shard_run_s = sharding_overheads_s(model_fn, step, one, make_opt, repeats)
     saved = {k: v for k, v in saved.items() if k in graph}
+    divisors = dict(tensor_parallel_divisors(model) if tp_divisors is None else tp_divisors)
+    with torch.no_grad():
+        gathered = {k: v for k, v in gathered_input_bytes(model, fwd, divisors).items() if k in graph}
     param_bytes = max((p.element_size() for p in model.parameters()), default=4)
     # Peak tensor bytes of a forward+backward beyond what persists, at one sample and at the
     # whole batch: a fixed part and a part growing with the samples (the saved activations
@@ -382,13 +398,16 @@ def profile_model(
         forward_s=fwd_s,
         backward_s=bwd_s,
         saved_bytes=saved,
-        tp_divisors=dict(tensor_parallel_divisors(model) if tp_divisors is None else tp_divisors),
+        tp_divisors=divisors,
+        tp_gathered_bytes=gathered,
         checkpoint_units=units,
         checkpoint_unit_overhead_s=unit_overhead,
         param_bytes=param_bytes,
         grad_bytes=param_bytes,
         optimizer_bytes=math.ceil(state_bytes / numel) if numel else 0,
         optimizer_s_per_param=opt_s / numel if numel else 0.0,
+        shard_optimizer_s_per_tensor=shard_opt_s,
+        shard_microbatch_s_per_tensor=shard_run_s,
         base_bytes=int(base_bytes),
         microbatch_overhead_s=overhead,
         comm=comm or CommModel(),
