@@ -13,18 +13,22 @@ from smp_comm.testing import run_mpi
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 
 
+# A 16 MiB shared-memory receive buffer per rank instead of the 128 MiB default: the test
+# jobs' messages are small (a larger one takes the MPI path, also tested), and reserving
+# 128 MiB in /dev/shm (posix_fallocate) stalled one rank 0.4-9.9 s at a communicator's
+# creation, intermittently, on the 2-core CI machine (docs/perf-notes.md): an equivalence
+# job of 10 cases took 20-47 s with it and ~7 s without. The default size stays covered by
+# smp-comm's own suite and by test_examples / test_big_model, which run as a user would.
+SMALL_SHM = {"SMP_COMM_BUFFER_BYTES": str(16 << 20)}
+
+
 def launch(
     script: str, nprocs: int, *args: Any, timeout: float = 180.0, launcher_args: tuple[str, ...] = ()
 ) -> str:
     """Run ``scripts/<script>`` on ``nprocs`` ranks; JSON-encode non-string arguments."""
     argv = [os.path.join(SCRIPTS, script)]
     argv += [a if isinstance(a, str) else json.dumps(a) for a in args]
-    # A 16 MiB shared-memory receive buffer per rank instead of the 128 MiB default: these
-    # jobs' messages are small (a larger one takes the MPI path, also tested), and reserving
-    # 128 MiB in /dev/shm (posix_fallocate) stalled one rank 0.4-9.9 s at a communicator's
-    # creation, intermittently, on the 2-core CI machine (docs/perf-notes.md): an equivalence
-    # job of 10 cases took 20-47 s with it and ~7 s without.
-    env = {"OMP_NUM_THREADS": "1", "SMP_CONFIG": "", "SMP_COMM_BUFFER_BYTES": str(16 << 20)}
+    env = {"OMP_NUM_THREADS": "1", "SMP_CONFIG": "", **SMALL_SHM}
     return run_mpi(argv, nprocs, timeout=timeout, env=env, launcher_args=launcher_args)
 
 

@@ -41,7 +41,7 @@ from pathlib import Path
 import jobs
 import pytest
 from cases import BY_TIMEOUT, CASES, NO_HANG_CASES, ROLES, STALLED_MODULE, Case
-from conftest import FAULT_TABLE
+from conftest import FAULT_TABLE, SMALL_SHM
 from jobs import RANKS
 from smp_comm.testing import run_mpi
 
@@ -77,7 +77,7 @@ MISMATCH = {
 def _launch(case: Case, root: str = "") -> jobs.Job:
     return jobs.launch(
         case.fault, case.config, case.victim, shell=case.launcher == "shell", root=root,
-        env=dict(case.env), job_timeout_s=JOB_TIMEOUT_S,
+        env={**SMALL_SHM, **dict(case.env)}, job_timeout_s=JOB_TIMEOUT_S,
     )  # fmt: skip
 
 
@@ -252,6 +252,6 @@ def test_a_rank_whose_watcher_cannot_run_is_not_taken_for_frozen() -> None:
     for 10 s, was killed): a silent peer that used CPU time since its last heartbeat is not
     frozen. Without that check the job fails (rank 1 killed with SIGKILL)."""
     script = os.path.join(os.path.dirname(HERE), "scripts", "gil_hold.py")
-    out = run_mpi([script], 2, timeout=90, env={"OMP_NUM_THREADS": "1", "SMP_CONFIG": ""})
+    out = run_mpi([script], 2, timeout=90, env={"OMP_NUM_THREADS": "1", "SMP_CONFIG": "", **SMALL_SHM})
     assert "RANK 0 DONE" in out and "RANK 1 DONE" in out, out
     assert "rank 1 sent no heartbeat for 3 s but its process runs" in out, out
