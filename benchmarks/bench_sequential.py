@@ -25,10 +25,11 @@ of these kinds alternate (best of ``BENCH_SEQ_ROUNDS`` runs, each the median of 
 - ``torch.distributed.pipelining`` (``Schedule1F1B``) with the model cut where smp's
   automatic partition cut it (the smp run reports its cut; the same blocks on each stage).
 
-A second line gives each rank's CPU (all its threads) and context switches per microbatch
-inside the timed steps, for smp, ``static_mode`` and 1F1B, beside the compute alone (half of
-one process's CPU per microbatch while it accumulates): where a stage's time goes, side by
-side with the peer's.
+A second line gives each rank's CPU (all its threads), context switches, minor page faults
+and the CPU of its background threads (all but the main thread and smp's pipeline workers:
+smp's failure watcher and comm tracker, gloo's loops) per microbatch inside the timed steps,
+for smp, ``static_mode`` and 1F1B, beside the compute alone (half of one process's CPU per
+microbatch while it accumulates): where a stage's time goes, side by side with the peer's.
 
 Multi-process runs are launched with ``mpiexec -bind-to core`` (``BENCH_SEQ_BIND=""`` turns
 it off). The two shapes are picked so that one block's forward on one microbatch takes about
@@ -147,10 +148,19 @@ def single(microbatches: int = 1) -> dict:
     return {"rate": _rate(timed.times), "cpu": [_per_mb(timed)]}
 
 
-def _per_mb(timed: workers.TimedSteps) -> tuple[float, float]:
-    """A process's CPU (ms) and context switches per microbatch over the timed steps."""
+# The threads that run a stage's compute (smp's driver runs its microbatches on pipeline
+# workers); every other thread's CPU is "background": smp's failure watcher and comm tracker,
+# gloo's loops. Those wake on a timer or per message, so their CPU per microbatch grows with
+# the step's length (docs/performance.md, "Where the CPU goes").
+_COMPUTE_THREADS = ("MainThread", "smp-pipeline-worker")
+
+
+def _per_mb(timed: workers.TimedSteps) -> tuple[float, float, float, float]:
+    """A process's CPU (ms), context switches, minor page faults and background threads' CPU
+    (ms) per microbatch over the timed steps."""
     n = STEPS * MB
-    return (1e3 * timed.cpu_s / n, timed.switches / n)
+    background = sum(s for name, s in timed.threads.items() if name not in _COMPUTE_THREADS)
+    return (1e3 * timed.cpu_s / n, timed.switches / n, timed.faults / n, 1e3 * background / n)
 
 
 def smp_pp2(fast: bool, static: bool = False, loop: bool = False) -> dict:
@@ -309,7 +319,11 @@ def _compare(shape: str) -> None:
     compute = info["accum"]["cpu"][0][0] / 2
 
     def ranks(kind: str) -> str:
-        return " | ".join(f"{ms:.2f} ms ({sw:.0f} switches)" for ms, sw in info[kind]["cpu"])
+        return " | ".join(
+            f"{ms:.2f} ms ({sw:.0f} switches, {pf:.0f} page faults, background threads "
+            f"{bg:.2f} ms)"
+            for ms, sw, pf, bg in info[kind]["cpu"]
+        )
 
     print(
         f"  CPU per microbatch per rank (rank 0 | rank 1), best runs: compute alone "

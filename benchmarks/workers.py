@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,10 @@ class TimedSteps:
     times: list[float]  # seconds each call took
     cpu_s: float  # CPU seconds of all this process's threads (``time.process_time``)
     switches: float  # context switches of all its threads (``getrusage``: both kinds)
+    faults: float = 0.0  # minor page faults of the process (``getrusage``)
+    # CPU seconds per thread name (numbers stripped: one entry for all pipeline workers), from
+    # /proc/self/task/*/schedstat (ns), so a periodic thread's share shows (docs/performance.md)
+    threads: dict[str, float] = field(default_factory=dict)
 
 
 def serve_worker(kinds: Mapping[str, Callable[[], dict]]) -> bool:
@@ -119,20 +123,50 @@ def timed_steps(
     their CPU and context switches. ``sync()`` (a barrier across the processes) runs before
     each, untimed (its CPU is left out too)."""
     times = []
-    cpu = switches = 0.0
+    cpu = switches = faults = 0.0
+    threads: dict[str, float] = {}
     for step in range(warmup + steps):
         if sync is not None:
             sync()
-        c0, s0 = time.process_time(), _switches()
+        before = _thread_cpu() if step >= warmup else {}
+        c0, (s0, f0) = time.process_time(), _switches_faults()
         t0 = time.perf_counter()
         run()
         if step >= warmup:
             times.append(time.perf_counter() - t0)
             cpu += time.process_time() - c0
-            switches += _switches() - s0
-    return TimedSteps(times, cpu, switches)
+            s1, f1 = _switches_faults()
+            switches, faults = switches + s1 - s0, faults + f1 - f0
+            for tid, (name, ns) in _thread_cpu().items():
+                threads[name] = threads.get(name, 0.0) + (ns - before.get(tid, (name, 0))[1]) / 1e9
+    return TimedSteps(times, cpu, switches, faults, threads)
 
 
-def _switches() -> int:
+def _switches_faults() -> tuple[int, int]:
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_nvcsw + usage.ru_nivcsw
+    return usage.ru_nvcsw + usage.ru_nivcsw, usage.ru_minflt
+
+
+def _thread_cpu() -> dict[int, tuple[str, int]]:
+    """Each live thread's name (the Python name, else the OS one; digits dropped) and CPU
+    nanoseconds so far; empty where /proc has no schedstat."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return {}
+    for tid in map(int, tids):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[0])
+            name = names.get(tid)
+            if name is None:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    name = f.read().strip()
+        except (OSError, ValueError, IndexError):
+            continue
+        out[tid] = (name.rstrip("0123456789").rstrip("-_"), ns)
+    return out

@@ -571,3 +571,33 @@ def test_device_queue_runs_blocks_in_queue_order() -> None:
         t.join(timeout=10)
     assert order == list(range(8))
     assert device.queue() is None  # the last one left: free again
+
+
+def test_resume_ready_lets_an_older_yielded_forward_go_first() -> None:
+    """A forward that gave the token back at a yield point goes before a ready worker of a
+    younger microbatch (whose stage-1 response the yield let in): resumed first, the younger
+    one reached ``backward(loss)`` first, and deterministic accumulation buffered its
+    gradients instead of streaming them (docs/performance.md). Before: the ready one first."""
+    import types
+
+    from smp_pipeline.actions import FORWARD
+    from smp_pipeline.executor import Executor
+    from smp_pipeline.worker import Baton, Task
+
+    ex = Executor(0, None, Baton())  # type: ignore[arg-type]  (no task runs: switch is faked)
+    order: list[int] = []
+    ex.switch = lambda w: order.append(w.task.mb)  # type: ignore[method-assign]
+
+    def worker(mb: int, step: int = 1) -> types.SimpleNamespace:
+        return types.SimpleNamespace(task=Task(lambda t: None, mb, "<step>", FORWARD, None, step, None))
+
+    ex.yielded.extend([worker(0), worker(2)])
+    ex.ready.extend([(worker(1), "response"), (worker(3), "response")])
+    ex.resume_ready()  # microbatch 0's forward yielded: it goes before the ready 1
+    ex.resume_ready()  # 1 is older than the yielded 2: the ready one now
+    assert order == [0, 1] and [w.task.mb for w in ex.yielded] == [2]
+    assert [w.task.mb for w, _ in ex.ready] == [3]
+    ex.yielded.clear()
+    ex.yielded.append(worker(0, step=2))  # a later step's is never older
+    ex.resume_ready()
+    assert order == [0, 1, 3]

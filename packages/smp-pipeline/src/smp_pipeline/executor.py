@@ -192,8 +192,26 @@ class Executor:
         self.switch(worker)
 
     def resume_ready(self) -> None:
-        """Resume the first ready worker."""
-        worker, value = self.ready.popleft()
+        """Resume the first ready worker, or before it a forward that gave the token back at
+        a yield point (:attr:`yielded`) for an older microbatch of the step.
+
+        Why: a forward yields so that arrived messages are handled; one of them may make a
+        younger microbatch's worker ready (its stage-1 forward response). Resumed first, the
+        younger one reached ``backward(loss)`` first (measured on the driver of
+        bench_sequential: backwards ``3 0 1 2`` in a wave of four), and deterministic
+        accumulation had to buffer its gradients until the older ones were folded (3-10 of
+        24 contributions per microbatch) instead of streaming them (docs/performance.md).
+        """
+        worker, value = self.ready[0]
+        task = worker.task
+        if task is not None:
+            for other in self.yielded:
+                t = other.task
+                if t is not None and (t.step, t.mb) < (task.step, task.mb):
+                    self.yielded.remove(other)
+                    self.switch(other)
+                    return
+        self.ready.popleft()
         self.resume(worker, value)
 
     def resume_ready_of(self, step: int, mb: int) -> bool:
