@@ -64,22 +64,13 @@ def _needs_torch(packages: list[str]) -> bool:
     return _declares(packages, "torch")
 
 
-def _pip_install(session: nox.Session, *args: str) -> None:
-    """``session.install`` without byte-compiling what it installs: pip compiles every module
-    of torch (tens of seconds per environment, measured 57 s vs 18 s on this 2-core machine
-    under load), while a test run imports a fraction of them, each compiled once on first
-    import. uv, when nox uses it, does not compile by default."""
-    extra = ["--no-compile"] if session.venv_backend not in ("uv", "none") else []
-    session.install(*extra, *args)
-
-
 def _install(session: nox.Session, package: str, extra: str | None = "test") -> None:
     closure = _local_closure(package)
     args = [TORCH_PIN] if _needs_torch(closure) else []
     for name in closure:
         path = f"./packages/{name}"
         args.append(f"{path}[{extra}]" if (name == package and extra) else path)
-    _pip_install(session, *args)
+    session.install(*args)
 
 
 @nox.session
@@ -104,7 +95,7 @@ def tests(session: nox.Session, package: str) -> None:
 def lint(session: nox.Session) -> None:
     """ruff over the whole tree, the import contracts in ``.importlinter``, then the declared
     dependencies against the imports (``tools/check_deps.py``)."""
-    _pip_install(session, "ruff", "import-linter>=2.1")
+    session.install("ruff", "import-linter>=2.1")
     session.run("ruff", "check", ".")
     session.run("python", "tools/check_imports.py")
     session.run("python", "tools/check_deps.py")
@@ -113,9 +104,9 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """mypy: strict for smp-partition, the default level elsewhere."""
-    _pip_install(session, "mypy", TORCH_PIN, "numpy", "mpi4py")
+    session.install("mypy", TORCH_PIN, "numpy", "mpi4py")
     for name in PACKAGES:
-        _pip_install(session, "--no-deps", f"./packages/{name}")
+        session.install("--no-deps", f"./packages/{name}")
     session.run("mypy", "--strict", "packages/smp-partition/src/smp_partition")
     for name in PACKAGES[1:]:
         mod = name.replace("-", "_")
@@ -147,8 +138,8 @@ def build(session: nox.Session) -> None:
 
 
 def _install_everything(session: nox.Session) -> None:
-    _pip_install(session, TORCH_PIN, "mpich", "transformers>=5.0", "matplotlib", "tqdm")
-    _pip_install(session, *[f"./packages/{name}" for name in PACKAGES])
+    session.install(TORCH_PIN, "mpich", "transformers>=5.0", "matplotlib", "tqdm")
+    session.install(*[f"./packages/{name}" for name in PACKAGES])
 
 
 @nox.session
@@ -200,8 +191,8 @@ def docs(session: nox.Session) -> None:
     build (``tools/docs_hooks.py``), so smp-torch and its dependencies are installed too.
     ``nox -s docs -- serve`` previews it instead.
     """
-    _pip_install(session, *DOCS_PINS, TORCH_PIN, "mpich")
-    _pip_install(session, *[f"./packages/{name}" for name in PACKAGES])
+    session.install(*DOCS_PINS, TORCH_PIN, "mpich")
+    session.install(*[f"./packages/{name}" for name in PACKAGES])
     if session.posargs[:1] == ["serve"]:
         session.run("mkdocs", "serve", *session.posargs[1:], env=_QUIET_MKDOCS)
     else:
