@@ -64,6 +64,10 @@ def _needs_torch(packages: list[str]) -> bool:
     return _declares(packages, "torch")
 
 
+# pip's byte-compilation of what it installs stays on, though it costs ~40 s per torch
+# environment: where PYTHONDONTWRITEBYTECODE is set (the development and CI machines set
+# it) an import compiles nothing to disk either, so without it every test process compiled
+# torch from source (tried: smp-comm's session went from 217 s to 327 s).
 def _install(session: nox.Session, package: str, extra: str | None = "test") -> None:
     closure = _local_closure(package)
     args = [TORCH_PIN] if _needs_torch(closure) else []
