@@ -64,17 +64,26 @@ def _needs_torch(packages: list[str]) -> bool:
     return _declares(packages, "torch")
 
 
-# pip's byte-compilation of what it installs stays on, though it costs ~40 s per torch
-# environment: where PYTHONDONTWRITEBYTECODE is set (the development and CI machines set
-# it) an import compiles nothing to disk either, so without it every test process compiled
-# torch from source (tried: smp-comm's session went from 217 s to 327 s).
+# pip byte-compiles all of torch (~40 s per environment, five environments in `tests`), most
+# of which no test imports. Instead each environment installs without compiling and lets the
+# imports compile what they use, once, into the environment's own cache folder
+# (PYTHONPYCACHEPREFIX: nothing is written into the checkout). The development and CI
+# machines set PYTHONDONTWRITEBYTECODE, under which `--no-compile` alone made every test
+# process compile torch again (smp-comm's session took 327 s against 217 s), so the session
+# turns that off for itself.
+def _compile_on_import(session: nox.Session) -> None:
+    session.env["PYTHONDONTWRITEBYTECODE"] = ""  # empty counts as unset
+    session.env["PYTHONPYCACHEPREFIX"] = str(Path(session.virtualenv.location) / "pycache")
+
+
 def _install(session: nox.Session, package: str, extra: str | None = "test") -> None:
     closure = _local_closure(package)
     args = [TORCH_PIN] if _needs_torch(closure) else []
     for name in closure:
         path = f"./packages/{name}"
         args.append(f"{path}[{extra}]" if (name == package and extra) else path)
-    session.install(*args)
+    _compile_on_import(session)
+    session.install("--no-compile", *args)
 
 
 @nox.session
@@ -195,8 +204,9 @@ def docs(session: nox.Session) -> None:
     build (``tools/docs_hooks.py``), so smp-torch and its dependencies are installed too.
     ``nox -s docs -- serve`` previews it instead.
     """
-    session.install(*DOCS_PINS, TORCH_PIN, "mpich")
-    session.install(*[f"./packages/{name}" for name in PACKAGES])
+    _compile_on_import(session)
+    session.install("--no-compile", *DOCS_PINS, TORCH_PIN, "mpich")
+    session.install("--no-compile", *[f"./packages/{name}" for name in PACKAGES])
     if session.posargs[:1] == ["serve"]:
         session.run("mkdocs", "serve", *session.posargs[1:], env=_QUIET_MKDOCS)
     else:

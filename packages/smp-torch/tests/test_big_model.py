@@ -48,9 +48,10 @@ def _result(out: str) -> dict:
 
 @functools.cache
 def _reference() -> dict:
-    """One process's losses, built normally: the same for both modes (each step sums the same
-    four one-row microbatches, each ``loss / 4``: pp4 as 4 microbatches of one data-parallel
-    rank, sdp4 as 1 microbatch on each of 4 ranks), so it runs once for the module."""
+    """One process's losses, built normally: the same for both modes (each step's loss is the
+    mean over the same four rows: pp4 as 4 one-row microbatches of one data-parallel rank, sdp4
+    as 1 on each of 4 ranks, the reference as one pass over all four), so it runs once for the
+    module."""
     script = os.path.join(SCRIPTS, "big_model.py")
     return _result(run_mpi([script, json.dumps(SIZE), "sdp4", "reference"], 1, timeout=900, env=ENV))
 
