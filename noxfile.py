@@ -151,8 +151,9 @@ def build(session: nox.Session) -> None:
 
 
 def _install_everything(session: nox.Session) -> None:
-    session.install(TORCH_PIN, "mpich", "transformers>=5.0", "matplotlib", "tqdm")
-    session.install(*[f"./packages/{name}" for name in PACKAGES])
+    _compile_on_import(session)
+    session.install("--no-compile", TORCH_PIN, "mpich", "transformers>=5.0", "matplotlib", "tqdm")
+    session.install("--no-compile", *[f"./packages/{name}" for name in PACKAGES])
 
 
 @nox.session
