@@ -17,23 +17,57 @@ smp-partition) and a progress bar with the loss and tokens/s, and these land in 
 Then it checks the promise of SPEC §8 on the demo itself: it trains the same model (same seed,
 same batches) in this one process, without smp, accumulating gradients over the same
 microbatches, and every step's loss must equal the job's within the equivalence bound
-(``rtol=1e-5``, ``atol=1e-6``; not bit-identical: tensor parallelism sums a layer's shards in
-another order than one process does). Both losses are printed.
+(``rtol=1e-5``, ``atol=1e-6``). With tensor parallelism the sums run in another order, and
+over 80 AdamW steps that alone moves the loss by more than ``rtol``: one process whose only
+change is that every ``nn.Linear`` sums its two input halves separately (what a row-parallel
+layer does) differs from the plain one by up to 1.6e-5 (at step 31, none of the first 20 steps
+above 4.4e-8). So for tp > 1 the demo also trains that split-sum process and allows each step
+:data:`SPREAD_FACTOR` times the largest relative difference the split sums made up to that
+step (SPEC §8: "a norm-based bound", here measured, not assumed). Losses are printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # SPEC §8's bound for fp32 losses, per step.
 RTOL, ATOL = 1e-5, 1e-6
+# With tp > 1: a step may differ by this many times the largest relative difference that
+# summing each Linear's input halves separately made in one process up to that step. The two
+# are different orders of the same sums, so their rounding walks differ; on this machine the
+# job's was at most 1.2x the split-sum process's.
+SPREAD_FACTOR = 4.0
+
+
+@contextlib.contextmanager
+def split_linear_sums() -> Iterator[None]:
+    """Every ``nn.Linear`` computes ``x W^T`` as the sum of its two input halves' products,
+    the order a row-parallel layer over two ranks sums in (for the demo's reference only)."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    plain = nn.Linear.forward
+
+    def split(self: nn.Linear, x: Any) -> Any:
+        k = self.in_features // 2
+        y = F.linear(x[..., :k], self.weight[:, :k]) + F.linear(x[..., k:], self.weight[:, k:])
+        return y if self.bias is None else y + self.bias
+
+    nn.Linear.forward = split  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Linear.forward = plain  # type: ignore[method-assign]
 
 
 def mpiexec() -> str:
@@ -136,25 +170,39 @@ def main() -> int:
     t_ref = time.perf_counter()
     want = reference_losses(train_argv, args.nprocs)
     print(f"demo: one-process reference trained in {time.perf_counter() - t_ref:.0f}s")
-    print(f"  {'step':>4}  {'smp':>12}  {'one process':>12}  {'|diff|':>9}")
+    spread = [0.0] * len(want)
+    if args.tp > 1:
+        with split_linear_sums():
+            split = reference_losses(train_argv, args.nprocs)
+        worst_so_far = 0.0
+        for step, (a, b) in enumerate(zip(want, split)):
+            worst_so_far = max(worst_so_far, abs(a - b) / abs(a))
+            spread[step] = worst_so_far
+        print(
+            f"demo: one process summing each Linear's halves apart differs from it by up to "
+            f"{max(spread):.1e} (relative): the job may differ by {SPREAD_FACTOR:g}x that"
+        )
+    print(f"  {'step':>4}  {'smp':>12}  {'one process':>12}  {'|diff|':>9}  {'bound':>9}")
     bad = []
     for step, (got, ref) in enumerate(zip(losses, want)):
         diff = abs(got - ref)
-        if diff > ATOL + RTOL * abs(ref):
+        bound = ATOL + max(RTOL, SPREAD_FACTOR * spread[step]) * abs(ref)
+        if diff > bound:
             bad.append(step)
-        if step < 3 or step >= len(losses) - 3 or diff > ATOL + RTOL * abs(ref):
-            print(f"  {step:>4}  {got:>12.7f}  {ref:>12.7f}  {diff:>9.2e}")
-    worst = max(abs(g - r) for g, r in zip(losses, want))
+        if step < 3 or step >= len(losses) - 3 or diff > bound:
+            print(f"  {step:>4}  {got:>12.7f}  {ref:>12.7f}  {diff:>9.2e}  {bound:>9.2e}")
+    worst = max(abs(g - r) / abs(r) for g, r in zip(losses, want))
     if bad or len(losses) != len(want):
         print(
             f"demo: the loss differs from one process's at steps {bad} (rtol={RTOL:g}, "
-            f"atol={ATOL:g}; {len(losses)} vs {len(want)} steps)",
+            f"atol={ATOL:g}, with tp the split-sum spread x{SPREAD_FACTOR:g}; "
+            f"{len(losses)} vs {len(want)} steps)",
             file=sys.stderr,
         )
         return 1
     print(
-        f"demo: every step's loss matches one process's within rtol={RTOL:g}, atol={ATOL:g} "
-        f"(largest difference {worst:.1e})"
+        f"demo: every step's loss matches one process's within its bound (largest relative "
+        f"difference {worst:.1e}; rtol={RTOL:g}, atol={ATOL:g})"
     )
     return 0
 
