@@ -55,7 +55,11 @@ So, at exit, after a failed step:
    A caller whose collectives were asynchronous asks for the same pause after a normal run
    (:func:`settle_at_exit`): seen once in a fresh-clone CI run, a 4-rank checkpoint-reshard
    test whose every case had passed aborted at exit ("terminate called without an active
-   exception") and the launcher killed the job.
+   exception") and the launcher killed the job. After a normal run the pause ends as soon
+   as every ``pt_gloo_runloop`` thread has been asleep, not running, for three polls 20 ms
+   apart (:func:`smp_comm.native_threads.wait_until_quiet`): their collectives have all
+   ended, so nothing is left for them to drop. After a failed step it lasts its whole
+   length, since a peer's end may still release a collective.
 
 Where no orderly exit is possible (a peer process is dead, so ``MPI_Finalize`` and every
 collective close would wait for it; or a thread stays blocked), :func:`leave_now` is the one
@@ -79,6 +83,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
 from smp_comm import processes
+from smp_comm.native_threads import wait_until_quiet
 
 __all__ = [
     "AFTER_FINALIZE_S",
@@ -114,6 +119,8 @@ _SETTLE_MAX_S = 4.0
 
 # Whether the exit pauses SETTLE_S (point 4): after a failed step, or when asked.
 _settle_wanted = False
+# Whether a step failed in this process (the pause then lasts its whole length).
+_step_failed = False
 # When (time.monotonic()) an exit after a failed step must be over: set_exit_deadline.
 _exit_deadline: float | None = None
 # Whether every other rank's process has ended: set_peers_ended_check.
@@ -135,6 +142,8 @@ def note_failed_step() -> None:
     """Record that a step failed in this process: exit then follows the module's protocol
     (whose only per-process state is the settle pause), and every :func:`on_failed_step`
     hook runs."""
+    global _step_failed
+    _step_failed = True
     settle_at_exit()
     for hook in list(_failure_hooks):
         try:
@@ -153,8 +162,9 @@ def on_failed_step(hook: Callable[[], None]) -> None:
 
 
 def settle_at_exit() -> None:
-    """Pause :data:`SETTLE_S` at exit even after a normal run (point 4 of the module
-    docstring): for a caller that ran asynchronous gloo collectives."""
+    """Pause at exit even after a normal run (point 4 of the module docstring: until gloo's
+    threads are quiet, at most :func:`settle_seconds`): for a caller that ran asynchronous
+    gloo collectives."""
     global _settle_wanted
     _settle_wanted = True
 
@@ -239,7 +249,13 @@ def _settle() -> None:
     global _settle_wanted
     if _settle_wanted:
         _settle_wanted = False
-        time.sleep(settle_seconds())
+        if _step_failed:
+            # A peer's end may still release a collective that waits for it: the whole pause.
+            time.sleep(settle_seconds())
+        else:
+            # After a normal run every collective has ended: only as long as gloo's threads
+            # still run (native_threads).
+            wait_until_quiet(settle_seconds())
 
 
 def exit_status() -> int:
