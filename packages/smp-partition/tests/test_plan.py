@@ -18,7 +18,7 @@ from smp_partition.plan.estimate import (
     stage_tops,
 )
 from smp_partition.plan.search import _Planner, candidates, divisors
-from smp_partition.plan.stages import Split, StageSums, module_facts, stage_sums
+from smp_partition.plan.stages import Split, StageSums, count_requests, module_facts, stage_sums
 
 MiB = 1 << 20
 
@@ -382,7 +382,43 @@ def test_every_call_across_a_cut_costs_its_requests() -> None:
     c = Candidate(2, 1, 2, 1, 4, False)
     for st in stages:
         extra = stage_microbatch_s(q, st, c) - stage_microbatch_s(p, st, c)
-        assert extra == pytest.approx((st.cuts + st.calls_out) * 0.01 * busy_scale(p, c))
+        assert st.requests_in + st.requests_out > 0
+        assert extra == pytest.approx((st.requests_in + st.requests_out) * 0.01 * busy_scale(p, c))
     one = stage_sums(p, module_facts(p), 1)[0][0]
     c1 = Candidate(1, 1, 4, 1, 4, False)
     assert stage_microbatch_s(q, one, c1) == stage_microbatch_s(p, one, c1)  # no cuts, no requests
+
+
+def test_requests_are_counted_as_fast_mode_sends_them() -> None:
+    """smp's fast_mode sends a run of consecutive children of an ``nn.Sequential`` or of a
+    loop over an ``nn.ModuleList`` owned by one other stage as one request, and an
+    ``nn.Sequential``'s runs on several other stages in a row as one relay (one request
+    sent, one served by each owner); any other parent calls each child on its own, and a
+    call nested in a served one is a request from the serving stage (counting one request
+    per cut module charged gpt2-small's pp = 2 three requests per microbatch for one)."""
+    mods = [
+        Module("", children=("emb", "seq", "list", "head")),
+        Module("emb", params={"emb.w": 10}),
+        Module("seq", type="Sequential", children=("seq.0", "seq.1", "seq.2", "seq.3", "seq.4")),
+        *(Module(f"seq.{k}", params={f"seq.{k}.w": 10}) for k in (0, 1, 3, 4)),
+        Module("seq.2", children=("seq.2.a", "seq.2.b")),
+        Module("seq.2.a", params={"a.w": 10}),
+        Module("seq.2.b", params={"b.w": 10}),
+        Module("list", type="ModuleList", children=("l0", "l1", "l2")),
+        *(Module(f"l{k}", params={f"l{k}.w": 10}) for k in range(3)),
+        Module("head", params={"head.w": 10}),
+    ]
+    p = Profile(graph=ModuleGraph(mods), batch_size=1, forward_s=1.0, backward_s=1.0)
+    where = {"": 0, "emb": 3, "seq": 0, "seq.0": 0, "seq.1": 1, "seq.2": 1, "seq.2.a": 2, "seq.2.b": 2,
+             "seq.3": 2, "seq.4": 3, "list": 0, "l0": 1, "l1": 1, "l2": 0, "head": 3}  # fmt: skip
+    stage_of = [where[m.name] for m in p.graph.modules]
+    served, sent = count_requests(p, module_facts(p), stage_of, 4)
+    # relay seq.1-2 -> seq.3 -> seq.4 (one sent by 0, one served by each of 1, 2, 3); seq.2's
+    # two children from stage 1 (two each way); l0-l1 one request; emb and head one each
+    assert served == [0, 2, 3, 3]
+    assert sent == [4, 2, 0, 0]
+    # without fast_mode's runs every cut module would be its own request: 10 of them
+    plain = [Module(m.name, children=m.children, params=m.params) for m in mods]
+    q = replace(p, graph=ModuleGraph(plain))
+    served, sent = count_requests(q, module_facts(q), stage_of, 4)
+    assert sum(served) == sum(sent) == 10

@@ -210,10 +210,10 @@ def stage_microbatch_s(profile: Profile, st: StageSums, c: Candidate) -> float:
         # every stage waits once for a microbatch's forward input or its first send, and
         # once for its backward gradient (the last stage: its loss's turn)
         t += 2 * comm.message_s(st.boundary_bytes * frac)
-        # and works on every call across its cuts, in and out, forward and backward: two
-        # requests per call, each costing its two ranks request_s together (a stage whose
-        # parent calls its modules one by one pays per module: Llama's layers at pp = 2)
-        t += (st.cuts + st.calls_out) * comm.request_s * busy_scale(profile, c)
+        # and works on every request it serves or sends, forward and backward: each
+        # costing its two ranks request_s together (a stage whose modules a parent calls
+        # one by one pays per module; a run smp's fast_mode sends as one request, once)
+        t += (st.requests_in + st.requests_out) * comm.request_s * busy_scale(profile, c)
     return t
 
 
