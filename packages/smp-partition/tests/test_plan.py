@@ -12,6 +12,7 @@ from smp_partition.plan.estimate import (
     busy_scale,
     estimate,
     in_flight,
+    pipeline_s,
     shard_units,
     stage_after_s,
     stage_microbatch_s,
@@ -217,8 +218,33 @@ def test_pipeline_bubble_and_stages_follow_smps_partition() -> None:
     assert sum(st.params.at(1) for st in stages) == sum(facts.params)
     c1 = Candidate(2, 1, 1, 1, 1, False)
     c8 = Candidate(2, 1, 1, 1, 8, False)
-    assert estimate(p, stages, c1)[1] == pytest.approx(1 / 2)
-    assert estimate(p, stages, c8)[1] == pytest.approx(1 / 9)
+    for c in (c1, c8):
+        per = [stage_microbatch_s(p, st, c) for st in stages]
+        whole = sum(per) + (c.microbatches - 1) * max(per)
+        assert estimate(p, stages, c)[1] == pytest.approx(1 - c.microbatches * max(per) / whole)
+
+
+def test_pipeline_time_is_one_microbatch_through_all_stages_then_the_slowest() -> None:
+    """``sum + (microbatches - 1) * max`` of the stages' times per microbatch: equal stages
+    give 1F1B's ``microbatches + pp - 1`` slots; unequal ones charge the fill and drain at
+    each stage's own time, not the slowest's (the slots formula put llama-tied's and
+    gpt2-small's unbalanced pp = 4 with checkpointing 30-50 % over, bench_plan's grids)."""
+    assert pipeline_s([2.0] * 4, 8) == pytest.approx(2.0 * (8 + 4 - 1))
+    assert pipeline_s([3.0, 1.0], 4) == pytest.approx(4.0 + 3 * 3.0)  # slots: 5 * 3.0
+    assert pipeline_s([5.0], 3) == pytest.approx(15.0)  # no pipeline: microbatches in turn
+    # through estimate: a two-stage model whose first block has 3x the second's work
+    mods = [
+        Module("", children=("b0", "b1"), forward_ms=4.0),
+        Module("b0", params={"b0.w": 3000}, activation_bytes=400, forward_ms=3.0),
+        Module("b1", params={"b1.w": 1000}, activation_bytes=400, forward_ms=1.0),
+    ]
+    p = two_block_profile(graph=ModuleGraph(mods), comm=CommModel(latency_s=0.0, bandwidth=1e30))
+    stages = stage_sums(p, module_facts(p), 2)[0]
+    c = Candidate(2, 1, 2, 1, 4, False)
+    per = [stage_microbatch_s(p, st, c) for st in stages]
+    assert max(per) > 2 * min(per)
+    after = max(stage_after_s(p, st, c) for st in stages)
+    assert estimate(p, stages, c)[0] == pytest.approx(sum(per) + 3 * max(per) + after)
 
 
 def test_rejections_name_the_binding_reason() -> None:
