@@ -177,11 +177,13 @@ def stage_microbatch_s(profile: Profile, st: StageSums, c: Candidate) -> float:
     frac = 1.0 / (c.microbatches * c.tp * c.dp)  # of the profiled batch, per rank
     # Whole modules run this rank's samples; split ones tp times the samples on 1/tp of the
     # weights: the same share of the work either way.
-    fwd = st.forward.at(1) * profile.forward_s * frac
-    bwd = st.forward.at(1) * profile.backward_s * frac
+    # at the per-sample rate measured nearest this microbatch's samples (Profile.compute_rate)
+    rate = profile.compute_rate(profile.batch_size * frac)
+    fwd = st.forward.at(1) * profile.forward_s * frac * rate
+    bwd = st.forward.at(1) * profile.backward_s * frac * rate
     recompute = 0.0
     if c.checkpointing:
-        recompute = st.unit_forward.at(1) * profile.forward_s * frac
+        recompute = st.unit_forward.at(1) * profile.forward_s * frac * rate
         recompute += len(st.unit_saved) * profile.checkpoint_unit_overhead_s
     # The wait for peers comes from ranks outnumbering cores: in a pipeline only its busy
     # ranks compete for them (as in busy_scale), so only the excess contention is paid.
