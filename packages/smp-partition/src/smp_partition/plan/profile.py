@@ -182,6 +182,8 @@ class Profile:
         per_sample = (self.forward_s + self.backward_s) / self.batch_size
         if not table or per_sample <= 0 or samples <= 0:
             return 1.0
+        b: float
+        t: float
         if samples <= table[0][0]:
             b, t = table[0]
         elif samples >= table[-1][0]:

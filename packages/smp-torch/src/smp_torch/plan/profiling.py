@@ -12,6 +12,7 @@ before the model exists, plus what a whole step's peak leaves unexplained).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -391,7 +392,7 @@ def profile_model(
         if n < size:
             part = slice_batch(batch, n)
             fwd_bwd(part)  # warm-up at this size
-            samples_s[n] = _best_s(lambda p=part: fwd_bwd(p), repeats)
+            samples_s[n] = _best_s(functools.partial(fwd_bwd, part), repeats)
     # split the per-sample part as the full batch splits into forward and backward
     share = min(1.0, fwd_s / both_s) if both_s > 0 else 1 / 3
     fwd_s, bwd_s = compute * share, compute * (1 - share)
