@@ -6,10 +6,12 @@ The model (docs/design.md, "Planner"):
   off: each of the ``tp * dp`` ranks of a stage keeps its own ``batch / (tp * dp)``
   samples, and a split module runs its tp peers' samples on 1/tp of the weights, the same
   work): a microbatch on a stage costs ``(forward + backward + recompute)`` of the
-  profile's measured times scaled by its samples, plus the fixed per-microbatch
-  overhead, tp's two all-reduces per tensor-parallel module (three with checkpointing,
-  whose recompute repeats the forward one) and the point-to-point messages of the stage's
-  pipeline cuts, with the CPU of each call across them (``CommModel.request_s``);
+  profile's measured times scaled by its samples (at the per-sample rate measured for
+  that many, ``Profile.compute_rate``), plus the fixed per-microbatch overhead, tp's two
+  all-reduces per tensor-parallel module (three with checkpointing, whose recompute
+  repeats the forward one) and the point-to-point messages of the stage's pipeline cuts,
+  with the CPU of each request it serves or sends (``CommModel.request_s``; counted as
+  smp's ``fast_mode`` sends them, ``stages.count_requests``);
 * the pipeline takes one microbatch's time through every stage plus ``microbatches - 1``
   of the slowest stage's (:func:`pipeline_s`; with equal stages the ``microbatches + pp -
   1`` slots of 1F1B, the bubble ``(pp - 1) / (microbatches + pp - 1)``);
