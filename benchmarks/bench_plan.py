@@ -68,7 +68,11 @@ def load() -> float:
 
 #: CPU seconds of one pipeline request, both ranks together, where a stored calibration
 #: lacks it: bench_pipeline.py's zero-compute figure on this machine, 0.52-0.56 ms
-#: (docs/performance.md, smp-pipeline, measured 2026-11-28).
+#: (docs/performance.md, smp-pipeline, measured 2026-11-28). Not measured by the profile:
+#: a one-process loopback pipeline (smp-comm's LoopbackWorld, ranks as threads) costs
+#: 0.76-0.90 ms per request at load 6.5-14 where two real ranks cost 1.9-2.1 ms at the
+#: same moments (and 0.45 ms when quiet): it has neither the transport's threads nor the
+#: wake-ups of another process, which are what the request costs (performance.md).
 REQUEST_S = 0.54e-3
 #: The 1-minute load average below which a job's step time is trusted.
 QUIET = 1.5

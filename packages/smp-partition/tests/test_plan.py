@@ -12,13 +12,14 @@ from smp_partition.plan.estimate import (
     busy_scale,
     estimate,
     in_flight,
+    pipeline_s,
     shard_units,
     stage_after_s,
     stage_microbatch_s,
     stage_tops,
 )
 from smp_partition.plan.search import _Planner, candidates, divisors
-from smp_partition.plan.stages import Split, StageSums, module_facts, stage_sums
+from smp_partition.plan.stages import Split, StageSums, count_requests, module_facts, stage_sums
 
 MiB = 1 << 20
 
@@ -217,8 +218,33 @@ def test_pipeline_bubble_and_stages_follow_smps_partition() -> None:
     assert sum(st.params.at(1) for st in stages) == sum(facts.params)
     c1 = Candidate(2, 1, 1, 1, 1, False)
     c8 = Candidate(2, 1, 1, 1, 8, False)
-    assert estimate(p, stages, c1)[1] == pytest.approx(1 / 2)
-    assert estimate(p, stages, c8)[1] == pytest.approx(1 / 9)
+    for c in (c1, c8):
+        per = [stage_microbatch_s(p, st, c) for st in stages]
+        whole = sum(per) + (c.microbatches - 1) * max(per)
+        assert estimate(p, stages, c)[1] == pytest.approx(1 - c.microbatches * max(per) / whole)
+
+
+def test_pipeline_time_is_one_microbatch_through_all_stages_then_the_slowest() -> None:
+    """``sum + (microbatches - 1) * max`` of the stages' times per microbatch: equal stages
+    give 1F1B's ``microbatches + pp - 1`` slots; unequal ones charge the fill and drain at
+    each stage's own time, not the slowest's (the slots formula put llama-tied's and
+    gpt2-small's unbalanced pp = 4 with checkpointing 30-50 % over, bench_plan's grids)."""
+    assert pipeline_s([2.0] * 4, 8) == pytest.approx(2.0 * (8 + 4 - 1))
+    assert pipeline_s([3.0, 1.0], 4) == pytest.approx(4.0 + 3 * 3.0)  # slots: 5 * 3.0
+    assert pipeline_s([5.0], 3) == pytest.approx(15.0)  # no pipeline: microbatches in turn
+    # through estimate: a two-stage model whose first block has 3x the second's work
+    mods = [
+        Module("", children=("b0", "b1"), forward_ms=4.0),
+        Module("b0", params={"b0.w": 3000}, activation_bytes=400, forward_ms=3.0),
+        Module("b1", params={"b1.w": 1000}, activation_bytes=400, forward_ms=1.0),
+    ]
+    p = two_block_profile(graph=ModuleGraph(mods), comm=CommModel(latency_s=0.0, bandwidth=1e30))
+    stages = stage_sums(p, module_facts(p), 2)[0]
+    c = Candidate(2, 1, 2, 1, 4, False)
+    per = [stage_microbatch_s(p, st, c) for st in stages]
+    assert max(per) > 2 * min(per)
+    after = max(stage_after_s(p, st, c) for st in stages)
+    assert estimate(p, stages, c)[0] == pytest.approx(sum(per) + 3 * max(per) + after)
 
 
 def test_rejections_name_the_binding_reason() -> None:
@@ -382,7 +408,65 @@ def test_every_call_across_a_cut_costs_its_requests() -> None:
     c = Candidate(2, 1, 2, 1, 4, False)
     for st in stages:
         extra = stage_microbatch_s(q, st, c) - stage_microbatch_s(p, st, c)
-        assert extra == pytest.approx((st.cuts + st.calls_out) * 0.01 * busy_scale(p, c))
+        assert st.requests_in + st.requests_out > 0
+        assert extra == pytest.approx((st.requests_in + st.requests_out) * 0.01 * busy_scale(p, c))
     one = stage_sums(p, module_facts(p), 1)[0][0]
     c1 = Candidate(1, 1, 4, 1, 4, False)
     assert stage_microbatch_s(q, one, c1) == stage_microbatch_s(p, one, c1)  # no cuts, no requests
+
+
+def test_requests_are_counted_as_fast_mode_sends_them() -> None:
+    """smp's fast_mode sends a run of consecutive children of an ``nn.Sequential`` or of a
+    loop over an ``nn.ModuleList`` owned by one other stage as one request, and an
+    ``nn.Sequential``'s runs on several other stages in a row as one relay (one request
+    sent, one served by each owner); any other parent calls each child on its own, and a
+    call nested in a served one is a request from the serving stage (counting one request
+    per cut module charged gpt2-small's pp = 2 three requests per microbatch for one)."""
+    mods = [
+        Module("", children=("emb", "seq", "list", "head")),
+        Module("emb", params={"emb.w": 10}),
+        Module("seq", type="Sequential", children=("seq.0", "seq.1", "seq.2", "seq.3", "seq.4")),
+        *(Module(f"seq.{k}", params={f"seq.{k}.w": 10}) for k in (0, 1, 3, 4)),
+        Module("seq.2", children=("seq.2.a", "seq.2.b")),
+        Module("seq.2.a", params={"a.w": 10}),
+        Module("seq.2.b", params={"b.w": 10}),
+        Module("list", type="ModuleList", children=("l0", "l1", "l2")),
+        *(Module(f"l{k}", params={f"l{k}.w": 10}) for k in range(3)),
+        Module("head", params={"head.w": 10}),
+    ]
+    p = Profile(graph=ModuleGraph(mods), batch_size=1, forward_s=1.0, backward_s=1.0)
+    where = {"": 0, "emb": 3, "seq": 0, "seq.0": 0, "seq.1": 1, "seq.2": 1, "seq.2.a": 2, "seq.2.b": 2,
+             "seq.3": 2, "seq.4": 3, "list": 0, "l0": 1, "l1": 1, "l2": 0, "head": 3}  # fmt: skip
+    stage_of = [where[m.name] for m in p.graph.modules]
+    served, sent = count_requests(p, module_facts(p), stage_of, 4)
+    # relay seq.1-2 -> seq.3 -> seq.4 (one sent by 0, one served by each of 1, 2, 3); seq.2's
+    # two children from stage 1 (two each way); l0-l1 one request; emb and head one each
+    assert served == [0, 2, 3, 3]
+    assert sent == [4, 2, 0, 0]
+    # without fast_mode's runs every cut module would be its own request: 10 of them
+    plain = [Module(m.name, children=m.children, params=m.params) for m in mods]
+    q = replace(p, graph=ModuleGraph(plain))
+    served, sent = count_requests(q, module_facts(q), stage_of, 4)
+    assert sum(served) == sum(sent) == 10
+
+
+def test_a_microbatch_computes_at_the_rate_measured_for_its_samples() -> None:
+    """``samples_step_s`` (a forward+backward timed at a few sample counts) sets the
+    per-sample compute of a microbatch of that many samples; without it, the line through
+    one sample and the whole batch (on one process gpt2-small took 0.7-0.9x that line's
+    time per sample at 2-16 of its 32 samples)."""
+    per_sample = 3.0 / 8  # forward_s + backward_s over the batch of 8
+    table = {1: 0.5 + per_sample, 4: 0.5 + 4 * per_sample / 2, 8: 0.5 + 8 * per_sample}
+    p = two_block_profile(microbatch_overhead_s=0.5, samples_step_s=table)
+    plain = two_block_profile(microbatch_overhead_s=0.5)
+    assert p.compute_rate(1) == pytest.approx(1.0) and p.compute_rate(8) == pytest.approx(1.0)
+    assert p.compute_rate(4) == pytest.approx(0.5)
+    t2 = table[1] + (table[4] - table[1]) / 3  # linear between the measured counts
+    assert p.compute_rate(2) == pytest.approx((t2 - 0.5) / (2 * per_sample))
+    assert plain.compute_rate(4) == 1.0
+    st = stage_sums(p, module_facts(p), 1)[0][0]
+    c = Candidate(1, 1, 2, 1, 1, False)  # 4 samples a rank: half the line's compute
+    overhead = stage_microbatch_s(plain, st, replace(c, microbatches=1)) - 4 * per_sample
+    assert stage_microbatch_s(p, st, c) == pytest.approx(overhead + 4 * per_sample * 0.5)
+    with pytest.raises(PartitionError, match="samples_step_s"):
+        two_block_profile(samples_step_s={0: 1.0})

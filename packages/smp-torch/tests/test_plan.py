@@ -46,6 +46,8 @@ def test_profile_measures_the_model(toy_profile) -> None:  # type: ignore[no-unt
     # the head saves its input (8 x 16 x 32 fp32) for backward; each block's fc likewise
     assert p.saved_bytes["head"] >= 8 * 16 * 32 * 4
     assert p.saved_bytes["blocks.0.fc"] >= 8 * 16 * 32 * 4
+    # a forward+backward timed at every power-of-two sample count up to the batch of 8
+    assert sorted(p.samples_step_s) == [1, 2, 4, 8] and all(v > 0 for v in p.samples_step_s.values())
 
 
 def test_sharding_overheads_are_measured_per_tensor_on_a_one_rank_mesh(toy_profile, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -121,8 +123,8 @@ def test_checkpoint_overhead_is_measured_on_smps_wrapping(toy_profile) -> None: 
     assert toy_profile.checkpoint_unit_overhead_s >= 0.0
     one = tuple(t[:1] for t in plan_toy.sample_batch())
     with pytest.raises(ValueError, match="checkpoint unit 'blocks.9'"):
-        _checkpoint_unit_overhead_s(plan_toy.model_fn, plan_toy.step_fn, one, ("blocks.9",), 0.0, 0.0, 1)
-    assert _checkpoint_unit_overhead_s(plan_toy.model_fn, plan_toy.step_fn, one, (), 0.0, 0.0, 1) == 0.0
+        _checkpoint_unit_overhead_s(plan_toy.model_fn, plan_toy.step_fn, one, ("blocks.9",), lambda: None, 0.0, 1)
+    assert _checkpoint_unit_overhead_s(plan_toy.model_fn, plan_toy.step_fn, one, (), lambda: None, 0.0, 1) == 0.0
 
 
 def test_checkpoint_units_are_both_stacks_of_an_encoder_decoder() -> None:
@@ -279,3 +281,17 @@ def test_cli_bad_input_is_one_line_exit_2() -> None:
     assert "memory must look like" in out.stderr
     out = _cli("plan_toy:nope", "--world-size", "4", "--memory", "1GiB")
     assert out.returncode == 2 and "has no attribute 'nope'" in out.stderr
+
+
+def test_timings_take_the_fastest_run_and_pair_what_is_compared(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Other processes only add to a run's time, so the profile keeps each timing's fastest
+    run, and what it subtracts (a sharded copy from a plain one, a checkpointed step from a
+    plain one) is timed in turn, under the same load."""
+    from smp_torch.plan import profiling
+
+    ticks = iter([0.0, 2.0, 2.0, 3.0, 3.0, 8.0, 8.0, 9.0])  # a 2 s, b 1 s, a 5 s, b 1 s
+    monkeypatch.setattr(profiling, "_clock", lambda: lambda: next(ticks))
+    order: list[str] = []
+    best = profiling._paired_best_s([lambda: order.append("a"), lambda: order.append("b")], 2)
+    assert order == ["a", "b", "a", "b"]
+    assert best == [2.0, 1.0]

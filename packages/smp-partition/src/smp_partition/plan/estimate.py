@@ -6,12 +6,15 @@ The model (docs/design.md, "Planner"):
   off: each of the ``tp * dp`` ranks of a stage keeps its own ``batch / (tp * dp)``
   samples, and a split module runs its tp peers' samples on 1/tp of the weights, the same
   work): a microbatch on a stage costs ``(forward + backward + recompute)`` of the
-  profile's measured times scaled by its samples, plus the fixed per-microbatch
-  overhead, tp's two all-reduces per tensor-parallel module (three with checkpointing,
-  whose recompute repeats the forward one) and the point-to-point messages of the stage's
-  pipeline cuts, with the CPU of each call across them (``CommModel.request_s``);
-* the pipeline runs ``microbatches + pp - 1`` slots of the slowest stage (the bubble is
-  ``(pp - 1) / (microbatches + pp - 1)``);
+  profile's measured times scaled by its samples (at the per-sample rate measured for
+  that many, ``Profile.compute_rate``), plus the fixed per-microbatch overhead, tp's two
+  all-reduces per tensor-parallel module (three with checkpointing, whose recompute
+  repeats the forward one) and the point-to-point messages of the stage's pipeline cuts,
+  with the CPU of each request it serves or sends (``CommModel.request_s``; counted as
+  smp's ``fast_mode`` sends them, ``stages.count_requests``);
+* the pipeline takes one microbatch's time through every stage plus ``microbatches - 1``
+  of the slowest stage's (:func:`pipeline_s`; with equal stages the ``microbatches + pp -
+  1`` slots of 1F1B, the bubble ``(pp - 1) / (microbatches + pp - 1)``);
 * after the pipeline: the data-parallel gradient all-reduce (sharded: reduce-scatter over
   the sdp group, all-reduce over the replicas, plus two all-gathers of the parameters per
   microbatch, and FSDP2's per-tensor copies and the optimizer's per-tensor DTensor
@@ -176,11 +179,13 @@ def stage_microbatch_s(profile: Profile, st: StageSums, c: Candidate) -> float:
     frac = 1.0 / (c.microbatches * c.tp * c.dp)  # of the profiled batch, per rank
     # Whole modules run this rank's samples; split ones tp times the samples on 1/tp of the
     # weights: the same share of the work either way.
-    fwd = st.forward.at(1) * profile.forward_s * frac
-    bwd = st.forward.at(1) * profile.backward_s * frac
+    # at the per-sample rate measured nearest this microbatch's samples (Profile.compute_rate)
+    rate = profile.compute_rate(profile.batch_size * frac)
+    fwd = st.forward.at(1) * profile.forward_s * frac * rate
+    bwd = st.forward.at(1) * profile.backward_s * frac * rate
     recompute = 0.0
     if c.checkpointing:
-        recompute = st.unit_forward.at(1) * profile.forward_s * frac
+        recompute = st.unit_forward.at(1) * profile.forward_s * frac * rate
         recompute += len(st.unit_saved) * profile.checkpoint_unit_overhead_s
     # The wait for peers comes from ranks outnumbering cores: in a pipeline only its busy
     # ranks compete for them (as in busy_scale), so only the excess contention is paid.
@@ -210,10 +215,10 @@ def stage_microbatch_s(profile: Profile, st: StageSums, c: Candidate) -> float:
         # every stage waits once for a microbatch's forward input or its first send, and
         # once for its backward gradient (the last stage: its loss's turn)
         t += 2 * comm.message_s(st.boundary_bytes * frac)
-        # and works on every call across its cuts, in and out, forward and backward: two
-        # requests per call, each costing its two ranks request_s together (a stage whose
-        # parent calls its modules one by one pays per module: Llama's layers at pp = 2)
-        t += (st.cuts + st.calls_out) * comm.request_s * busy_scale(profile, c)
+        # and works on every request it serves or sends, forward and backward: each
+        # costing its two ranks request_s together (a stage whose modules a parent calls
+        # one by one pays per module; a run smp's fast_mode sends as one request, once)
+        t += (st.requests_in + st.requests_out) * comm.request_s * busy_scale(profile, c)
     return t
 
 
@@ -252,12 +257,27 @@ def stage_after_s(profile: Profile, st: StageSums, c: Candidate) -> float:
     return t + params / c.sdp * profile.optimizer_s_per_param * profile.compute_scale
 
 
+def pipeline_s(per_stage: list[float], microbatches: int) -> float:
+    """Seconds of the pipeline: one microbatch through every stage, then the rest at the
+    slowest stage's pace, ``sum + (microbatches - 1) * max`` of the stages' seconds per
+    microbatch. A microbatch's forward and backward visit every stage in turn (and a stage
+    a nested call returns to, again: its work for that microbatch is serial however often
+    it is visited), so the first one takes the sum; after it the slowest stage paces the
+    rest. With equal stages this is the ``(microbatches + pp - 1)`` slots of the slowest;
+    with unequal ones those slots charge every stage's share of the fill and drain at the
+    slowest stage's time (measured: llama-tied's pp = 4 with checkpointing, stages 0.23,
+    0.46, 0.23, 0.08 of the forward, 30-50 % over; gpt2-small's, 0.34, 0.17, 0.33, 0.17,
+    32-37 % over, bench_plan's grids)."""
+    return sum(per_stage) + (microbatches - 1) * max(per_stage)
+
+
 def estimate(profile: Profile, stages: list[StageSums], c: Candidate) -> tuple[float, float, tuple[float, ...]]:
     """(step seconds, bubble fraction, peak bytes per stage) of ``c`` on its stages."""
-    slot = max(stage_microbatch_s(profile, st, c) for st in stages)
+    per_stage = [stage_microbatch_s(profile, st, c) for st in stages]
     after = max(stage_after_s(profile, st, c) for st in stages)
-    slots = c.microbatches + c.pp - 1
-    step = slots * slot + after + profile.step_overhead_s
-    bubble = (c.pp - 1) / slots
+    pipeline = pipeline_s(per_stage, c.microbatches)
+    step = pipeline + after + profile.step_overhead_s
+    # the slowest stage's idle share (equal stages: (pp - 1) / (microbatches + pp - 1))
+    bubble = 1.0 - c.microbatches * max(per_stage) / pipeline if pipeline > 0 else 0.0
     peaks = tuple(stage_memory(profile, st, c) for st in stages)
     return step, bubble, peaks

@@ -76,6 +76,14 @@ class StageSums:
     """Modules on other stages that this stage's modules call (``cuts`` counts the calls
     into this stage): each a request and its response per microbatch, forward and
     backward."""
+    requests_in: int = 0
+    """Requests this stage serves per microbatch forward (each has its backward too): one
+    per call into the stage, except that smp's ``fast_mode`` sends a run of consecutive
+    children of an ``nn.Sequential`` or an ``nn.ModuleList`` loop owned by one other stage
+    as one request (:func:`count_requests`)."""
+    requests_out: int = 0
+    """Requests this stage sends per microbatch forward (a relay through several stages,
+    an ``nn.Sequential``'s runs on two or more other stages in a row, is one)."""
     param_tensors: int = 0
     """Parameter tensors the stage holds (a tensor shared by modules on two stages counts
     on both: safe), what per-tensor costs of sharding scale with."""
@@ -164,6 +172,49 @@ def keep_whole(facts: ModuleFacts, stage_of: list[int], roots: set[int]) -> list
     return out
 
 
+#: Containers whose consecutive children smp's ``fast_mode`` calls as one request per run
+#: owned by another stage: an ``nn.Sequential``'s forward (``smp_pipeline.seqruns``, whose
+#: runs on two or more other stages in a row are one relay) and a model's loop over an
+#: ``nn.ModuleList`` (``smp_pipeline.chains``: one request per run, no relay).
+RUN_CONTAINERS = {"Sequential": True, "ModuleList": False}
+
+
+def count_requests(
+    profile: Profile, facts: ModuleFacts, stage_of: list[int], pp: int
+) -> tuple[list[int], list[int]]:
+    """(requests served, requests sent) per stage per microbatch forward, as smp issues them.
+
+    A module whose parent runs on another stage is called by a request, answered by a
+    response; a nested call (a block on stage 1 whose attention is on stage 2) is one more
+    request, from the block's stage. Under ``fast_mode`` (smp's default) the children of
+    an ``nn.Sequential`` or of a loop over an ``nn.ModuleList`` (:data:`RUN_CONTAINERS`)
+    go as one request per run of consecutive children on one other stage; an
+    ``nn.Sequential``'s consecutive runs on several other stages are one relay, each owner
+    passing its output to the next: one request sent by the caller, one served by each
+    owner. (Counting every cut module as its own request charged gpt2-small's pp = 2,
+    whose blocks 3-5 on stage 1 are one run, three requests per microbatch.)
+    """
+    served, sent = [0] * pp, [0] * pp
+    graph = profile.graph
+    for p, m in enumerate(graph.modules):
+        here = stage_of[p]
+        relay = RUN_CONTAINERS.get(m.type)
+        prev_owner = here  # the stage of the previous child (here: none, or a local one)
+        for c in graph.child_indices(p):  # the graph's children are in execution order
+            if facts.parent[c] != p:
+                continue  # a module reused here, placed (and called) under its first parent
+            owner = stage_of[c]
+            if owner == here:
+                prev_owner = here
+                continue
+            if relay is None or owner != prev_owner:
+                served[owner] += 1  # a new request, or a new run (a hop of a relay)
+                if relay is None or not relay or prev_owner == here:
+                    sent[here] += 1  # a relay's later hops come from the previous owner
+            prev_owner = owner
+    return served, sent
+
+
 def stage_sums(
     profile: Profile, facts: ModuleFacts, pp: int, whole: tuple[str, ...] = ()
 ) -> tuple[list[StageSums], list[int]]:
@@ -217,8 +268,10 @@ def stage_sums(
             stages[stage_of[p]].received_bytes += m.activation_bytes
             stages[stage_of[p]].calls_out += 1
     stages[stage_of[0]].owns_root = True
+    served, sent = count_requests(profile, facts, stage_of, pp)
     for s, st in enumerate(stages):
         st.param_tensors = len(tensors[s])
+        st.requests_in, st.requests_out = served[s], sent[s]
         st.unit_saved = list(units[s].values())
         st.unit_params = list(unit_params[s].values())
     return stages, stage_of

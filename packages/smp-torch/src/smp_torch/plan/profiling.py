@@ -12,9 +12,9 @@ before the model exists, plus what a whole step's peak leaves unexplained).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
-import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -193,14 +193,14 @@ def _checkpoint_unit_overhead_s(
     step: StepFn,
     one: Any,
     units: Sequence[str],
-    one_s: float,
+    plain_run: Callable[[], Any],
     forward_per_sample_s: float,
     repeats: int,
 ) -> float:
     """Seconds each checkpointed unit adds to a microbatch beyond recomputing its forward:
     a one-sample step of a fresh copy with smp's checkpointing (smp_pipeline's
     ``checkpoint_in_place``, as a rank applies it) on ``units``, less the plain one-sample
-    step ``one_s`` and the recomputed forward, per unit."""
+    step ``plain_run`` (timed in turn with it) and the recomputed forward, per unit."""
     if not units:
         return 0.0
     model = model_fn()
@@ -215,7 +215,7 @@ def _checkpoint_unit_overhead_s(
         step(model, one).backward()
 
     run()
-    ck_s = _median_s(run, repeats)
+    ck_s, one_s = _paired_best_s([run, plain_run], repeats)
     return max(0.0, (ck_s - one_s - forward_per_sample_s) / len(units))
 
 
@@ -238,7 +238,7 @@ def sharding_overheads_s(
         return 0.0, 0.0
     from torch.distributed.fsdp import fully_shard
 
-    def trained(shard: bool) -> tuple[float, float, int]:
+    def trained(shard: bool) -> tuple[Callable[[], Any], Callable[[], Any], int]:
         model = model_fn()
         if shard:
             fully_shard(model, mesh=DeviceMesh("cpu", [0]))
@@ -250,7 +250,7 @@ def sharding_overheads_s(
 
         run()
         opt.step()  # (the optimizer's state exists from here on)
-        return _median_s(opt.step, repeats), _median_s(run, repeats), sum(1 for _ in model.parameters())
+        return opt.step, run, sum(1 for _ in model.parameters())
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -258,8 +258,10 @@ def sharding_overheads_s(
             # FSDP2's advice about the model's outputs concerns a job, not this measurement
             # (smp's own sharding gives it there)
             warnings.simplefilter("ignore")
-            plain_opt, plain_run, tensors = trained(False)
-            shard_opt, shard_run, _ = trained(True)
+            plain_step, plain_fb, tensors = trained(False)
+            shard_step, shard_fb, _ = trained(True)
+            plain_opt, shard_opt = _paired_best_s([plain_step, shard_step], repeats)
+            plain_run, shard_run = _paired_best_s([plain_fb, shard_fb], repeats)
     finally:
         dist.destroy_process_group()
     n = max(tensors, 1)
@@ -282,17 +284,34 @@ def _check_on_cpu(model: nn.Module, batch: Any) -> None:
             )
 
 
-def _median_s(fn: Callable[[], Any], repeats: int) -> float:
-    """Median seconds of ``fn()``: CPU time where torch runs on one thread (what the
-    process itself spent, so other processes on a shared machine do not inflate it; the
-    calibration's ``compute_scale`` turns it into a rank's wall time), else wall time."""
-    clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
-    times = []
+def _clock() -> Callable[[], float]:
+    """CPU time where torch runs on one thread (what the process itself spent, so other
+    processes on a shared machine do not inflate it; the calibration's ``compute_scale``
+    turns it into a rank's wall time), else wall time."""
+    return time.process_time if torch.get_num_threads() == 1 else time.perf_counter
+
+
+def _best_s(fn: Callable[[], Any], repeats: int) -> float:
+    """Fewest seconds of ``repeats`` runs of ``fn()`` (:func:`_clock`). Other processes
+    only ever add to a run's time, CPU time included (a shared core's caches, a
+    hyperthread sibling), so the fastest run is the closest to the model's own cost; the
+    median moved by up to 1.5x between profiles on the shared 2-core machine at load 1-10
+    (llama-tied's one-sample step 8.8-15.2 ms, performance.md)."""
+    return _paired_best_s([fn], repeats)[0]
+
+
+def _paired_best_s(fns: Sequence[Callable[[], Any]], repeats: int) -> list[float]:
+    """:func:`_best_s` of each of ``fns``, run in turn ``repeats`` times over: what the
+    profile takes a difference of (a sharded copy against a plain one, a checkpointed one
+    against the plain step) is timed under the same load, not minutes apart."""
+    clock = _clock()
+    best = [math.inf] * len(fns)
     for _ in range(repeats):
-        t0 = clock()
-        fn()
-        times.append(clock() - t0)
-    return statistics.median(times)
+        for k, fn in enumerate(fns):
+            t0 = clock()
+            fn()
+            best[k] = min(best[k], clock() - t0)
+    return best
 
 
 def profile_model(
@@ -308,7 +327,7 @@ def profile_model(
     runtime_bytes: int | None = None,
     compute_scale: float = 1.0,
     memory_margin: float = MEMORY_MARGIN,
-    repeats: int = 3,
+    repeats: int = 5,
 ) -> Profile:
     """Profile ``model_fn()`` on ``sample_batch`` (the global batch of one step) here.
 
@@ -356,16 +375,24 @@ def profile_model(
     )
     numel = sum(p.numel() for p in model.parameters())
     fwd_bwd()  # warm-up at the full batch before timing
-    opt_s = _median_s(opt.step, repeats)
+    opt_s = _best_s(opt.step, repeats)
     with torch.no_grad():
-        fwd_s = _median_s(fwd, repeats)
+        fwd_s = _best_s(fwd, repeats)
     # backward = (forward with graph + backward) - forward without graph
-    both_s = _median_s(fwd_bwd, repeats)
-    one_s = _median_s(lambda: fwd_bwd(one), repeats) if size > 1 else both_s
+    both_s = _best_s(fwd_bwd, repeats)
+    one_s = _best_s(lambda: fwd_bwd(one), repeats) if size > 1 else both_s
     # t(b) = overhead + b * per_sample: the overhead is what a microbatch costs regardless
     per_sample = (both_s - one_s) / (size - 1) if size > 1 else both_s
     overhead = max(0.0, one_s - per_sample)
     compute = max(both_s - overhead, 1e-9)
+    # and at the sample counts between (powers of two): a microbatch's time is not on the
+    # line through one sample and the whole batch (Profile.compute_rate)
+    samples_s = {1: one_s, size: both_s}
+    for n in (1 << k for k in range(1, size.bit_length())):
+        if n < size:
+            part = slice_batch(batch, n)
+            fwd_bwd(part)  # warm-up at this size
+            samples_s[n] = _best_s(functools.partial(fwd_bwd, part), repeats)
     # split the per-sample part as the full batch splits into forward and backward
     share = min(1.0, fwd_s / both_s) if both_s > 0 else 1 / 3
     fwd_s, bwd_s = compute * share, compute * (1 - share)
@@ -373,7 +400,7 @@ def profile_model(
     saved = saved_bytes_per_module(model, fwd)
     graph = smp_partition.ModuleGraph.from_dict(trace_dict(model, run=fwd, costs="flops"))
     units = tuple(default_checkpoint_units(model) if checkpoint_units is None else checkpoint_units)
-    unit_overhead = _checkpoint_unit_overhead_s(model_fn, step, one, units, one_s, fwd_s / size, repeats)
+    unit_overhead = _checkpoint_unit_overhead_s(model_fn, step, one, units, lambda: fwd_bwd(one), fwd_s / size, repeats)
     shard_opt_s, shard_run_s = sharding_overheads_s(model_fn, step, one, make_opt, repeats)
     saved = {k: v for k, v in saved.items() if k in graph}
     divisors = dict(tensor_parallel_divisors(model) if tp_divisors is None else tp_divisors)
@@ -410,6 +437,7 @@ def profile_model(
         shard_microbatch_s_per_tensor=shard_run_s,
         base_bytes=int(base_bytes),
         microbatch_overhead_s=overhead,
+        samples_step_s=samples_s,
         comm=comm or CommModel(),
         compute_scale=compute_scale,
         step_transient_bytes=transient,
