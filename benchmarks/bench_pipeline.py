@@ -47,6 +47,7 @@ import statistics
 import subprocess
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import workers  # (this folder)
 
@@ -62,6 +63,27 @@ ZERO_RUNS = os.environ.get("BENCH_PIPELINE_ZERO", "torch,chain,relayed,static").
 PYSPY_DIR = os.environ.get("BENCH_PIPELINE_PYSPY", "")
 
 
+_WORKER_PROFILES: list[Any] = []
+
+
+def _profile_workers() -> None:
+    """``BENCH_PIPELINE_CPROFILE``: each pipeline worker thread runs under its own cProfile
+    (CPU clock), so the driver's step tasks show too."""
+    import cProfile
+
+    from smp_pipeline import worker
+
+    loop = worker.Worker._loop
+
+    def profiled_loop(self: Any) -> None:
+        prof = cProfile.Profile(time.thread_time)
+        _WORKER_PROFILES.append(prof)
+        prof.enable()
+        loop(self)
+
+    worker.Worker._loop = profiled_loop  # type: ignore[method-assign]
+
+
 @contextlib.contextmanager
 def _sampled(name: str, rank: int) -> Iterator[None]:
     """With ``BENCH_PIPELINE_PYSPY`` set, py-spy samples this process while the block runs."""
@@ -69,16 +91,22 @@ def _sampled(name: str, rank: int) -> Iterator[None]:
         yield
         return
     out = os.path.join(PYSPY_DIR, f"{name}-rank{rank}.txt")
-    if os.environ.get("BENCH_PIPELINE_CPROFILE"):  # (the main thread only, deterministic)
+    if os.environ.get("BENCH_PIPELINE_CPROFILE"):  # (deterministic: every call, CPU clock)
         import cProfile
+        import pstats
 
         prof = cProfile.Profile(time.thread_time)
+        for w in _WORKER_PROFILES:  # (worker threads profile while the run lasts)
+            w.clear()
         prof.enable()
         try:
             yield
         finally:
             prof.disable()
             prof.dump_stats(out.replace(".txt", ".pstats"))
+            ws = [p for p in _WORKER_PROFILES if p.getstats()]
+            if ws:
+                pstats.Stats(*ws).dump_stats(out.replace(".txt", "-workers.pstats"))
         return
     cmd = ["py-spy", "record", "--pid", str(os.getpid()), "-r", "100", "--threads",
            "--nonblocking", "-f", "raw", "-o", out]  # fmt: skip
@@ -103,6 +131,8 @@ def _worker() -> None:
     from torch import nn
 
     torch.set_num_threads(1)
+    if os.environ.get("BENCH_PIPELINE_CPROFILE"):
+        _profile_workers()
 
     class Sleep(torch.autograd.Function):
         @staticmethod
