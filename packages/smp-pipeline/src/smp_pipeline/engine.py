@@ -16,7 +16,7 @@ through ``torch.autograd.backward`` itself, so errors and special cases stay tor
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -25,10 +25,8 @@ from torch.overrides import has_torch_function
 __all__ = ["run_backward"]
 
 _TENSOR = torch.Tensor
-try:  # (private in torch: without it, every call takes the public path)
-    from torch.autograd.graph import _engine_run_backward as _ENGINE_RUN
-except ImportError:  # pragma: no cover - an older or newer torch
-    _ENGINE_RUN = None
+# (Private in torch: without it, every call takes the public path.)
+_ENGINE_RUN: Callable[..., Any] | None = getattr(torch.autograd.graph, "_engine_run_backward", None)
 _FUNCTORCH_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", None)
 
 
