@@ -312,7 +312,7 @@ def _worker() -> None:
     if "torch" in ZERO_RUNS:
         with _sampled("torch", rank):
             theirs_zero = statistics.median(timed(zero_theirs) for _ in range(ZERO_STEPS))
-    per_rank: dict[str, list[float]] = {"Schedule1F1B": world.gather(theirs_cpu, root=0)}
+    cpu_by_rank: dict[str, list[float]] = {"Schedule1F1B": world.gather(theirs_cpu, root=0)}
     theirs_cpu = world.allreduce(theirs_cpu, op=MPI.SUM)
     theirs_transfers = ZERO_STEPS * 16 * 2 * (P - 1)
     dist.destroy_process_group()
@@ -344,7 +344,7 @@ def _worker() -> None:
         busiest = world.allreduce(served, op=MPI.MAX) // ZERO_STEPS
         total_served = world.allreduce(served, op=MPI.SUM)
         total_cpu = world.allreduce(cpu, op=MPI.SUM)
-        per_rank[name] = world.gather(cpu, root=0)
+        cpu_by_rank[name] = world.gather(cpu, root=0)
         rt0.close()
         return zero, busiest, total_cpu / max(total_served, 1), total_cpu / (ZERO_STEPS * 16 * P)
 
@@ -397,7 +397,7 @@ def _worker() -> None:
               f"{theirs_zero * 1e3:.1f} ms)")
         print("CPU per microbatch by pp rank at zero compute: " + "; ".join(
             f"{k} " + " | ".join(f"{c / (ZERO_STEPS * 16) * 1e6:.0f}" for c in v) + " us"
-            for k, v in per_rank.items()))  # fmt: skip
+            for k, v in cpu_by_rank.items()))  # fmt: skip
         for run in by_thread:  # (every rank ran the same runs)
             for r, acc in enumerate(threads):
                 per_mb = {k: v / (ZERO_STEPS * 16) for k, v in acc[run].items()}
