@@ -139,12 +139,11 @@ class Doorbells:
             if recheck_busy():
                 return
             self.sleeps += 1
-            rung = _select(self._sock, timeout)
+            if _select(self._sock, timeout):
+                self.woken += 1
         finally:
             self._flags[self._me] = 0
-        if rung:
-            self.woken += 1
-        _take_ring(self._sock, rung)
+        _drain(self._sock)
 
     def doze(self, recheck_done: Callable[[], bool], timeout: float = MAX_SLEEP_S) -> None:
         """The waiting thread's sleep (one thread at a time): mark the waiter asleep, run
@@ -156,12 +155,11 @@ class Doorbells:
             if recheck_done():  # (published before the probes: see sleep())
                 return
             self.dozes += 1
-            rung = _select(self._waiter_sock, timeout)
+            if _select(self._waiter_sock, timeout):
+                self.rung += 1
         finally:
             self._flags[waiter] = 0
-        if rung:
-            self.rung += 1
-        _take_ring(self._waiter_sock, rung)
+        _drain(self._waiter_sock)
 
     def close(self) -> None:
         # The page stays mapped until garbage collected: a late nudge (a received tensor
@@ -185,20 +183,6 @@ def _select(sock: socket.socket, timeout: float) -> bool:
         return bool(select.select([sock], [], [], timeout)[0])
     except (OSError, ValueError):  # closed meanwhile (the communicator is closing)
         return False
-
-
-def _take_ring(sock: socket.socket, rung: bool) -> None:
-    """After a sleep: take the ring that ended it, one datagram (draining to the end cost a
-    second ``recv`` that only fails, a syscall and an exception per wake-up); after a
-    timeout, drain (a ring that came late). A second ring to one sleep (two senders) stays
-    queued and ends the next sleep at once: one extra look, no lost wake-up."""
-    if rung:
-        try:
-            sock.recv(64)
-        except (OSError, ValueError):
-            pass
-    else:
-        _drain(sock)
 
 
 def _drain(sock: socket.socket) -> None:
