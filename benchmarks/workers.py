@@ -128,7 +128,7 @@ def timed_steps(
     for step in range(warmup + steps):
         if sync is not None:
             sync()
-        before = _thread_cpu() if step >= warmup else {}
+        before = thread_cpu() if step >= warmup else {}
         c0, (s0, f0) = time.process_time(), _switches_faults()
         t0 = time.perf_counter()
         run()
@@ -137,7 +137,7 @@ def timed_steps(
             cpu += time.process_time() - c0
             s1, f1 = _switches_faults()
             switches, faults = switches + s1 - s0, faults + f1 - f0
-            for tid, (name, ns) in _thread_cpu().items():
+            for tid, (name, ns) in thread_cpu().items():
                 threads[name] = threads.get(name, 0.0) + (ns - before.get(tid, (name, 0))[1]) / 1e9
     return TimedSteps(times, cpu, switches, faults, threads)
 
@@ -147,7 +147,7 @@ def _switches_faults() -> tuple[int, int]:
     return usage.ru_nvcsw + usage.ru_nivcsw, usage.ru_minflt
 
 
-def _thread_cpu() -> dict[int, tuple[str, int]]:
+def thread_cpu() -> dict[int, tuple[str, int]]:
     """Each live thread's name (the Python name, else the OS one; digits dropped) and CPU
     nanoseconds so far; empty where /proc has no schedstat."""
     import threading

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import select
 from collections import namedtuple
+from typing import Any
 
 import numpy as np
 import pytest
@@ -306,3 +307,39 @@ def test_a_ring_wakes_the_waiting_thread_first_and_nobody_while_one_polls() -> N
         assert (bell.dozes, bell.rung) == (1, 1) and rung() == (False, False)  # drained
     finally:
         bell.close()
+
+
+def test_a_rung_tracker_sleeps_again_after_its_last_look() -> None:
+    """A ring wakes the tracker for a round that takes the message; it then goes back to
+    sleep through its last look (two rounds): 3 rounds per wake-up, where an extra round
+    after the busy one made 4 (each round's MPI calls hand the GIL over twice or more)."""
+    import threading
+
+    from smp_comm.progress import Progress
+
+    rounds: list[bool] = []
+    script = [True, False, False, False]  # (the ring's message, then nothing)
+
+    class Bell:
+        def __init__(self) -> None:
+            self.sleeps = 0
+
+        def sleep(self, recheck_busy: Any) -> None:
+            if not recheck_busy():
+                self.sleeps += 1
+                progress._stop.set()  # (the test ends at the first real sleep)
+
+    progress = Progress.__new__(Progress)
+    progress.lock = threading.Lock()
+    progress.bell = Bell()  # type: ignore[assignment]
+    progress._stop, progress._wake = threading.Event(), threading.Event()
+    progress._active, progress._spinners, progress._lazy_off = [], [], False
+
+    def poll_once() -> bool:
+        rounds.append(script[len(rounds)] if len(rounds) < len(script) else False)
+        return rounds[-1]
+
+    progress.poll_once = poll_once  # type: ignore[method-assign]
+    progress._tracker_loop()
+    assert progress.bell.sleeps == 1  # type: ignore[attr-defined]
+    assert rounds == [True, False, False]  # busy, then the last look's two rounds

@@ -227,10 +227,13 @@ class Transport:
     def send(self, pp_dest: int, msg: Message, wake: bool = True) -> None:
         """Send ``msg`` to pipeline rank ``pp_dest``. ``wake=False`` for a note nobody waits
         on (see smp-comm's ``isend``): it does not interrupt the receiver's compute."""
+        self._post(pp_dest, msg, encode(msg, self.frame_limit), wake)
+
+    def _post(self, pp_dest: int, msg: Message, wire: Any, wake: bool) -> None:
+        """Hand ``msg``, encoded as ``wire``, to the communicator for ``pp_dest``."""
         dest = self.comm_ranks[pp_dest]
         if self.recorder.enabled:
             self._note(ActionKind.SEND, pp_dest, msg)
-        wire = encode(msg, self.frame_limit)
         if wake:  # (the keyword only when needed: any communicator with isend() works)
             handle = self.comm.isend(wire, dest=dest, tag=self.tag)
         else:
@@ -265,10 +268,12 @@ class Transport:
         return self.comm.isend(wire, dest=self.comm_ranks[pp_dest], tag=self.tag)
 
     def send_all(self, msg: Message, wake: bool = True) -> None:
-        """Send ``msg`` to every other pipeline rank."""
+        """Send ``msg`` to every other pipeline rank, encoded once (a frame is only read by
+        the sends; the driver sends one ``MbDone`` per microbatch to every rank)."""
+        wire = encode(msg, self.frame_limit)
         for r in range(self.pp_size):
             if r != self.pp_rank:
-                self.send(r, msg, wake)
+                self._post(r, msg, wire, wake)
 
     def flush(self) -> None:
         """Wait until every message sent so far has left (raising meanwhile if the step is
