@@ -248,9 +248,13 @@ class DistributedModel(nn.Module):
         self.engine.reset_timeline()
 
     def write_timeline(self, json_path: str | None = None, png_path: str | None = None) -> Any:
-        """Collective over the pipeline: write the recorded request timeline (pp rank 0).
+        """Collective over the pipeline: gather the recorded request timeline on pp rank 0
+        and return its events there (None on the other pp ranks).
 
         Needs the ``timeline`` config key; paths default to ``<timeline>.json`` / ``.png``.
+        Every data-, tensor- and context-parallel replica runs a pipeline of its own; only the
+        first one (the pipeline of world rank 0) writes the files, since they would all write
+        the same paths. The others return their events for the caller to keep.
         """
         if self._cfg.pp == 1:
             raise SMPError("the request timeline exists only with pipeline parallelism")
@@ -258,6 +262,8 @@ class DistributedModel(nn.Module):
             raise SMPError("set the 'timeline' config key to record a timeline")
         base = self._cfg.timeline
         base = base[:-5] if base.endswith(".json") else base
+        if not writes_timeline(self.context.groups["pp"]):
+            return self.engine.write_timeline(None, None)
         return self.engine.write_timeline(json_path or base + ".json", png_path or base + ".png")
 
     def _build_reducer(self) -> GradReducer | None:
@@ -655,3 +661,9 @@ def _expert_param_ids(module: nn.Module) -> set[int]:
         for p in m.parameters()
     }
 
+
+def writes_timeline(pipeline_ranks: list[int]) -> bool:
+    """Whether the pipeline of these world ranks writes the timeline files: the one holding
+    world rank 0. (At pp = 2 x dp = 2 both pipelines wrote ``<timeline>.json`` at once and the
+    file came out as neither's JSON.)"""
+    return 0 in pipeline_ranks
