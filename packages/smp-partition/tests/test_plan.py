@@ -448,25 +448,3 @@ def test_requests_are_counted_as_fast_mode_sends_them() -> None:
     q = replace(p, graph=ModuleGraph(plain))
     served, sent = count_requests(q, module_facts(q), stage_of, 4)
     assert sum(served) == sum(sent) == 10
-
-
-def test_a_microbatch_computes_at_the_rate_measured_for_its_samples() -> None:
-    """``samples_step_s`` (a forward+backward timed at a few sample counts) sets the
-    per-sample compute of a microbatch of that many samples; without it, the line through
-    one sample and the whole batch (on one process gpt2-small took 0.7-0.9x that line's
-    time per sample at 2-16 of its 32 samples)."""
-    per_sample = 3.0 / 8  # forward_s + backward_s over the batch of 8
-    table = {1: 0.5 + per_sample, 4: 0.5 + 4 * per_sample / 2, 8: 0.5 + 8 * per_sample}
-    p = two_block_profile(microbatch_overhead_s=0.5, samples_step_s=table)
-    plain = two_block_profile(microbatch_overhead_s=0.5)
-    assert p.compute_rate(1) == pytest.approx(1.0) and p.compute_rate(8) == pytest.approx(1.0)
-    assert p.compute_rate(4) == pytest.approx(0.5)
-    t2 = table[1] + (table[4] - table[1]) / 3  # linear between the measured counts
-    assert p.compute_rate(2) == pytest.approx((t2 - 0.5) / (2 * per_sample))
-    assert plain.compute_rate(4) == 1.0
-    st = stage_sums(p, module_facts(p), 1)[0][0]
-    c = Candidate(1, 1, 2, 1, 1, False)  # 4 samples a rank: half the line's compute
-    overhead = stage_microbatch_s(plain, st, replace(c, microbatches=1)) - 4 * per_sample
-    assert stage_microbatch_s(p, st, c) == pytest.approx(overhead + 4 * per_sample * 0.5)
-    with pytest.raises(PartitionError, match="samples_step_s"):
-        two_block_profile(samples_step_s={0: 1.0})

@@ -46,8 +46,6 @@ def test_profile_measures_the_model(toy_profile) -> None:  # type: ignore[no-unt
     # the head saves its input (8 x 16 x 32 fp32) for backward; each block's fc likewise
     assert p.saved_bytes["head"] >= 8 * 16 * 32 * 4
     assert p.saved_bytes["blocks.0.fc"] >= 8 * 16 * 32 * 4
-    # a forward+backward timed at every power-of-two sample count up to the batch of 8
-    assert sorted(p.samples_step_s) == [1, 2, 4, 8] and all(v > 0 for v in p.samples_step_s.values())
 
 
 def test_sharding_overheads_are_measured_per_tensor_on_a_one_rank_mesh(toy_profile, monkeypatch) -> None:  # type: ignore[no-untyped-def]

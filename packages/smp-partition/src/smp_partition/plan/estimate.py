@@ -6,8 +6,7 @@ The model (docs/design.md, "Planner"):
   off: each of the ``tp * dp`` ranks of a stage keeps its own ``batch / (tp * dp)``
   samples, and a split module runs its tp peers' samples on 1/tp of the weights, the same
   work): a microbatch on a stage costs ``(forward + backward + recompute)`` of the
-  profile's measured times scaled by its samples (at the per-sample rate measured for
-  that many, ``Profile.compute_rate``), plus the fixed per-microbatch overhead, tp's two
+  profile's measured times scaled by its samples, plus the fixed per-microbatch overhead, tp's two
   all-reduces per tensor-parallel module (three with checkpointing, whose recompute
   repeats the forward one) and the point-to-point messages of the stage's pipeline cuts,
   with the CPU of each request it serves or sends (``CommModel.request_s``; counted as
@@ -179,13 +178,11 @@ def stage_microbatch_s(profile: Profile, st: StageSums, c: Candidate) -> float:
     frac = 1.0 / (c.microbatches * c.tp * c.dp)  # of the profiled batch, per rank
     # Whole modules run this rank's samples; split ones tp times the samples on 1/tp of the
     # weights: the same share of the work either way.
-    # at the per-sample rate measured nearest this microbatch's samples (Profile.compute_rate)
-    rate = profile.compute_rate(profile.batch_size * frac)
-    fwd = st.forward.at(1) * profile.forward_s * frac * rate
-    bwd = st.forward.at(1) * profile.backward_s * frac * rate
+    fwd = st.forward.at(1) * profile.forward_s * frac
+    bwd = st.forward.at(1) * profile.backward_s * frac
     recompute = 0.0
     if c.checkpointing:
-        recompute = st.unit_forward.at(1) * profile.forward_s * frac * rate
+        recompute = st.unit_forward.at(1) * profile.forward_s * frac
         recompute += len(st.unit_saved) * profile.checkpoint_unit_overhead_s
     # The wait for peers comes from ranks outnumbering cores: in a pipeline only its busy
     # ranks compete for them (as in busy_scale), so only the excess contention is paid.

@@ -118,11 +118,6 @@ class Profile:
     """Fixed seconds per step (synchronisation, bookkeeping)."""
     microbatch_overhead_s: float = 0.0
     """Fixed seconds per microbatch per stage (a pipeline request round, small-op overhead)."""
-    samples_step_s: Mapping[int, float] = field(default_factory=dict)
-    """Seconds of a forward+backward of the whole model on ``b`` samples, for a few sample
-    counts ``b`` (measured like ``forward_s``). Where given, a microbatch's compute grows
-    with its samples as measured (:meth:`compute_rate`), not along the line through one
-    sample and the whole batch that ``microbatch_overhead_s`` and ``forward_s`` define."""
     comm: CommModel = field(default_factory=CommModel)
     compute_scale: float = 1.0
     """How much slower a rank computes in the job than the profiling process did (more
@@ -163,36 +158,6 @@ class Profile:
         for name in self.checkpoint_units:
             if name not in self.graph:
                 raise PartitionError(f"checkpoint_units: {name!r} is not a module of the graph")
-        for b, v in self.samples_step_s.items():
-            if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-                raise PartitionError(f"samples_step_s: sample count {b!r} must be an integer >= 1")
-            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise PartitionError(f"samples_step_s[{b}] must be a finite number >= 0, got {v!r}")
-
-    def compute_rate(self, samples: float) -> float:
-        """How much a sample's compute costs in a microbatch of ``samples`` samples against
-        the profile's per-sample figure (``(forward_s + backward_s) / batch_size``): 1 without
-        ``samples_step_s``; else its measured time at ``samples`` (linear between the
-        measured counts, the nearest one's rate outside them) less the fixed
-        ``microbatch_overhead_s``, per sample. Small operations do not cost in proportion
-        to their size (a kernel's fixed cost, its cache footprint), so the line through one
-        sample and the whole batch misses the microbatch sizes between (measured on one
-        process, llama-tied at 8 of 32 samples: 35 ms where the line gives 39)."""
-        table = sorted(self.samples_step_s.items())
-        per_sample = (self.forward_s + self.backward_s) / self.batch_size
-        if not table or per_sample <= 0 or samples <= 0:
-            return 1.0
-        b: float
-        t: float
-        if samples <= table[0][0]:
-            b, t = table[0]
-        elif samples >= table[-1][0]:
-            b, t = table[-1]
-        else:
-            k = next(i for i, (x, _) in enumerate(table) if x >= samples)
-            (x0, t0), (x1, t1) = table[k - 1], table[k]
-            b, t = samples, t0 + (t1 - t0) * (samples - x0) / (x1 - x0)
-        return max(0.0, (t - self.microbatch_overhead_s) / (b * per_sample))
 
 
 def synthetic_profile(

@@ -12,7 +12,6 @@ before the model exists, plus what a whole step's peak leaves unexplained).
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import time
@@ -385,14 +384,6 @@ def profile_model(
     per_sample = (both_s - one_s) / (size - 1) if size > 1 else both_s
     overhead = max(0.0, one_s - per_sample)
     compute = max(both_s - overhead, 1e-9)
-    # and at the sample counts between (powers of two): a microbatch's time is not on the
-    # line through one sample and the whole batch (Profile.compute_rate)
-    samples_s = {1: one_s, size: both_s}
-    for n in (1 << k for k in range(1, size.bit_length())):
-        if n < size:
-            part = slice_batch(batch, n)
-            fwd_bwd(part)  # warm-up at this size
-            samples_s[n] = _best_s(functools.partial(fwd_bwd, part), repeats)
     # split the per-sample part as the full batch splits into forward and backward
     share = min(1.0, fwd_s / both_s) if both_s > 0 else 1 / 3
     fwd_s, bwd_s = compute * share, compute * (1 - share)
@@ -437,7 +428,6 @@ def profile_model(
         shard_microbatch_s_per_tensor=shard_run_s,
         base_bytes=int(base_bytes),
         microbatch_overhead_s=overhead,
-        samples_step_s=samples_s,
         comm=comm or CommModel(),
         compute_scale=compute_scale,
         step_transient_bytes=transient,
