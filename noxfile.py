@@ -70,10 +70,13 @@ def _needs_torch(packages: list[str]) -> bool:
 # (PYTHONPYCACHEPREFIX: nothing is written into the checkout). The development and CI
 # machines set PYTHONDONTWRITEBYTECODE, under which `--no-compile` alone made every test
 # process compile torch again (smp-comm's session took 327 s against 217 s), so the session
-# turns that off for itself.
-def _compile_on_import(session: nox.Session) -> None:
+# turns that off for itself. uv, when nox uses it, does not compile by default.
+def _install_compiling_on_import(session: nox.Session, *args: str) -> None:
+    """``session.install(*args)`` without byte-compiling; imports compile into the cache."""
     session.env["PYTHONDONTWRITEBYTECODE"] = ""  # empty counts as unset
     session.env["PYTHONPYCACHEPREFIX"] = str(Path(session.virtualenv.location) / "pycache")
+    extra = ["--no-compile"] if session.venv_backend not in ("uv", "none") else []
+    session.install(*extra, *args)
 
 
 def _install(session: nox.Session, package: str, extra: str | None = "test") -> None:
@@ -82,8 +85,7 @@ def _install(session: nox.Session, package: str, extra: str | None = "test") -> 
     for name in closure:
         path = f"./packages/{name}"
         args.append(f"{path}[{extra}]" if (name == package and extra) else path)
-    _compile_on_import(session)
-    session.install("--no-compile", *args)
+    _install_compiling_on_import(session, *args)
 
 
 @nox.session
@@ -151,9 +153,8 @@ def build(session: nox.Session) -> None:
 
 
 def _install_everything(session: nox.Session) -> None:
-    _compile_on_import(session)
-    session.install("--no-compile", TORCH_PIN, "mpich", "transformers>=5.0", "matplotlib", "tqdm")
-    session.install("--no-compile", *[f"./packages/{name}" for name in PACKAGES])
+    _install_compiling_on_import(session, TORCH_PIN, "mpich", "transformers>=5.0", "matplotlib", "tqdm")
+    _install_compiling_on_import(session, *[f"./packages/{name}" for name in PACKAGES])
 
 
 @nox.session
@@ -205,9 +206,8 @@ def docs(session: nox.Session) -> None:
     build (``tools/docs_hooks.py``), so smp-torch and its dependencies are installed too.
     ``nox -s docs -- serve`` previews it instead.
     """
-    _compile_on_import(session)
-    session.install("--no-compile", *DOCS_PINS, TORCH_PIN, "mpich")
-    session.install("--no-compile", *[f"./packages/{name}" for name in PACKAGES])
+    _install_compiling_on_import(session, *DOCS_PINS, TORCH_PIN, "mpich")
+    _install_compiling_on_import(session, *[f"./packages/{name}" for name in PACKAGES])
     if session.posargs[:1] == ["serve"]:
         session.run("mkdocs", "serve", *session.posargs[1:], env=_QUIET_MKDOCS)
     else:
