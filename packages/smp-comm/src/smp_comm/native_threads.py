@@ -85,8 +85,9 @@ def wait_until_quiet(
         if now is None:
             time.sleep(max(0.0, deadline - time.monotonic()))
             return False
-        still = all(state == "S" for state, _ in now.values()) and all(
-            now[tid][1] == last[tid][1] for tid in now if tid in last
-        ) and now.keys() == last.keys()
+        # the same threads, each asleep and not run since the last look
+        still = now.keys() == last.keys() and all(
+            state == "S" and ran == last[tid][1] for tid, (state, ran) in now.items()
+        )
         quiet = quiet + 1 if still else 0
         last = now

@@ -260,10 +260,12 @@ class DistributedModel(nn.Module):
             raise SMPError("the request timeline exists only with pipeline parallelism")
         if not self._cfg.timeline:
             raise SMPError("set the 'timeline' config key to record a timeline")
+        if 0 not in self.context.groups["pp"]:
+            # Not world rank 0's pipeline: at pp = 2 x dp = 2 both pipelines wrote
+            # <timeline>.json at once and the file came out as neither's JSON.
+            return self.engine.write_timeline(None, None)
         base = self._cfg.timeline
         base = base[:-5] if base.endswith(".json") else base
-        if not writes_timeline(self.context.groups["pp"]):
-            return self.engine.write_timeline(None, None)
         return self.engine.write_timeline(json_path or base + ".json", png_path or base + ".png")
 
     def _build_reducer(self) -> GradReducer | None:
@@ -661,9 +663,3 @@ def _expert_param_ids(module: nn.Module) -> set[int]:
         for p in m.parameters()
     }
 
-
-def writes_timeline(pipeline_ranks: list[int]) -> bool:
-    """Whether the pipeline of these world ranks writes the timeline files: the one holding
-    world rank 0. (At pp = 2 x dp = 2 both pipelines wrote ``<timeline>.json`` at once and the
-    file came out as neither's JSON.)"""
-    return 0 in pipeline_ranks
