@@ -72,10 +72,6 @@ class StageSums:
     its modules)."""
     owns_root: bool = False
     """Whether the model's root module (the step function's driver) is on this stage."""
-    calls_out: int = 0
-    """Modules on other stages that this stage's modules call (``cuts`` counts the calls
-    into this stage): each a request and its response per microbatch, forward and
-    backward."""
     requests_in: int = 0
     """Requests this stage serves per microbatch forward (each has its backward too): one
     per call into the stage, except that smp's ``fast_mode`` sends a run of consecutive
@@ -266,7 +262,6 @@ def stage_sums(
             st.cuts += 1
             st.boundary_bytes += m.activation_bytes
             stages[stage_of[p]].received_bytes += m.activation_bytes
-            stages[stage_of[p]].calls_out += 1
     stages[stage_of[0]].owns_root = True
     served, sent = count_requests(profile, facts, stage_of, pp)
     for s, st in enumerate(stages):
