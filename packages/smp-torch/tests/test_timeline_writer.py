@@ -17,14 +17,14 @@ class _Engine:
         return ["events"]
 
 
-def _write(pipeline: list[int]) -> tuple[list[tuple[Any, Any]], Any]:
+def _write(pipeline: list[int], *paths: str) -> tuple[list[tuple[Any, Any]], Any]:
     engine = _Engine()
     model = SimpleNamespace(
         _cfg=SimpleNamespace(pp=2, timeline="/tmp/run/timeline"),
         context=SimpleNamespace(groups={"pp": pipeline}),
         engine=engine,
     )
-    out = DistributedModel.write_timeline(model)  # type: ignore[arg-type]
+    out = DistributedModel.write_timeline(model, *paths)  # type: ignore[arg-type]
     return engine.calls, out
 
 
@@ -39,3 +39,9 @@ def test_other_replicas_gather_but_write_nothing() -> None:
     calls, out = _write([1, 3])
     assert calls == [(None, None)]  # still the collective gather: its pp ranks wait for it
     assert out == ["events"]
+
+
+def test_other_replicas_write_paths_given_to_them() -> None:
+    """An argument is never accepted and ignored: paths a replica is given, it writes."""
+    calls, _ = _write([1, 3], "/tmp/run/tl_dp1.json", "/tmp/run/tl_dp1.png")
+    assert calls == [("/tmp/run/tl_dp1.json", "/tmp/run/tl_dp1.png")]

@@ -253,17 +253,18 @@ class DistributedModel(nn.Module):
 
         Needs the ``timeline`` config key; paths default to ``<timeline>.json`` / ``.png``.
         Every data-, tensor- and context-parallel replica runs a pipeline of its own; only the
-        first one (the pipeline of world rank 0) writes the files, since they would all write
-        the same paths. The others return their events for the caller to keep.
+        first one (the pipeline of world rank 0) writes the default paths, since they would
+        all write the same files. The others write only paths given to them (e.g. one per
+        ``smp.dp_rank()``) and return their events.
         """
         if self._cfg.pp == 1:
             raise SMPError("the request timeline exists only with pipeline parallelism")
         if not self._cfg.timeline:
             raise SMPError("set the 'timeline' config key to record a timeline")
         if 0 not in self.context.groups["pp"]:
-            # Not world rank 0's pipeline: at pp = 2 x dp = 2 both pipelines wrote
-            # <timeline>.json at once and the file came out as neither's JSON.
-            return self.engine.write_timeline(None, None)
+            # Not world rank 0's pipeline: at pp = 2 x dp = 2 both pipelines wrote the
+            # default <timeline>.json at once and the file came out as neither's JSON.
+            return self.engine.write_timeline(json_path, png_path)
         base = self._cfg.timeline
         base = base[:-5] if base.endswith(".json") else base
         return self.engine.write_timeline(json_path or base + ".json", png_path or base + ".png")
