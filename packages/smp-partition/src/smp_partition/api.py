@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from smp_partition._gc import gc_paused
 from smp_partition.algorithm import chain_assign, paper_assign, refine
+from smp_partition.blocks import contract_blocks, keep_blocks_whole, outer_blocks
 from smp_partition.costs import compute_costs
 from smp_partition.errors import PartitionError
 from smp_partition.graph import ModuleGraph
@@ -68,9 +69,11 @@ def partition(
 
     ``alpha`` weighs memory (1.0) against compute (0.0) in the cost model. ``method="paper"``
     runs the paper's Algorithms 1–3; ``"default"`` also tries an optimal contiguous split of
-    the execution order and a local clean-up of cut edges, and returns the candidate with
-    the smallest maximum load, then the fewest idle devices, then the fewest cut edges, so
-    it is never worse than ``"paper"`` on maximum load (with ``balance_slack=0``).
+    the execution order, a local clean-up of cut edges and, of each of these, the variant
+    that cuts no repeated block (such as a decoder layer, :mod:`smp_partition.blocks`)
+    through its inside, and returns the candidate with the smallest maximum load, then the
+    fewest idle devices, then the fewest cut edges, so it is never worse than ``"paper"`` on
+    maximum load (with ``balance_slack=0``).
 
     ``balance_slack`` (default method only): max loads within ``(1 + balance_slack)`` of the
     smallest one count as equal, so fewer idle devices and fewer cut edges (each one a
@@ -100,6 +103,17 @@ def _partition(
             candidates += [chain, refine(tree, own, chain, num_devices)]
         if slack > 0:
             candidates += [refine(tree, own, c, num_devices, slack) for c in list(candidates)]
+    inside = outer_blocks(graph, tree)
+    if method == "default" and num_devices > 1 and max(inside) >= 0:
+        # Whole-block variants: each candidate with its blocks' insides moved onto the
+        # block, and the optimal contiguous split of the order with blocks indivisible.
+        whole = [keep_blocks_whole(inside, c) for c in candidates]
+        chain = keep_blocks_whole(
+            inside, chain_assign(tree, contract_blocks(inside, own), num_devices, True)
+        )
+        whole.append(chain)
+        whole.append(keep_blocks_whole(inside, refine(tree, own, chain, num_devices, slack)))
+        candidates += whole
 
     node_cost = [0.0] * len(tree)
     for m, n in enumerate(module_node):
