@@ -44,7 +44,7 @@ def _case(name: str, **config: object) -> dict:
         for k in (
             "optimizer", "checkpoint_blocks", "tied", "steps", "batch", "manual", "model",
             "served_per_mb", "relayed", "layers", "chained", "replayed", "bitwise_vs",
-            "w_eager",
+            "w_eager", "calls_back",
         )  # fmt: skip
         if k in config
     }
@@ -277,10 +277,15 @@ LLAMA_CASES = [
           bitwise_vs={"static_mode": False}),
     # T5 (pp=2 x dp=2): its shared embedding is used by the encoder, the decoder (a remote
     # call back into stage 0 from inside a backward) and the tied head.
+    # Its automatic partition keeps the decoder whole on stage 1, so every request there
+    # calls back into stage 0 (the shared embedding): static mode (here, or overlaid with
+    # SMP_EQ_PIPELINE_MODE=static) must run them dynamic, exactly, and say why (calls_back).
     _case("t5-pp2-dp2-zero-bubble", pipeline_parallel_degree=2, microbatches=2, model="t5",
-          optimizer="sgd", steps=2, pipeline="zero_bubble", bitwise_vs={"pipeline": "interleaved"}),
+          optimizer="sgd", steps=2, pipeline="zero_bubble", bitwise_vs={"pipeline": "interleaved"},
+          calls_back=True),
     _case("t5-pp2-dp2-static", pipeline_parallel_degree=2, microbatches=2, model="t5",
-          optimizer="sgd", steps=2, static_mode=True, bitwise_vs={"static_mode": False}),
+          optimizer="sgd", steps=2, static_mode=True, bitwise_vs={"static_mode": False},
+          calls_back=True),
 ]  # fmt: skip
 
 
