@@ -343,3 +343,23 @@ def test_a_rung_tracker_sleeps_again_after_its_last_look() -> None:
     progress._tracker_loop()
     assert progress.bell.sleeps == 1  # type: ignore[attr-defined]
     assert rounds == [True, False, False]  # busy, then the last look's two rounds
+
+
+def test_a_last_look_takes_its_second_round_even_after_a_busy_first() -> None:
+    """The second round of a last look surfaces a message that landed while nobody made an
+    MPI call; a first round busy with something else (a FREE, another handle's message) must
+    not skip it, or a waiting thread sleeps on unrung with its message already there."""
+    from smp_comm.progress import Progress
+
+    rounds: list[bool] = []
+    script = [True, False]  # the first round finds something else; the second, ours
+
+    progress = Progress.__new__(Progress)
+
+    def poll_once() -> bool:
+        rounds.append(script[len(rounds)])
+        return rounds[-1]
+
+    progress.poll_once = poll_once  # type: ignore[method-assign]
+    assert progress.last_look() is True
+    assert rounds == [True, False]  # both rounds ran

@@ -190,14 +190,20 @@ class Progress:
         """The probe a thread makes after saying it will sleep (or stop polling), before it
         relies on a ring; the caller holds ``lock``. True if anything happened.
 
-        Two rounds where the first finds nothing: MPICH's probes match against what earlier
-        progress brought in, and run progress only after, so a message that landed while no
-        thread of this rank made an MPI call surfaces on the second probe, not the first.
-        One round was not enough: a waiter woken by a ring polled once, found nothing, and
-        slept the full 50 ms backstop for every message of a ping-pong (median latency
-        49.7 ms against 76 µs with two; docs/perf-notes.md, "A last look takes two probes").
+        Always two rounds: MPICH's probes match against what earlier progress brought in,
+        and run progress only after, so a message that landed while no thread of this rank
+        made an MPI call surfaces on the second probe, not the first. One round was not
+        enough: a waiter woken by a ring polled once, found nothing, and slept the full 50 ms
+        backstop for every message of a ping-pong (median latency 49.7 ms against 76 µs with
+        two; docs/perf-notes.md, "A last look takes two probes"). The second round runs even
+        when the first found something: what it found (a FREE, another handle's message) is
+        not what a waiting thread waits for, and that thread then slept on unrung while its
+        own message sat there until the next ring or the backstop (pipelines at pp = 4 idle
+        for 15-50 ms at a time; docs/perf-notes.md, "Session of 2026-12-01").
         """
-        return self.poll_once() or self.poll_once()
+        first = self.poll_once()
+        second = self.poll_once()
+        return first or second
 
     def poll_once(self) -> bool:
         """One round of MPI progress; the caller holds ``lock``. True if anything happened."""
