@@ -103,17 +103,17 @@ def _partition(
             candidates += [chain, refine(tree, own, chain, num_devices)]
         if slack > 0:
             candidates += [refine(tree, own, c, num_devices, slack) for c in list(candidates)]
-    inside = outer_blocks(graph, tree)
-    if method == "default" and num_devices > 1 and max(inside) >= 0:
-        # Whole-block variants: each candidate with its blocks' insides moved onto the
-        # block, and the optimal contiguous split of the order with blocks indivisible.
-        whole = [keep_blocks_whole(inside, c) for c in candidates]
-        chain = keep_blocks_whole(
-            inside, chain_assign(tree, contract_blocks(inside, own), num_devices, True)
-        )
-        whole.append(chain)
-        whole.append(keep_blocks_whole(inside, refine(tree, own, chain, num_devices, slack)))
-        candidates += whole
+        inside = outer_blocks(graph, tree)
+        if max(inside) >= 0:
+            # Whole-block variants: each candidate with its blocks' insides moved onto the
+            # block, and the optimal contiguous split of the order with blocks indivisible.
+            whole = [keep_blocks_whole(inside, c) for c in candidates]
+            chain = keep_blocks_whole(
+                inside, chain_assign(tree, contract_blocks(inside, own), num_devices, True)
+            )
+            whole.append(chain)
+            whole.append(keep_blocks_whole(inside, refine(tree, own, chain, num_devices, slack)))
+            candidates += whole
 
     node_cost = [0.0] * len(tree)
     for m, n in enumerate(module_node):

@@ -60,7 +60,3 @@ def contract_blocks(inside: Sequence[int], own: Sequence[int]) -> list[int]:
             out[n] = 0
     return out
 
-
-def split_block_edges(inside: Sequence[int], parent: Sequence[int], device: Sequence[int]) -> int:
-    """Tree edges inside a block (the block to its children and below) that are cut."""
-    return sum(1 for n, b in enumerate(inside) if b >= 0 and device[n] != device[parent[n]])
