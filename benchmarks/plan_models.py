@@ -39,7 +39,46 @@ HF_SHAPES: dict[str, dict[str, Any]] = {
     # ViT: 32x32 images in 4x4 patches (64 + [CLS] tokens), 4 encoder layers, 10 classes
     "vit": {"kind": "vit", "args": [32, 4, 96, 4, 4, 10], "seq": 32, "batch": 32, "classes": 10},
 }
-MODELS: dict[str, Any] = {**GPT_MODELS, **HF_SHAPES}
+# name: (vocab, tokens per sample, dim, blocks, classes, global batch). A classifier over a
+# huge vocabulary (a recommender's or a hashed-features model's shape): its embedding's
+# parameters, gradient and Adam state (256 MiB for one replica) dominate a rank's memory,
+# which the runtime's own ~340 MiB does for every other model here, so where the layout puts
+# the table (one pipeline stage; replicated, sharded or split by tensor parallelism) moves a
+# rank's peak by hundreds of MiB, as in the large models the planner is for. Compute stays
+# small (a lookup, MLP blocks of width 64, the optimizer's pass over the table).
+EMBEDDING_MODELS: dict[str, tuple[int, ...]] = {
+    "huge-embedding": (1 << 18, 16, 64, 3, 16, 32),
+}
+MODELS: dict[str, Any] = {**GPT_MODELS, **HF_SHAPES, **EMBEDDING_MODELS}
+
+
+def _embedding_classifier(vocab: int, dim: int, n_blocks: int, classes: int) -> Any:
+    """Embedding(vocab, dim), pre-norm residual MLP blocks, mean over tokens, a linear head."""
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(dim)
+            self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+        def forward(self, h: Any) -> Any:
+            return h + self.mlp(self.norm(h))
+
+    class Classifier(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(vocab, dim)
+            self.blocks = nn.ModuleList(Block() for _ in range(n_blocks))
+            self.head = nn.Linear(dim, classes)
+
+        def forward(self, tokens: Any) -> Any:
+            h = self.embed(tokens)
+            for block in self.blocks:
+                h = block(h)
+            return self.head(h.mean(dim=1))
+
+    return Classifier()
 
 def build(name: str) -> tuple[Any, Any, Any]:
     """(model_fn, global batch (x, y), step_fn) of a model of :data:`MODELS`. Every model is
@@ -64,8 +103,20 @@ def build(name: str) -> tuple[Any, Any, Any]:
         y = torch.randint(0, vocab, (batch, seq), generator=g)
         return model_fn, (x, y), lambda m, b: lm_loss(m(b[0]), b[1])
 
-    import hf_models
     import smp_torch as smp
+
+    if name in EMBEDDING_MODELS:
+        vocab, seq, dim, n_blocks, classes, batch = EMBEDDING_MODELS[name]
+
+        def emb_fn() -> Any:
+            torch.manual_seed(0)
+            return smp.set_tensor_parallelism(_embedding_classifier(vocab, dim, n_blocks, classes))
+
+        x = torch.randint(0, vocab, (batch, seq), generator=g)
+        y = torch.randint(0, classes, (batch,), generator=g)
+        return emb_fn, (x, y), lambda m, b: F.cross_entropy(m(b[0]), b[1])
+
+    import hf_models
 
     shape = HF_SHAPES[name]
     kind, batch, seq, classes = shape["kind"], shape["batch"], shape["seq"], shape["classes"]
@@ -90,7 +141,7 @@ def build(name: str) -> tuple[Any, Any, Any]:
 
 def blocks(name: str, net: Any) -> list[Any]:
     """The model's layers: what the grid checkpoints (each on its own) with ``ckpt``."""
-    if name in GPT_MODELS:
+    if name in GPT_MODELS or name in EMBEDDING_MODELS:
         return list(net.blocks)
     kind = HF_SHAPES[name]["kind"]
     if kind == "t5":  # both stacks

@@ -15,6 +15,7 @@ from smp_partition.plan.estimate import (
     pipeline_s,
     shard_units,
     stage_after_s,
+    stage_memory,
     stage_microbatch_s,
     stage_tops,
 )
@@ -93,19 +94,24 @@ def test_memory_prediction_is_the_documented_sum() -> None:
     # replicas (dp > sdp) add one copy of the gradients: the all-reduce's flat buckets
     c4 = Candidate(pp=1, tp=1, dp=2, sdp=1, microbatches=1, checkpointing=False)
     assert estimate(p, stages, c4)[2] == (100_000 + state + 2000 * 4 + 16000 / 2,)
-    # the margin scales the whole peak
+    # the margin scales the peak but for the persistent tensors (parameters, gradients,
+    # optimizer state: long-lived, of fixed sizes)
     m = two_block_profile(memory_margin=0.1)
     m_stages = stage_sums(m, module_facts(m), 1)[0]
-    assert estimate(m, m_stages, c)[2] == pytest.approx(((100_000 + state + acts) * 1.1,))
+    assert estimate(m, m_stages, c)[2] == pytest.approx(((100_000 + acts) * 1.1 + state,))
     # a pipeline stage also keeps what crosses its cuts, per microbatch in flight: the
     # activations received and sent and their gradients, each with its message buffer
     p2 = stage_sums(p, module_facts(p), 2)[0]
     assert sum(st.received_bytes for st in p2) == sum(st.boundary_bytes for st in p2) > 0
     c5 = Candidate(pp=2, tp=1, dp=1, sdp=1, microbatches=4, checkpointing=False)
-    for st in p2:
+    for i, st in enumerate(p2):
         plain = st.params.at(1) * 16 + in_flight(2, 4) * st.saved.at(1) / 4
         cut = in_flight(2, 4) * 4 * (st.received_bytes + st.boundary_bytes) / 4
-        assert estimate(p, [st], c5)[2] == (100_000 + plain + cut,)
+        # and a gradient buffer per microbatch in flight beyond the first (deterministic
+        # accumulation, on the driver's stage: a later microbatch's backward before the
+        # earlier one is folded; serving stages stream)
+        buffers = (in_flight(2, 4) - 1) * st.params.at(1) * 4 if i == 0 else 0
+        assert stage_memory(p, st, c5, driver=i == 0) == 100_000 + plain + cut + buffers
     # a pipeline keeps at most pp + 2 microbatches in flight; pp = 1 keeps one at a time
     assert in_flight(1, 8) == 1 and in_flight(2, 8) == 4 and in_flight(4, 2) == 2
 
@@ -448,3 +454,54 @@ def test_requests_are_counted_as_fast_mode_sends_them() -> None:
     q = replace(p, graph=ModuleGraph(plain))
     served, sent = count_requests(q, module_facts(q), stage_of, 4)
     assert sum(served) == sum(sent) == 10
+
+
+def _embedding_profile(**overrides: object) -> Profile:
+    """A huge embedding (1e6 elements) and two small blocks: the parameter-dominated shape."""
+    mods = [
+        Module("", children=("emb", "b0", "b1"), forward_ms=3.0),
+        Module("emb", params={"emb.w": 1_000_000}, activation_bytes=400, forward_ms=1.0),
+        Module("b0", params={"b0.w": 1000}, activation_bytes=400, forward_ms=1.0),
+        Module("b1", params={"b1.w": 1000}, activation_bytes=400, forward_ms=1.0),
+    ]
+    kw: dict[str, object] = dict(
+        graph=ModuleGraph(mods), batch_size=8, forward_s=1.0, backward_s=2.0,
+        saved_bytes={"emb": 800, "b0": 800, "b1": 800}, base_bytes=100_000,
+    )  # fmt: skip
+    kw.update(overrides)
+    return Profile(**kw)  # type: ignore[arg-type]
+
+
+def test_a_stage_holds_its_own_largest_gradient_and_its_own_optimizer_temporaries() -> None:
+    # The backward's fixed temporary is the largest module's gradient (the embedding's,
+    # 4e6 bytes): at pp = 3 only the embedding's stage holds it; the others hold their own
+    # largest module's (1000 elements), and the rest of the fixed part (500) everywhere.
+    p = _embedding_profile(step_transient_fixed_bytes=4_000_500.0, step_transient_gradient_bytes=4_000_000.0)
+    stages = stage_sums(p, module_facts(p), 3)[0]
+    held = [st.largest_params_at(1) for st in stages]
+    assert sorted(held) == [1000, 1000, 1_000_000]
+    c = Candidate(pp=3, tp=1, dp=1, sdp=1, microbatches=1, checkpointing=False)
+    base = _embedding_profile()  # the same without the temporaries
+    for st, a, b in zip(stages, estimate(p, stages, c)[2], estimate(base, stages, c)[2]):
+        if st.largest_params_at(1) == 1_000_000:  # the embedding's stage: all of it
+            assert a - b == pytest.approx(4_000_500)
+        else:  # its own largest gradient and the rest, on the whole-model floor (below)
+            assert a == pytest.approx(100_000 + 1_002_000 * 4 + 1000 * 4 + 500)
+    # The optimizer's temporaries scale with the parameters a rank steps (sharded by sdp).
+    q = _embedding_profile(optimizer_transient_bytes=8)
+    one = stage_sums(q, module_facts(q), 1)[0]
+    plain = estimate(_embedding_profile(), one, Candidate(1, 1, 2, 2, 1, False))[2][0]
+    assert estimate(q, one, Candidate(1, 1, 2, 2, 1, False))[2][0] == pytest.approx(plain + 1_002_000 * 8 / 2)
+
+
+def test_every_rank_holds_the_whole_model_until_the_first_step_places_it() -> None:
+    # pp = 3: the stages without the embedding still peak at the runtime's bytes plus the
+    # whole model's parameters (built on every rank, kept until the first step's trace).
+    p = _embedding_profile()
+    stages = stage_sums(p, module_facts(p), 3)[0]
+    peaks = estimate(p, stages, Candidate(3, 1, 1, 1, 1, False))[2]
+    whole = 100_000 + 1_002_000 * 4
+    small = [pk for st, pk in zip(stages, peaks) if st.largest_params_at(1) < 1e6]
+    assert len(small) == 2 and all(pk == pytest.approx(whole) for pk in small)
+    # the embedding's own stage is above the floor (its state: 16 bytes an element)
+    assert max(peaks) > whole

@@ -42,10 +42,24 @@ def test_profile_measures_the_model(toy_profile) -> None:  # type: ignore[no-unt
     # the marked linears, each with the gcd of its parameters' first dimensions
     assert p.tp_divisors == {f"blocks.{i}.{n}": d for i in range(plan_toy.LAYERS) for n, d in (("fc", 128), ("proj", 32))}
     assert p.optimizer_bytes == 8  # Adam: two fp32 moments per element
+    # Adam's step makes parameter-sized temporaries (torch's foreach sqrt and div: 8 bytes
+    # an element; the single-tensor loop: one tensor's); the profile sees them, not 0
+    assert p.optimizer_transient_bytes >= 1
     assert p.base_bytes > 0
     # the head saves its input (8 x 16 x 32 fp32) for backward; each block's fc likewise
     assert p.saved_bytes["head"] >= 8 * 16 * 32 * 4
     assert p.saved_bytes["blocks.0.fc"] >= 8 * 16 * 32 * 4
+
+
+def test_the_step_peak_of_an_optimizer_counts_the_temporaries_its_record_function_frees() -> None:
+    """The optimizer step's own record function frees the temporaries its ops made: placed
+    at its start those frees cancel them (the peak read 0); at its end they do not."""
+    emb = nn.Embedding(4096, 64)
+    opt = torch.optim.Adam(emb.parameters(), lr=1e-3)
+    emb(torch.tensor([[1, 2]])).sum().backward()
+    opt.step()
+    one_param = 4096 * 64 * 4
+    assert peak_step_allocation(opt.step, frees_at_end=True) >= one_param
 
 
 def test_sharding_overheads_are_measured_per_tensor_on_a_one_rank_mesh(toy_profile, monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -23,7 +23,9 @@ The model (docs/design.md, "Planner"):
   activations of the microbatches in flight (``min(microbatches, active_microbatches)``);
   with checkpointing only each unit's input stays per microbatch, plus one unit's saved
   bytes while it is recomputed; plus one microbatch's backward temporaries (the measured
-  peak allocation of a step beyond its saved bytes, the stage's share).
+  peak allocation of a step beyond its saved bytes, the stage's share; of its fixed part,
+  the gradient of the stage's own largest module) and the optimizer step's temporaries
+  for the parameters the rank steps.
 
 Everything errs on the side of more memory: a configuration it says fits must fit.
 """
@@ -95,17 +97,37 @@ def in_flight(pp: int, microbatches: int) -> int:
     return 1 if pp == 1 else min(microbatches, pp + 2)
 
 
-def stage_memory(profile: Profile, st: StageSums, c: Candidate) -> float:
-    """Predicted peak bytes of one rank of stage ``st`` under ``c``."""
+def stage_memory(
+    profile: Profile, st: StageSums, c: Candidate, model_params: float = 0.0, driver: bool = False
+) -> float:
+    """Predicted peak bytes of one rank of stage ``st`` under ``c``; ``model_params``: the
+    whole model's parameter elements on one rank at ``c.tp`` (every rank holds them until
+    the first step partitions the model); ``driver``: the stage is pipeline rank 0's, which
+    runs the step function."""
     tp, sdp = c.tp, c.sdp
     params = st.params.at(tp)
-    state = params * (profile.param_bytes + profile.grad_bytes + profile.optimizer_bytes) / sdp
+    # what persists through the step: parameters, gradients and optimizer state (no margin:
+    # long-lived tensors of fixed sizes, which the allocator keeps exactly)
+    persistent = params * (profile.param_bytes + profile.grad_bytes + profile.optimizer_bytes) / sdp
+    state = 0.0
     if sdp > 1:
         # FSDP2 all-gathers each unit into a flat buffer and copies it out to unsharded
         # parameters, and reduce-scatters full gradients from a flat copy: two full copies
         # of the parameters and two of the gradients, counted as if every unit of the stage
         # were unsharded at once (safe: the runtime frees a unit's after its use).
         state += 2 * params * (profile.param_bytes + profile.grad_bytes)
+    # the optimizer step's temporaries, for the parameters this rank steps
+    state += params * profile.optimizer_transient_bytes / sdp
+    if c.pp > 1 and driver:
+        # deterministic accumulation (smp_pipeline.accumulation): on the driver's stage the
+        # microbatches' step functions run their backward concurrently, and one that reaches
+        # a parameter before the earlier ones are folded keeps its gradient in a buffer of
+        # its own, full size (a pipeline's sharded stage reduces once, after the step): up to
+        # one per microbatch in flight beyond the first. (bench_plan's huge-embedding, its 64
+        # MiB table on the driver's stage of pp = 2: 794 MiB at 2 microbatches, 985 at 8
+        # with sdp = 2, 800-806 and 870-928 without; on pp = 4's stage 1, which serves its
+        # requests in order and streams, 717-718 MiB at 2, 4 and 8.)
+        state += (in_flight(c.pp, c.microbatches) - 1) * params * profile.grad_bytes
     if c.dp // sdp > 1:
         # the replicas' gradient all-reduce packs gradients into flat buckets, several in
         # flight while backward runs: up to one more copy of the stage's gradients
@@ -139,8 +161,27 @@ def stage_memory(profile: Profile, st: StageSums, c: Candidate) -> float:
     # One microbatch's backward temporaries on top (the stage's share, by saved bytes).
     total = sum(profile.saved_bytes.values())
     share = st.saved.at(1) / total if total else 1.0 / c.pp
-    acts += profile.step_transient_bytes * share * tp / own + profile.step_transient_fixed_bytes
-    return (profile.base_bytes + state + acts) * (1.0 + profile.memory_margin)
+    # The fixed part: the model's largest module gradient (made before it is added into
+    # .grad) replaced by this stage's own largest module's, and the rest as measured.
+    grad_part = profile.step_transient_gradient_bytes
+    gradient = min(grad_part, st.largest_params_at(tp) * profile.grad_bytes)
+    acts += profile.step_transient_bytes * share * tp / own + profile.step_transient_fixed_bytes - grad_part
+    # The margin (what the allocator keeps of freed small buffers, the rank-to-rank spread)
+    # goes on the runtime's bytes and the activations and temporaries; not on the
+    # parameter-sized tensors: the persistent ones and the parameter-sized buffers above
+    # (copies, buckets, the optimizer's temporaries, a module's gradient), whose sizes are
+    # exact and which the allocator maps and returns whole. (On bench_plan's huge-embedding
+    # grid, whose 64 MiB table's buffers dominate, the model needs 0.6 % where the small
+    # models need 15 %.)
+    retained = (profile.base_bytes + acts) * (1.0 + profile.memory_margin)
+    training = retained + persistent + state + gradient
+    # Without delayed initialisation every rank builds the whole model (tensor parallelism's
+    # split modules already split when smp wraps it) and keeps it until the first step's
+    # trace has placed the modules: then its peak is at least the runtime's with the whole
+    # model's parameters (measured on bench_plan's huge-embedding at pp = 4: the stages
+    # without the 64 MiB embedding peak 52-65 MiB above the runtime's bytes).
+    placing = (profile.base_bytes + profile.step_transient_fixed_bytes - grad_part) * (1.0 + profile.memory_margin)
+    return max(training, placing + gradient + model_params * profile.param_bytes)
 
 
 def busy_scale(profile: Profile, c: Candidate) -> float:
@@ -276,5 +317,6 @@ def estimate(profile: Profile, stages: list[StageSums], c: Candidate) -> tuple[f
     step = pipeline + after + profile.step_overhead_s
     # the slowest stage's idle share (equal stages: (pp - 1) / (microbatches + pp - 1))
     bubble = 1.0 - c.microbatches * max(per_stage) / pipeline if pipeline > 0 else 0.0
-    peaks = tuple(stage_memory(profile, st, c) for st in stages)
+    model_params = sum(st.params.at(c.tp) for st in stages)
+    peaks = tuple(stage_memory(profile, st, c, model_params, i == 0) for i, st in enumerate(stages))
     return step, bubble, peaks

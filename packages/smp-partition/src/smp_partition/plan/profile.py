@@ -93,6 +93,10 @@ class Profile:
     grad_bytes: int = 4
     optimizer_bytes: int = 8
     """Optimizer state bytes per parameter element (Adam: two fp32 moments)."""
+    optimizer_transient_bytes: int = 0
+    """Bytes per parameter element the optimizer step allocates while it runs and frees
+    after (torch's foreach Adam: a parameter-sized temporary): a rank holds them for the
+    parameters it steps (its stage's, sharded by sdp)."""
     optimizer_s_per_param: float = 0.0
     """Seconds of the optimizer step per parameter element a rank holds."""
     shard_optimizer_s_per_tensor: float = 0.0
@@ -109,6 +113,11 @@ class Profile:
     spread over the modules like the saved bytes."""
     step_transient_fixed_bytes: float = 0.0
     """The part of that peak that does not grow with the samples (per microbatch)."""
+    step_transient_gradient_bytes: float = 0.0
+    """The part of ``step_transient_fixed_bytes`` that is one module's parameter gradient:
+    the backward computes a module's gradient before adding it into ``.grad``, one module
+    at a time, so the peak holds the largest module's once more. A stage holds its own
+    largest module's instead (a huge embedding's on its stage only)."""
     base_bytes: int = 0
     """Memory a rank uses whatever the model (interpreter, libraries, runtime buffers)."""
     memory_margin: float = 0.0
@@ -140,11 +149,13 @@ class Profile:
                     "shard_optimizer_s_per_tensor", "shard_microbatch_s_per_tensor",
                     "microbatch_overhead_s", "memory_weight", "balance_slack", "compute_scale",
                     "step_transient_bytes", "step_transient_fixed_bytes", "memory_margin",
+                    "step_transient_gradient_bytes",
                     "checkpoint_unit_overhead_s"):  # fmt: skip
             v = getattr(self, key)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise PartitionError(f"{key} must be a finite number >= 0, got {v!r}")
-        for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "base_bytes", "shard_unit_elements"):
+        for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "base_bytes", "shard_unit_elements",
+                    "optimizer_transient_bytes"):
             v = getattr(self, key)
             if not isinstance(v, int) or v < 0:
                 raise PartitionError(f"{key} must be an integer >= 0, got {v!r}")

@@ -80,9 +80,17 @@ class StageSums:
     requests_out: int = 0
     """Requests this stage sends per microbatch forward (a relay through several stages,
     an ``nn.Sequential``'s runs on two or more other stages in a row, is one)."""
+    largest_params: Split = field(default_factory=Split)
+    """The most parameter elements one module of the stage holds itself (children
+    excluded), kept as the largest whole module and the largest split one (its elements
+    before the split): :meth:`largest_params_at`."""
     param_tensors: int = 0
     """Parameter tensors the stage holds (a tensor shared by modules on two stages counts
     on both: safe), what per-tensor costs of sharding scale with."""
+
+    def largest_params_at(self, tp: int) -> float:
+        """The most parameter elements one module of the stage holds on a rank at ``tp``."""
+        return max(self.largest_params.whole, self.largest_params.split / tp)
 
 
 def _first_parent(profile: Profile) -> list[int]:
@@ -239,6 +247,10 @@ def stage_sums(
         tensors[stage_of[i]].update(m.params)
         st.forward.add(facts.forward_share[i], split)
         st.params.add(facts.params[i], split)
+        if split:
+            st.largest_params.split = max(st.largest_params.split, facts.params[i])
+        else:
+            st.largest_params.whole = max(st.largest_params.whole, facts.params[i])
         b = saved.get(m.name, 0)
         st.saved.add(b, split)
         k = facts.unit[i]

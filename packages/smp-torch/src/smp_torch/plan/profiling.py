@@ -33,17 +33,19 @@ from torch.utils._pytree import tree_leaves, tree_map
 from smp_torch.plan.tensor_parallel import gathered_input_bytes, tensor_parallel_divisors
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
-#: The profile's default ``memory_margin``: fitted on bench_plan's gpt2-small grid (72
-#: configurations, 288 ranks), which needs 12.5 % for every rank to be at or under its
-#: prediction (0.5 % more for the profile's run-to-run spread). Fitted leaving out one
-#: (pp, tp, sdp) family at a time: 250 of 288 ranks within [measured, 1.10 x], 7 under.
-#: (It was 3.5 % while the profile counted torch's first-step initialisation twice, ~80
-#: MiB a rank that hid the same shortfall and varied by ~30 MiB from run to run.)
-#: Out of sample, wide-vocab's grid would need 21 % (the driver stage, which receives its
+#: The profile's default ``memory_margin``, on everything but the persistent tensors
+#: (parameters, gradients, optimizer state: long-lived, of fixed sizes): what glibc keeps
+#: resident beyond the live bytes, and the rank-to-rank spread. Fitted on bench_plan's
+#: stored grids so that no rank is above its prediction: gpt2-small needs 14.7 %,
+#: llama-tied 15.3 % (0.2 % more for the profile's run-to-run spread). (13 % before the
+#: optimizer's temporaries and the largest gradient were counted per stage, 1 Dec: they
+#: took the optimizer's share out of the fixed bytes, where it had been charged on every
+#: stage, and a huge embedding's stages without the table were predicted 20-30 % over.)
+#: Out of sample, wide-vocab's grid would need 23 % (the driver stage, which receives its
 #: head's logits and runs the loss on them: glibc keeps freed logits-sized buffers once
 #: its dynamic mmap threshold has risen; with the threshold fixed, those ranks peak under
 #: the prediction without any margin — performance.md).
-MEMORY_MARGIN = 0.13
+MEMORY_MARGIN = 0.155
 
 
 def default_step(model: nn.Module, batch: Any) -> torch.Tensor:
@@ -101,17 +103,26 @@ def _reset_peak() -> bool:
         return False
 
 
-def peak_step_allocation(run: Callable[[], Any]) -> int:
+def peak_step_allocation(run: Callable[[], Any], frees_at_end: bool = False) -> int:
     """Peak bytes torch allocates during ``run()`` above what it held before (the CPU
     allocations torch's profiler records, replayed in order).
 
     Each op's own allocations (``self_cpu_memory_usage``): an event's ``cpu_memory_usage``
     includes its children's, so summing those counts a nested op once per enclosing op
     (measured on bench_plan's gpt2-small: 198 MiB against the true 50 MiB at 32 samples).
+    An event's own net bytes are placed at its start; ``frees_at_end``: a net free at its end
+    instead. An enclosing event's own frees are those of temporaries its children made (the
+    optimizer step's record function frees each parameter's ``sqrt`` and ``div`` results:
+    placed at its start they cancel them, and the step's peak reads 0 instead of one
+    parameter-sized temporary); at the end they can only make the peak higher (safe).
     """
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
-    return replay_peak((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events())
+    return replay_peak(
+        (e.time_range.end if frees_at_end and e.self_cpu_memory_usage < 0 else e.time_range.start,
+         e.self_cpu_memory_usage)
+        for e in prof.events()
+    )  # fmt: skip
 
 
 def replay_peak(allocations: Iterable[tuple[float, int]]) -> int:
@@ -406,8 +417,16 @@ def profile_model(
     grow = (alloc_all - alloc_one) / (size - 1) if size > 1 else alloc_all
     transient_fixed = max(0.0, alloc_one - grow)
     transient = max(0.0, grow * size - sum(saved.values()))
+    # Of the fixed part, a module's parameter gradient made before it is added into .grad
+    # (at most the largest module's, one at a time): each stage holds its own largest's.
+    largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    gradient_part = min(transient_fixed, float(largest * param_bytes))
+    # The optimizer step's temporaries (torch's foreach Adam: a parameter-sized one), per
+    # parameter element: every rank steps its own parameters (measured on a huge
+    # embedding: 64 MiB for 64 MiB of parameters, which the fixed bytes held before).
+    opt_transient = math.ceil(peak_step_allocation(opt.step, frees_at_end=True) / numel - 0.05) if numel else 0
     if base_bytes is None:
-        explained = numel * (2 * param_bytes) + state_bytes + alloc_one
+        explained = numel * (2 * param_bytes + opt_transient) + state_bytes + alloc_one
         unexplained = max(0, (first_peak or 0) - rss0 - explained)
         base_bytes = (rss0 if runtime_bytes is None else runtime_bytes) + unexplained
     return Profile(
@@ -423,6 +442,7 @@ def profile_model(
         param_bytes=param_bytes,
         grad_bytes=param_bytes,
         optimizer_bytes=math.ceil(state_bytes / numel) if numel else 0,
+        optimizer_transient_bytes=opt_transient,
         optimizer_s_per_param=opt_s / numel if numel else 0.0,
         shard_optimizer_s_per_tensor=shard_opt_s,
         shard_microbatch_s_per_tensor=shard_run_s,
@@ -432,5 +452,6 @@ def profile_model(
         compute_scale=compute_scale,
         step_transient_bytes=transient,
         step_transient_fixed_bytes=transient_fixed,
+        step_transient_gradient_bytes=gradient_part,
         memory_margin=memory_margin,
     )
