@@ -75,9 +75,10 @@ def test_failure_in_one_pipeline_raises_on_every_rank(tp: str, pp: str) -> None:
     lines = re.findall(rf"RANK (\d) RAISED {layout} \w+ ([\d.]+): (.*)", out)
     raised = {rank: float(took) for rank, took, _ in lines}
     assert sorted(rank for rank, _, _ in lines) == ["0", "1", "2", "3"], out
-    # From the layout's first step to the raise, on every rank (the bound the job had, less
-    # its imports): a rank left waiting would run into timeout_s (60 s) and beyond.
-    assert all(took < 90 for took in raised.values()), (raised, out)
+    # From the layout's first step to the raise, on every rank: a rank left waiting in a
+    # collective raises only when the layout's timeout_s (60 s) runs out. (The job as a whole
+    # had to end within 90 s, its imports included; 0.1-13 s per layout at load 18.)
+    assert all(took < 45 for took in raised.values()), (raised, out)
     assert any("boom in the last pipeline" in said for _, _, said in lines), out
     assert f"{layout} NO ERROR" not in out, out
 
