@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from typing import Any
 
 import pipeline_modes
 import pytest
-from smp_comm.testing import run_mpi
+from smp_comm.testing import MPIRunError, run_mpi
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 
@@ -34,6 +36,78 @@ def launch(
 
 def ok_cases(out: str) -> list[str]:
     return [line.split()[1] for line in out.splitlines() if line.startswith("CASE-OK ")]
+
+
+FAILED = "THE SHARED JOB FAILED"
+
+
+class SharedJob:
+    """The case lists of several tests run by ONE launch of a script that takes a JSON list
+    of cases (``CASE-OK <name>`` per case). Every launch costs its ranks' imports of torch and
+    smp (5-20 s for 4 ranks on the 2-core CI machine, more than many groups' cases take), so
+    tests of one script and world size share it: the first test that asks runs every group
+    registered by then, in order, and each test then checks its own group's cases.
+
+    The job's bound is the sum of its groups' own bounds (each group keeps the time it had as
+    a job of its own). A case that fails ends the job: its group fails, and so does every
+    group after it (its cases never ran), each with the whole output. ``with_dir``: the
+    script's first argument is a scratch directory (``checkpointing.py``), made for the job.
+    """
+
+    def __init__(self, script: str, nprocs: int, with_dir: bool = False) -> None:
+        self.script, self.nprocs, self.with_dir = script, nprocs, with_dir
+        self.groups: dict[str, list[dict]] = {}
+        self.timeout = 0.0
+        self.out: str | None = None
+
+    def add(self, group: str, cases: list[dict], timeout: float) -> None:
+        """Register ``group``'s cases (before the job runs) with the bound its job had."""
+        assert self.out is None, f"{self.script}: group {group!r} added after the job ran"
+        names = [c["name"] for c in cases]
+        taken = {c["name"] for g in self.groups.values() for c in g}
+        assert group not in self.groups and not taken & set(names), (group, taken & set(names))
+        self.groups[group] = cases
+        self.timeout += timeout
+
+    def _run(self) -> str:
+        cases = [c for g in self.groups.values() for c in g]
+        scratch = tempfile.mkdtemp(prefix="smp-shared-") if self.with_dir else None
+        args: list[Any] = [scratch] if scratch else []
+        try:
+            return launch(self.script, self.nprocs, *args, cases, timeout=self.timeout)
+        except MPIRunError as exc:  # judged per group: the groups before the failure passed
+            return f"{FAILED}\n{exc}"
+        finally:
+            if scratch:
+                shutil.rmtree(scratch, ignore_errors=True)
+
+    def output(self) -> str:
+        """The job's output (every rank's), running it on the first call."""
+        if self.out is None:
+            self.out = self._run()
+        return self.out
+
+    def check(self, group: str, expect: list[str] | None = None) -> str:
+        """Assert that every case of ``group`` (or those named in ``expect``: a case that must
+        fail prints no ``CASE-OK``) passed, in order; return the job's output."""
+        out = self.output()
+        names = [c["name"] for c in self.groups[group]]
+        want = names if expect is None else expect
+        got = [n for n in ok_cases(out) if n in set(names)]
+        assert got == want, f"group {group!r}: {got} passed of {want}\n{out}"
+        if out.startswith(FAILED):
+            # Passed only if a later case is what failed (not this group's exit or teardown).
+            order = [c["name"] for g in self.groups.values() for c in g]
+            later = order[order.index(names[-1]) + 1 :]
+            assert set(later) - set(ok_cases(out)), f"group {group!r}: the job failed after its cases\n{out}"
+        return out
+
+
+# Launches shared across test modules (each module adds its groups at import, before any
+# test runs; the bounds summed stay within pytest's 1200 s per test).
+EQUIVALENCE_TWO = SharedJob("equivalence.py", 2)  # test_delayed, test_equivalence
+EQUIVALENCE_FOUR = SharedJob("equivalence.py", 4)  # test_delayed, test_equivalence
+CHECKPOINT_FOUR = SharedJob("checkpointing.py", 4, with_dir=True)  # test_checkpoint, test_sharded
 
 
 # Rows of the fault suite's table (tests/faults): (fault, config, victim, launcher, seconds

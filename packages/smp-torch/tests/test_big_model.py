@@ -23,6 +23,10 @@ from conftest import SCRIPTS
 from smp_comm.testing import run_mpi
 
 # 12 layers of 1024 (MLP 8192), an 8000-token vocabulary, untied: 0.369 B parameters, 1.48 GB.
+# Not smaller: what a rank holds besides its share of parameters and gradients hardly shrinks
+# with the model, so the ratio rises as the model shrinks: at width 768 (MLP 6144, 0.84 GB)
+# the peak growth was 0.72-0.73x on sdp4's ranks and 0.73x on pp4-stream's rank 0, at the
+# 0.75 budget's edge (one run, 2026-12-01).
 SIZE = {
     "hidden_size": 1024,
     "intermediate_size": 8192,

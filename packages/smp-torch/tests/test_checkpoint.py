@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import torch
-from conftest import launch, ok_cases
+from conftest import CHECKPOINT_FOUR, launch, ok_cases
 
 
 def _ck(name: str, save: dict, load: dict, partial: bool, optimizer: str = "adam") -> dict:
@@ -44,9 +44,11 @@ CK4 = [
 ]
 
 
-def test_reshard_across_layouts_4_ranks(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    out = launch("checkpointing.py", 4, str(tmp_path), CK4, timeout=240)
-    assert ok_cases(out) == [c["name"] for c in CK4], out
+CHECKPOINT_FOUR.add("reshard", CK4, timeout=240)  # (one launch with test_sharded's: conftest)
+
+
+def test_reshard_across_layouts_4_ranks() -> None:
+    CHECKPOINT_FOUR.check("reshard")
 
 
 def test_failed_save_leaves_no_checkpoint(tmp_path) -> None:  # type: ignore[no-untyped-def]

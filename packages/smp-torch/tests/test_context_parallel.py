@@ -15,7 +15,7 @@ one process's on the same batch.
 from __future__ import annotations
 
 import pytest
-from conftest import launch, ok_cases
+from conftest import SharedJob, launch, ok_cases
 
 pytest.importorskip("transformers")
 
@@ -48,7 +48,7 @@ TWO_RANKS = [
 ]
 
 # Refused at the first call, on every rank (a failed step ends the job's use of smp: one per
-# job): a sequence not divisible by 2 x cp, a sliding window shorter than the sequence.
+# job, its last case): a sequence not divisible by 2 x cp, a sliding window shorter than the sequence.
 STEP_ERRORS = [
     {**_case("odd-sequence", **CP2), "seq": 66,
      "step_error": "ConfigError: smp config key 'context_parallel_degree': the sequence length 66"},
@@ -77,15 +77,22 @@ FOUR_RANKS = {
 }
 
 
+# The first refused case ends the 2-rank job (conftest.SharedJob: one launch, whose imports
+# cost more than the refusal); the other needs a job of its own.
+TWO = SharedJob("context_parallel.py", 2)
+TWO.add("two-ranks", TWO_RANKS, timeout=300)
+REFUSED = {STEP_ERRORS[0]["name"]: TWO, STEP_ERRORS[1]["name"]: SharedJob("context_parallel.py", 2)}
+for _case_refused in STEP_ERRORS:
+    REFUSED[_case_refused["name"]].add(_case_refused["name"], [_case_refused], timeout=180)
+
+
 def test_context_parallel_two_ranks() -> None:
-    out = launch("context_parallel.py", 2, TWO_RANKS, timeout=300)
-    assert ok_cases(out) == [c["name"] for c in TWO_RANKS], out
+    TWO.check("two-ranks")
 
 
 @pytest.mark.parametrize("case", STEP_ERRORS, ids=[c["name"] for c in STEP_ERRORS])
 def test_context_parallel_refused_at_the_call(case: dict) -> None:
-    out = launch("context_parallel.py", 2, [case], timeout=180)
-    assert ok_cases(out) == [case["name"]], out
+    REFUSED[case["name"]].check(case["name"])
 
 
 @pytest.mark.parametrize("group", sorted(FOUR_RANKS))

@@ -9,7 +9,7 @@ compares every step with one process accumulating the same microbatches (SPEC §
 
 from __future__ import annotations
 
-from conftest import launch, ok_cases
+from conftest import EQUIVALENCE_FOUR, EQUIVALENCE_TWO
 
 SMALL_UNITS = {"sdp_param_persistence_threshold": 100}
 
@@ -33,9 +33,12 @@ DELAYED_2 = [
 ]  # fmt: skip
 
 
+# One launch per world size with test_equivalence's cases (conftest.SharedJob).
+EQUIVALENCE_TWO.add("delayed-2", DELAYED_2, timeout=300)
+
+
 def test_delayed_initialization_2_ranks() -> None:
-    out = launch("equivalence.py", 2, DELAYED_2, timeout=300)
-    assert ok_cases(out) == [c["name"] for c in DELAYED_2], out
+    EQUIVALENCE_TWO.check("delayed-2")
 
 
 DELAYED_4 = [
@@ -52,6 +55,8 @@ DELAYED_4 = [
 ]  # fmt: skip
 
 
+EQUIVALENCE_FOUR.add("delayed-4", DELAYED_4, timeout=400)
+
+
 def test_delayed_initialization_4_ranks() -> None:
-    out = launch("equivalence.py", 4, DELAYED_4, timeout=400)
-    assert ok_cases(out) == [c["name"] for c in DELAYED_4], out
+    EQUIVALENCE_FOUR.check("delayed-4")

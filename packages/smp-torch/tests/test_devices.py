@@ -15,7 +15,10 @@ mutants re-create issue 42's mistake (factories without a device) in smp's own m
 
 from __future__ import annotations
 
+import functools
 import json
+import shutil
+import tempfile
 
 from conftest import launch, ok_cases
 
@@ -46,8 +49,21 @@ def _checked(out: str) -> dict[str, list[str]]:
     return found
 
 
-def test_every_path_keeps_collectives_on_the_device(tmp_path: object) -> None:
-    out = launch("devices.py", 2, str(tmp_path), "selftest", *CASES, timeout=300)
+@functools.cache
+def _job() -> str:
+    """One 2-rank job: the self-test, every case, then the mutants (each mutant's failed step
+    is followed by a fresh ``smp.init``, as between the mutants before): the launch and the
+    ranks' imports cost more than most cases. The bound is the two former jobs' together."""
+    root = tempfile.mkdtemp(prefix="smp-devices-")
+    try:
+        names = ["selftest", *CASES, *(f"mutant:{m}" for m in MUTANTS)]
+        return launch("devices.py", 2, root, *names, timeout=300 + 240)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_every_path_keeps_collectives_on_the_device() -> None:
+    out = _job()
     assert ok_cases(out) == ["selftest", *CASES], out
     checked = _checked(out)
     for name, sites in CASES.items():
@@ -55,9 +71,9 @@ def test_every_path_keeps_collectives_on_the_device(tmp_path: object) -> None:
         assert not missing, f"{name}: never checked {missing}; checked {checked.get(name)}\n{out}"
 
 
-def test_the_check_catches_a_forgotten_device(tmp_path: object) -> None:
+def test_the_check_catches_a_forgotten_device() -> None:
     """Each mutant makes host tensors in one module; the run must refuse one there."""
-    out = launch("devices.py", 2, str(tmp_path), *(f"mutant:{m}" for m in MUTANTS), timeout=240)
+    out = _job()
     caught = {
         line.split()[1]: line
         for line in out.splitlines()

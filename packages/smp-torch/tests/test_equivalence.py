@@ -1,9 +1,9 @@
 """Equivalence (docs/design.md): every configuration that fits in 4 processes equals one process, step by step.
 
-Each test launches ONE MPI job that runs many configurations in turn (re-initialising smp
-between them) and checks, after every step, the mean loss and every parameter of the gathered
-model against a single-process reference trained on the global batch (fp32, rtol 1e-5,
-atol 1e-6).
+Each test's configurations run in turn (re-initialising smp between them) in an MPI job that
+tests of the same world size share (``conftest.SharedJob``), which checks, after every step,
+the mean loss and every parameter of the gathered model against a single-process reference
+trained on the global batch (fp32, rtol 1e-5, atol 1e-6).
 """
 
 from __future__ import annotations
@@ -13,29 +13,45 @@ import os
 
 import pipeline_modes
 import pytest
-from conftest import launch, ok_cases
+from conftest import EQUIVALENCE_FOUR, EQUIVALENCE_TWO, SharedJob
 
 HAS_TP = importlib.util.find_spec("smp_tp") is not None
+HAS_HF = HAS_TP and importlib.util.find_spec("transformers") is not None
 
 
-def run_cases(nprocs: int, cases: list[dict], timeout: float) -> None:
-    """Launch ``cases`` in one job on ``nprocs`` ranks; every case must pass. Under
+# Tests of one world size share a launch (conftest.SharedJob: with test_delayed's cases at 2
+# and 4 ranks); two 4-rank jobs, so that each job's bound (the sum of its groups') stays
+# within pytest's per-test timeout.
+FOUR_B = SharedJob("equivalence.py", 4)
+
+
+def add_cases(job: SharedJob, group: str, cases: list[dict], timeout: float) -> None:
+    """Register ``cases`` as ``group`` of ``job`` (one launch for several tests). Under
     ``SMP_EQ_PIPELINE_MODE`` (tests/pipeline_modes.py) the pipeline cases run in that mode
-    instead, each also compared bitwise with its run without it (the job's bound scaled to
+    instead, each also compared bitwise with its run without it (the group's bound scaled to
     match), and the cases skipped by design are listed in the terminal summary."""
+    run, _, mode = pipeline_modes.from_env(cases)
+    if run:
+        job.add(group, run, timeout * 3 if mode is not None else timeout)
+
+
+def check_cases(job: SharedJob, group: str, cases: list[dict]) -> None:
+    """Every case of ``group`` (as :func:`add_cases` registered it) passed in ``job``."""
     run, skipped, mode = pipeline_modes.from_env(cases)
     if mode is not None:
-        timeout *= 3
         test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0].split("::")[-1]
         pipeline_modes.REPORT.append((test, mode, [c["name"] for c in run], skipped))
     if not run:
         return  # (every case skipped by design: the summary lists why)
-    out = launch("equivalence.py", nprocs, run, timeout=timeout)
-    assert ok_cases(out) == [c["name"] for c in run], out
-    if mode is not None:  # what each mode did (replayed steps, stages with nothing to split)
+    out = job.check(group)
+    if mode is not None and id(job) not in _NOTED:  # what each mode did, once per launch
+        _NOTED.add(id(job))
         pipeline_modes.NOTES.extend(
             line for line in out.splitlines() if line.startswith(("REPLAY ", "ZB-NOTHING-SPLIT "))
         )
+
+
+_NOTED: set[int] = set()
 
 
 def _case(name: str, **config: object) -> dict:
@@ -115,8 +131,11 @@ PP2_CASES += [
 ]
 
 
+add_cases(EQUIVALENCE_TWO, "pp2", PP2_CASES, timeout=180)
+
+
 def test_pipeline_2_ranks() -> None:
-    run_cases(2, PP2_CASES, timeout=180)
+    check_cases(EQUIVALENCE_TWO, "pp2", PP2_CASES)
 
 
 # The script asserts every stage owns parameters. At pp=4 the automatic partition of these
@@ -150,12 +169,16 @@ PP4_CASES = [
 PP4_CASES += [_in_mode(PP4_CASES, "pp4-mb4", "zero_bubble")]
 
 
+add_cases(EQUIVALENCE_FOUR, "pp4", PP4_CASES, timeout=240)
+add_cases(EQUIVALENCE_TWO, "dp2", DP2_CASES, timeout=180)
+
+
 def test_pipeline_and_data_parallel_4_ranks() -> None:
-    run_cases(4, PP4_CASES, timeout=240)
+    check_cases(EQUIVALENCE_FOUR, "pp4", PP4_CASES)
 
 
 def test_data_parallel_2_ranks() -> None:
-    run_cases(2, DP2_CASES, timeout=180)
+    check_cases(EQUIVALENCE_TWO, "dp2", DP2_CASES)
 
 
 TP4_CASES = [
@@ -169,9 +192,13 @@ TP4_CASES = [
 ]
 
 
+if HAS_TP:
+    add_cases(EQUIVALENCE_FOUR, "tp4", TP4_CASES, timeout=240)
+
+
 @pytest.mark.skipif(not HAS_TP, reason="smp_tp not installed")
 def test_tensor_parallel_4_ranks() -> None:
-    run_cases(4, TP4_CASES, timeout=240)
+    check_cases(EQUIVALENCE_FOUR, "tp4", TP4_CASES)
 
 
 PPTP4_CASES = [
@@ -205,11 +232,15 @@ PPTP4_CASES = [
 PPTP4_CASES += [_in_mode(PPTP4_CASES, "pp2-tp2-seq", "zero_bubble")]
 
 
+# (A bound on a hang, not a latency target: this group took 35-200 s on a busy 2-core box,
+# the time going into setting up each case, as before issue 42.)
+if HAS_TP:
+    add_cases(FOUR_B, "pp2-tp2", PPTP4_CASES, timeout=420)
+
+
 @pytest.mark.skipif(not HAS_TP, reason="smp_tp not installed")
 def test_pipeline_and_tensor_parallel_4_ranks() -> None:
-    # (A bound on a hang, not a latency target: this job took 35-200 s on a busy 2-core box,
-    # the time going into setting up each case, as before issue 42.)
-    run_cases(4, PPTP4_CASES, timeout=420)
+    check_cases(FOUR_B, "pp2-tp2", PPTP4_CASES)
 
 
 PPTP8_CASES = [
@@ -221,7 +252,9 @@ PPTP8_CASES = [
 @pytest.mark.skipif(not HAS_TP, reason="smp_tp not installed")
 def test_three_dimensions_8_ranks() -> None:
     """pp=4 x tp=2 and pp=2 x tp=2 x dp=2 on 8 processes (oversubscribed 2-core CI: ~40 s)."""
-    run_cases(8, PPTP8_CASES, timeout=400)
+    job = SharedJob("equivalence.py", 8)  # (the only 8-rank group: a launch of its own)
+    add_cases(job, "pp-tp-dp", PPTP8_CASES, timeout=400)
+    check_cases(job, "pp-tp-dp", PPTP8_CASES)
 
 
 # A Hugging Face GPT-2 (built from a config): smp-tp's built-in GPT-2 mapping replaces its
@@ -241,12 +274,13 @@ HF_CASES = [
 ]
 
 
-@pytest.mark.skipif(
-    not HAS_TP or importlib.util.find_spec("transformers") is None,
-    reason="needs smp_tp and transformers",
-)
+if HAS_HF:
+    add_cases(FOUR_B, "gpt2", HF_CASES, timeout=300)
+
+
+@pytest.mark.skipif(not HAS_HF, reason="needs smp_tp and transformers")
 def test_hugging_face_gpt2_4_ranks() -> None:
-    run_cases(4, HF_CASES, timeout=300)
+    check_cases(FOUR_B, "gpt2", HF_CASES)
 
 
 # A Hugging Face Llama (grouped-query attention, rotary embeddings, SwiGLU, tied head, from a
@@ -289,9 +323,10 @@ LLAMA_CASES = [
 ]  # fmt: skip
 
 
-@pytest.mark.skipif(
-    not HAS_TP or importlib.util.find_spec("transformers") is None,
-    reason="needs smp_tp and transformers",
-)
+if HAS_HF:
+    add_cases(FOUR_B, "llama", LLAMA_CASES, timeout=300)
+
+
+@pytest.mark.skipif(not HAS_HF, reason="needs smp_tp and transformers")
 def test_hugging_face_llama_4_ranks() -> None:
-    run_cases(4, LLAMA_CASES, timeout=300)
+    check_cases(FOUR_B, "llama", LLAMA_CASES)

@@ -12,7 +12,14 @@ from __future__ import annotations
 
 import re
 
-from conftest import launch, ok_cases
+from conftest import CHECKPOINT_FOUR, SharedJob, launch, ok_cases
+
+# Tests of one script and world size share a launch (conftest.SharedJob), their groups in
+# the order the tests run; two 4-rank jobs of sharded.py, so that each job's bound (the sum
+# of its groups') stays within pytest's per-test timeout.
+TWO = SharedJob("sharded.py", 2)
+FOUR_A = SharedJob("sharded.py", 4)
+FOUR_B = SharedJob("sharded.py", 4)
 
 # Threshold 100 elements: TinyLM's four Linear layers become units; the tied embedding/head
 # and the layer norm stay in the root's unit (a shared parameter cannot leave their ancestor).
@@ -38,9 +45,11 @@ SDP2_CASES = [
 ]
 
 
+TWO.add("sdp2", SDP2_CASES, timeout=240)
+
+
 def test_sharded_2_ranks() -> None:
-    out = launch("sharded.py", 2, SDP2_CASES, timeout=240)
-    assert ok_cases(out) == [c["name"] for c in SDP2_CASES], out
+    TWO.check("sdp2")
 
 
 SDP4_CASES = [
@@ -57,9 +66,11 @@ SDP4_CASES = [
 ]
 
 
+FOUR_A.add("sdp4", SDP4_CASES, timeout=300)
+
+
 def test_sharded_4_ranks() -> None:
-    out = launch("sharded.py", 4, SDP4_CASES, timeout=300)
-    assert ok_cases(out) == [c["name"] for c in SDP4_CASES], out
+    FOUR_A.check("sdp4")
 
 
 # Sharded data x tensor parallelism (tp=2: two ranks per tensor-parallel slice, sharded by
@@ -91,9 +102,11 @@ SDP2_TP2_CASES = [
 ]
 
 
+FOUR_A.add("sdp2-tp2", SDP2_TP2_CASES, timeout=300)
+
+
 def test_sharded_with_tensor_parallel_4_ranks() -> None:
-    out = launch("sharded.py", 4, SDP2_TP2_CASES, timeout=300)
-    assert ok_cases(out) == [c["name"] for c in SDP2_TP2_CASES], out
+    FOUR_A.check("sdp2-tp2")
 
 
 # Sharded data x pipeline parallelism (pp=2: each stage's parameters sharded over its two
@@ -110,9 +123,11 @@ SDP2_PP2_CASES = [
 ]
 
 
+FOUR_A.add("sdp2-pp2", SDP2_PP2_CASES, timeout=300)
+
+
 def test_sharded_with_pipeline_4_ranks() -> None:
-    out = launch("sharded.py", 4, SDP2_PP2_CASES, timeout=300)
-    assert ok_cases(out) == [c["name"] for c in SDP2_PP2_CASES], out
+    FOUR_A.check("sdp2-pp2")
 
 
 # Issue 42: a tiny Hugging Face Llama with tied embeddings (embedding and head one parameter)
@@ -130,9 +145,11 @@ SDP2_PP2_TIED_CASES = [
 ]  # fmt: skip
 
 
+FOUR_B.add("sdp2-pp2-tied", SDP2_PP2_TIED_CASES, timeout=400)
+
+
 def test_sharded_pipeline_tied_embeddings_on_either_stage_4_ranks() -> None:
-    out = launch("sharded.py", 4, SDP2_PP2_TIED_CASES, timeout=400)
-    assert ok_cases(out) == [c["name"] for c in SDP2_PP2_TIED_CASES], out
+    FOUR_B.check("sdp2-pp2-tied")
 
 
 # Issue 42: a data-dependent branch (models.MoELM: each sample's first token picks one of two
@@ -153,10 +170,13 @@ SDP2_BRANCH_CASES = [
 ]  # fmt: skip
 
 
+# Last in its job: the case that must raise ends the job (sharded.py runs nothing after it).
+TWO.add("sdp2-branch", SDP2_BRANCH_CASES, timeout=400)
+
+
 def test_sharded_data_dependent_branch_2_ranks() -> None:
-    out = launch("sharded.py", 2, SDP2_BRANCH_CASES, timeout=400)
     exact = [c["name"] for c in SDP2_BRANCH_CASES if "error" not in c]
-    assert ok_cases(out) == exact, out
+    out = TWO.check("sdp2-branch", exact)
     raised = re.findall(r"RANK (\d) RAISED sdp2-moe-expert-units: SMPError", out)
     assert sorted(raised) == ["0", "1"], out
 
@@ -170,9 +190,11 @@ SDP2_PP2_BRANCH_CASES = [
 ]  # fmt: skip
 
 
+FOUR_B.add("sdp2-pp2-branch", SDP2_PP2_BRANCH_CASES, timeout=400)
+
+
 def test_sharded_pipeline_data_dependent_branch_4_ranks() -> None:
-    out = launch("sharded.py", 4, SDP2_PP2_BRANCH_CASES, timeout=400)
-    assert ok_cases(out) == [c["name"] for c in SDP2_PP2_BRANCH_CASES], out
+    FOUR_B.check("sdp2-pp2-branch")
 
 
 # Issue 42: sharded data x pipeline x tensor parallelism (8 ranks: pp=2, tp=2, sdp=2): each
@@ -204,11 +226,13 @@ CK4 = [
 ]
 
 
-def test_sharded_checkpoint_changes_degree_4_ranks(tmp_path) -> None:  # type: ignore[no-untyped-def]
+CHECKPOINT_FOUR.add("sdp4", CK4, timeout=300)
+
+
+def test_sharded_checkpoint_changes_degree_4_ranks() -> None:
     """Save with sdp=4, resume with sdp=2 and with plain dp=4 (and back): training continues
     exactly (scripts/checkpointing.py checks every step against one process)."""
-    out = launch("checkpointing.py", 4, str(tmp_path), CK4, timeout=300)
-    assert ok_cases(out) == [c["name"] for c in CK4], out
+    CHECKPOINT_FOUR.check("sdp4")
 
 
 SDP2_TP2 = {"sharded_data_parallel_degree": 2, "tensor_parallel_degree": 2, **SMALL}
@@ -219,11 +243,13 @@ CK_TP = [
 ]
 
 
-def test_sharded_tensor_parallel_checkpoint_4_ranks(tmp_path) -> None:  # type: ignore[no-untyped-def]
+CHECKPOINT_FOUR.add("sdp2-tp2", CK_TP, timeout=300)
+
+
+def test_sharded_tensor_parallel_checkpoint_4_ranks() -> None:
     """Save at sdp=2 x tp=2, resume at tp=2 without sharding and at sdp=4 without tensor
     parallelism (and tp=2 -> sdp=2 x tp=2): training continues exactly."""
-    out = launch("checkpointing.py", 4, str(tmp_path), CK_TP, timeout=300)
-    assert ok_cases(out) == [c["name"] for c in CK_TP], out
+    CHECKPOINT_FOUR.check("sdp2-tp2")
 
 
 SDP2_PP2 = {"sharded_data_parallel_degree": 2, "pipeline_parallel_degree": 2, "microbatches": 2}
@@ -235,11 +261,13 @@ CK_PP = [
 ]
 
 
-def test_sharded_pipeline_checkpoint_4_ranks(tmp_path) -> None:  # type: ignore[no-untyped-def]
+CHECKPOINT_FOUR.add("sdp2-pp2", CK_PP, timeout=300)
+
+
+def test_sharded_pipeline_checkpoint_4_ranks() -> None:
     """Save at sdp=2 x pp=2, resume at sdp=4 and at pp=2 without sharding, and sdp=4 ->
     sdp=2 x pp=2: training continues exactly."""
-    out = launch("checkpointing.py", 4, str(tmp_path), CK_PP, timeout=300)
-    assert ok_cases(out) == [c["name"] for c in CK_PP], out
+    CHECKPOINT_FOUR.check("sdp2-pp2")
 
 
 def test_bad_sharded_configs_raise_on_every_rank() -> None:

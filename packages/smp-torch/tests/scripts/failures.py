@@ -1,10 +1,14 @@
-"""Usage: failures.py [TP [PP]]. An exception inside the step function of ONE pipeline must raise on every rank of the job
-(no rank left waiting in a collective). Prints ``RANK <r> RAISED <type>`` on each rank."""
+"""Usage: failures.py TP:PP [TP:PP ...]. For each layout in turn (re-initialising smp after
+the failure, as a user may): an exception inside the step function of ONE pipeline must
+raise on every rank of the job (no rank left waiting in a collective). Prints ``RANK <r>
+RAISED <tp>:<pp> <type> <seconds>`` on each rank, the seconds from the layout's first step
+to the raise. One launch for every layout: the job's imports cost more than a layout."""
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 import torch
 
@@ -13,10 +17,7 @@ import models  # noqa: E402
 import smp_torch as smp  # noqa: E402
 
 
-def main() -> None:
-    torch.set_num_threads(1)
-    tp = int(sys.argv[1]) if len(sys.argv) > 1 else 1
-    pp = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+def run(tp: int, pp: int) -> None:
     config = {
         "pipeline_parallel_degree": pp,
         "tensor_parallel_degree": tp,
@@ -38,20 +39,30 @@ def main() -> None:
         model.backward(loss)
         return loss
 
+    layout = f"{tp}:{pp}"
+    start = time.monotonic()
     try:
         for step in range(3):
             x, y = models.global_batch(step, 8)
             n, i = smp.dp_size(), smp.dp_rank()
             train_step(x.chunk(n)[i], y.chunk(n)[i], step)
-            print(f"RANK {smp.rank()} finished step {step}", flush=True)
+            print(f"RANK {smp.rank()} {layout} finished step {step}", flush=True)
     except Exception as exc:  # noqa: BLE001
         first_line = str(exc).splitlines()[0][:120] if str(exc) else ""
-        print(f"\nRANK {smp.rank()} RAISED {type(exc).__name__}: {first_line}", flush=True)
-        # A normal exit: smp's exit handlers must cope with threads still blocked in a
-        # collective the failing rank never joined (without them: exit status 6, "terminate
-        # called without an active exception").
+        took = time.monotonic() - start
+        print(f"\nRANK {smp.rank()} RAISED {layout} {type(exc).__name__} {took:.2f}: {first_line}", flush=True)
         return
-    print(f"RANK {smp.rank()} NO ERROR", flush=True)
+    print(f"RANK {smp.rank()} {layout} NO ERROR", flush=True)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    for layout in sys.argv[1:]:
+        tp, pp = (int(v) for v in layout.split(":"))
+        run(tp, pp)
+    # A normal exit: smp's exit handlers must cope with threads still blocked in collectives
+    # the failing ranks never joined, one set per layout (without them: exit status 6,
+    # "terminate called without an active exception").
 
 
 if __name__ == "__main__":
