@@ -109,15 +109,16 @@ def stage_memory(
     # what persists through the step: parameters, gradients and optimizer state (no margin:
     # long-lived tensors of fixed sizes, which the allocator keeps exactly)
     persistent = params * (profile.param_bytes + profile.grad_bytes + profile.optimizer_bytes) / sdp
-    state = 0.0
+    # parameter-sized buffers beside them (copies, temporaries, buckets)
+    buffers = 0.0
     if sdp > 1:
         # FSDP2 all-gathers each unit into a flat buffer and copies it out to unsharded
         # parameters, and reduce-scatters full gradients from a flat copy: two full copies
         # of the parameters and two of the gradients, counted as if every unit of the stage
         # were unsharded at once (safe: the runtime frees a unit's after its use).
-        state += 2 * params * (profile.param_bytes + profile.grad_bytes)
+        buffers += 2 * params * (profile.param_bytes + profile.grad_bytes)
     # the optimizer step's temporaries, for the parameters this rank steps
-    state += params * profile.optimizer_transient_bytes / sdp
+    buffers += params * profile.optimizer_transient_bytes / sdp
     if c.pp > 1 and driver:
         # deterministic accumulation (smp_pipeline.accumulation): on the driver's stage the
         # microbatches' step functions run their backward concurrently, and one that reaches
@@ -127,11 +128,11 @@ def stage_memory(
         # MiB table on the driver's stage of pp = 2: 794 MiB at 2 microbatches, 985 at 8
         # with sdp = 2, 800-806 and 870-928 without; on pp = 4's stage 1, which serves its
         # requests in order and streams, 717-718 MiB at 2, 4 and 8.)
-        state += (in_flight(c.pp, c.microbatches) - 1) * params * profile.grad_bytes
+        buffers += (in_flight(c.pp, c.microbatches) - 1) * params * profile.grad_bytes
     if c.dp // sdp > 1:
         # the replicas' gradient all-reduce packs gradients into flat buckets, several in
         # flight while backward runs: up to one more copy of the stage's gradients
-        state += params * profile.grad_bytes
+        buffers += params * profile.grad_bytes
     # smp's default (prescaled_batch off): each rank keeps its own batch / (tp * dp) samples
     # in the modules tp does not split; a split module runs its tp peers' samples on 1/tp
     # of the channels, so what it saves inside is as many bytes as its own samples at full
@@ -165,7 +166,8 @@ def stage_memory(
     # .grad) replaced by this stage's own largest module's, and the rest as measured.
     grad_part = profile.step_transient_gradient_bytes
     gradient = min(grad_part, st.largest_params_at(tp) * profile.grad_bytes)
-    acts += profile.step_transient_bytes * share * tp / own + profile.step_transient_fixed_bytes - grad_part
+    fixed_rest = profile.step_transient_fixed_bytes - grad_part
+    acts += profile.step_transient_bytes * share * tp / own + fixed_rest
     # The margin (what the allocator keeps of freed small buffers, the rank-to-rank spread)
     # goes on the runtime's bytes and the activations and temporaries; not on the
     # parameter-sized tensors: the persistent ones and the parameter-sized buffers above
@@ -174,13 +176,13 @@ def stage_memory(
     # grid, whose 64 MiB table's buffers dominate, the model needs 0.6 % where the small
     # models need 15 %.)
     retained = (profile.base_bytes + acts) * (1.0 + profile.memory_margin)
-    training = retained + persistent + state + gradient
+    training = retained + persistent + buffers + gradient
     # Without delayed initialisation every rank builds the whole model (tensor parallelism's
     # split modules already split when smp wraps it) and keeps it until the first step's
     # trace has placed the modules: then its peak is at least the runtime's with the whole
     # model's parameters (measured on bench_plan's huge-embedding at pp = 4: the stages
     # without the 64 MiB embedding peak 52-65 MiB above the runtime's bytes).
-    placing = (profile.base_bytes + profile.step_transient_fixed_bytes - grad_part) * (1.0 + profile.memory_margin)
+    placing = (profile.base_bytes + fixed_rest) * (1.0 + profile.memory_margin)
     return max(training, placing + gradient + model_params * profile.param_bytes)
 
 
