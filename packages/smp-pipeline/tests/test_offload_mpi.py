@@ -41,7 +41,7 @@ def suite_output() -> Callable[[str], str]:
         if name not in _OUTPUTS:
             nprocs, timeout = SUITES[name]
             try:
-                _OUTPUTS[name] = run_mpi([SCRIPT, name], nprocs, timeout=timeout, env=ENV)
+                _OUTPUTS[name] = run_mpi([SCRIPT, name], nprocs, timeout=timeout, env=ENV, fast_exit=True)
             except Exception as exc:  # noqa: BLE001 - every item of the suite reports it
                 _OUTPUTS[name] = exc
         got = _OUTPUTS[name]

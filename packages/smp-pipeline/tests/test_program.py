@@ -187,5 +187,5 @@ def test_recorded_programs_are_valid_and_repeat(pp: int) -> None:
     from smp_comm.testing import run_mpi
 
     out = run_mpi([os.path.join(HERE, "program_cases.py")], pp, timeout=360,
-                  env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+                  env={"OMP_NUM_THREADS": "1"}, fast_exit=True)  # fmt: skip
     assert f"SUITE-OK program pp{pp}" in out, out

@@ -55,7 +55,7 @@ def test_static_mode_replays_bitwise_and_falls_back_on_a_changed_branch(pp: int)
     from smp_comm.testing import run_mpi
 
     out = run_mpi([os.path.join(HERE, "replay_cases.py")], pp, timeout=240,
-                  env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+                  env={"OMP_NUM_THREADS": "1"}, fast_exit=True)  # fmt: skip
     assert f"SUITE-OK replay pp{pp}" in out, out
     # Each fallback's reason names what differed.
     assert "arguments '2x16 float32', recorded '4x16 float32'" in out, out

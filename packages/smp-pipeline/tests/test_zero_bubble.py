@@ -297,5 +297,5 @@ def test_zero_bubble_is_bitwise_interleaved(pp: int) -> None:
     from smp_comm.testing import run_mpi
 
     out = run_mpi([os.path.join(HERE, "zb_cases.py")], pp, timeout=240,
-                  env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+                  env={"OMP_NUM_THREADS": "1"}, fast_exit=True)  # fmt: skip
     assert f"SUITE-OK zero_bubble pp{pp}" in out, out

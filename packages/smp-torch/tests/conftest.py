@@ -25,13 +25,21 @@ SMALL_SHM = {"SMP_COMM_BUFFER_BYTES": str(16 << 20)}
 
 
 def launch(
-    script: str, nprocs: int, *args: Any, timeout: float = 180.0, launcher_args: tuple[str, ...] = ()
+    script: str,
+    nprocs: int,
+    *args: Any,
+    timeout: float = 180.0,
+    launcher_args: tuple[str, ...] = (),
+    fast_exit: bool = True,
 ) -> str:
-    """Run ``scripts/<script>`` on ``nprocs`` ranks; JSON-encode non-string arguments."""
+    """Run ``scripts/<script>`` on ``nprocs`` ranks; JSON-encode non-string arguments.
+
+    ``fast_exit`` (``run_mpi``'s): off for a job that checks how the ranks end after a failure,
+    so they exit as a user's processes do."""
     argv = [os.path.join(SCRIPTS, script)]
     argv += [a if isinstance(a, str) else json.dumps(a) for a in args]
     env = {"OMP_NUM_THREADS": "1", "SMP_CONFIG": "", **SMALL_SHM}
-    return run_mpi(argv, nprocs, timeout=timeout, env=env, launcher_args=launcher_args)
+    return run_mpi(argv, nprocs, timeout=timeout, env=env, launcher_args=launcher_args, fast_exit=fast_exit)
 
 
 def ok_cases(out: str) -> list[str]:

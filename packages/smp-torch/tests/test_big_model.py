@@ -57,7 +57,7 @@ def _reference() -> dict:
     as 1 on each of 4 ranks, the reference as one pass over all four), so it runs once for the
     module."""
     script = os.path.join(SCRIPTS, "big_model.py")
-    return _result(run_mpi([script, json.dumps(SIZE), "sdp4", "reference"], 1, timeout=900, env=ENV))
+    return _result(run_mpi([script, json.dumps(SIZE), "sdp4", "reference"], 1, timeout=900, env=ENV, fast_exit=True))
 
 
 # pp4-stream: deterministic_accumulation off. With it on (the default), a microbatch whose
@@ -69,7 +69,7 @@ def _reference() -> dict:
 @pytest.mark.parametrize("mode", ["pp4-stream", "sdp4"])
 def test_model_larger_than_a_rank_budget_trains(mode: str) -> None:
     script = os.path.join(SCRIPTS, "big_model.py")
-    got = _result(run_mpi([script, json.dumps(SIZE), mode], 4, timeout=900, env=ENV))
+    got = _result(run_mpi([script, json.dumps(SIZE), mode], 4, timeout=900, env=ENV, fast_exit=True))
     ref = _reference()
     total = got["param_bytes"]
     assert total == ref["param_bytes"] and total > 1.4e9, (total, ref["param_bytes"])

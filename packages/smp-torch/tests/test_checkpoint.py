@@ -52,6 +52,6 @@ def test_reshard_across_layouts_4_ranks() -> None:
 
 
 def test_failed_save_leaves_no_checkpoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    out = launch("checkpoint_failure.py", 2, str(tmp_path), timeout=120)
+    out = launch("checkpoint_failure.py", 2, str(tmp_path), timeout=120, fast_exit=False)
     assert "FAILURE-OK" in out, out
     assert sorted(os.listdir(tmp_path / "ck")) == ["good", "latest"]

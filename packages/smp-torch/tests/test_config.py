@@ -240,7 +240,7 @@ def test_init_agrees_on_validity_and_values_on_2_ranks() -> None:
 def test_init_typo_on_one_rank_uncaught_fails_the_job_on_both_ranks() -> None:
     start = time.monotonic()
     with pytest.raises(MPIRunError) as info:
-        launch("init_agree.py", 2, "--uncaught", "typo", timeout=60)
+        launch("init_agree.py", 2, "--uncaught", "typo", timeout=60, fast_exit=False)
     out = str(info.value)
     assert "timed out" not in out, out  # the job exited (non-zero), it did not hang
     assert time.monotonic() - start < 45, out

@@ -16,7 +16,7 @@ ENV = {"OMP_NUM_THREADS": "1", "SMP_CONFIG": ""}
 
 
 def _run(script: str, nprocs: int, *args: str) -> str:
-    return run_mpi([os.path.join(EXAMPLES, script), *args], nprocs, timeout=240, env=ENV)
+    return run_mpi([os.path.join(EXAMPLES, script), *args], nprocs, timeout=240, env=ENV, fast_exit=True)
 
 
 def test_gpt_pipeline_writes_table_timeline_and_learns(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -42,7 +42,7 @@ def test_uncaught_bad_config_fails_fast_on_both_ranks() -> None:
     # waiting for a peer that died would run into timeout_s, 300 s by default). The imports
     # before it are not counted: on a busy machine they took 47-79 s (load 16).
     with pytest.raises(MPIRunError) as info:
-        launch("bad_config.py", 2, "--uncaught", "0", timeout=180)
+        launch("bad_config.py", 2, "--uncaught", "0", timeout=180, fast_exit=False)
     ended = time.time()
     out = str(info.value)
     assert "timed out" not in out.splitlines()[0], out
@@ -59,7 +59,9 @@ LAYOUTS = [("1", "2"), ("2", "2"), ("1", "1"), ("2", "1")]
 def _failures() -> str:
     """One 4-rank job for every layout (scripts/failures.py re-initialises smp after each
     failure): the launch and the ranks' imports cost more than a layout's steps."""
-    return launch("failures.py", 4, *(f"{tp}:{pp}" for tp, pp in LAYOUTS), timeout=120 * len(LAYOUTS))
+    return launch(
+        "failures.py", 4, *(f"{tp}:{pp}" for tp, pp in LAYOUTS), timeout=120 * len(LAYOUTS), fast_exit=False
+    )
 
 
 @pytest.mark.parametrize(("tp", "pp"), LAYOUTS)

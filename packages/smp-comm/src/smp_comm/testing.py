@@ -19,7 +19,17 @@ from collections.abc import Mapping, Sequence
 
 from smp_comm.loopback import LoopbackCommunicator, LoopbackWorld
 
-__all__ = ["LoopbackCommunicator", "LoopbackWorld", "MPIRunError", "mpiexec_path", "run_mpi"]
+__all__ = [
+    "FAST_EXIT_SITE",
+    "LoopbackCommunicator",
+    "LoopbackWorld",
+    "MPIRunError",
+    "mpiexec_path",
+    "run_mpi",
+]
+
+#: A directory whose ``sitecustomize`` freezes the garbage collector at exit (``fast_exit``).
+FAST_EXIT_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fast_exit_site")
 
 
 class MPIRunError(AssertionError):
@@ -44,9 +54,16 @@ def run_mpi(
     env: Mapping[str, str] | None = None,
     cwd: str | None = None,
     launcher_args: Sequence[str] = (),
+    fast_exit: bool = False,
 ) -> str:
     """Run ``mpiexec [launcher_args] -n nprocs python *args``; return the combined output of
     all ranks.
+
+    ``fast_exit``: each rank freezes the garbage collector's objects as its last exit handler
+    (:data:`FAST_EXIT_SITE` on ``PYTHONPATH``), so interpreter finalization skips collecting
+    them: 0.4-1 s less per job of 2-4 ranks with torch imported, about 3 s for a rank that
+    built a large model. For jobs whose exit is not what they test: a job that checks how
+    ranks end after a failure must exit as a user's process does.
 
     ``launcher_args`` go to ``mpiexec`` itself, e.g. Hydra's ``-disable-auto-cleanup`` for a
     job whose ranks end with ``os._exit`` (without it, the first such exit makes the launcher
@@ -60,6 +77,10 @@ def run_mpi(
     full_env["PYTHONUNBUFFERED"] = "1"
     if env:
         full_env.update(env)
+    if fast_exit:
+        full_env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (FAST_EXIT_SITE, full_env.get("PYTHONPATH", "")) if p
+        )
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
