@@ -4,9 +4,11 @@ Run: python benchmarks/bench_plan.py            (speed figures; then the stored 
                                                  benchmarks/data/plan/ against a fresh profile,
                                                  each model in its own process)
      python benchmarks/bench_plan.py --compare t5  (one model's comparison)
-     python benchmarks/bench_plan.py --measure gpt2-small [--resume] [--any-load]
+     python benchmarks/bench_plan.py --measure gpt2-small [--resume] [--any-load] [--retime]
                                                 (measure that model's grid, one `mpiexec -n 4`
-                                                 job per configuration; ~30-60 minutes)
+                                                 job per configuration; ~25-60 minutes;
+                                                 --retime: also re-measure the points whose
+                                                 timing only the load average vouched for)
      python benchmarks/bench_plan.py --measure t5 --only smoke --any-load [--points N]
                                                 (a subset: the points matching --only's
                                                  filters, e.g. "pp=2,tp=1;pp=4,mb=8,ckpt=1",
@@ -20,9 +22,12 @@ Ground truth (``--measure``): for one model and world size 4, every (pp, tp, dp)
 pp*tp*dp = 4, sharded data parallelism off and on (sdp = dp) where dp > 1, microbatches
 1, 2, 4, 8, activation checkpointing off and on (each block) — 72 configurations, each its
 own job (peak RSS only grows, so each needs fresh processes): the median step time of the
-timed steps (slowest rank) and every rank's peak RSS (``ru_maxrss``), stored with the load
-average as JSON under benchmarks/data/plan/MODEL.json (committed: later changes compare
-against the same truth). A machine calibration job first (a one-layer model, the same
+timed steps (slowest rank) and every rank's peak RSS (``ru_maxrss``), stored as JSON under
+benchmarks/data/plan/MODEL.json (committed: later changes compare against the same truth)
+with what vouches for the time: the cores other processes kept busy during the job
+(``others_cores``, from /proc/stat less the job's own CPU; a time counts only below
+:data:`OTHERS_LIMIT`, and each job waits for that quiet first) and a fixed kernel's CPU time
+then (``kernel_s``: the core's speed, to tell a grid measured on another machine). A machine calibration job first (a one-layer model, the same
 runtime) gives the memory an smp rank holds beyond what one plain process does, and the
 collective latency and bandwidth; both are machine constants, not the model's.
 
@@ -79,17 +84,72 @@ QUIET = 1.5
 
 
 def timing_trusted(point: dict[str, Any]) -> bool:
-    """Whether a stored point's step time counts as truth: marked so when measured (its job
-    started below :data:`QUIET`); older points by the load they were started at."""
+    """Whether a stored point's step time counts as truth. A point measured with the
+    interference record (``others_cores``: the cores other processes kept busy during its
+    job) counts when that stayed below :data:`OTHERS_LIMIT`; an older one by the load
+    average it was started at (``timing_trusted`` as stored, or the load below :data:`QUIET`)."""
+    if "others_cores" in point:
+        return bool(point["others_cores"] < OTHERS_LIMIT)
     return bool(point.get("timing_trusted", point["load"][0] < QUIET))
 
 
-def quiet_machine(limit: float = QUIET) -> float:
-    """Wait until the 1-minute load average is below ``limit`` (timings are only meaningful
-    then); the load it started at."""
-    while load() >= limit:
-        time.sleep(5)
-    return load()
+def _machine_cpu_s() -> float:
+    """CPU seconds the whole machine has spent busy since boot, steal included (time the
+    hypervisor gave another machine: as much interference as a process here)."""
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in f.readline().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds of this process and its waited-for descendants (a job's ranks: mpiexec
+    waits its proxies, which wait their ranks, so their times reach us when it exits)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+class Interference:
+    """The cores other processes kept busy while a block ran: the machine's busy CPU time
+    less this process's and its children's, over the wall time. (The load average cannot
+    tell: it lags by a minute and counts our own previous job. On this 2-core machine,
+    shared with other sessions, gpt2-small's grid points started below load 1.5 took
+    1.2-1.65x the step times the same points took on the quiet machine, 1 Dec.)"""
+
+    cores = 0.0
+
+    def __enter__(self) -> Interference:
+        self._t, self._machine, self._own = time.perf_counter(), _machine_cpu_s(), _own_cpu_s()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall = time.perf_counter() - self._t
+        others = (_machine_cpu_s() - self._machine) - (_own_cpu_s() - self._own)
+        self.cores = max(0.0, others) / max(wall, 1e-9)
+
+
+#: A job's timing is truth only if other processes kept fewer cores than this busy during
+#: it (the idle machine's own daemons: ~0.01).
+OTHERS_LIMIT = 0.1
+
+
+def quiet_machine(limit: float = OTHERS_LIMIT, window: float = 3.0) -> float:
+    """Wait until other processes keep fewer than ``limit`` cores busy over ``window``
+    seconds (timings are only meaningful then); the load average then."""
+    while True:
+        with Interference() as seen:
+            time.sleep(window)
+        if seen.cores < limit:
+            return load()
+
+
+def kernel_s() -> float:
+    """CPU seconds of the calibration's fixed kernel in this process: a core's speed now,
+    stored with each timed point, so that a grid measured on another machine (or the same
+    one at another clock) can be told from a prediction's error."""
+    import torch
+
+    torch.set_num_threads(1)
+    return _matmul_s(time.process_time)
 
 
 def grid() -> list[dict[str, Any]]:
@@ -180,6 +240,18 @@ def _peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _file_bytes() -> int:
+    """This process's resident file-backed pages now (``RssFile``): the shared libraries'
+    pages the kernel mapped, which the peak RSS includes and which depend on the page
+    cache, not on the model (a process importing torch: 131 MB at 09:25, 77 MB at 11:25 on
+    1 Dec, the same machine; its anonymous memory 153 MB both times)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssFile:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 # --------------------------------------------------------------------------- workers
 
 
@@ -226,7 +298,8 @@ def worker_run(name: str, cfg: dict[str, Any]) -> None:
         opt.step()
 
     times = workers.timed_steps(step, WARMUP, STEPS, sync=smp.barrier).times
-    row = {"rank": smp.rank(), "pp_rank": smp.pp_rank(), "peak_bytes": _peak_bytes(), "times": times}
+    row = {"rank": smp.rank(), "pp_rank": smp.pp_rank(), "peak_bytes": _peak_bytes(), "times": times,
+           "file_bytes": _file_bytes()}  # fmt: skip
     _print_rows(smp, row)
 
 
@@ -286,6 +359,22 @@ def _plain_peak() -> str:
     return f"{_matmul_s(time.process_time)} {_peak_bytes()}"
 
 
+def _plain_run() -> tuple[float, int]:
+    """(kernel CPU seconds, peak RSS) of a plain process training the calibration model, now."""
+    kernel, peak = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--worker", "plain"],
+        capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    ).stdout.split()[-2:]  # fmt: skip
+    return float(kernel), int(peak)
+
+
+def same_environment(point: dict[str, Any], machine: dict[str, Any]) -> bool:
+    """Whether a point's peaks were measured under the grid's calibration (a process's
+    file-backed pages, which its peak RSS counts, moved by 85 MiB between two hours of 1
+    Dec: ``_file_bytes``). Points and calibrations from before the stamp match each other."""
+    return point.get("calibrated_at") == machine.get("calibrated_at")
+
+
 # --------------------------------------------------------------------------- launching
 
 
@@ -307,10 +396,7 @@ def _launch(args: list[str], timeout: float = 600) -> list[dict[str, Any]]:
 def calibrate() -> dict[str, Any]:
     """Machine constants: smp runtime bytes per rank and collective latency/bandwidth."""
     rows = _launch(["calibrate"])
-    kernel, plain = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--worker", "plain"],
-        capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    ).stdout.split()[-2:]  # fmt: skip
+    kernel, plain = _plain_run()
     small = max(r["allreduce_s"]["1"] for r in rows)
     large = max(r["allreduce_s"][str(1 << 20)] for r in rows)
     # ring all-reduce: 2(n-1) latency steps; 2(n-1)/n of the bytes through each rank
@@ -327,25 +413,35 @@ def calibrate() -> dict[str, Any]:
         "bandwidth": bandwidth,
         "sync_s": sync,
         "load": load(),
+        # which calibration a point was measured under (its peaks include the machine's
+        # state then: the file-backed pages a process maps moved a plain process's peak by
+        # 85 MiB between two hours of one day, 1 Dec: ``_file_bytes``)
+        "calibrated_at": round(time.time()),
     }
 
 
 def measure(
     name: str, resume: bool, any_load: bool = False, only: list[dict[str, int]] | None = None,
-    points: int | None = None,
+    points: int | None = None, retime: bool = False,
 ) -> None:
     """Measure ``name``'s grid into DATA/name.json (``resume``: keep the points already
     there). Each job waits for a load average below 1.5 unless ``any_load`` (then only its
     peak memory is trusted: the comparison leaves loaded points out of the timing figures).
     ``only`` (:func:`parse_only`) measures just the matching points, ``points`` at most that
-    many new ones; the file stays the grid's, so a later ``resume`` completes it."""
+    many new ones; the file stays the grid's, so a later ``resume`` completes it. ``retime``:
+    also re-measure every point whose timing was trusted by the load average alone (no
+    interference record), replacing it."""
     os.makedirs(DATA, exist_ok=True)
     path = os.path.join(DATA, f"{name}.json")
     data: dict[str, Any] = {"model": name, "shape": MODELS[name], "world": WORLD, "points": []}
     if resume and os.path.exists(path):
         with open(path) as f:
             data = json.load(f)
-    if "machine" not in data or (not any_load and data["machine"]["load"] >= QUIET):
+    # a retime whose plain process peaks elsewhere than the calibration's recalibrates (the
+    # points it replaces are measured under the new calibration; the ones not yet replaced
+    # leave the memory comparison)
+    stale = retime and abs(data.get("machine", {}).get("plain_peak_bytes", 0) / _plain_run()[1] - 1) > 0.02
+    if "machine" not in data or stale or (not any_load and data["machine"]["load"] >= QUIET):
         if not any_load:
             quiet_machine()
         data["machine"] = calibrate()
@@ -356,7 +452,12 @@ def measure(
     def key(cfg: dict[str, Any]) -> str:
         return json.dumps(cfg, sort_keys=True)
 
-    done = {key(p["config"]) for p in data["points"] if any_load or "step_s" not in p or timing_trusted(p)}
+    def finished(p: dict[str, Any]) -> bool:
+        if any_load or "step_s" not in p:
+            return True
+        return timing_trusted(p) and (not retime or "others_cores" in p)
+
+    done = {key(p["config"]) for p in data["points"] if finished(p)}
     order = grid()
     random.Random(0).shuffle(order)
     order = [cfg for cfg in order if selected(cfg, only)]
@@ -372,16 +473,22 @@ def measure(
             print("deadline reached: stopping", flush=True)
             break
         before = load() if any_load else quiet_machine()
+        speed = kernel_s()
         try:
-            rows = _launch(["run", name, json.dumps(cfg)])
+            with Interference() as others:
+                rows = _launch(["run", name, json.dumps(cfg)])
             point = {
                 "config": cfg,
                 "step_s": max(statistics.median(r["times"]) for r in rows),
-                "ranks": [{"pp_rank": r["pp_rank"], "peak_bytes": r["peak_bytes"]} for r in rows],
+                "ranks": [{"pp_rank": r["pp_rank"], "peak_bytes": r["peak_bytes"], "file_bytes": r["file_bytes"]}
+                          for r in rows],  # fmt: skip
                 "load": [before, load()],
-                # peak RSS does not depend on the load; a time does: only a job started on
-                # a quiet machine is timing truth (the comparison uses no other)
-                "timing_trusted": before < QUIET,
+                # peak RSS does not depend on other processes; a time does: only a job
+                # that ran alone on the machine is timing truth (the comparison uses no other)
+                "others_cores": round(others.cores, 4),
+                "kernel_s": round(speed, 5),
+                "timing_trusted": others.cores < OTHERS_LIMIT,
+                "calibrated_at": data["machine"].get("calibrated_at"),
             }
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             point = {"config": cfg, "error": str(e)[-400:], "load": [before, load()]}
@@ -389,7 +496,8 @@ def measure(
         with open(path, "w") as f:
             json.dump(data, f, indent=1)
         shown = f"{point['step_s']:.3f} s" if "step_s" in point else point["error"][:120]
-        print(f"{name} {cfg}: {shown} (load {before:.2f} -> {load():.2f})", flush=True)
+        print(f"{name} {cfg}: {shown} (others {others.cores:.3f} cores, kernel {speed * 1e3:.1f} ms, "
+              f"load {before:.2f} -> {load():.2f})", flush=True)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- comparison
@@ -475,7 +583,11 @@ def compare(name: str) -> None:
     errs = [abs(e.step_s / p["step_s"] - 1) for e, p in timed] or [float("nan")]
     mem_ok = mem_n = under = 0
     ranks: list[tuple[tuple[int, int, int], float, float]] = []  # (family, measured, predicted)
-    for e, p in zip(preds, points):
+    # memory truth only from the points measured under the grid's calibration
+    same = [same_environment(p, machine) for p in points]
+    for e, p, ok in zip(preds, points, same):
+        if not ok:
+            continue
         for r in p["ranks"]:
             if not e.stage_peak_bytes:
                 continue
@@ -486,14 +598,21 @@ def compare(name: str) -> None:
             c = p["config"]
             ranks.append(((c["pp"], c["tp"], c["sdp"]), meas, pred / (1 + prof.memory_margin)))
     rho = spearman([e.step_s for e, _ in timed], [p["step_s"] for _, p in timed]) if timed else float("nan")
+    checked = sum(1 for _, p in timed if "others_cores" in p)
+    # the core's speed when the points were timed against now (a grid from another machine
+    # compares another speed: its error is not the planner's)
+    kernels = [p["kernel_s"] for _, p in timed if "kernel_s" in p]
+    speed = f"; core speed then/now {statistics.median(kernels) / kernel_s():.3f}" if kernels else ""
     print(
         f"bench_plan {name} (grid measured at load {statistics.fmean(p['load'][0] for p in points):.2f}; "
         f"compared now at load {load():.2f}): {len(points)} points ({len(failed)} failed to run); "
-        f"profile {profile_s:.1f} s; timings from the {len(timed)} points measured below load 1.5: "
+        f"profile {profile_s:.1f} s; timings from the {len(timed)} points measured quietly "
+        f"({checked} of them checked for other processes' CPU{speed}): "
         f"step-time |error| median {statistics.median(errs):.1%}, "
         f"p90 {_pct(errs, 0.9):.1%} (targets 5%, 10%); Spearman {rho:.3f} (target 0.9); "
         f"predicted peak in [measured, 1.10x]: {mem_ok}/{mem_n} ranks ({mem_ok / max(mem_n, 1):.0%}, "
-        f"target 95%), under-predicted {under}",
+        f"target 95%), under-predicted {under}"
+        + (f" (memory from the {sum(same)} points measured under the grid's calibration)" if not all(same) else ""),
         flush=True,
     )
     print("  " + margin_check(ranks, prof.memory_margin), flush=True)
@@ -508,22 +627,24 @@ def compare(name: str) -> None:
             print(f"    pp={c['pp']} tp={c['tp']} dp={c['dp']} sdp={c['sdp']} mb={c['mb']} "
                   f"{'ckpt' if c['ckpt'] else '-'}: peak MiB measured/predicted per rank {shown}")  # fmt: skip
     if len(timed) < len(points):
-        print(f"  ({len(points) - len(timed)} points were measured above load 1.5: their memory "
+        print(f"  ({len(points) - len(timed)} points were measured on a busy machine: their memory "
               "counts, their times do not"
-              + (f"; the picks below are among the {len(timed)} points measured below load 1.5)"
+              + (f"; the picks below are among the {len(timed)} points measured quietly)"
                  if timed else ")"))  # fmt: skip
     for e, p in timed:
         c = p["config"]
         print(f"    pp={c['pp']} tp={c['tp']} dp={c['dp']} sdp={c['sdp']} mb={c['mb']} "
               f"{'ckpt' if c['ckpt'] else '-'}: predicted {e.step_s:.3f} s, measured {p['step_s']:.3f} s")  # fmt: skip
-    peaks = sorted(max(r["peak_bytes"] for r in p["ranks"]) for p in points)
+    peaks = sorted(max(r["peak_bytes"] for r in p["ranks"]) for p, ok in zip(points, same) if ok)
     budgets = {"tight": peaks[len(peaks) // 4], "medium": peaks[len(peaks) // 2], "loose": peaks[-1] * 1.05}
-    pool = timed  # loaded timings are never truth: no quiet points, no pick figures
+    # loaded timings are never truth: no quiet points, no pick figures
+    pool = [(e, p) for e, p in timed if same_environment(p, machine)]
     for label, budget in budgets.items():
         # safety over every point; the pick among the points whose times count
         unsafe = sum(
-            1 for e, p in zip(preds, points)
-            if e.stage_peak_bytes and e.peak_bytes <= budget and max(r["peak_bytes"] for r in p["ranks"]) > budget
+            1 for e, p, ok in zip(preds, points, same)
+            if ok and e.stage_peak_bytes and e.peak_bytes <= budget
+            and max(r["peak_bytes"] for r in p["ranks"]) > budget
         )  # fmt: skip
         if not pool:
             said_fit = sum(1 for e in preds if e.stage_peak_bytes and e.peak_bytes <= budget)
@@ -547,7 +668,7 @@ def compare(name: str) -> None:
             f"{pick['step_s']:.3f} s vs best feasible {best['config']} {best['step_s']:.3f} s "
             f"({pick['step_s'] / best['step_s'] - 1:+.1%}; within 5%: {pick['step_s'] <= 1.05 * best['step_s']}, "
             f"10%: {pick['step_s'] <= 1.10 * best['step_s']}); best in top 3: {any(top3)}; "
-            f"said fit but exceeded (all {len(points)} points): {unsafe}",
+            f"said fit but exceeded (all {sum(same)} points): {unsafe}",
             flush=True,
         )
 
@@ -608,7 +729,7 @@ def main() -> None:
         print(f"measuring {name} at load {load():.2f}", flush=True)
         only = parse_only(sys.argv[sys.argv.index("--only") + 1]) if "--only" in sys.argv else None
         count = int(sys.argv[sys.argv.index("--points") + 1]) if "--points" in sys.argv else None
-        measure(name, "--resume" in sys.argv, "--any-load" in sys.argv, only, count)
+        measure(name, "--resume" in sys.argv, "--any-load" in sys.argv, only, count, "--retime" in sys.argv)
         compare(name)
         return
     if "--compare" in sys.argv:
