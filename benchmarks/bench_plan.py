@@ -346,6 +346,43 @@ def worker_calibrate() -> None:
     _print_rows(smp, row)
 
 
+def worker_tp_call() -> None:
+    """What each smp-tp collective costs beyond a bare one (``CommModel.tp_call_s``): on a
+    tp = 2 job, a loop of ~1 ms kernels with smp-tp's all-gather of an activation and its
+    backward reduce-scatter, less the same loop with a bare 4-byte all-reduce on the tp
+    group, per collective (every rank at once, as a job's tensor-parallel step runs)."""
+    import smp_torch as smp
+    import torch
+    import torch.distributed as dist
+    from smp_tp import fused_allgather_for_tp
+
+    torch.set_num_threads(1)
+    smp.init({"tensor_parallel_degree": 2})
+    group = smp.get_tp_process_group()
+    a = torch.randn(192, 192)
+    x = torch.randn(4, 32, 128, requires_grad=True)
+
+    def bare() -> None:
+        dist.all_reduce(torch.ones(1), group=group)
+
+    def pair() -> None:
+        fused_allgather_for_tp(x, 0, group).sum().backward()
+
+    def loop(call: Any, rounds: int = 100) -> float:
+        smp.barrier()
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            for _ in range(8):
+                a @ a
+            call()
+        return (time.perf_counter() - t0) / rounds
+
+    loop(bare, 10)  # warm-up
+    loop(pair, 10)
+    extra = statistics.median(loop(pair) - loop(bare) for _ in range(3)) / 2  # two collectives
+    _print_rows(smp, {"rank": smp.rank(), "tp_call_s": max(0.0, extra)})
+
+
 def _plain_peak() -> str:
     """Peak RSS of a plain process training the calibration model, and the kernel's time."""
     import torch
@@ -413,6 +450,7 @@ def calibrate() -> dict[str, Any]:
         "latency_s": latency,
         "bandwidth": bandwidth,
         "sync_s": sync,
+        "tp_call_s": statistics.median(r["tp_call_s"] for r in _launch(["tpcall"])),
         "load": load(),
         # which calibration a point was measured under (its peaks include the machine's
         # state then: the file-backed pages a process maps moved a plain process's peak by
@@ -565,7 +603,7 @@ def compare(name: str) -> None:
     torch.set_num_threads(1)  # as each rank of the grid runs (and the calibration's kernel)
     t0 = time.perf_counter()
     comm = CommModel(machine["latency_s"], machine["bandwidth"], machine.get("sync_s", 0.0),
-                     machine.get("request_s", REQUEST_S))  # fmt: skip
+                     machine.get("request_s", REQUEST_S), machine.get("tp_call_s", 0.0))  # fmt: skip
     prof = profile_model(
         model_fn, batch, step_fn, comm=comm,
         runtime_bytes=machine["rank_peak_bytes"], compute_scale=machine["compute_scale"],
@@ -701,6 +739,8 @@ def main() -> None:
             worker_run(rest[0], json.loads(rest[1]))
         elif kind == "calibrate":
             worker_calibrate()
+        elif kind == "tpcall":
+            worker_tp_call()
         else:
             print(_plain_peak())
         return
@@ -716,7 +756,8 @@ def main() -> None:
             quiet_machine()
         fresh = calibrate()
         old = {} if "--replace" in sys.argv else data["machine"]
-        added = {k: v for k, v in fresh.items() if k not in old}
+        # (not the stamp: the stored points were measured under the old calibration)
+        added = {k: v for k, v in fresh.items() if k not in old and k != "calibrated_at"}
         if old:
             added["added_load"] = fresh["load"]
         data["machine"] = {**old, **added}

@@ -159,6 +159,13 @@ def test_collectives_cost_their_wait_once_each() -> None:
     )
     # sdp: two all-gathers and a reduce-scatter per microbatch for the root unit
     assert stage_microbatch_s(p, st, Candidate(1, 1, 2, 2, 1, False)) == pytest.approx(base + 3 * 0.5)
+    # smp-tp's own cost per collective (tp_call_s) on each of them, and on nothing else
+    called = replace(p, comm=replace(p.comm, tp_call_s=0.25))
+    assert stage_microbatch_s(called, st, Candidate(1, 2, 1, 1, 1, False)) == pytest.approx(base + 2 * 2 * 0.75)
+    assert stage_microbatch_s(called, st, Candidate(1, 2, 1, 1, 1, True)) == pytest.approx(
+        stage_microbatch_s(p, st, Candidate(1, 1, 2, 1, 1, True)) + 2 * 3 * 0.75
+    )
+    assert stage_microbatch_s(called, st, Candidate(1, 1, 2, 2, 1, False)) == pytest.approx(base + 3 * 0.5)
     # a pipeline stage waits twice per microbatch (forward input, backward gradient), for
     # the excess contention of its busy ranks only: with compute_scale 3, pp=2 with one
     # microbatch keeps half the ranks busy (slowdown 1.5 of 3: a quarter of the wait);

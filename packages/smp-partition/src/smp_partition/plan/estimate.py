@@ -239,7 +239,7 @@ def stage_microbatch_s(profile: Profile, st: StageSums, c: Candidate) -> float:
         # and once more in a checkpointed forward's recompute; over the tp peers' samples.
         per_module = st.tp_output_bytes * frac * c.tp / st.tp_modules
         rounds = 3 if c.checkpointing else 2
-        t += rounds * st.tp_modules * comm.gather_s(per_module, c.tp)
+        t += rounds * st.tp_modules * (comm.gather_s(per_module, c.tp) + comm.tp_call_s)
     if c.sdp > 1 and c.pp == 1:
         # FSDP2 per microbatch: each unit all-gathered for forward and again for backward,
         # its gradients reduce-scattered (no accumulation unsharded across microbatches).

@@ -40,6 +40,14 @@ class CommModel:
     hand-offs and a message (``benchmarks/bench_pipeline.py`` measures it at zero
     compute: about 0.5 ms on the 2-core development machine)."""
 
+    tp_call_s: float = 0.0
+    """Seconds each tensor-parallel collective smp-tp issues costs beyond a bare collective of
+    the same group: its autograd function, the copies around the gather and the Python
+    between them, which the one-process profile (the model unsplit) never runs. Measured by
+    bench_plan's calibration: a loop of kernels with smp-tp's all-gather and its backward
+    reduce-scatter, less the loop with a bare 4-byte all-reduce, per collective (0.5-0.9 ms
+    on the 2-core development machine)."""
+
     def allreduce_s(self, nbytes: float, ranks: int) -> float:
         """Seconds of one ring all-reduce of ``nbytes`` over ``ranks`` ranks (0 for one)."""
         if ranks <= 1:
