@@ -64,7 +64,7 @@ WORLD = 4
 #: Up to this many measured points (a smoke subset), the comparison prints every rank's peak.
 SMALL_GRID = 12
 MICROBATCHES = (1, 2, 4, 8)
-WARMUP, STEPS = 2, 3
+WARMUP, STEPS = 2, 5
 
 
 def load() -> float:
