@@ -162,9 +162,10 @@ def core_at_speed(reference: float, kernel: float) -> bool:
     return abs(kernel / reference - 1) <= SAME_CORE
 
 
-def fast_core(reference: float, deadline: float, pause: float = 5.0) -> float:
-    """Wait (until ``deadline``, a time.time()) for the core to run the fixed kernel within
-    :data:`SAME_CORE` of ``reference``; the kernel's time last seen."""
+def wait_for_core_speed(reference: float, deadline: float, pause: float = 5.0) -> float:
+    """Wait (until ``deadline``, a time.time(); ``measure`` has none unless BENCH_PLAN_UNTIL
+    sets one, as :func:`quiet_machine` has none) for the core to run the fixed kernel within
+    :data:`SAME_CORE` of ``reference``, faster or slower; the kernel's time last seen."""
     while True:
         speed = kernel_s()
         if core_at_speed(reference, speed) or time.time() > deadline:
@@ -530,6 +531,7 @@ def measure(
         return timing_trusted(p) and (not retime or "kernel_after_s" in p)
 
     done = {key(p["config"]) for p in data["points"] if finished(p)}
+    reference = data["machine"].get("kernel_s")  # the calibration's core speed, if it has one
     order = grid()
     random.Random(0).shuffle(order)
     order = [cfg for cfg in order if selected(cfg, only)]
@@ -545,8 +547,7 @@ def measure(
             print("deadline reached: stopping", flush=True)
             break
         before = load() if any_load else quiet_machine()
-        reference = data["machine"].get("kernel_s")
-        speed = kernel_s() if any_load or reference is None else fast_core(reference, deadline)
+        speed = kernel_s() if any_load or reference is None else wait_for_core_speed(reference, deadline)
         try:
             with Interference() as others:
                 rows = _launch(["run", name, json.dumps(cfg)])
@@ -640,9 +641,9 @@ def compare(name: str) -> None:
     machine = data["machine"]
     model_fn, batch, step_fn = build(name)
     torch.set_num_threads(1)  # as each rank of the grid runs (and the calibration's kernel)
-    # profile with the core at the grid's speed (a virtual machine's drifts: fast_core)
+    # profile with the core at the grid's speed (a virtual machine's drifts: wait_for_core_speed)
     if "kernel_s" in machine:
-        fast_core(machine["kernel_s"], time.time() + COMPARE_WAIT_S)
+        wait_for_core_speed(machine["kernel_s"], time.time() + COMPARE_WAIT_S)
     t0 = time.perf_counter()
     comm = CommModel(machine["latency_s"], machine["bandwidth"], machine.get("sync_s", 0.0),
                      machine.get("request_s", REQUEST_S), machine.get("tp_call_s", 0.0))  # fmt: skip
