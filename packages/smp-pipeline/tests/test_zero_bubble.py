@@ -129,6 +129,45 @@ def test_a_fold_waits_for_its_microbatchs_weight_grads() -> None:
     grads.end()
 
 
+def test_a_linear_w_task_computes_into_a_folded_gradient_never_into_grad() -> None:
+    """W outputs reuse gradients already folded (``WeightGradQueue.recycle``: a fresh output
+    was page-faulted anew by every task). Microbatch 0's W gradient becomes ``.grad`` and is
+    never reused; microbatch 1's, added into ``.grad``, is microbatch 2's output; the result
+    is bitwise a plain backward's, and no spare outlives the step."""
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 6)
+    plain = copy.deepcopy(lin)
+    xs = [torch.randn(5, 8) for _ in range(3)]
+    for x in xs:
+        plain(x).pow(2).sum().backward()
+    mb = [0]
+    grads = GradAccumulator(lambda: mb[0])
+    grads.track(lin.parameters())
+    work = WeightGradWork(0, grads, lambda: mb[0], max_microbatches=4)
+    work.set_modules(lin, [("", lin)])
+    spares = work.queue._spares
+    grads.begin(1)
+    with work.step():
+        storages = []
+        for k, x in enumerate(xs):
+            mb[0] = k
+            lin(x).pow(2).sum().backward()
+            grads.complete(1, k)
+            work.run_one("idle")
+            kept = spares.get(id(lin.weight), [])
+            storages.append([t.data_ptr() for t in kept])
+            assert lin.weight.grad is not None
+            assert lin.weight.grad.data_ptr() not in storages[-1]  # .grad is never a spare
+        grad_storage = lin.weight.grad.data_ptr()
+    assert storages[0] == []  # microbatch 0's output became .grad
+    assert len(storages[1]) == 1 and storages[2] == storages[1]  # 1's output was 2's
+    assert spares == {}
+    grads.end()
+    assert lin.weight.grad.data_ptr() == grad_storage
+    assert torch.equal(lin.weight.grad, plain.weight.grad)
+    assert torch.equal(lin.bias.grad, plain.bias.grad)
+
+
 def test_a_contribution_outside_a_step_is_stored_as_accumulate_grad_would() -> None:
     """A W task's gradient that goes straight into an empty ``.grad`` (no step open, or a
     late microbatch) is laid out like the parameter, not kept as a view of another tensor."""

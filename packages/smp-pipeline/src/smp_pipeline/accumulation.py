@@ -145,6 +145,12 @@ class GradAccumulator:
         # Zero-bubble: ``hold(mb)`` is True while microbatch ``mb`` still has deferred weight
         # gradients to come (add_contribution); its fold, and every later one, waits (release).
         self.hold: Callable[[int], bool] | None = None
+        # Zero-bubble: told ``(param, tensor)`` of a W contribution nothing references any
+        # more once added into a buffer or ``.grad`` (its queue reuses it as an output:
+        # smp_pipeline.wqueue.WeightGradQueue.recycle); ids of the buffers that are such
+        # contributions, until folded
+        self.recycle: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+        self._recyclable: set[int] = set()
 
     # ------------------------------------------------------------------ set-up
     def track(self, params: Iterable[torch.Tensor]) -> None:
@@ -311,15 +317,28 @@ class GradAccumulator:
         ``mb``: added to that microbatch's buffer like one autograd gives, so it is folded
         in microbatch order. ``g`` becomes the buffer's own (a copy if it is a view or laid
         out unlike ``p``, as ``AccumulateGrad`` would store it)."""
+        recycle = self.recycle
         if not self.enabled or self._step is None or mb is None or mb < self._next:
             if mb is not None and self._step is not None and self.enabled:
                 self._late(mb)
             # (As .grad itself, ``g`` must be stored as AccumulateGrad would store it.)
-            self._add_to_grad(p, storable_grad(p, g) if p.grad is None else g)
+            if p.grad is None:
+                self._add_to_grad(p, storable_grad(p, g))
+            else:
+                self._add_to_grad(p, g)
+                if recycle is not None:
+                    recycle(p, g)
             return
         # Added into an existing buffer as it is; a new buffer owns it (a copy where needed).
-        buffered = id(p) in self._buffers.get(mb, {})
-        self._buffer(id(p), mb, g if buffered else storable_grad(p, g))
+        if id(p) in self._buffers.get(mb, {}):
+            self._buffer(id(p), mb, g)
+            if recycle is not None:
+                recycle(p, g)
+            return
+        own = storable_grad(p, g)
+        self._buffer(id(p), mb, own)
+        if recycle is not None:
+            self._recyclable.add(id(own))
 
     def complete_locally(self, step: int, mb: int) -> None:
         """This rank's backward of microbatch ``mb`` is complete by its own records: fold as
@@ -337,6 +356,7 @@ class GradAccumulator:
         self._inplace.clear()
         for mb in sorted(self._buffers):
             self._fold(mb)
+        self._recyclable.clear()
         self._step = None
         self._aside.clear()
         self._complete.clear()
@@ -346,10 +366,16 @@ class GradAccumulator:
         buffers = self._buffers.pop(mb, None)
         if not buffers:
             return
+        recyclable = self._recyclable
         for p in reversed(self._params):  # backward's order: a reducer's buckets leave sooner
             buf = buffers.get(id(p))
             if buf is not None:
+                kept = p.grad is None  # (then the buffer becomes .grad)
                 self._add_to_grad(p, buf)
+                if recyclable and id(buf) in recyclable:
+                    recyclable.discard(id(buf))
+                    if not kept and self.recycle is not None:
+                        self.recycle(p, buf)
 
     def _add_to_grad(self, p: torch.Tensor, g: torch.Tensor) -> None:
         if p.grad is None:

@@ -92,7 +92,11 @@ class _Linear(torch.autograd.Function):
 
         def compute() -> GradPairs:
             # mm_mat2_backward for the transposed weight: (grad^T mm input), transposed twice
-            out: GradPairs = [(wp, g2.t().mm(x2))]
+            # (into a recycled gradient where the queue has one: the same kernel, the same
+            # bits, no fresh pages to fault in: WeightGradQueue.recycle)
+            spare = queue.spare(wp, g2)
+            gw = g2.t().mm(x2) if spare is None else torch.mm(g2.t(), x2, out=spare)
+            out: GradPairs = [(wp, gw)]
             if bp is not None:
                 # the broadcast bias: autograd reduces the output gradient with sum_to
                 out.append((bp, g2.sum_to_size(bp.shape)))

@@ -27,6 +27,11 @@ queue and its placement rules:
   idle time (a bottleneck stage: the rest ran at the memory bound or the step's end, on its
   critical path) splits nothing for the next ``REST_STEPS`` steps, then tries again
   (:data:`REST_BELOW_IDLE_SHARE`, counted in :attr:`WeightGradStats.rested_steps`).
+- **Page faults**: a W task computes a linear layer's weight gradient into one of the
+  parameter's gradients already folded, when the queue holds one
+  (:meth:`~smp_pipeline.wqueue.WeightGradQueue.recycle`, within a step). A fresh output a
+  task was faulted in anew every time on a rank's main thread (glibc gave the freed top of
+  its heap back after each fold); measured on bench_zero_bubble's model below.
 - **What is split**: the owned ``nn.Linear``/``LayerNorm``/``RMSNorm``/``Embedding`` modules
   (:func:`~smp_pipeline.wsplit.splittable`) except those holding a parameter that another,
   unsplit, module also holds: such a parameter would get an I-pass gradient and W tasks in
@@ -214,8 +219,15 @@ class WeightGradWork:
             self._resting -= 1
             self.stats.rested_steps += 1
         idle_before, total_before = self.stats.idle, self.stats.total
-        with split_modules([] if resting else self.modules, q):
-            yield
+        # W outputs into gradients already folded (WeightGradQueue.recycle), within the step
+        # only: the step's last folds (after it) free theirs, and no spare outlives it
+        self.grads.recycle = q.recycle
+        try:
+            with split_modules([] if resting else self.modules, q):
+                yield
+        finally:
+            self.grads.recycle = None
+            q.drop_spares()
         ran = self.stats.total - total_before
         if self.rests and ran and (self.stats.idle - idle_before) < REST_BELOW_IDLE_SHARE * ran:
             self._resting = REST_STEPS
