@@ -16,7 +16,10 @@ per rank, so a stage's forward takes about 5-15 ms here. Two models:
 
 Printed per schedule: the median step time of STEPS, its ratio to the best of torch's three,
 and each rank's bubble fraction 1 - busy / step, where busy is m times the rank's forward +
-backward time of one microbatch measured alone (all its layers, before the schedules run).
+backward time of one microbatch measured alone (all its layers; both ranks at once, as in a
+pipeline), the median of a measurement before the schedules and one after each round of
+them (the core's speed drifts on a shared virtual machine: measured once, before, the
+ceiling gave negative bubbles).
 The **ceiling** line is the busiest rank's busy time: no schedule's step can be shorter.
 Schedules alternate step by step so that all see the same machine load.
 
@@ -163,7 +166,8 @@ def _worker() -> None:
         return world.allreduce(time.perf_counter() - t0, op=MPI.MAX)
 
     for k, imbalanced in enumerate((False, True)):
-        busy = world.allgather(M * busy_alone(rank_layers(rank, imbalanced)))
+        mine = rank_layers(rank, imbalanced)
+        busy_rounds = [world.allgather(M * busy_alone(mine))]
         theirs = torch_schedules(imbalanced)
         ours = smp_runtimes(imbalanced, 7800 + 100 * k)
         runs = {**{n: (lambda e=e: run_torch(e)) for n, e in theirs.items()},
@@ -176,6 +180,12 @@ def _worker() -> None:
         for _ in range(STEPS):
             for n, fn in runs.items():
                 times[n].append(timed(fn))
+            # the compute alone once per round too: the core's speed drifts on a shared host
+            # (a fixed kernel 99-126 ms within minutes, 2 Dec), and a ceiling measured once,
+            # before the schedules, gave bubbles of -0.18 to -0.35
+            world.Barrier()
+            busy_rounds.append(world.allgather(M * busy_alone(mine)))
+        busy = [statistics.median(r[i] for r in busy_rounds) for i in range(P)]
         zb_rt = ours["smp zero_bubble"][0]
         zb = zb_rt.weight_grad_stats
         assert zb is not None and zb_rt.weight_grads is not None

@@ -168,6 +168,25 @@ def test_a_linear_w_task_computes_into_a_folded_gradient_never_into_grad() -> No
     assert torch.equal(lin.bias.grad, plain.bias.grad)
 
 
+def test_only_whole_cpu_gradients_of_the_parameters_shape_are_kept_for_reuse() -> None:
+    q = WeightGradQueue()
+    p = nn.Parameter(torch.zeros(2, 3))
+    q.recycle(p, torch.zeros(2, 3, device="meta"))  # not the CPU: another stream may read it
+    q.recycle(p, torch.zeros(3, 2).t())  # not contiguous
+    q.recycle(p, torch.zeros(3, 3))  # another shape
+    assert q.spare(p, torch.zeros(1, device="meta")) is None
+    assert q.spare(p, torch.zeros(1)) is None
+    kept = torch.zeros(2, 3)
+    q.recycle(p, kept)
+    q.recycle(p, torch.zeros(2, 3))  # one per parameter (SPARES_PER_PARAM)
+    assert q.spare(p, torch.zeros(1, dtype=torch.float64)) is None  # (dtype differs: dropped)
+    q.recycle(p, kept)
+    assert q.spare(p, torch.zeros(1)) is kept
+    q.recycle(p, kept)
+    q.drop_spares()
+    assert q.spare(p, torch.zeros(1)) is None
+
+
 def test_a_contribution_outside_a_step_is_stored_as_accumulate_grad_would() -> None:
     """A W task's gradient that goes straight into an empty ``.grad`` (no step open, or a
     late microbatch) is laid out like the parameter, not kept as a view of another tensor."""

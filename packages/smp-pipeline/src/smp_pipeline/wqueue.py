@@ -212,7 +212,9 @@ class WeightGradQueue:
         were faulted in anew by every W task (glibc returned the freed top of its heap after
         each fold): 252 faults a task for a 512 x 512 weight, 16,135 a step on bench_zero_bubble's
         last stage, against 0-1,900 a step in dynamic mode."""
-        if t.shape != p.shape or t.requires_grad or not t.is_contiguous():
+        # (CPU only: a GPU's caching allocator has no such cost, and there the fold that
+        # read ``t`` may still be queued on another thread's stream when a W task reuses it)
+        if t.device.type != "cpu" or t.shape != p.shape or t.requires_grad or not t.is_contiguous():
             return
         kept = self._spares.setdefault(id(p), [])
         if len(kept) < SPARES_PER_PARAM:
