@@ -154,8 +154,8 @@ def test_a_linear_w_task_computes_into_a_folded_gradient_never_into_grad() -> No
             lin(x).pow(2).sum().backward()
             grads.complete(1, k)
             work.run_one("idle")
-            kept = spares.get(id(lin.weight), [])
-            storages.append([t.data_ptr() for t in kept])
+            kept = spares.get(id(lin.weight))
+            storages.append([] if kept is None else [kept.data_ptr()])
             assert lin.weight.grad is not None
             assert lin.weight.grad.data_ptr() not in storages[-1]  # .grad is never a spare
         grad_storage = lin.weight.grad.data_ptr()
@@ -178,7 +178,7 @@ def test_only_whole_cpu_gradients_of_the_parameters_shape_are_kept_for_reuse() -
     assert q.spare(p, torch.zeros(1)) is None
     kept = torch.zeros(2, 3)
     q.recycle(p, kept)
-    q.recycle(p, torch.zeros(2, 3))  # one per parameter (SPARES_PER_PARAM)
+    q.recycle(p, torch.zeros(2, 3))  # one per parameter: the first stays
     assert q.spare(p, torch.zeros(1, dtype=torch.float64)) is None  # (dtype differs: dropped)
     q.recycle(p, kept)
     assert q.spare(p, torch.zeros(1)) is kept

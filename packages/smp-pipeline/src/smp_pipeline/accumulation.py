@@ -289,6 +289,7 @@ class GradAccumulator:
         self._aside.clear()
         self._inplace.clear()
         self._buffers.clear()
+        self._recyclable.clear()  # (ids of those buffers)
         self._complete.clear()
         self._streamed.clear()
         self._next = 0

@@ -29,8 +29,6 @@ from smp_pipeline.storages import LiveStorages, storage_sizes
 __all__ = ["GradPairs", "WTask", "WeightGradQueue"]
 
 GradPairs = list[tuple[nn.Parameter, torch.Tensor]]
-#: recycled gradients kept per parameter for W outputs (:meth:`WeightGradQueue.recycle`)
-SPARES_PER_PARAM = 1
 
 
 @dataclass
@@ -104,9 +102,9 @@ class WeightGradQueue:
     #: the storages the queued W tasks hold, each counted once however many tasks (or
     #: tensors of one task) hold it; kept up to date as tasks are queued and run
     _held: LiveStorages = field(default_factory=LiveStorages)
-    #: param id -> weight-gradient tensors of its shape that nothing references any more
+    #: param id -> a weight-gradient tensor of its shape that nothing references any more
     #: (:meth:`recycle`), until :meth:`drop_spares`
-    _spares: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    _spares: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.tasks)
@@ -207,7 +205,7 @@ class WeightGradQueue:
 
     def recycle(self, p: torch.Tensor, t: torch.Tensor) -> None:
         """``t``, a gradient of ``p`` that nothing references any more (its fold is done), is
-        kept (at most :data:`SPARES_PER_PARAM` per parameter) to be a later W task's output
+        kept (one per parameter) to be a later W task's output
         (:meth:`spare`). Why: on a pipeline rank's main thread a fresh weight gradient's pages
         were faulted in anew by every W task (glibc returned the freed top of its heap after
         each fold): 252 faults a task for a 512 x 512 weight, 16,135 a step on bench_zero_bubble's
@@ -216,18 +214,12 @@ class WeightGradQueue:
         # read ``t`` may still be queued on another thread's stream when a W task reuses it)
         if t.device.type != "cpu" or t.shape != p.shape or t.requires_grad or not t.is_contiguous():
             return
-        kept = self._spares.setdefault(id(p), [])
-        if len(kept) < SPARES_PER_PARAM:
-            kept.append(t)
+        self._spares.setdefault(id(p), t)
 
     def spare(self, p: torch.Tensor, like: torch.Tensor) -> torch.Tensor | None:
         """A recycled gradient of ``p`` with ``like``'s dtype and device, or None."""
-        kept = self._spares.get(id(p))
-        while kept:
-            t = kept.pop()
-            if t.dtype == like.dtype and t.device == like.device:
-                return t
-        return None
+        t = self._spares.pop(id(p), None)
+        return t if t is not None and t.dtype == like.dtype and t.device == like.device else None
 
     def drop_spares(self) -> None:
         """Forget the recycled gradients (a step's end: between steps they would be memory
