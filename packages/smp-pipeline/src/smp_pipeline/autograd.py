@@ -56,7 +56,7 @@ parameters a microbatch's contribution may go straight to ``.grad`` for is
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Callable, Container
 from typing import Any, Protocol
 
 import torch
@@ -295,20 +295,30 @@ class CallRecords:
 
     def drop_microbatch(self, step: int, mb: int) -> None:
         """Forget every record of a finished microbatch (frees its retained graphs)."""
-        for d in (self.incoming, self.outgoing):
-            for k in [k for k, r in d.items() if r.step == step and r.mb == mb]:
-                del d[k]
-        self.roots.pop((step, mb), None)
-        self._served.pop((step, mb), None)
+        self._drop(lambda s, m: s == step and m == mb)
 
     def drop_step(self, step: int) -> None:
         """Forget every record of ``step`` and earlier."""
+        self._drop(lambda s, _m: s <= step)
+
+    def _drop(self, which: Callable[[int, int], bool]) -> None:
+        """Forget the records of the (step, microbatch) pairs ``which`` selects.
+
+        A context's last chained call (``chain``, fast_mode's ModuleList chains) is released
+        first: it holds outputs of one of the context's remote calls, whose boundary node
+        holds the call, whose ``parent`` is the context again. That cycle runs through
+        autograd's C++ graph, which Python's collector does not see, so without this each
+        such microbatch's graph stayed alive for good (measured: a Hugging Face ViT at pp = 2,
+        tp = 2, the driver's resident set grew ~10 MiB a step, 464 -> 605 MiB in 14 steps).
+        """
         for d in (self.incoming, self.outgoing):
-            for k in [k for k, r in d.items() if r.step <= step]:
-                del d[k]
-        for k in [k for k in self.roots if k[0] <= step]:
-            del self.roots[k]
-        for k in [k for k in self._served if k[0] <= step]:
+            for k in [k for k, r in d.items() if which(r.step, r.mb)]:
+                rec = d.pop(k)
+                if isinstance(rec, Context):
+                    rec.chain = None
+        for k in [k for k in self.roots if which(*k)]:
+            self.roots.pop(k).chain = None
+        for k in [k for k in self._served if which(*k)]:
             del self._served[k]
 
 
