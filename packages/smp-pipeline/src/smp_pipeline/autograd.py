@@ -304,22 +304,34 @@ class CallRecords:
     def _drop(self, which: Callable[[int, int], bool]) -> None:
         """Forget the records of the (step, microbatch) pairs ``which`` selects.
 
-        A context's last chained call (``chain``, fast_mode's ModuleList chains) is released
-        first: it holds outputs of one of the context's remote calls, whose boundary node
-        holds the call, whose ``parent`` is the context again. That cycle runs through
-        autograd's C++ graph, which Python's collector does not see, so without this each
-        such microbatch's graph stayed alive for good (measured: a Hugging Face ViT at pp = 2,
-        tp = 2, the driver's resident set grew ~10 MiB a step, 464 -> 605 MiB in 14 steps).
+        Each record's tensors are released first. A context's last chained call (``chain``,
+        fast_mode's ModuleList chains) holds outputs of one of the context's own remote
+        calls, and a served call's ``outputs`` may come out of a call it made in turn (a
+        module here calling one on another rank): either way their graph holds that remote
+        call's boundary node, the node the call, and the call (``parent``) the context again.
+        The cycle runs through autograd's C++ graph, which Python's collector does not see,
+        so without this each such microbatch's graph stayed alive for good (measured, 2 Dec:
+        a Hugging Face ViT at pp = 2, tp = 2, the driver's resident set grew ~10 MiB a step,
+        464 -> 605 MiB in 14 steps; T5 at pp = 2, its decoder's stage ~7 MiB a step).
         """
         for d in (self.incoming, self.outgoing):
             for k in [k for k, r in d.items() if which(r.step, r.mb)]:
-                rec = d.pop(k)
-                if isinstance(rec, Context):
-                    rec.chain = None
+                _release(d.pop(k))
         for k in [k for k in self.roots if which(*k)]:
-            self.roots.pop(k).chain = None
+            _release(self.roots.pop(k))
         for k in [k for k in self._served if which(*k)]:
             del self._served[k]
+
+
+def _release(rec: Context | OutgoingCall) -> None:
+    """Drop the tensors a finished record holds (see :meth:`CallRecords._drop`)."""
+    if isinstance(rec, Context):
+        rec.chain = None
+    if isinstance(rec, IncomingCall):
+        rec.outputs = []
+        rec.inputs = []
+    if isinstance(rec, OutgoingCall):
+        rec.inputs = []
 
 
 def run_segment(
