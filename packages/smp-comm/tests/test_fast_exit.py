@@ -14,7 +14,9 @@ from smp_comm.testing import FAST_EXIT_SITE, run_mpi
 PROBE = """
 import os, sys
 site = sys.modules.get("sitecustomize")
-print("SITE", getattr(site, "__file__", None), flush=True)
+# one write per line: the ranks share the output pipe, and print() writes its pieces apart
+# when unbuffered, so two ranks' pieces interleaved ("SITESITE /..." in a CI run, 2 Dec)
+os.write(1, f"SITE {getattr(site, '__file__', None)}\\n".encode())
 class Cycle:
     def __del__(self):
         os.write(1, b"CYCLE-COLLECTED\\n")
