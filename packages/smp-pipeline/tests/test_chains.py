@@ -244,4 +244,3 @@ def test_a_loop_that_leaves_the_rule_misses_and_stays_exact(leave: str) -> None:
     # chained with the head (4); step 3 as step 2 plus the one the miss sends; step 4
     # blocks 1 and 3 each a request (skip: 6), or block 1 alone and 2-3 chained (perturb: 6).
     assert served == [8 * case.m, 4 * case.m, 6 * case.m, 6 * case.m], served
-
