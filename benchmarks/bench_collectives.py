@@ -5,8 +5,9 @@ Run ``python benchmarks/bench_collectives.py``: it starts ``mpiexec -n 4`` on it
 prints one line per measurement, each with both backends' figures and the ratio:
 
 - ``all_gather_into_tensor`` with a 64 MiB output (16 MiB per rank), ``reduce_scatter_tensor``
-  of a 64 MiB float32 input (16 MiB output per rank) and ``all_reduce`` of 64 MiB float32:
-  bus bandwidth (output bytes / time), best of 3 per backend, the backends interleaved;
+  of a 64 MiB float32 input (16 MiB output per rank), ``all_reduce`` of 64 MiB float32 and
+  ``all_to_all_single`` of 64 MiB: bus bandwidth (output bytes / time), best of 3 per
+  backend, the backends interleaved; and 20 ``all_to_all_single`` of 1.5 MiB: time;
 - ``all_reduce`` latency at 64 B, 4 KiB and 64 KiB, and ``barrier``, beside mpi4py's
   ``Allreduce`` / ``Barrier`` (MPICH's shared memory) and gloo: median of 200, in
   interleaved blocks of 20 (targets: <= 1.5x mpi4py, <= 0.1x gloo), and the floor: the same
@@ -144,6 +145,15 @@ def main() -> None:
          best(lambda g: dist.reduce_scatter_tensor(part, whole, group=g), 3), 64 * MIB, 2)
     show("all_reduce 64 MiB",
          best(lambda g: dist.all_reduce(whole, group=g), 3), 64 * MIB, 2)
+    # all_to_all_single, equal blocks: 64 MiB, and an activation's size (1.5 MiB: what
+    # smp-tp's per-linear split exchanges per call for bench_plan's vit at one microbatch)
+    swapped = torch.empty_like(whole)
+    show("all_to_all_single 64 MiB",
+         best(lambda g: dist.all_to_all_single(swapped, whole, group=g), 3), 64 * MIB)
+    act = torch.rand(size * (1536 * 1024 // 4 // size))
+    act_out = torch.empty_like(act)
+    show("all_to_all_single 1.5 MiB x 20",
+         best(lambda g: [dist.all_to_all_single(act_out, act, group=g) for _ in range(20)], 5), None)
 
     # Latency: all_reduce of 64 B, 4 KiB and 64 KiB, and barrier, against mpi4py's Allreduce /
     # Barrier (MPICH's shared memory) and gloo, interleaved in blocks of 20, median of 200.

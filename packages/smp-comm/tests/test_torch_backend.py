@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("torch")
 
 LAYOUTS = [(2, "one"), (3, "split"), (4, "one"), (4, "interleave")]
-CASES = ["gather-broadcast", "reductions", "names-fallback", "mismatch-async", "subgroup"]
+CASES = ["gather-broadcast", "reductions", "names-fallback", "all-to-all", "mismatch-async", "subgroup"]
 ENV = {"SMP_COMM_COLL_SLOT_BYTES": "8192", "SMP_COMM_COLL_HOST_CHUNK_BYTES": "12000"}
 
 

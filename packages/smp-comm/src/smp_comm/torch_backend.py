@@ -6,7 +6,8 @@ Importing this module registers the backend::
     dist.init_process_group("smp")            # or dist.new_group(backend="smp")
 
 On CPU tensors, ``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_reduce``,
-``broadcast`` and ``barrier`` (and the list forms ``all_gather`` and ``reduce_scatter``) run
+``broadcast`` and ``barrier`` (and the list forms ``all_gather`` and ``reduce_scatter``), and
+``all_to_all_single`` with equal blocks on one host, run
 through a shared-memory segment per group and host (:mod:`smp_comm.collectives.local`), and
 hierarchically when the group spans hosts (:mod:`smp_comm.collectives.hierarchy`). Every
 other collective goes to a gloo group made alongside; CUDA tensors go to NCCL.
@@ -405,8 +406,31 @@ class SmpProcessGroup(ProcessGroup):
         return self._fallback(tensors) or self._gloo
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, *args: Any) -> Work:  # noqa: A002
-        """``all_to_all_single``, by gloo or NCCL."""
-        return self._other([output, input]).alltoall_base(output, input, *args)
+        """``all_to_all_single``: through the segment for equal blocks of CPU tensors on one
+        host (what smp-tp's per-linear split and expert routing move, activations every
+        microbatch); by gloo (uneven splits, a group across hosts) or NCCL otherwise."""
+        out_splits, in_splits = (list(a) for a in args[:2]) if len(args) >= 2 else ([], [])
+        n = self.size()
+        even = all(
+            not s or (len(s) == n and len(set(s)) == 1 and sum(s) == t.shape[0])
+            for s, t in ((out_splits, output), (in_splits, input)) if t.dim()
+        )
+        quick = self._quick
+        if (
+            quick is None or not even or self._fallback([output, input]) is not None
+            or output.dtype != input.dtype or output.numel() != input.numel()
+            or input.dim() == 0 or input.shape[0] % n or output.shape[0] % n
+        ):
+            return self._other([output, input]).alltoall_base(output, input, *args)
+
+        def run() -> None:
+            src = input if input.is_contiguous() else input.contiguous()
+            dst = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
+            quick.all_to_all(dst, src)
+            if dst is not output:
+                output.copy_(dst)
+
+        return self._calls.submit(run, [output], _nbytes([input]))
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], *args: Any) -> Work:
         """``all_to_all``, by gloo or NCCL."""

@@ -196,6 +196,56 @@ def test_gather_broadcast(gloo) -> None:
     case_ok("gather-broadcast")
 
 
+def test_all_to_all(gloo) -> None:
+    """all_to_all_single with equal blocks: through the segment on one host (the group's
+    hand-off to gloo is counted), by gloo across hosts and for uneven
+    splits; every answer exact and equal to gloo's."""
+    pg = dist.group.WORLD
+    one_host = HOSTS == "one"
+    real = pg._other  # (what the group hands the collectives it does not run itself)
+    calls = []
+
+    def counted(tensors):
+        calls.append(1)
+        return real(tensors)
+
+    pg._other = counted
+    try:
+        for dtype in (torch.bool, torch.int64, torch.bfloat16, torch.float32, torch.float64):
+            # rows per block: 0, 1 and 3000 float64 rows (several 8 KiB slots' worth)
+            for rows, cols in ((0, 3), (1, 1), (2, 5), (3000, 1), (37, 11)):
+                xs = [make(r, SIZE * rows * cols, dtype, salt=5).view(SIZE * rows, cols) for r in range(SIZE)]
+                out = torch.empty_like(xs[RANK])
+                before = len(calls)
+                dist.all_to_all_single(out, xs[RANK])
+                want = torch.cat([x.view(SIZE, rows, cols)[RANK] for x in xs])
+                assert torch.equal(raw(out), raw(want)), (dtype, rows, cols)
+                assert (len(calls) == before) == one_host, (dtype, rows, cols, len(calls) - before)
+                ref = torch.empty_like(out)
+                if gloo_ok(dist.all_to_all_single, ref, xs[RANK], group=gloo):
+                    assert torch.equal(raw(out), raw(ref)), (dtype, rows, cols)
+        # non-contiguous input and output (one host: gloo refuses them), asynchronously
+        x = make(RANK, SIZE * 4 * 6, torch.float32, salt=9).view(SIZE * 4, 6)
+        src = torch.zeros(SIZE * 4, 12)
+        src[:, ::2] = x
+        big = torch.zeros(SIZE * 4, 12)
+        if one_host:
+            dist.all_to_all_single(big[:, 1::2], src[:, ::2], async_op=True).wait()
+            want = torch.cat([make(r, SIZE * 4 * 6, torch.float32, salt=9).view(SIZE, 4, 6)[RANK] for r in range(SIZE)])
+            assert torch.equal(big[:, 1::2], want) and not big[:, ::2].any()
+        # uneven splits: gloo's
+        before = len(calls)
+        splits = [r + 1 for r in range(SIZE)]  # rank r sends r + 1 rows... to every peer j: j + 1
+        inp = torch.full((sum(splits),), float(RANK))
+        out = torch.empty(SIZE * (RANK + 1))
+        dist.all_to_all_single(out, inp, [RANK + 1] * SIZE, splits)
+        assert out.tolist() == [float(r) for r in range(SIZE) for _ in range(RANK + 1)]
+        assert len(calls) == before + 1
+    finally:
+        del pg._other
+    case_ok("all-to-all")
+
+
 def test_names_and_fallback(gloo) -> None:
     pg = dist.group.WORLD
     x = torch.arange(5, dtype=torch.float32) + RANK
@@ -219,7 +269,8 @@ def test_names_and_fallback(gloo) -> None:
             out = torch.empty(5)
             fn(out, want.clone())
             assert torch.equal(out, want.view(SIZE, 5)[RANK] * SIZE), fn
-    # gloo does the rest: all-to-all, gather, point to point
+    # all_to_all_single (the segment's on one host, gloo's across hosts); gloo does the
+    # rest: gather, point to point
     a2a = torch.empty(SIZE, dtype=torch.int64)
     dist.all_to_all_single(a2a, torch.arange(SIZE) + 10 * RANK)
     assert a2a.tolist() == [10 * r + RANK for r in range(SIZE)]
@@ -275,6 +326,7 @@ def main() -> None:
     test_gather_broadcast(gloo)
     test_reductions(gloo)
     test_names_and_fallback(gloo)
+    test_all_to_all(gloo)
     test_mismatch_and_async(gloo, store)
     sub = dist.new_group([0, SIZE - 1], backend="smp")
     if RANK in (0, SIZE - 1):

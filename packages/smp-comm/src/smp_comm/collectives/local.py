@@ -51,7 +51,7 @@ _KERNELS: dict[str, Callable[..., torch.Tensor]] = {
 }
 REDUCE_OPS = tuple(_KERNELS)
 _OP_CODE = {name: i for i, name in enumerate(REDUCE_OPS)}
-_ALL_GATHER, _REDUCE_SCATTER, _ALL_REDUCE, _BROADCAST, _BARRIER = range(1, 6)
+_ALL_GATHER, _REDUCE_SCATTER, _ALL_REDUCE, _BROADCAST, _BARRIER, _ALL_TO_ALL = range(1, 7)
 _ONE_SHOT_BYTES = 256 * 1024  # all-reduces up to this take one step (every rank reduces all)
 # What _shmstep.c's reduction handles: its dtype codes, and the reductions per kind. Float
 # min/max stay in torch (NaN propagation); integer avg is refused by check_reduce.
@@ -365,6 +365,33 @@ class LocalCollectives:
                 else:
                     part[b[r] : b[r + 1]].copy_(self._slot(s2, r, dtype)[b[r] : b[r + 1]])
             lo += m
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """Block ``r`` of ``out`` = block ``rank`` of rank ``r``'s ``inp`` (contiguous, the
+        same number of elements; ``size`` equal blocks each). As :meth:`reduce_scatter`
+        moves its blocks: each step, this rank's slot holds a piece of every block, and
+        each rank copies out the pieces addressed to it."""
+        desc = self._desc(_ALL_TO_ALL, inp)
+        n = self.size
+        src = inp.view(-1).view(torch.uint8).view(n, -1)
+        dst = out.view(-1).view(torch.uint8).view(n, -1)
+        total = src.shape[1]  # bytes of one block
+        cap = self.seg.slot_bytes // n  # bytes of each block per step
+        lo = 0
+        while True:
+            c = min(cap, total - lo)
+            if c:
+                mine = self._slot(self.seg.next_step(), self.rank)[: n * cap]
+                mine.view(n, cap)[:, :c].copy_(src[:, lo : lo + c])
+            s = self._step(desc if lo == 0 else None)
+            if c:
+                at = self.rank * cap
+                for r in range(n):
+                    from_ = src[r, lo : lo + c] if r == self.rank else self._slot(s, r)[at : at + c]
+                    dst[r, lo : lo + c].copy_(from_)
+            lo += c
+            if lo >= total:
+                return
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str) -> None:
         """``out`` = the reduction over ranks of block ``rank`` of ``inp`` (``size`` blocks)."""
