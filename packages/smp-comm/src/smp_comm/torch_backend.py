@@ -406,18 +406,17 @@ class SmpProcessGroup(ProcessGroup):
         return self._fallback(tensors) or self._gloo
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, *args: Any) -> Work:  # noqa: A002
-        """``all_to_all_single``: through the segment for equal blocks of CPU tensors on one
-        host (what smp-tp's per-linear split and expert routing move, activations every
-        microbatch); by gloo (uneven splits, a group across hosts) or NCCL otherwise."""
-        out_splits, in_splits = (list(a) for a in args[:2]) if len(args) >= 2 else ([], [])
+        """``all_to_all_single``: through the segment for equal blocks (no split sizes) of CPU
+        tensors on one host (what smp-tp's per-linear split moves, activations every
+        microbatch); by gloo (split sizes, a group across hosts) or NCCL otherwise."""
+        # Equal blocks only when no split sizes are given: the choice of path must be the
+        # same on every rank, and split sizes are each rank's own (expert routing's can be
+        # equal on one rank and not on another: one rank in the segment, another in gloo).
+        splits = any(len(a) for a in args[:2])
         n = self.size()
-        even = all(
-            not s or (len(s) == n and len(set(s)) == 1 and sum(s) == t.shape[0])
-            for s, t in ((out_splits, output), (in_splits, input)) if t.dim()
-        )
         quick = self._quick
         if (
-            quick is None or not even or self._fallback([output, input]) is not None
+            quick is None or splits or self._fallback([output, input]) is not None
             or output.dtype != input.dtype or output.numel() != input.numel()
             or input.dim() == 0 or input.shape[0] % n or output.shape[0] % n
         ):

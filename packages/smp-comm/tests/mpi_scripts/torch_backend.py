@@ -197,9 +197,9 @@ def test_gather_broadcast(gloo) -> None:
 
 
 def test_all_to_all(gloo) -> None:
-    """all_to_all_single with equal blocks: through the segment on one host (the group's
-    hand-off to gloo is counted), by gloo across hosts and for uneven
-    splits; every answer exact and equal to gloo's."""
+    """all_to_all_single without split sizes: through the segment on one host (the group's
+    hand-off to gloo is counted), by gloo across hosts and whenever split
+    sizes are given; every answer exact and equal to gloo's."""
     pg = dist.group.WORLD
     one_host = HOSTS == "one"
     real = pg._other  # (what the group hands the collectives it does not run itself)
@@ -241,6 +241,13 @@ def test_all_to_all(gloo) -> None:
         dist.all_to_all_single(out, inp, [RANK + 1] * SIZE, splits)
         assert out.tolist() == [float(r) for r in range(SIZE) for _ in range(RANK + 1)]
         assert len(calls) == before + 1
+        # split sizes given, even equal ones: gloo's on every rank (each rank's sizes are its
+        # own, so equal here need not be equal on a peer: the path must not depend on them)
+        x = torch.arange(SIZE * 2, dtype=torch.float32) + 100 * RANK
+        out = torch.empty(SIZE * 2)
+        dist.all_to_all_single(out, x, [2] * SIZE, [2] * SIZE)
+        assert out.tolist() == [100.0 * r + 2 * RANK + k for r in range(SIZE) for k in range(2)]
+        assert len(calls) == before + 2
     finally:
         del pg._other
     case_ok("all-to-all")
