@@ -366,51 +366,43 @@ class LocalCollectives:
                     part[b[r] : b[r + 1]].copy_(self._slot(s2, r, dtype)[b[r] : b[r + 1]])
             lo += m
 
-    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        """Block ``r`` of ``out`` = block ``rank`` of rank ``r``'s ``inp`` (contiguous, the
-        same number of elements; ``size`` equal blocks each). As :meth:`reduce_scatter`
-        moves its blocks: each step, this rank's slot holds a piece of every block, and
-        each rank copies out the pieces addressed to it."""
-        desc = self._desc(_ALL_TO_ALL, inp)
-        n = self.size
-        src = inp.view(-1).view(torch.uint8).view(n, -1)
-        dst = out.view(-1).view(torch.uint8).view(n, -1)
-        total = src.shape[1]  # bytes of one block
-        cap = self.seg.slot_bytes // n  # bytes of each block per step
+    def _block_steps(self, blocks: torch.Tensor, desc: Sequence[int]) -> Iterator[tuple[int, int, int, int]]:
+        """Move ``blocks`` (``size`` rows) through the slots, a piece of every row per step:
+        after each step that moved something, yield ``(step, lo, count, at)``: the piece
+        ``[lo, lo + count)`` of the row addressed to this rank is, in rank ``r``'s slot of
+        ``step``, at ``[at, at + count)`` (elements of ``blocks``' dtype). The caller reads
+        it before the next step is written."""
+        n, total = blocks.shape
+        cap = self.seg.slot_bytes // blocks.element_size() // n  # elements of each row per step
         lo = 0
         while True:
             c = min(cap, total - lo)
             if c:
-                mine = self._slot(self.seg.next_step(), self.rank)[: n * cap]
-                mine.view(n, cap)[:, :c].copy_(src[:, lo : lo + c])
+                mine = self._slot(self.seg.next_step(), self.rank, blocks.dtype)[: n * cap]
+                mine.view(n, cap)[:, :c].copy_(blocks[:, lo : lo + c])
             s = self._step(desc if lo == 0 else None)
             if c:
-                at = self.rank * cap
-                for r in range(n):
-                    from_ = src[r, lo : lo + c] if r == self.rank else self._slot(s, r)[at : at + c]
-                    dst[r, lo : lo + c].copy_(from_)
+                yield s, lo, c, self.rank * cap
             lo += c
             if lo >= total:
                 return
 
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """Block ``r`` of ``out`` = block ``rank`` of rank ``r``'s ``inp`` (contiguous, the
+        same number of elements; ``size`` equal blocks each): moved as :meth:`reduce_scatter`
+        moves its blocks, each rank copying out the pieces addressed to it."""
+        n = self.size
+        src = inp.view(-1).view(torch.uint8).view(n, -1)
+        dst = out.view(-1).view(torch.uint8).view(n, -1)
+        for s, lo, c, at in self._block_steps(src, self._desc(_ALL_TO_ALL, inp)):
+            for r in range(n):
+                from_ = src[r, lo : lo + c] if r == self.rank else self._slot(s, r)[at : at + c]
+                dst[r, lo : lo + c].copy_(from_)
+
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str) -> None:
         """``out`` = the reduction over ranks of block ``rank`` of ``inp`` (``size`` blocks)."""
-        desc = self._desc(_REDUCE_SCATTER, inp, op=op)
         n, total = self.size, out.numel()
-        blocks = inp.view(n, total)
-        cap = self.seg.slot_bytes // out.element_size() // n  # elements of each block per step
-        lo = 0
-        while True:
-            c = min(cap, total - lo)
-            if c:
-                mine = self._slot(self.seg.next_step(), self.rank, out.dtype)[: n * cap]
-                mine.view(n, cap)[:, :c].copy_(blocks[:, lo : lo + c])
-            s = self._step(desc if lo == 0 else None)
-            if c:
-                at = self.rank * cap
-                srcs = [self._slot(s, r, out.dtype)[at : at + c] for r in range(n)]
-                reduce_into(out[lo : lo + c], srcs, op, n)
-            lo += c
-            if lo >= total:
-                return
+        for s, lo, c, at in self._block_steps(inp.view(n, total), self._desc(_REDUCE_SCATTER, inp, op=op)):
+            srcs = [self._slot(s, r, out.dtype)[at : at + c] for r in range(n)]
+            reduce_into(out[lo : lo + c], srcs, op, n)
 
